@@ -1,0 +1,24 @@
+"""The interface every attention implementation (torch reference, Triton, ...) meets."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, KVH, D]
+        value: torch.Tensor,  # [T, KVH, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Write this step's key/value at metadata.slot_mapping, then attend causally
+        over each sequence's whole context read from the paged cache."""
+        ...

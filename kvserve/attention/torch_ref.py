@@ -1,0 +1,94 @@
+"""Paged attention in plain torch: the oracle for other kernels and the CPU path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter [T, KVH, D] key/value rows into their flat cache slots."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    flat_cache[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat_cache[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def context_slots(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
+    """[B, num_positions] flat cache slot of each context position 0..num_positions-1."""
+    positions = torch.arange(num_positions, device=block_tables.device)
+    blocks = block_tables[:, positions // block_size].long()
+    return blocks * block_size + positions % block_size
+
+
+class TorchReferenceBackend:
+    """Prefill chunks are attended one sequence at a time; all single-token decodes
+    together, as one padded gather and one masked batched attention."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        flat_v = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        output = torch.empty_like(query)
+        starts = metadata.query_start_loc_cpu
+        decode_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+        prefill_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > 1]
+
+        if decode_seqs:
+            self._decode(query, flat_k, flat_v, output, metadata, decode_seqs, scale)
+        for i in prefill_seqs:
+            start, end = starts[i], starts[i + 1]
+            seq_len = metadata.seq_lens_cpu[i]
+            slots = context_slots(metadata.block_tables[i : i + 1], seq_len, metadata.block_size)[0]
+            q = query[start:end].float().transpose(0, 1)  # [H, q_len, D]
+            k = flat_k[slots].float().transpose(0, 1)  # [KVH, seq_len, D]
+            v = flat_v[slots].float().transpose(0, 1)
+            # Query j sits at context position seq_len - q_len + j.
+            q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+            k_pos = torch.arange(seq_len, device=query.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+            output[start:end] = out.transpose(0, 1).to(output.dtype)
+        return output
+
+    @staticmethod
+    def _decode(
+        query: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        output: torch.Tensor,
+        metadata: AttentionMetadata,
+        decode_seqs: list[int],
+        scale: float,
+    ) -> None:
+        device = query.device
+        seq_index = torch.tensor(decode_seqs, device=device)
+        token_index = torch.tensor(
+            [metadata.query_start_loc_cpu[i] for i in decode_seqs], device=device
+        )
+        max_len = max(metadata.seq_lens_cpu[i] for i in decode_seqs)
+        slots = context_slots(metadata.block_tables[seq_index], max_len, metadata.block_size)
+        q = query[token_index].float().unsqueeze(2)  # [B, H, 1, D]
+        k = flat_k[slots].float().transpose(1, 2)  # [B, KVH, max_len, D]
+        v = flat_v[slots].float().transpose(1, 2)
+        # Padding positions past each sequence's length are masked out.
+        valid = torch.arange(max_len, device=device)[None, :] < metadata.seq_lens[seq_index, None]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        output[token_index] = out.squeeze(2).to(output.dtype)

@@ -1,0 +1,150 @@
+"""Block tables per sequence on top of the block pool: prefix hits, growth, forks, copy-on-write."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvserve.core.block_pool import BlockPool, KVBlock
+
+BlockCopy = tuple[int, int]  # (source block id, destination block id)
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained hash: a block is identified by its tokens and by everything before it."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.block_tables: dict[str, list[KVBlock]] = {}
+        # Hashes of each sequence's full blocks, in order (a prefix of its block table).
+        self._block_hashes: dict[str, list[int]] = {}
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        return [block.block_id for block in self.block_tables.get(seq_id, ())]
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ----------------------------------------------------------------------
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[KVBlock]:
+        """Cached blocks covering the longest cached prefix of `token_ids`.
+
+        At least one token is always left to compute, since the step must produce logits
+        for the last position.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hits: list[KVBlock] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            parent = hash_block_tokens(parent, block_tokens)
+            block = self.pool.lookup(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # -- growth ----------------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        cached_prefix: Sequence[KVBlock] = (),
+    ) -> list[BlockCopy] | None:
+        """Make room to compute tokens [num_computed_tokens, num_computed_tokens + num_new_tokens).
+
+        `token_ids` are all of the sequence's known tokens. `cached_prefix` (only for a
+        sequence that has no table yet) are prefix-cache hits to adopt; `num_computed_tokens`
+        already counts them. Returns the block copies that copy-on-write needs before the
+        step runs, or None (changing nothing) when the pool has too few free blocks.
+        """
+        table = self.block_tables.get(seq_id)
+        adopted = list(cached_prefix) if table is None else []
+        num_table_blocks = len(adopted) if table is None else len(table)
+        end = num_computed_tokens + num_new_tokens
+        num_new_blocks = max(0, self.num_blocks_needed(end) - num_table_blocks)
+        first_write_block = num_computed_tokens // self.block_size
+        needs_copy = (
+            table is not None
+            and num_new_tokens > 0
+            and first_write_block < len(table)
+            and table[first_write_block].ref_count > 1
+        )
+        # Adopting a cached block that nobody holds takes it off the free list too.
+        num_revived = sum(1 for block in adopted if block.ref_count == 0)
+        if num_new_blocks + needs_copy + num_revived > self.pool.num_free_blocks:
+            return None
+
+        if table is None:
+            for block in adopted:
+                self.pool.acquire(block)
+            table = self.block_tables[seq_id] = adopted
+            self._block_hashes[seq_id] = [block.block_hash for block in adopted]
+
+        copies: list[BlockCopy] = []
+        if needs_copy:
+            shared = table[first_write_block]
+            private = self.pool.allocate()
+            self.pool.release(shared)
+            table[first_write_block] = private
+            copies.append((shared.block_id, private.block_id))
+        for _ in range(num_new_blocks):
+            table.append(self.pool.allocate())
+        self._register_full_blocks(seq_id, token_ids, end)
+        return copies
+
+    def _register_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        # Blocks become full during this step's forward; attention backends write every
+        # new K/V of the step before any attention reads, so a same-step hit is safe.
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._block_hashes[seq_id]
+        table = self.block_tables[seq_id]
+        num_full = min(num_tokens, len(token_ids)) // self.block_size
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            block_hash = hash_block_tokens(
+                parent, token_ids[i * self.block_size : (i + 1) * self.block_size]
+            )
+            hashes.append(block_hash)
+            self.pool.register(table[i], block_hash)
+
+    # -- sharing and release ---------------------------------------------------------------
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent; writes later copy on demand."""
+        table = self.block_tables[parent_id]
+        for block in table:
+            self.pool.acquire(block)
+        self.block_tables[child_id] = list(table)
+        self._block_hashes[child_id] = list(self._block_hashes[parent_id])
+
+    def free(self, seq_id: str) -> None:
+        table = self.block_tables.pop(seq_id, None)
+        self._block_hashes.pop(seq_id, None)
+        if table is None:
+            return
+        # Tail first, so the prefix blocks are the last to be evicted.
+        for block in reversed(table):
+            self.pool.release(block)

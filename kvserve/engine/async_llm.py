@@ -1,0 +1,128 @@
+"""Asyncio front of the engine: many requests in flight, each an async stream of outputs.
+
+The engine steps in one worker thread; the event loop only enqueues commands and reads
+per-request queues, so a slow step never blocks the loop. Engine state is touched by the
+worker thread alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kvserve.engine.engine_args import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wakeup = threading.Event()
+        self._stopped = False
+        self._worker = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        return cls(LLMEngine(args))
+
+    # -- the worker thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped:
+            while not self._commands.empty():
+                self._commands.get()()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # a broken step fails its requests, not the server
+                self._fail_all(error)
+                continue
+            for output in outputs:
+                self._deliver(output.request_id, output)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        loop, out_queue = stream
+        loop.call_soon_threadsafe(out_queue.put_nowait, item)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, RuntimeError(f"engine step failed: {error!r}"))
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # -- the public API --------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs as tokens arrive; the last one has finished=True.
+
+        Closing the iterator early (or cancelling the task) aborts the request.
+        """
+        params = sampling_params or SamplingParams()
+        # Tokenize and validate here so bad input raises in the caller, before scheduling.
+        _, prompt_token_ids = self.engine.tokenize_prompt(prompt)
+        self.engine.validate(prompt_token_ids, params)
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        loop = asyncio.get_running_loop()
+        out_queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[request_id] = (loop, out_queue)
+        added = loop.create_future()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(
+                    request_id, {"prompt_token_ids": prompt_token_ids}, params, priority=priority
+                )
+                loop.call_soon_threadsafe(added.set_result, None)
+            except Exception as error:
+                loop.call_soon_threadsafe(added.set_exception, error)
+
+        finished = False
+        try:
+            self._submit(add)
+            await added
+            while True:
+                item = await out_queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(lambda: self.engine.abort_request(request_id))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._worker.join(timeout=10)

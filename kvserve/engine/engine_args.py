@@ -1,0 +1,110 @@
+"""Every user-facing engine option in one place, with its CLI flag and help text."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+import torch
+
+from kvserve.utils import parse_size
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    load_format: str = "auto"
+    model_shape: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: str | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        # bf16 GEMMs with more than one row are ~100x slower than fp32 on CPUs without
+        # AMX/AVX512-bf16, so CPU runs in fp32 unless told otherwise.
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        return _DTYPES[self.dtype]
+
+    def kv_cache_bytes(self) -> int | None:
+        return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("model and engine")
+        group.add_argument(
+            "--model", default=None,
+            help="Hugging Face model directory or .gguf file "
+            "(default: the embedded SmolLM2-135M-Instruct GGUF).",
+        )
+        group.add_argument(
+            "--load-format", default="auto", choices=["auto", "dummy"],
+            help="'dummy' builds random weights in the shape given by --model-shape.",
+        )
+        group.add_argument(
+            "--model-shape", default=None,
+            help="Shape for --load-format dummy: llama3-8b, qwen2.5-0.5b or smollm2-135m.",
+        )
+        group.add_argument(
+            "--dtype", default="auto", choices=["auto", *_DTYPES],
+            help="Compute dtype (auto: bfloat16 on GPU, float32 on CPU).",
+        )
+        group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
+        group.add_argument("--seed", type=int, default=0, help="Seed for dummy weights.")
+        group.add_argument(
+            "--max-model-len", type=int, default=None,
+            help="Context length limit (prompt + output); default: the model's.",
+        )
+        group.add_argument(
+            "--block-size", type=int, default=16, help="Tokens per KV-cache block.",
+        )
+        group.add_argument(
+            "--kv-cache-memory", default=None,
+            help="KV-cache size on CPU, e.g. 2GiB or 512MiB (default 2GiB).",
+        )
+        group.add_argument(
+            "--gpu-memory-utilization", type=float, default=0.9,
+            help="Fraction of GPU memory for weights, activations and the KV cache.",
+        )
+        group.add_argument(
+            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+            help="Reuse KV blocks of prompts that share a prefix.",
+        )
+        group.add_argument(
+            "--max-num-seqs", type=int, default=256,
+            help="Most sequences running in one step.",
+        )
+        group.add_argument(
+            "--max-num-batched-tokens", type=int, default=2048,
+            help="Token budget of one step (prefill chunks plus decodes).",
+        )
+        group.add_argument(
+            "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+            help="Split long prompts across steps so running decodes keep flowing.",
+        )
+        group.add_argument(
+            "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+            help="Order of admission and preemption: arrival, or priority then arrival.",
+        )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

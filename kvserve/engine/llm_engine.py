@@ -1,0 +1,331 @@
+"""The step loop: schedule, run the model, sample, append, detokenize, check stops, emit."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.scheduler import Scheduler
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.engine_args import EngineArgs
+from kvserve.engine.request import Request
+from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.model_executor.loader import load_model
+from kvserve.model_executor.model_runner import ModelRunner
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def context_length_error(max_model_len: int, num_prompt: int, max_tokens: int) -> ValueError:
+    # Wording parsed by downstream tools (it is the OpenAI/vLLM message).
+    return ValueError(
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {max_tokens} output tokens and your prompt contains {num_prompt} input "
+        f"tokens, for a total of {num_prompt + max_tokens} tokens. Please reduce the length "
+        "of the input prompt or the number of requested output tokens."
+    )
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = args.resolved_device()
+        dtype = args.resolved_dtype(self.device)
+        loaded = load_model(
+            args.model, load_format=args.load_format, model_shape=args.model_shape,
+            dtype=dtype, device=self.device, seed=args.seed,
+        )
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
+        self.cache_config = CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_bytes(),
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            policy=args.scheduling_policy,
+        )
+        self.runner = ModelRunner(
+            loaded.model, self.model_config, self.cache_config, self.scheduler_config,
+            self.device,
+        )
+        self.kv_cache = KVCacheManager(
+            self.runner.num_blocks, args.block_size, args.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._request_counter = itertools.count()
+        logger.info(
+            "kvserve engine: %s layers=%d dtype=%s device=%s, %d KV blocks of %d tokens "
+            "(%d tokens), max_model_len=%d",
+            self.model_config.architecture, self.model_config.num_hidden_layers,
+            str(dtype).removeprefix("torch."), self.device, self.runner.num_blocks,
+            args.block_size, self.runner.num_blocks * args.block_size, self.max_model_len,
+        )
+
+    # -- requests --------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (dummy weights): pass token ids")
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return None, list(prompt)
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}"
+        )
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request before anything is scheduled; returns its max_tokens."""
+        vocab_size = self.model_config.vocab_size
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty (got 0 tokens)")
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            )
+        params.verify_token_ids(vocab_size)
+        num_prompt = len(prompt_token_ids)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+            if max_tokens < 1:
+                raise context_length_error(self.max_model_len, num_prompt, 1)
+        if num_prompt + max_tokens > self.max_model_len:
+            raise context_length_error(self.max_model_len, num_prompt, max_tokens)
+        needed = self.kv_cache.num_blocks_needed(num_prompt + max_tokens)
+        if needed > self.runner.num_blocks:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {needed} KV "
+                f"blocks but the cache has only {self.runner.num_blocks}; raise --kv-cache-memory"
+            )
+        return max_tokens
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Request:
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{next(self._request_counter)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
+        max_tokens = self.validate(prompt_token_ids, params)
+        request = Request(
+            request_id, prompt_text, prompt_token_ids, params, priority=priority,
+            arrival_time=arrival_time or time.time(), max_tokens=max_tokens,
+        )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        self.requests[request_id] = request
+        seq = self._new_sequence(request, 0)
+        self.scheduler.add(seq)
+        return request
+
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        generator = None
+        if request.params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(request.params.seed + index)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.params
+            )
+        seq = Sequence(f"{request.request_id}#{index}", request, index, generator, detokenizer)
+        request.sequences.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.sequences:
+            if not seq.status.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        request.finished = True
+        request.times.finished = time.time()
+        return self._make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_requests_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_requests_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.time()
+        for seq in sched.scheduled_seqs:
+            if seq.request.times.first_scheduled is None:
+                seq.request.times.first_scheduled = now
+                seq.request.num_cached_tokens = seq.num_computed_tokens
+        block_tables = {seq.seq_id: self.kv_cache.block_ids(seq.seq_id) for seq in sched.scheduled_seqs}
+        step_logits = self.runner.execute(sched, block_tables)
+        for seq in sched.scheduled_seqs:
+            seq.num_computed_tokens += sched.num_scheduled_tokens[seq.seq_id]
+
+        for seq_id, (logits, first_target) in step_logits.prompt_logits.items():
+            request = self._request_of(seq_id, sched.scheduled_seqs)
+            if first_target < len(request.prompt_logprobs):
+                continue  # recomputed after a preemption: already recorded
+            targets = request.prompt_token_ids[first_target : first_target + logits.shape[0]]
+            request.prompt_logprobs.extend(
+                compute_prompt_logprobs(logits, targets, request.params.prompt_logprobs)
+            )
+
+        rows, row_seqs, logit_rows = self._sampling_rows(step_logits.sampling_seqs)
+        touched: dict[str, Request] = {}
+        if rows:
+            out = self.sampler(step_logits.sample_logits[logit_rows], rows)
+            token_time = time.time()
+            for seq, token_id, logprobs in zip(row_seqs, out.token_ids, out.logprobs):
+                self._append_token(seq, token_id, logprobs)
+                request = seq.request
+                if request.times.first_token is None:
+                    request.times.first_token = token_time
+                touched[request.request_id] = request
+
+        outputs = []
+        for request in touched.values():
+            if all(seq.status.is_finished for seq in request.sequences):
+                request.finished = True
+                request.times.finished = time.time()
+                del self.requests[request.request_id]
+            outputs.append(self._make_output(request))
+        return outputs
+
+    @staticmethod
+    def _request_of(seq_id: str, seqs: Iterable[Sequence]) -> Request:
+        return next(seq.request for seq in seqs if seq.seq_id == seq_id)
+
+    def _sampling_rows(
+        self, sampling_seqs: list[Sequence]
+    ) -> tuple[list[SamplingRow], list[Sequence], list[int]]:
+        """One row per sequence to sample; a prompt finishing its prefill forks into n rows."""
+        rows, row_seqs, logit_rows = [], [], []
+        eos_ids = self.model_config.eos_token_ids
+        for logit_row, seq in enumerate(sampling_seqs):
+            family = [seq]
+            request = seq.request
+            if len(request.sequences) == 1 and request.params.n > 1:
+                for index in range(1, request.params.n):
+                    child = self._new_sequence(request, index)
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    self.scheduler.add_fork(family[-1], child)
+                    family.append(child)
+            for member in family:
+                rows.append(
+                    SamplingRow(
+                        params=request.params,
+                        prompt_token_ids=member.prompt_token_ids,
+                        output_token_ids=member.output_token_ids,
+                        generator=member.generator,
+                        eos_token_ids=eos_ids,
+                    )
+                )
+                row_seqs.append(member)
+                logit_rows.append(logit_row)
+        return rows, row_seqs, logit_rows
+
+    def _append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> None:
+        seq.append_token(token_id)
+        params = seq.request.params
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token_id]
+        stop_string = seq.detokenizer.add_tokens([token_id]) if seq.detokenizer else None
+
+        status: SequenceStatus | None = None
+        num_output = len(seq.output_token_ids)
+        if num_output >= params.min_tokens:
+            if stop_string is not None:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_string
+            elif token_id in params.stop_token_ids:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token_id
+            elif not params.ignore_eos and token_id in self.model_config.eos_token_ids:
+                status = SequenceStatus.FINISHED_STOPPED
+        if status is None and (
+            num_output >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+        if seq.detokenizer is not None:
+            seq.emitted_text += seq.detokenizer.take_delta(finished=status is not None)
+
+    # -- outputs ---------------------------------------------------------------------------
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        wants_logprobs = request.params.logprobs is not None
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.emitted_text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+                logprobs=list(seq.logprobs) if wants_logprobs else None,
+                finish_reason=seq.status.value if seq.status.is_finished else None,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in request.sequences
+        ]
+        times = request.times
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=request.prompt_logprobs,
+            outputs=completions,
+            finished=request.finished,
+            metrics=RequestMetrics(
+                arrival_time=times.arrival, first_scheduled_time=times.first_scheduled,
+                first_token_time=times.first_token, finished_time=times.finished,
+            ),
+            num_cached_tokens=request.num_cached_tokens,
+        )

@@ -1,0 +1,105 @@
+"""Offline batch API, shaped like vLLM's `LLM`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from kvserve.engine.engine_args import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    """`LLM(model=...)` loads a model; `generate` and `chat` run batches to completion.
+
+    Keyword arguments are EngineArgs fields (max_num_seqs, block_size, kv_cache_memory, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
+                )
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        # Validate everything before scheduling anything, so a bad prompt adds nothing.
+        for prompt, params in zip(prompt_list, params_list):
+            _, token_ids = self.engine.tokenize_prompt(prompt)
+            self.engine.validate(token_ids, params)
+        request_ids = [
+            self.engine.add_request(None, prompt, params, priority=prio).request_id
+            for prompt, params, prio in zip(prompt_list, params_list, priorities)
+        ]
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not tokenizer.chat_template:
+            raise ValueError("this model has no chat template; use generate() with a prompt")
+        return list(
+            tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        with tqdm(total=len(request_ids), disable=not use_tqdm, desc="Generating") as bar:
+            while pending:
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"requests vanished from the engine: {sorted(pending)}")
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        finished[output.request_id] = output
+                        pending.discard(output.request_id)
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """A single prompt (string, token-id list or dict) or a list of them."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(
+        isinstance(t, int) for t in prompts
+    ):
+        return [list(prompts)]
+    return list(prompts)

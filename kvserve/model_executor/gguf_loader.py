@@ -1,0 +1,152 @@
+"""Config and weights from a llama.cpp GGUF file, dequantized to the run dtype."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from kvserve.config import ModelConfig
+from kvserve.model_executor.errors import ModelLoadError
+
+# GGUF general.architecture -> our architecture name.
+_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp's own llama3 RoPE frequency divisors, not a weight.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def open_gguf(path: str) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_model_config(reader: GGUFReader, path: str, dtype: torch.dtype) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported GGUF architecture {arch!r}; "
+            f"supported: {', '.join(sorted(_GGUF_ARCHITECTURES))}"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path}: no token_embd.weight tensor")
+
+    def required(key: str) -> Any:
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: missing GGUF metadata key {arch}.{key}")
+        return value
+
+    hidden_size = int(required("embedding_length"))
+    num_heads = int(required("attention.head_count"))
+    rope_scaling: dict[str, Any] | None = None
+    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear",
+                        "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    if _ROPE_FREQS in tensors:
+        factors = dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type)
+        rope_scaling = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=_GGUF_ARCHITECTURES[arch],
+        # ne[1] of the embedding (GGUF lists dims innermost first).
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden_size,
+        intermediate_size=int(required("feed_forward_length")),
+        num_hidden_layers=int(required("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads)),
+        rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+        dtype=dtype,
+    )
+
+
+def _hf_name(gguf_name: str) -> str:
+    match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    return f"{_GLOBAL_TENSORS[base]}.{kind}" if base in _GLOBAL_TENSORS else gguf_name
+
+
+def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's Q/K row permutation for llama (it reorders each head's
+    rows from rotate_half halves into interleaved pairs); same as transformers'
+    LlamaTensorProcessor._reverse_permute_weights."""
+    half_dim = weight.shape[0] // num_heads // 2
+    return (
+        weight.reshape(num_heads, half_dim, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def iter_gguf_weights(
+    reader: GGUFReader, path: str, config: ModelConfig, arch: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, fp32 CPU tensor) for every weight in the file."""
+    for tensor in tqdm(reader.tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
+                       disable=len(reader.tensors) < 64, leave=False):
+        if tensor.name == _ROPE_FREQS:
+            continue
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot dequantize tensor {tensor.name}: {e}") from e
+        weight = torch.from_numpy(np.array(array, dtype=np.float32))
+        if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+            weight = _unpermute_rope_rows(weight, config.num_attention_heads)
+        elif arch == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+            weight = _unpermute_rope_rows(weight, config.num_key_value_heads)
+        yield _hf_name(tensor.name), weight
+
+
+def gguf_architecture(reader: GGUFReader) -> str:
+    return str(_field(reader, "general.architecture"))

@@ -1,0 +1,216 @@
+"""load_model: a Hugging Face directory (safetensors), a GGUF file, random weights in a
+named shape, or the embedded default model."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from kvserve.config import ModelConfig
+from kvserve.model_executor.default_model import default_model_path
+from kvserve.model_executor.dummy import dummy_model_config, init_dummy_weights
+from kvserve.model_executor.errors import ModelLoadError
+from kvserve.model_executor.gguf_loader import (
+    gguf_architecture,
+    gguf_model_config,
+    iter_gguf_weights,
+    open_gguf,
+)
+from kvserve.model_executor.models.llama import LlamaForCausalLM
+from kvserve.model_executor.models.registry import get_model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: PreTrainedTokenizerBase | None  # None only for dummy weights without a model dir
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot read JSON ({e})") from e
+
+
+def _eos_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json (+ generation_config.json for EOS)."""
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"{config_path}: no config.json in the model directory")
+    cfg = _read_json(config_path)
+    architecture = (cfg.get("architectures") or ["<missing>"])[0]
+    try:
+        get_model_class(architecture)
+    except ValueError as e:
+        raise ModelLoadError(f"{config_path}: {e}") from None
+    # transformers 5 folds rope_theta and scaling into `rope_parameters`.
+    rope_parameters = dict(cfg.get("rope_parameters") or {})
+    rope_theta = cfg.get("rope_theta") or rope_parameters.pop("rope_theta", 10000.0)
+    rope_parameters.pop("rope_theta", None)
+    rope_scaling = cfg.get("rope_scaling") or rope_parameters or None
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+        rope_scaling = None
+    eos = cfg.get("eos_token_id")
+    generation_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(generation_path):
+        eos = _read_json(generation_path).get("eos_token_id", eos)
+    num_heads = cfg["num_attention_heads"]
+    try:
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            # Qwen2 always has q/k/v biases; others say so with attention_bias.
+            attention_bias=architecture == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_eos_ids(eos),
+            dtype=dtype,
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{config_path}: missing required key {e}") from None
+
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        names = sorted(set(_read_json(index_path).get("weight_map", {}).values()))
+    elif os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+        names = ["model.safetensors"]
+    else:
+        names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    if not names:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weight files found")
+    files = [os.path.join(model_dir, n) for n in names]
+    for path in files:
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"{path}: weight file listed in the index is missing")
+    return files
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in tqdm(files, desc="Loading safetensors shards", disable=len(files) < 2):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({e})") from e
+
+
+def _empty_model(config: ModelConfig, device: str | torch.device) -> LlamaForCausalLM:
+    """Build on the meta device, then allocate uninitialized storage directly on `device`
+    in the run dtype: no CPU copy and no wasted random init (matters for 8B on a GPU)."""
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config)
+    return model.to(config.dtype).to_empty(device=device).eval()
+
+
+def _load_into(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], source: str) -> None:
+    try:
+        model.load_weights(weights)
+    except ModelLoadError:
+        raise
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: {e}") from e
+
+
+def _load_tokenizer(source: str, **kwargs: Any) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except Exception as e:
+        raise ModelLoadError(f"{source}: cannot load the tokenizer ({e})") from e
+
+
+def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+    config = hf_model_config(model_dir, dtype)
+    files = _safetensors_files(model_dir)
+    model = _empty_model(config, device)
+    _load_into(model, _iter_safetensors(files), model_dir)
+    return LoadedModel(model, config, _load_tokenizer(model_dir))
+
+
+def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+    reader = open_gguf(path)
+    config = gguf_model_config(reader, path, dtype)
+    model = _empty_model(config, device)
+    _load_into(model, iter_gguf_weights(reader, path, config, gguf_architecture(reader)), path)
+    tokenizer = _load_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    return LoadedModel(model, config, tokenizer)
+
+
+def _load_dummy(
+    model: str | None, model_shape: str | None, dtype: torch.dtype,
+    device: str | torch.device, seed: int,
+) -> LoadedModel:
+    if model_shape is not None:
+        config, tokenizer = dummy_model_config(model_shape, dtype), None
+    elif model is not None and os.path.isdir(model):
+        config, tokenizer = hf_model_config(model, dtype), _load_tokenizer(model)
+    else:
+        raise ValueError("load_format='dummy' needs model_shape or a model directory")
+    net = _empty_model(config, device)
+    init_dummy_weights(net, seed)
+    return LoadedModel(net, config, tokenizer)
+
+
+def load_model(
+    model: str | None,
+    *,
+    load_format: str = "auto",
+    model_shape: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> LoadedModel:
+    """Load a model for inference. `model` is a Hugging Face directory, a .gguf file, or
+    None for the embedded default (SmolLM2-135M-Instruct Q4_1)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
+    if load_format == "dummy":
+        return _load_dummy(model, model_shape, dtype, device, seed)
+    if model is None:
+        try:
+            model = default_model_path()
+        except FileNotFoundError as e:
+            raise ModelLoadError(str(e)) from None
+    if not os.path.exists(model):
+        raise ModelLoadError(f"{model}: no such file or directory")
+    if load_format == "gguf" or (load_format == "auto" and os.path.isfile(model)):
+        if os.path.isdir(model):
+            raise ModelLoadError(f"{model}: load_format='gguf' needs a .gguf file, got a directory")
+        return _load_gguf(model, dtype, device)
+    if not os.path.isdir(model):
+        raise ModelLoadError(f"{model}: expected a Hugging Face model directory")
+    return _load_hf_dir(model, dtype, device)

@@ -1,0 +1,22 @@
+"""Small helpers shared across the package."""
+
+from __future__ import annotations
+
+import re
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB' -> 2147483648; plain numbers are bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 512MiB, 2GiB or 1000000")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])

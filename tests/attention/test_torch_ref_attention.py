@@ -1,0 +1,75 @@
+"""TorchReferenceBackend against dense causal attention on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.torch_ref import TorchReferenceBackend
+
+HEAD_DIM = 64
+BLOCK_SIZE = 5  # lengths below are deliberately not multiples of it
+NUM_BLOCKS = 40
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [q_len, H, D] for the last q_len of the L context positions; k, v: [L, KVH, D]."""
+    q_len, num_heads, _ = q.shape
+    context_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(context_len - q_len, context_len)[:, None]
+    scores = scores.masked_fill(torch.arange(context_len)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+def test_mixed_batch_matches_dense(num_heads: int, num_kv_heads: int) -> None:
+    torch.manual_seed(0)
+    # (context length, new tokens): decodes and prefills, some with a cached prefix, interleaved.
+    seqs = [(9, 1), (13, 13), (22, 7), (17, 1), (1, 1), (31, 1), (6, 4)]
+    free_blocks = torch.randperm(NUM_BLOCKS).tolist()
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)  # garbage elsewhere
+    max_blocks = max(-(-length // BLOCK_SIZE) for length, _ in seqs)
+    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    queries, keys, values, slot_mapping, expected = [], [], [], [], []
+    scale = HEAD_DIM**-0.5
+    for i, (context_len, q_len) in enumerate(seqs):
+        blocks = [free_blocks.pop() for _ in range(-(-context_len // BLOCK_SIZE))]
+        block_tables[i, : len(blocks)] = torch.tensor(blocks)
+        slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(context_len)]
+        k = torch.randn(context_len, num_kv_heads, HEAD_DIM)
+        v = torch.randn(context_len, num_kv_heads, HEAD_DIM)
+        q = torch.randn(q_len, num_heads, HEAD_DIM)
+        prefix = context_len - q_len
+        flat = kv_cache.view(2, -1, num_kv_heads, HEAD_DIM)
+        flat[0, slots[:prefix]], flat[1, slots[:prefix]] = k[:prefix], v[:prefix]
+        queries.append(q)
+        keys.append(k[prefix:])
+        values.append(v[prefix:])
+        slot_mapping += slots[prefix:]
+        expected.append(dense_reference(q, k, v, scale))
+    q_lens = [q_len for _, q_len in seqs]
+    starts = [0] + torch.tensor(q_lens).cumsum(0).tolist()
+    seq_lens = [length for length, _ in seqs]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        block_size=BLOCK_SIZE,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    key, value = torch.cat(keys), torch.cat(values)
+    out = TorchReferenceBackend().forward(torch.cat(queries), key, value, kv_cache, metadata, scale)
+
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+    flat = kv_cache.view(2, -1, num_kv_heads, HEAD_DIM)
+    assert torch.equal(flat[0, metadata.slot_mapping], key)
+    assert torch.equal(flat[1, metadata.slot_mapping], value)

@@ -1,0 +1,83 @@
+import pytest
+
+from kvserve.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": -0.2}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": -2.1}, "presence_penalty"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["ok", 5]}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"stop_token_ids": 3}, "stop_token_ids"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+    ],
+)
+def test_bad_values_raise_with_parameter_name(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name) as info:
+        SamplingParams(**kwargs)
+    value = next(v for k, v in kwargs.items() if k == name)
+    assert repr(value) in str(info.value)
+
+
+def test_unknown_stop_type_message() -> None:
+    with pytest.raises(ValueError, match="unknown stop type"):
+        SamplingParams(stop=["a", 1])
+
+
+def test_range_mentioned() -> None:
+    with pytest.raises(ValueError, match=r"0 < top_p <= 1"):
+        SamplingParams(top_p=2.0)
+
+
+def test_defaults_and_normalisation() -> None:
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens) == (1, 1.0, 1.0, -1, 16)
+    assert p.stop == [] and p.stop_token_ids == [] and not p.is_greedy
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(logit_bias={"7": -100}).logit_bias == {7: -100.0}
+    assert SamplingParams(max_tokens=None, min_tokens=50).max_tokens is None
+
+
+def test_boundary_values_accepted() -> None:
+    SamplingParams(temperature=0.0, top_p=1.0, top_k=1, min_p=1.0, presence_penalty=2.0,
+                   frequency_penalty=-2.0, repetition_penalty=0.5, logprobs=0,
+                   prompt_logprobs=0, min_tokens=16, max_tokens=16)
+
+
+def test_is_greedy() -> None:
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=0.01).is_greedy
+
+
+def test_verify_token_ids() -> None:
+    SamplingParams(logit_bias={0: 1.0, 9: 1.0}, stop_token_ids=[0, 9]).verify_token_ids(10)
+    with pytest.raises(ValueError, match=r"logit_bias.*\[0, 10\)"):
+        SamplingParams(logit_bias={10: 1.0}).verify_token_ids(10)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0}).verify_token_ids(10)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[3, 12]).verify_token_ids(10)
