@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.model_executor.loader import LoadedModel
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -21,8 +22,10 @@ class LLM:
     Keyword arguments are EngineArgs fields (max_num_seqs, block_size, kv_cache_memory, ...).
     """
 
-    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
+    def __init__(
+        self, model: str | None = None, loaded: LoadedModel | None = None, **engine_kwargs: Any
+    ) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs), loaded)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -47,11 +47,12 @@ class IncrementalDetokenizer:
         if self._stopped:
             raise RuntimeError("add_tokens called after a stop string was hit")
         for token_id in token_ids:
-            old_len = len(self.output_text)
+            # Pending text may change as bytes complete: new chars start after _text.
+            confirmed_len = len(self._text)
             self._decode_next(token_id)
             self._num_output_tokens += 1
             if self._num_output_tokens >= self._params.min_tokens:
-                stop = self._find_stop(old_len)
+                stop = self._find_stop(confirmed_len)
                 if stop is not None:
                     return stop
         return None
@@ -89,10 +90,11 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
 
-    def _find_stop(self, old_len: int) -> str | None:
+    def _find_stop(self, confirmed_len: int) -> str | None:
         text = self.output_text
         # Only a match touching the new chars can be new; the earliest match wins.
-        matches = [(text.find(stop, max(0, old_len - len(stop) + 1)), stop) for stop in self._stops]
+        matches = [(text.find(stop, max(0, confirmed_len - len(stop) + 1)), stop)
+                   for stop in self._stops]
         matches = [(index, stop) for index, stop in matches if index != -1]
         if not matches:
             return None

@@ -17,7 +17,7 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.request import Request
 from kvserve.engine.sequence import Sequence, SequenceStatus
-from kvserve.model_executor.loader import load_model
+from kvserve.model_executor.loader import LoadedModel, load_model
 from kvserve.model_executor.model_runner import ModelRunner
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
@@ -39,14 +39,16 @@ def context_length_error(max_model_len: int, num_prompt: int, max_tokens: int) -
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        """`loaded` lets several engines (e.g. configurations under comparison) share weights."""
         self.args = args
         self.device = args.resolved_device()
         dtype = args.resolved_dtype(self.device)
-        loaded = load_model(
-            args.model, load_format=args.load_format, model_shape=args.model_shape,
-            dtype=dtype, device=self.device, seed=args.seed,
-        )
+        if loaded is None:
+            loaded = load_model(
+                args.model, load_format=args.load_format, model_shape=args.model_shape,
+                dtype=dtype, device=self.device, seed=args.seed,
+            )
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings

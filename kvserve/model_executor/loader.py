@@ -18,12 +18,6 @@ from kvserve.config import ModelConfig
 from kvserve.model_executor.default_model import default_model_path
 from kvserve.model_executor.dummy import dummy_model_config, init_dummy_weights
 from kvserve.model_executor.errors import ModelLoadError
-from kvserve.model_executor.gguf_loader import (
-    gguf_architecture,
-    gguf_model_config,
-    iter_gguf_weights,
-    open_gguf,
-)
 from kvserve.model_executor.models.llama import LlamaForCausalLM
 from kvserve.model_executor.models.registry import get_model_class
 
@@ -57,7 +51,9 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
     if not os.path.isfile(config_path):
         raise ModelLoadError(f"{config_path}: no config.json in the model directory")
     cfg = _read_json(config_path)
-    architecture = (cfg.get("architectures") or ["<missing>"])[0]
+    if not cfg.get("architectures"):
+        raise ModelLoadError(f"{config_path}: no 'architectures' entry naming the model class")
+    architecture = cfg["architectures"][0]
     try:
         get_model_class(architecture)
     except ValueError as e:
@@ -162,6 +158,14 @@ def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device)
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+    # Imported here so that safetensors and dummy loading work without the gguf package.
+    from kvserve.model_executor.gguf_loader import (
+        gguf_architecture,
+        gguf_model_config,
+        iter_gguf_weights,
+        open_gguf,
+    )
+
     reader = open_gguf(path)
     config = gguf_model_config(reader, path, dtype)
     model = _empty_model(config, device)

@@ -37,7 +37,8 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
+            raise ValueError(
+                f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         raw_logits = logits
         logits = _apply_logit_bias(logits, rows)
         logits = _apply_min_tokens(logits, rows)
