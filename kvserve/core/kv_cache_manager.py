@@ -110,12 +110,14 @@ class KVCacheManager:
             copies.append((shared.block_id, private.block_id))
         for _ in range(num_new_blocks):
             table.append(self.pool.allocate())
-        self._register_full_blocks(seq_id, token_ids, end)
         return copies
 
-    def _register_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
-        # Blocks become full during this step's forward; attention backends write every
-        # new K/V of the step before any attention reads, so a same-step hit is safe.
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Make the sequence's blocks that are full once `num_tokens` are computed findable.
+
+        Called when the step that writes those tokens is certain to run (not for a sequence
+        preempted before it), so a hit never reads KV that was not written.
+        """
         if not self.enable_prefix_caching:
             return
         hashes = self._block_hashes[seq_id]

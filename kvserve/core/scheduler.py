@@ -82,17 +82,19 @@ class Scheduler:
             return max(self.running, key=self._queue_key)
         return self.running[-1]  # the latest admitted
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, copies: dict[str, list]) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, copies: dict[str, list]) -> int:
+        """Returns the tokens it had been given this step (the priority victim may have some)."""
         self.running.remove(seq)
         self.kv_cache.free(seq.seq_id)
-        if seq.seq_id in out.num_scheduled_tokens:
-            del out.num_scheduled_tokens[seq.seq_id]
+        returned_budget = out.num_scheduled_tokens.pop(seq.seq_id, 0)
+        if returned_budget:
             out.scheduled_seqs.remove(seq)
             copies.pop(seq.seq_id, None)
         seq.reset_for_recompute()
         self.add(seq)
         out.preempted_seqs.append(seq)
         self.num_preemptions += 1
+        return returned_budget
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -113,7 +115,7 @@ class Scheduler:
                 if seq_copies is not None:
                     break
                 victim = self._pick_victim()
-                self._preempt(victim, out, copies)
+                budget += self._preempt(victim, out, copies)
                 if victim is seq:
                     break
             if seq_copies is None:
@@ -154,5 +156,10 @@ class Scheduler:
             out.num_scheduled_tokens[seq.seq_id] = num_new
             budget -= num_new
 
-        out.block_copies = [copy for seq in out.scheduled_seqs for copy in copies[seq.seq_id]]
+        for seq in out.scheduled_seqs:
+            out.block_copies.extend(copies[seq.seq_id])
+            self.kv_cache.cache_full_blocks(
+                seq.seq_id, seq.all_token_ids,
+                seq.num_computed_tokens + out.num_scheduled_tokens[seq.seq_id],
+            )
         return out

@@ -16,7 +16,20 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_cache_manager import KVCacheManager as _KVCacheManager
+
+
+class KVCacheManager(_KVCacheManager):
+    """Registers full blocks right after each successful allocation, as the scheduler does
+    at the end of every step for the sequences it keeps scheduled."""
+
+    def allocate_slots(self, seq_id, token_ids, num_computed_tokens, num_new_tokens, cached_prefix=()):
+        copies = super().allocate_slots(
+            seq_id, token_ids, num_computed_tokens, num_new_tokens, cached_prefix
+        )
+        if copies is not None:
+            self.cache_full_blocks(seq_id, token_ids, num_computed_tokens + num_new_tokens)
+        return copies
 
 
 def cdiv(a: int, b: int) -> int:
