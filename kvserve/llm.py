@@ -105,4 +105,9 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
         isinstance(t, int) for t in prompts
     ):
         return [list(prompts)]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(
+            "prompts must be a string, a list of token ids, a dict, or a list of those; "
+            f"got {type(prompts).__name__}"
+        )
     return list(prompts)

@@ -27,8 +27,16 @@ def smollm2_hf(smollm2_path):
 
 
 @pytest.fixture(scope="session")
-def smollm2_llm():
-    """One kvserve engine on the default model, shared by tests that leave it idle."""
+def smollm2_loaded(smollm2_path):
+    """kvserve's fp32 load of the embedded GGUF; engines in tests share these weights."""
+    from kvserve.model_executor.loader import load_model
+
+    return load_model(smollm2_path, dtype=torch.float32)
+
+
+@pytest.fixture
+def smollm2_llm(smollm2_loaded):
+    """A fresh engine (own KV cache and scheduler) on the shared weights."""
     from kvserve import LLM
 
-    return LLM(kv_cache_memory="256MiB")
+    return LLM(loaded=smollm2_loaded, kv_cache_memory="256MiB")

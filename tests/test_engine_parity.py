@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.model_executor.loader import load_model
 from kvserve.model_executor.model_runner import kv_cache_bytes_per_block
 
 SHARED_PREFIX = (
@@ -30,8 +29,8 @@ NUM_NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def loaded(smollm2_path):
-    return load_model(smollm2_path, dtype=torch.float32)
+def loaded(smollm2_loaded):
+    return smollm2_loaded
 
 
 @pytest.fixture(scope="module")

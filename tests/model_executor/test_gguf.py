@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from kvserve.model_executor.default_model import default_model_path
-from kvserve.model_executor.loader import LoadedModel, load_model
+from kvserve.model_executor.loader import LoadedModel
 
 
 @pytest.fixture(scope="module")
-def ours() -> LoadedModel:
-    return load_model(None, dtype=torch.float32)
+def ours(smollm2_loaded) -> LoadedModel:
+    return smollm2_loaded
 
 
 @pytest.fixture(scope="module")
-def reference():
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+def reference(smollm2_hf):
+    return smollm2_hf
 
 
 def test_default_model_path() -> None:

@@ -1,0 +1,76 @@
+"""AsyncLLM: concurrent streams, streamed text equals the final text, cancellation aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.engine.async_llm import AsyncLLM
+
+PROMPTS = ["The history of the printing press", "Ingredients for pancakes:", "def quicksort(arr):"]
+
+
+@pytest.fixture
+def async_llm(smollm2_llm):
+    engine = AsyncLLM(smollm2_llm.engine)
+    yield engine
+    engine.shutdown()
+
+
+async def _stream(async_llm: AsyncLLM, prompt: str, params: SamplingParams) -> tuple[str, object]:
+    pieces, previous, final = [], "", None
+    async for output in async_llm.generate(prompt, params):
+        text = output.outputs[0].text
+        assert text.startswith(previous)  # cumulative text only grows
+        pieces.append(text[len(previous):])
+        previous, final = text, output
+    return "".join(pieces), final
+
+
+def test_concurrent_streams_equal_offline_results(async_llm, smollm2_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=24, stop=["\n\n"])
+
+    async def main():
+        return await asyncio.gather(*(_stream(async_llm, p, params) for p in PROMPTS))
+
+    results = asyncio.run(main())
+    async_llm.shutdown()
+    offline = smollm2_llm.generate(PROMPTS, params)
+    for (streamed, final), reference in zip(results, offline):
+        assert final.finished
+        assert streamed == final.outputs[0].text == reference.outputs[0].text
+        assert final.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def test_cancelled_stream_aborts_and_frees_blocks(async_llm):
+    engine = async_llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+    async def main():
+        received = 0
+        async for _ in async_llm.generate(PROMPTS[0], params, request_id="cancel-me"):
+            received += 1
+            if received == 3:
+                break  # closing the iterator aborts the request
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if not engine.has_unfinished_requests():
+                return received
+        return received
+
+    assert asyncio.run(main()) == 3
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+
+
+def test_bad_request_raises_in_caller_and_others_continue(async_llm):
+    async def main():
+        with pytest.raises(ValueError, match="prompt"):
+            async for _ in async_llm.generate("", SamplingParams(max_tokens=5)):
+                pass
+        return await _stream(async_llm, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=5))
+
+    text, final = asyncio.run(main())
+    assert final.finished and len(final.outputs[0].token_ids) == 5

@@ -1,0 +1,70 @@
+"""Every bad input raises a clear ValueError before scheduling; the engine keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import SamplingParams
+
+VALID = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+@pytest.mark.parametrize(
+    ("make_call", "expected"),
+    [
+        (lambda llm: llm.generate("", VALID), "prompt"),
+        (lambda llm: llm.generate({"prompt_token_ids": []}, VALID), "prompt"),
+        (lambda llm: llm.generate({"prompt_token_ids": [1, 49152]}, VALID), "49152"),
+        (lambda llm: llm.generate({"prompt_token_ids": [-1]}, VALID), "-1"),
+        (lambda llm: llm.generate("Hi", SamplingParams(temperature=-0.5)), "temperature"),
+        (lambda llm: llm.generate("Hi", SamplingParams(top_p=0.0)), "top_p"),
+        (lambda llm: llm.generate("Hi", SamplingParams(top_p=1.5)), "top_p"),
+        (lambda llm: llm.generate("Hi", SamplingParams(top_k=0)), "top_k"),
+        (lambda llm: llm.generate("Hi", SamplingParams(top_k=-2)), "top_k"),
+        (lambda llm: llm.generate("Hi", SamplingParams(n=0)), "n"),
+        (lambda llm: llm.generate("Hi", SamplingParams(max_tokens=0)), "max_tokens"),
+        (lambda llm: llm.generate("Hi", SamplingParams(stop=5)), "stop"),
+        (lambda llm: llm.generate("Hi", SamplingParams(stop=["ok", 3])), "stop"),
+        (lambda llm: llm.generate("Hi", SamplingParams(stop_token_ids=[10**6])), "stop_token_ids"),
+        (lambda llm: llm.generate("Hi", SamplingParams(logit_bias={10**6: 1.0})), "logit_bias"),
+        (
+            lambda llm: llm.generate("Hi", SamplingParams(max_tokens=llm.engine.max_model_len)),
+            "maximum context length",
+        ),
+        (lambda llm: llm.generate(3.5, VALID), "prompt"),
+    ],
+)
+def test_bad_input_raises_then_engine_still_serves(smollm2_llm, make_call, expected):
+    engine = smollm2_llm.engine
+    with pytest.raises(ValueError) as info:
+        make_call(smollm2_llm)
+    assert expected in str(info.value)
+    # Nothing was scheduled or leaked, and a valid request still works.
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+    output = smollm2_llm.generate("The capital of France is", VALID)[0]
+    assert len(output.outputs[0].token_ids) == 4
+    assert output.outputs[0].finish_reason == "length"
+    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+
+
+def test_context_overflow_message_has_the_numbers(smollm2_llm):
+    engine = smollm2_llm.engine
+    prompt = list(range(100, 110))
+    too_many = engine.max_model_len - len(prompt) + 1
+    with pytest.raises(ValueError) as info:
+        smollm2_llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=too_many))
+    assert str(info.value) == (
+        f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
+        f"requested {too_many} output tokens and your prompt contains 10 input tokens, for a "
+        f"total of {too_many + 10} tokens. Please reduce the length of the input prompt or the "
+        "number of requested output tokens."
+    )
+
+
+def test_one_bad_prompt_in_a_batch_schedules_nothing(smollm2_llm):
+    engine = smollm2_llm.engine
+    with pytest.raises(ValueError):
+        smollm2_llm.generate(["Hello", ""], VALID)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
