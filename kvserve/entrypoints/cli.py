@@ -45,8 +45,8 @@ def sampling_params_from_args(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvserve.llm import LLM
 
+    params = sampling_params_from_args(args)  # bad flags fail before the model loads
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
-    params = sampling_params_from_args(args)
     for output in llm.generate(args.prompts, params):
         for completion in output.outputs:
             prefix = f"[{output.request_id}.{completion.index}] " if params.n > 1 or len(args.prompts) > 1 else ""

@@ -1,14 +1,10 @@
-"""Helpers: a paged KV cache driver for the model, and tiny Hugging Face checkpoints."""
+"""Helper: a paged KV cache driver for the model (tiny checkpoints live in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.config import ModelConfig
@@ -72,32 +68,3 @@ class PagedRunner:
 @pytest.fixture
 def paged_runner() -> type[PagedRunner]:
     return PagedRunner
-
-
-def randomize(model: PreTrainedModel, seed: int) -> None:
-    """Non-trivial values everywhere (HF zero-inits biases and one-inits norms)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
-
-
-def save_tokenizer(directory: str, vocab_size: int) -> None:
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t2").save_pretrained(directory)
-
-
-@pytest.fixture
-def save_hf_model(tmp_path) -> Callable[..., str]:
-    """Save a randomized HF model (+ a tiny tokenizer) as safetensors; return the dir."""
-
-    def save(model: PreTrainedModel, name: str = "model", seed: int = 0, **kwargs) -> str:
-        randomize(model, seed)
-        directory = os.path.join(tmp_path, name)
-        model.save_pretrained(directory, **kwargs)
-        save_tokenizer(directory, model.config.vocab_size)
-        return directory
-
-    return save

@@ -1,0 +1,38 @@
+"""The engine on a GPU (torch reference attention): greedy output equals transformers'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def test_greedy_matches_transformers_on_gpu(save_hf_model):
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+    )
+    reference = LlamaForCausalLM(config)
+    model_dir = save_hf_model(reference)
+    reference = reference.cuda().eval()
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (5, 17, 33, 64, 100)]
+    expected = []
+    with torch.inference_mode():
+        for ids in prompts:
+            input_ids = torch.tensor([ids], device="cuda")
+            out = reference.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                     do_sample=False, max_new_tokens=32, min_new_tokens=32,
+                                     pad_token_id=0)
+            expected.append(out[0, len(ids):].tolist())
+
+    llm = LLM(model=model_dir, dtype="float32", device="cuda", max_num_batched_tokens=64,
+              gpu_memory_utilization=0.5)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == expected

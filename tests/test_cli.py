@@ -1,0 +1,50 @@
+"""The `kvserve` command line: help on every flag, and generate end to end."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from kvserve import SamplingParams
+from kvserve.entrypoints.cli import build_parser
+
+
+def _all_parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _all_parsers(sub)
+
+
+def test_every_flag_has_help():
+    missing = [
+        f"{parser.prog} {action.option_strings or action.dest}"
+        for parser in _all_parsers(build_parser())
+        for action in parser._actions
+        if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
+        and not action.help
+    ]
+    assert missing == []
+
+
+def test_generate_prints_the_greedy_completion(smollm2_llm):
+    prompt = "The capital of France is"
+    expected = smollm2_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12))[0]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.entrypoints.cli", "--log-level", "WARNING", "generate",
+         prompt, "--temperature", "0", "--max-tokens", "12", "--kv-cache-memory", "64MiB"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == prompt + expected.outputs[0].text + "\n"
+
+
+def test_bad_flag_value_is_a_clear_error_not_a_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.entrypoints.cli", "generate", "Hi", "--top-p", "2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2
+    assert "top_p" in result.stderr and "Traceback" not in result.stderr
