@@ -25,9 +25,14 @@ def context_slots(block_tables: torch.Tensor, num_positions: int, block_size: in
     return blocks * block_size + positions % block_size
 
 
+# Most context positions (sequences x padded length) gathered at once by the decode path:
+# bounds its transient memory, which the KV-cache sizing does not profile.
+MAX_DECODE_GATHER_POSITIONS = 1 << 18
+
+
 class TorchReferenceBackend:
-    """Prefill chunks are attended one sequence at a time; all single-token decodes
-    together, as one padded gather and one masked batched attention."""
+    """Prefill chunks are attended one sequence at a time; single-token decodes in groups,
+    each one padded gather and one masked batched attention."""
 
     def forward(
         self,
@@ -47,8 +52,8 @@ class TorchReferenceBackend:
         decode_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
         prefill_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > 1]
 
-        if decode_seqs:
-            self._decode(query, flat_k, flat_v, output, metadata, decode_seqs, scale)
+        for group in _decode_groups(decode_seqs, metadata.seq_lens_cpu):
+            self._decode(query, flat_k, flat_v, output, metadata, group, scale)
         for i in prefill_seqs:
             start, end = starts[i], starts[i + 1]
             seq_len = metadata.seq_lens_cpu[i]
@@ -92,3 +97,20 @@ class TorchReferenceBackend:
             q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
         )
         output[token_index] = out.squeeze(2).to(output.dtype)
+
+
+def _decode_groups(decode_seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Consecutive groups whose padded gather stays under MAX_DECODE_GATHER_POSITIONS."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    group_max = 0
+    for i in decode_seqs:
+        longest = max(group_max, seq_lens[i])
+        if group and longest * (len(group) + 1) > MAX_DECODE_GATHER_POSITIONS:
+            groups.append(group)
+            group, longest = [], seq_lens[i]
+        group.append(i)
+        group_max = longest
+    if group:
+        groups.append(group)
+    return groups

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.attention import torch_ref
+
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import TorchReferenceBackend
 
@@ -26,8 +28,11 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
 
 
+@pytest.mark.parametrize("max_gather", [None, 40])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
-def test_mixed_batch_matches_dense(num_heads: int, num_kv_heads: int) -> None:
+def test_mixed_batch_matches_dense(num_heads: int, num_kv_heads: int, max_gather, monkeypatch) -> None:
+    if max_gather is not None:  # force the decodes into several gather groups
+        monkeypatch.setattr(torch_ref, "MAX_DECODE_GATHER_POSITIONS", max_gather)
     torch.manual_seed(0)
     # (context length, new tokens): decodes and prefills, some with a cached prefix, interleaved.
     seqs = [(9, 1), (13, 13), (22, 7), (17, 1), (1, 1), (31, 1), (6, 4)]
