@@ -11,6 +11,11 @@ python -c "import torch, transformers; print('torch', torch.__version__, 'transf
 git rev-parse --short HEAD 2>/dev/null || true
 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -5
 for shape in qwen2.5-0.5b llama3-8b; do
+  echo "== W2-like $shape: one request, 128 in / 256 out"
+  python -m kvserve.entrypoints.cli --log-level WARNING bench throughput \
+    --load-format dummy --model-shape "$shape" --num-prompts 1 --input-len 128 128 \
+    --output-len 256 256 --no-sequential --no-transformers \
+    --output-json "$OUT/w2-$shape.json" 2>&1 | grep -v "Generating" | tail -2
   echo "== W1 $shape"
   timeout "${W1_TIMEOUT:-240}" python -m kvserve.entrypoints.cli --log-level INFO bench throughput \
     --load-format dummy --model-shape "$shape" --num-prompts 256 --input-len 100 1024 \
