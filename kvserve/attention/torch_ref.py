@@ -88,15 +88,16 @@ class TorchReferenceBackend:
         )
         max_len = max(metadata.seq_lens_cpu[i] for i in decode_seqs)
         slots = context_slots(metadata.block_tables[seq_index], max_len, metadata.block_size)
-        q = query[token_index].float().unsqueeze(2)  # [B, H, 1, D]
+        num_kv_heads, head_dim = flat_k.shape[1:]
+        # Group query heads by the KV head they share ([B, KVH, H/KVH, D]): each KV head is
+        # read once for its whole group, with no expanded copy of K/V.
+        q = query[token_index].float().view(len(decode_seqs), num_kv_heads, -1, head_dim)
         k = flat_k[slots].float().transpose(1, 2)  # [B, KVH, max_len, D]
         v = flat_v[slots].float().transpose(1, 2)
         # Padding positions past each sequence's length are masked out.
         valid = torch.arange(max_len, device=device)[None, :] < metadata.seq_lens[seq_index, None]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
-        )
-        output[token_index] = out.squeeze(2).to(output.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+        output[token_index] = out.reshape(len(decode_seqs), -1, head_dim).to(output.dtype)
 
 
 def _decode_groups(decode_seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
