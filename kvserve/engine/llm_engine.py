@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -212,8 +211,8 @@ class LLMEngine:
         for seq in sched.scheduled_seqs:
             seq.num_computed_tokens += sched.num_scheduled_tokens[seq.seq_id]
 
-        for seq_id, (logits, first_target) in step_logits.prompt_logits.items():
-            request = self._request_of(seq_id, sched.scheduled_seqs)
+        for seq, logits, first_target in step_logits.prompt_logits:
+            request = seq.request
             if first_target < len(request.prompt_logprobs):
                 continue  # recomputed after a preemption: already recorded
             targets = request.prompt_token_ids[first_target : first_target + logits.shape[0]]
@@ -241,10 +240,6 @@ class LLMEngine:
                 del self.requests[request.request_id]
             outputs.append(self._make_output(request))
         return outputs
-
-    @staticmethod
-    def _request_of(seq_id: str, seqs: Iterable[Sequence]) -> Request:
-        return next(seq.request for seq in seqs if seq.seq_id == seq_id)
 
     def _sampling_rows(
         self, sampling_seqs: list[Sequence]

@@ -24,9 +24,9 @@ class StepLogits:
     # [S, V] fp32: the next-token logits of each sequence that samples this step.
     sample_logits: torch.Tensor
     sampling_seqs: list[Sequence]
-    # seq_id -> ([P, V] logits, index of the first prompt token they predict): prompt
+    # (sequence, [P, V] logits, index of the first prompt token they predict): prompt
     # positions of this chunk, for requests that asked for prompt logprobs.
-    prompt_logits: dict[str, tuple[torch.Tensor, int]]
+    prompt_logits: list[tuple[Sequence, torch.Tensor, int]]
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int) -> int:
@@ -92,9 +92,7 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         metadata = self._metadata(
-            slot_mapping=positions.clone(),
-            query_start_loc=[0, num_tokens],
-            seq_lens=[num_tokens],
+            positions, query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
             block_tables=[list(range(num_profile_blocks))],
         )
         hidden = self.model(input_ids, positions, caches, metadata)
@@ -124,7 +122,7 @@ class ModelRunner:
 
     def _metadata(
         self,
-        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
         query_start_loc: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
@@ -132,11 +130,18 @@ class ModelRunner:
         max_blocks = max(len(table) for table in block_tables)
         padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]
         query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+        block_tables_t = torch.tensor(padded, dtype=torch.int32, device=self.device)
+        # Each token's cache slot: its sequence's block for the position, plus the offset.
+        seq_index = torch.repeat_interleave(
+            torch.arange(len(seq_lens), device=self.device),
+            torch.tensor(query_lens, device=self.device),
+        )
+        block_ids = block_tables_t[seq_index, positions // self.block_size].long()
         return AttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_mapping=block_ids * self.block_size + positions % self.block_size,
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=self.device),
+            block_tables=block_tables_t,
             block_size=self.block_size,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
@@ -183,27 +188,15 @@ class ModelRunner:
                 prompt_spans.append((seq, flat_start, count, start))
 
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        metadata = self._metadata(
-            slot_mapping=torch.empty(0), query_start_loc=query_start_loc,
-            seq_lens=seq_lens, block_tables=tables,
-        )
-        metadata.slot_mapping = self._slot_mapping(positions_t, metadata)
+        metadata = self._metadata(positions_t, query_start_loc, seq_lens, tables)
         self._copy_blocks(sched.block_copies)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions_t, self.kv_caches, metadata,
         )
         sample_logits = self.model.compute_logits(hidden[sample_indices])
-        prompt_logits = {
-            seq.seq_id: (self.model.compute_logits(hidden[flat : flat + count]), pos + 1)
+        prompt_logits = [
+            (seq, self.model.compute_logits(hidden[flat : flat + count]), pos + 1)
             for seq, flat, count, pos in prompt_spans
-        }
+        ]
         return StepLogits(sample_logits, sampling_seqs, prompt_logits)
-
-    def _slot_mapping(self, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        query_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
-        seq_index = torch.repeat_interleave(
-            torch.arange(metadata.num_seqs, device=self.device), query_lens
-        )
-        block_ids = metadata.block_tables[seq_index, positions // self.block_size].long()
-        return block_ids * self.block_size + positions % self.block_size
