@@ -1,4 +1,4 @@
-"""`kvserve` command line: generate, chat, bench."""
+"""`kvserve` command line: generate, chat, serve, bench."""
 
 from __future__ import annotations
 
@@ -60,8 +60,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(EngineArgs.from_cli_args(args), sampling_params_from_args(args), args.system)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.entrypoints.openai.server import run_server
+
+    return run_server(args)
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from kvserve.benchmarks.throughput import run_from_args
+
+    return run_from_args(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from kvserve.benchmarks.serve import run_from_args
 
     return run_from_args(args)
 
@@ -85,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.set_defaults(handler=cmd_chat)
 
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server with streaming and metrics.")
+    from kvserve.entrypoints.openai.cli_args import add_cli_args as add_serve_args
+
+    add_serve_args(serve)
+    serve.set_defaults(handler=cmd_serve)
+
     bench = commands.add_parser("bench", help="Benchmarks.")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     from kvserve.benchmarks.throughput import add_cli_args as add_throughput_args
@@ -95,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(throughput)
     add_throughput_args(throughput)
     throughput.set_defaults(handler=cmd_bench_throughput)
+    from kvserve.benchmarks.serve import add_cli_args as add_serve_bench_args
+
+    serve_bench = bench_commands.add_parser(
+        "serve", help="Online serving load test against any OpenAI-compatible server."
+    )
+    add_serve_bench_args(serve_bench)
+    serve_bench.set_defaults(handler=cmd_bench_serve)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (FastAPI); imported only by `kvserve serve`."""

@@ -1,0 +1,172 @@
+"""`kvserve serve`: the FastAPI app and its uvicorn lifecycle (load, serve, drain on SIGTERM)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+from contextlib import asynccontextmanager
+from types import FrameType
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve.engine.engine_args import EngineArgs
+from kvserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+)
+from kvserve.entrypoints.openai.serving import ServerState
+from kvserve.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
+from kvserve.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def _served_name(model: str | None) -> str:
+    if model is None:
+        return DEFAULT_SERVED_NAME
+    base = os.path.basename(os.path.normpath(model))
+    return base.removesuffix(".gguf")
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        # Load after the socket is up so /health can answer 503 while loading.
+        loading = asyncio.create_task(state.load())
+        yield
+        loading.cancel()
+        if state.async_llm is not None:
+            await asyncio.to_thread(state.async_llm.shutdown)
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    install_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {state.api_key}":
+            raise OpenAIError(401, "Missing or incorrect API key; send 'Authorization: Bearer <key>'.",
+                              code="invalid_api_key")
+
+    api = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.async_llm is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @api.get("/v1/models")
+    async def models() -> JSONResponse:
+        engine = state.engine
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.served_model_name, "object": "model", "created": state.created,
+            "owned_by": "kvserve", "root": state.engine_args.model or DEFAULT_SERVED_NAME,
+            "max_model_len": engine.max_model_len,
+        }]})
+
+    @api.post("/v1/completions")
+    async def completions(request: CompletionRequest) -> Response:
+        return await create_completion(state, request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest) -> Response:
+        return await create_chat_completion(state, request)
+
+    @api.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> JSONResponse:
+        state.check_model(request.model)
+        engine = state.engine
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError(400, "send exactly one of 'prompt' and 'messages'", param="prompt")
+        if request.messages is not None:
+            tokens = apply_chat_template(engine.tokenizer, request.messages, request.add_generation_prompt)
+        else:
+            tokens = engine.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
+
+    @api.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        state.check_model(request.model)
+        engine = state.engine
+        vocab_size = engine.model_config.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                              param="tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
+
+    app.include_router(api)
+    return app
+
+
+class _DrainingServer(uvicorn.Server):
+    """SIGTERM/SIGINT: answer 503 to new work, wait for in-flight requests (bounded), exit 0."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Unlike uvicorn's own handler this does not re-raise the signal after shutdown,
+        # so a drained server exits 0.
+        if self.state.draining or self.state.async_llm is None or self._loop is None:
+            self.should_exit = True  # a second signal, or nothing to drain: stop now
+            self.force_exit = self.state.draining and sig == signal.SIGINT
+            return
+        logger.info("received %s: draining %d in-flight requests (up to %.0f s)",
+                    signal.Signals(sig).name, self.state.num_in_flight, self.shutdown_timeout)
+        self.state.draining = True
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.state.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.num_in_flight:
+            logger.warning("shutdown timeout: aborting %d in-flight requests", self.state.num_in_flight)
+        self.should_exit = True
+
+
+def run_server(args: argparse.Namespace) -> int:
+    engine_args = EngineArgs.from_cli_args(args)
+    state = ServerState(
+        engine_args=engine_args,
+        served_model_name=args.served_model_name or _served_name(engine_args.model),
+        api_key=args.api_key or None,
+        max_waiting_requests=args.max_waiting_requests,
+        stream_interval=args.stream_interval,
+    )
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
+    config = uvicorn.Config(
+        build_app(state), host=args.host, port=args.port, log_level=args.log_level.lower(),
+        # Drained requests have finished by now; this only bounds flushing the last bytes.
+        timeout_graceful_shutdown=1,
+    )
+    server = _DrainingServer(config, state, args.shutdown_timeout)
+    state.request_exit = lambda: setattr(server, "should_exit", True)
+    logger.info("kvserve listening on http://%s:%d (loading the model)", args.host, args.port)
+    server.run()
+    return 1 if state.load_error is not None else 0

@@ -1,0 +1,233 @@
+"""What both generation endpoints share: server state, admission, sampling params,
+running engine requests (merged, metered, aborted on disconnect) and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, fields
+
+from kvserve.engine.async_llm import AsyncLLM
+from kvserve.engine.engine_args import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoints.openai.errors import OpenAIError, bad_request
+from kvserve.entrypoints.openai.protocol import SamplingRequest
+from kvserve.metrics import ServerMetrics
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) | {"input_tokens"}
+
+
+@dataclass
+class ServerState:
+    engine_args: EngineArgs
+    served_model_name: str
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    stream_interval: int = 1
+    async_llm: AsyncLLM | None = None
+    draining: bool = False
+    load_error: BaseException | None = None
+    # Generation requests between admission and their last byte; SIGTERM waits for 0.
+    num_in_flight: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServerMetrics = field(init=False)
+    # Set by run_server: asks uvicorn to stop (used when loading the model fails).
+    request_exit: Callable[[], None] = lambda: None
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.served_model_name)
+
+    @property
+    def ready(self) -> bool:
+        return self.async_llm is not None and not self.draining
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self.async_llm is None:
+            raise OpenAIError(503, "the model is still loading; retry shortly",
+                              type="service_unavailable")
+        return self.async_llm.engine
+
+    async def load(self) -> None:
+        try:
+            engine = await asyncio.to_thread(LLMEngine, self.engine_args)
+        except Exception as error:
+            logger.error("failed to load the model: %s", error)
+            self.load_error = error
+            self.request_exit()
+            return
+        self.metrics.attach_engine(engine)
+        self.async_llm = AsyncLLM(engine)
+        runner, block_size = engine.runner, engine.cache_config.block_size
+        logger.info(
+            "serving %s as %r: dtype=%s device=%s, %d KV blocks x %d tokens = %d max "
+            "concurrent tokens, max_model_len=%d",
+            self.engine_args.model or "the embedded SmolLM2-135M-Instruct GGUF",
+            self.served_model_name,
+            str(self.engine_args.resolved_dtype(engine.device)).removeprefix("torch."),
+            engine.device, runner.num_blocks, block_size, runner.num_blocks * block_size,
+            engine.max_model_len,
+        )
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
+                              code="model_not_found")
+
+    def admit(self, num_requests: int) -> None:
+        """Refuse new work while loading, draining, or with a full waiting queue."""
+        if self.draining:
+            raise OpenAIError(503, "the server is shutting down", type="service_unavailable")
+        engine = self.engine
+        limit = self.max_waiting_requests
+        if limit is not None and engine.num_requests_waiting + num_requests > limit:
+            raise OpenAIError(
+                429, f"the waiting queue is full ({engine.num_requests_waiting} waiting, "
+                f"limit {limit}); retry later", type="rate_limit_error",
+                code="rate_limit_exceeded")
+
+
+def sampling_params(request: SamplingRequest, **overrides: object) -> SamplingParams:
+    """SamplingParams from the request's non-null fields; a bad value is a 400 naming it."""
+    values = {
+        name: getattr(request, name)
+        for name in ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "stop",
+                     "ignore_eos", "min_tokens")
+        if getattr(request, name) is not None
+    }
+    try:
+        return SamplingParams(**values, **overrides)
+    except ValueError as error:
+        raise bad_request(error, _SAMPLING_FIELDS) from None
+
+
+def validate_prompt(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    """Token ids of a prompt that fits; raises a 400 before anything is scheduled."""
+    try:
+        _, token_ids = engine.tokenize_prompt(prompt)
+        engine.validate(token_ids, params)
+    except ValueError as error:
+        raise bad_request(error, _SAMPLING_FIELDS) from None
+    return token_ids
+
+
+async def generate_all(
+    state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    priority: int,
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Runs every prompt as its own engine request; yields (prompt index, output) as they come.
+
+    Leaving early (client disconnect, error) cancels the consumers, which aborts the
+    engine requests and frees their KV blocks.
+    """
+    async_llm = state.async_llm
+    merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def consume(index: int, token_ids: list[int]) -> None:
+        tracker = state.metrics.track(len(token_ids))
+        try:
+            async for output in async_llm.generate(
+                {"prompt_token_ids": token_ids}, params, request_id=f"{request_id}-{index}",
+                priority=priority,
+            ):
+                tracker.on_output(output)
+                merged.put_nowait((index, output))
+            merged.put_nowait(None)
+        except Exception as error:
+            merged.put_nowait(error)
+        finally:
+            tracker.finish()
+
+    tasks = [asyncio.create_task(consume(i, ids)) for i, ids in enumerate(prompts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise OpenAIError(500, f"generation failed: {item}", type="internal_server_error")
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def collect_final(
+    state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    priority: int,
+) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(prompts)
+    state.num_in_flight += 1
+    try:
+        async for index, output in generate_all(state, request_id, prompts, params, priority):
+            finals[index] = output
+    finally:
+        state.num_in_flight -= 1
+    return finals  # type: ignore[return-value]
+
+
+def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of a sampler logprob entry (it lists them best first,
+    then the sampled token if it was not among them)."""
+    return list(entry.items())[:k]
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """One token's own text, for logprob listings (the generated text comes from the engine)."""
+    return tokenizer.decode([token_id])
+
+
+def usage(prompts: list[list[int]], finals: list[RequestOutput]) -> dict[str, int]:
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+async def sse_stream(
+    state: ServerState, chunks: AsyncIterator[dict], include_usage: Callable[[], dict | None],
+) -> AsyncIterator[str]:
+    """Frames chunks as SSE, adds the usage chunk and [DONE]; an engine failure mid-stream
+    becomes an error event (the status line has already gone out)."""
+    state.num_in_flight += 1
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+        final = include_usage()
+        if final is not None:
+            yield sse(final)
+    except OpenAIError as error:
+        yield sse(error.body())
+    finally:
+        state.num_in_flight -= 1
+    yield sse("[DONE]")
+
+
+class StreamThrottle:
+    """--stream-interval: send a choice's update only every N new tokens (first and last always)."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._sent_tokens: dict[int, int] = {}
+
+    def due(self, choice: int, num_tokens: int, finished: bool) -> bool:
+        sent = self._sent_tokens.get(choice)
+        if finished or sent is None or num_tokens - sent >= self.interval:
+            self._sent_tokens[choice] = num_tokens
+            return True
+        return False

@@ -1,0 +1,122 @@
+"""POST /v1/chat/completions: the model's chat template, then generation in OpenAI's chat shape."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+
+from kvserve.entrypoints.openai.errors import OpenAIError
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from kvserve.entrypoints.openai.serving import (
+    ServerState, StreamThrottle, collect_final, generate_all, sampling_params, sse_stream,
+    token_text, top_entries, usage, validate_prompt,
+)
+from kvserve.outputs import CompletionOutput, RequestOutput
+
+
+def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    if tokenizer is None or not tokenizer.chat_template:
+        raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    conversation = [
+        {"role": "system" if m.role == "developer" else m.role,
+         "content": m.content if isinstance(m.content, str) or m.content is None
+         else "\n".join(part.text for part in m.content)}
+        for m in messages
+    ]
+    for message in conversation:
+        message["content"] = message["content"] or ""
+    try:
+        return list(tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+            return_dict=True)["input_ids"])
+    except TemplateError as error:
+        raise OpenAIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
+
+
+def _logprobs(tokenizer, completion: CompletionOutput, start: int, num_top: int) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = [
+        {**entry(token_id, lps[token_id]),
+         "top_logprobs": [entry(t, lp) for t, lp in top_entries(lps, num_top)]}
+        for token_id, lps in zip(completion.token_ids[start:], (completion.logprobs or [])[start:])
+    ]
+    return {"content": content, "refusal": None}
+
+
+async def create_chat_completion(state: ServerState, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+    state.check_model(request.model)
+    engine = state.engine
+    if request.top_logprobs is not None and not request.logprobs:
+        raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    num_top = (request.top_logprobs or 0) if request.logprobs else None
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    params = sampling_params(request, max_tokens=max_tokens, logprobs=num_top)
+    prompt_ids = validate_prompt(engine, apply_chat_template(engine.tokenizer, request.messages), params)
+    state.admit(1)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    priority = request.priority or 0
+
+    def base(kind: str) -> dict:
+        return {"id": request_id, "object": kind, "created": created, "model": state.served_model_name}
+
+    if not request.stream:
+        (final,) = await collect_final(state, request_id, [prompt_ids], params, priority)
+        choices = [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": _logprobs(engine.tokenizer, c, 0, num_top) if num_top is not None else None,
+            "finish_reason": c.finish_reason,
+        } for c in final.outputs]
+        return JSONResponse({**base("chat.completion"), "choices": choices,
+                             "usage": usage([prompt_ids], [final])})
+
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    last: list[RequestOutput | None] = [None]
+    usage_field = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return {**base("chat.completion.chunk"), "choices": [{
+            "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+        }], **usage_field}
+
+    async def chunks() -> AsyncIterator[dict]:
+        for index in range(params.n):
+            yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+        throttle = StreamThrottle(state.stream_interval)
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        async for _, output in generate_all(state, request_id, [prompt_ids], params, priority):
+            last[0] = output
+            for c in output.outputs:
+                finished = c.finish_reason is not None
+                text = c.text[sent_text.get(c.index, 0):]
+                if not text and not finished:
+                    continue
+                if not throttle.due(c.index, len(c.token_ids), finished):
+                    continue
+                if text:
+                    logprobs = (_logprobs(engine.tokenizer, c, sent_tokens.get(c.index, 0), num_top)
+                                if num_top is not None else None)
+                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    yield chunk(c.index, {"content": text}, logprobs, None)
+                if finished:
+                    # Tokens without text of their own (EOS) still get their logprobs.
+                    rest = sent_tokens.get(c.index, 0)
+                    logprobs = (_logprobs(engine.tokenizer, c, rest, num_top)
+                                if num_top is not None and len(c.token_ids) > rest else None)
+                    yield chunk(c.index, {}, logprobs, c.finish_reason)
+
+    def usage_chunk() -> dict | None:
+        if not include_usage:
+            return None
+        return {**base("chat.completion.chunk"), "choices": [], "usage": usage([prompt_ids], [last[0]])}
+
+    return StreamingResponse(sse_stream(state, chunks(), usage_chunk), media_type="text/event-stream")

@@ -1,0 +1,154 @@
+"""Prometheus metrics of the server, all defined here.
+
+Names mirror vLLM's with the `kvserve:` prefix so dashboards port by a rename. Each server
+owns a CollectorRegistry (not the global one), so several servers or tests never collide.
+Request latencies are observed by the server as outputs arrive; engine state (queues,
+KV usage, preemptions, prefix-cache totals) is read from the engine at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.outputs import RequestOutput
+
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                          1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, registry=self.registry, buckets=buckets).labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "kvserve:time_to_first_token_seconds",
+            "Time from the server receiving a request to its first generated token.",
+            _TOKEN_LATENCY_BUCKETS)
+        self.inter_token_latency = histogram(
+            "kvserve:inter_token_latency_seconds",
+            "Time between successive token outputs of a request.", _TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = histogram(
+            "kvserve:time_per_output_token_seconds",
+            "Per request: (end-to-end - time to first token) / (output tokens - 1).",
+            _TOKEN_LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "kvserve:e2e_request_latency_seconds",
+            "Time from the server receiving a request to its last token.",
+            _REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "kvserve:request_queue_time_seconds",
+            "Time a request waited in the engine before it was first scheduled.",
+            _REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens = Counter(
+            "kvserve:prompt_tokens", "Prompt tokens of finished or aborted requests.", labels,
+            registry=self.registry).labels(model_name)
+        self.generation_tokens = Counter(
+            "kvserve:generation_tokens", "Generated tokens (all samples of a request).", labels,
+            registry=self.registry).labels(model_name)
+        # One count per sample (choice), labelled stop / length / abort.
+        self.request_success = Counter(
+            "kvserve:request_success", "Finished samples by finish reason.",
+            [*labels, "finished_reason"], registry=self.registry)
+
+    def attach_engine(self, engine: LLMEngine) -> None:
+        self.registry.register(_EngineCollector(engine, self.model_name))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self, num_prompt_tokens: int) -> RequestTracker:
+        return RequestTracker(self, num_prompt_tokens)
+
+
+class RequestTracker:
+    """Latency bookkeeping of one engine request; observed once when it ends."""
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+        self._metrics = metrics
+        self._num_prompt_tokens = num_prompt_tokens
+        self._arrival = time.perf_counter()
+        self._first_token: float | None = None
+        self._last_token: float | None = None
+        self._num_tokens = 0
+        self._last_output: RequestOutput | None = None
+
+    def on_output(self, output: RequestOutput) -> None:
+        now = time.perf_counter()
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if num_tokens > self._num_tokens:
+            if self._first_token is None:
+                self._first_token = now
+            else:
+                self._metrics.inter_token_latency.observe(now - self._last_token)
+            self._last_token = now
+            self._num_tokens = num_tokens
+        self._last_output = output
+
+    def finish(self) -> None:
+        """Call once, whether the request finished or was aborted (client gone, shutdown)."""
+        metrics, output = self._metrics, self._last_output
+        metrics.prompt_tokens.inc(self._num_prompt_tokens)
+        if output is None:
+            metrics.request_success.labels(metrics.model_name, "abort").inc()
+            return
+        metrics.generation_tokens.inc(self._num_tokens)
+        for completion in output.outputs:
+            reason = completion.finish_reason if output.finished else "abort"
+            metrics.request_success.labels(metrics.model_name, reason or "abort").inc()
+        if not output.finished or self._first_token is None:
+            return
+        ttft = self._first_token - self._arrival
+        e2e = self._last_token - self._arrival
+        metrics.time_to_first_token.observe(ttft)
+        metrics.e2e_request_latency.observe(e2e)
+        longest = max(len(c.token_ids) for c in output.outputs)
+        if longest > 1:
+            metrics.time_per_output_token.observe((e2e - ttft) / (longest - 1))
+        times = output.metrics
+        if times.first_scheduled_time is not None:
+            metrics.request_queue_time.observe(times.first_scheduled_time - times.arrival_time)
+
+
+class _EngineCollector(Collector):
+    """Engine state read at scrape time (plain reads of counters the worker thread updates)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self._engine = engine
+        self._labels = [model_name]
+
+    def _family(self, kind: type, name: str, doc: str, value: float) -> Metric:
+        family = kind(name, doc, labels=["model_name"])
+        family.add_metric(self._labels, value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine
+        scheduler = engine.scheduler
+        stats = scheduler.prefix_cache_stats
+        yield self._family(GaugeMetricFamily, "kvserve:num_requests_running",
+                           "Sequences running in the engine.", len(scheduler.running))
+        yield self._family(GaugeMetricFamily, "kvserve:num_requests_waiting",
+                           "Sequences waiting to be scheduled.", len(scheduler.waiting))
+        yield self._family(GaugeMetricFamily, "kvserve:kv_cache_usage_perc",
+                           "Fraction of KV-cache blocks in use (0..1).", engine.kv_cache.usage)
+        yield self._family(CounterMetricFamily, "kvserve:num_preemptions",
+                           "Sequences preempted for lack of KV blocks.", scheduler.num_preemptions)
+        yield self._family(CounterMetricFamily, "kvserve:prefix_cache_queries",
+                           "Prompt tokens looked up in the prefix cache.", stats.queried_tokens)
+        yield self._family(CounterMetricFamily, "kvserve:prefix_cache_hits",
+                           "Prompt tokens found in the prefix cache.", stats.hit_tokens)

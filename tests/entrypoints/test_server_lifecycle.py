@@ -1,0 +1,111 @@
+"""A server of its own (it gets SIGTERM): API keys, the waiting-queue limit, draining."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_process import launch_server
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "test-secret"
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    # One running sequence and one waiting slot make the queue limit reachable on demand;
+    # the key comes from the environment to cover KVSERVE_API_KEY.
+    proc = launch_server(tmp_path_factory.mktemp("lifecycle"), "--max-num-seqs", "1",
+                         "--max-waiting-requests", "1", "--shutdown-timeout", "60",
+                         env={"KVSERVE_API_KEY": KEY})
+    yield proc
+    proc.stop()
+
+
+def _waiting(server) -> float:
+    for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
+        if line.startswith("kvserve:num_requests_waiting{"):
+            return float(line.split()[-1])
+    raise AssertionError("no waiting gauge")
+
+
+def _stream_in_thread(server, max_tokens: int, events: list) -> threading.Thread:
+    """A streaming completion read on a thread; `events` gets each SSE payload."""
+
+    def run() -> None:
+        body = {"prompt": "Tell me a story:", "max_tokens": max_tokens, "stream": True,
+                "ignore_eos": True, "temperature": 0}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as response:
+            events.append(response.status_code)
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_health_is_503_while_loading(small_server):
+    assert small_server.saw_503_while_loading
+    assert httpx.get(f"{small_server.base_url}/health").status_code == 200
+
+
+def test_api_key_required_when_configured(small_server):
+    with pytest.raises(openai.AuthenticationError) as info:
+        small_server.client(api_key="wrong").completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert info.value.status_code == 401
+    missing = httpx.post(f"{small_server.base_url}/v1/completions", json={"prompt": "Hi"})
+    assert missing.status_code == 401
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{small_server.base_url}/health").status_code == 200  # no key needed
+    result = small_server.client(api_key=KEY).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert result.usage.completion_tokens >= 1
+
+
+def test_full_waiting_queue_answers_429_then_recovers(small_server):
+    running, waiting = [], []
+    first = _stream_in_thread(small_server, 60, running)
+    _wait_for(lambda: len(running) > 2)  # streaming: it holds the only running slot
+    second = _stream_in_thread(small_server, 4, waiting)
+    _wait_for(lambda: _waiting(small_server) == 1)
+    with pytest.raises(openai.RateLimitError) as info:
+        small_server.client(api_key=KEY).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert info.value.status_code == 429
+    first.join(120)
+    second.join(120)
+    assert running[-1] == waiting[-1] == "[DONE]"
+    result = small_server.client(api_key=KEY).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert result.choices[0].finish_reason in ("stop", "length")
+
+
+def test_sigterm_drains_in_flight_request_then_exits_0(small_server):
+    events: list = []
+    stream = _stream_in_thread(small_server, 40, events)
+    _wait_for(lambda: len(events) > 2)
+    small_server.process.send_signal(signal.SIGTERM)
+    _wait_for(lambda: httpx.get(f"{small_server.base_url}/health").status_code == 503, 10)
+    refused = httpx.post(f"{small_server.base_url}/v1/completions", json={"prompt": "Hi"},
+                         headers={"Authorization": f"Bearer {KEY}"})
+    assert refused.status_code == 503
+    assert refused.json()["error"]["type"] == "service_unavailable"
+    stream.join(120)
+    assert small_server.process.wait(timeout=60) == 0
+    assert events[0] == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[1:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["text"] for c in chunks)  # the whole stream arrived
