@@ -1,0 +1,32 @@
+"""Pick the attention backend for a device."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.torch_ref import TorchReferenceBackend
+
+BACKEND_NAMES = ("auto", "torch", "triton")
+
+
+def get_attn_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
+    """"auto": Triton on CUDA, the torch reference elsewhere; "torch" or "triton" explicitly.
+    Triton on a CPU device only runs under its interpreter (TRITON_INTERPRET=1)."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"Unknown attention backend {name!r}; choose one of {BACKEND_NAMES}.")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchReferenceBackend()
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"The triton attention backend needs a CUDA device, got {device.type!r}; "
+            "use the 'torch' backend."
+        )
+    # Imported here so that CPU-only installs never need Triton.
+    from kvserve.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()

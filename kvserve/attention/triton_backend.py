@@ -1,0 +1,40 @@
+"""The Triton attention backend: the GPU path of every attention layer."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.triton_kernels.kv_cache_write import write_kv_cache
+from kvserve.attention.triton_kernels.paged_attention import choose_num_kv_splits, paged_attention
+
+
+class TritonAttentionBackend:
+    """Writes the step's K/V into the paged cache, then runs one attention kernel over the
+    whole varlen batch: decode-only batches get a decode tile and, when few sequences
+    would leave the chip idle, a split-KV (flash-decoding) pass; other batches a prefill
+    tile. No host sync: every launch size comes from the metadata's host fields."""
+
+    def __init__(self, num_kv_splits: int | None = None) -> None:
+        # None: chosen per decode batch; a number pins it (tests; CUDA graphs need one
+        # grid per captured batch size).
+        self.num_kv_splits = num_kv_splits
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        num_kv_splits = self.num_kv_splits
+        if num_kv_splits is None:
+            num_kv_splits = choose_num_kv_splits(metadata, kv_cache.shape[3], query.device)
+        paged_attention(query, kv_cache, metadata, scale, output, num_kv_splits)
+        return output

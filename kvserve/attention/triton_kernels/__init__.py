@@ -1,0 +1,1 @@
+"""Triton kernels of the paged-attention backend: kv_cache_write, paged_attention."""

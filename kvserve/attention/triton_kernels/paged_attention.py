@@ -1,0 +1,293 @@
+"""Paged attention over a flat varlen batch (prefill chunks and decodes mixed).
+
+One program attends one tile of query rows to one KV head's context. A tile's rows are
+(token, head) pairs of BLOCK_M // GROUP_PAD consecutive tokens times the GROUP query
+heads sharing that KV head, so every K/V tile is read once for the whole head group and
+the matrix units see at least 16 rows even for a single decode token. Tokens of a chunk
+sit at the last positions of their sequence's context and attend causally through the
+block table. With num_kv_splits > 1 (flash decoding) each program covers one slice of
+the context and writes unnormalised partials that a second kernel merges.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.attention.metadata import AttentionMetadata
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
+    """Owner of a global query tile. Sequence i's tiles are numbered from
+    query_start_loc[i] // BLOCK_Q + i: strictly increasing in i and leaving each sequence
+    at least cdiv(q_len, BLOCK_Q) numbers, so a binary search finds the owner with no
+    host-side tile table."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= q_block_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+# num_seqs == 1 would otherwise be specialised into a constant, clashing with the search's
+# loop-carried int32.
+@triton.jit(do_not_specialize=["num_seqs"])
+def _paged_attention_kernel(
+    out_ptr,  # [T, H, D] output, or [T, H, S, D] fp32 partial sums when split
+    max_ptr,  # [T, H, S] fp32 running max (log2 domain), split only
+    sum_ptr,  # [T, H, S] fp32 softmax denominators, split only
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    num_heads,
+    num_kv_splits,
+    qk_scale,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    SPLIT: tl.constexpr,  # num_kv_splits > 1: write partials for the merge kernel
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    q_block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = q_block_id - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // GROUP_PAD  # token within the chunk
+    head_in_group = rows % GROUP_PAD
+    head = kv_head * GROUP + head_in_group
+    row_valid = (q_idx < q_len) & (head_in_group < GROUP)
+    q_pos = seq_len - q_len + q_idx  # context position of the row's token
+    dims = tl.arange(0, HEAD_DIM)
+    token = q_start + q_idx
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+
+    # Keys up to the last valid token of this tile, this split's share of them.
+    kv_len = seq_len - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_kv_splits)
+    tile_start = split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_start, tile_end):
+        k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_valid = k_pos < kv_len
+        block = tl.load(block_table + k_pos // block_size, mask=k_valid, other=0).to(tl.int64)
+        # int64: a large cache holds more than 2**31 elements.
+        slot = block * stride_cache_block + (k_pos % block_size) * stride_cache_slot
+        slot += kv_head * stride_cache_head
+        k = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with nothing visible yet (padding rows) keep -inf; subtract 0 to avoid NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
+        )
+        m_i = m_new
+
+    if not SPLIT:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_offsets = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        part = (token * num_heads + head) * num_kv_splits + split
+        tl.store(out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+        tl.store(max_ptr + part, m_i, mask=row_valid)
+        tl.store(sum_ptr + part, l_i, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    partial_ptr,
+    max_ptr,
+    sum_ptr,
+    num_heads,
+    num_kv_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    first_part = (token * num_heads + head) * num_kv_splits
+    dims = tl.arange(0, HEAD_DIM)
+    # Online merge; split 0 always holds key 0, so the running max is finite from it on
+    # and empty splits (max -inf, sum 0) weigh nothing.
+    m_run = tl.full([], float("-inf"), tl.float32)
+    l_run = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for part in range(first_part, first_part + num_kv_splits):
+        m = tl.load(max_ptr + part)
+        m_new = tl.maximum(m_run, m)
+        alpha = tl.exp2(m_run - m_new)
+        weight = tl.exp2(m - m_new)
+        l_run = l_run * alpha + tl.load(sum_ptr + part) * weight
+        acc = acc * alpha + tl.load(partial_ptr + part * HEAD_DIM + dims) * weight
+        m_run = m_new
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, (acc / l_run).to(out_ptr.dtype.element_ty))
+
+
+class TileConfig(NamedTuple):
+    block_m: int  # query rows (tokens x group heads) per program
+    block_n: int  # keys per inner iteration
+    num_warps: int
+    num_stages: int
+
+
+# Decode tiles hold a single token's head group: 16 rows is the matrix units' minimum.
+DECODE_TILE = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+PREFILL_TILE = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+MAX_KV_SPLITS = 64
+KV_SPLIT_WAVES = 4
+# Fewer keys than this per split and the merge costs more than the parallelism buys.
+MIN_KEYS_PER_SPLIT = 512
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_kv_splits(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
+    """Split the context of decode-only batches whose (sequence, KV head) programs would
+    leave multiprocessors idle, up to about KV_SPLIT_WAVES programs per multiprocessor;
+    1 for other batches (a batch that fills the chip loses to the merge's extra traffic)."""
+    if metadata.max_query_len != 1:
+        return 1
+    programs = metadata.num_seqs * num_kv_heads
+    num_sms = _num_sms(device)
+    if programs >= num_sms:
+        return 1
+    wanted = math.ceil(KV_SPLIT_WAVES * num_sms / programs)
+    return max(1, min(wanted, metadata.max_seq_len // MIN_KEYS_PER_SPLIT, MAX_KV_SPLITS))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    output: torch.Tensor,
+    num_kv_splits: int = 1,
+    tile: TileConfig | None = None,
+) -> None:
+    """output[T, H, D] = causal attention of query [T, H, D] over each sequence's paged
+    context in kv_cache [2, num_blocks, block_size, KVH, D]. Grid sizes come from the
+    metadata's host-side fields only, so no device sync happens here."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    assert num_heads % num_kv_heads == 0 and query.stride(-1) == 1 and output.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    if tile is None:
+        tile = DECODE_TILE if metadata.max_query_len == 1 else PREFILL_TILE
+    block_m = max(tile.block_m, group_pad)
+    num_q_blocks = num_tokens // (block_m // group_pad) + metadata.num_seqs
+    split = num_kv_splits > 1
+    if split:
+        partial = torch.empty(
+            num_tokens, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=query.device
+        )
+        maxes = torch.empty(partial.shape[:-1], dtype=torch.float32, device=query.device)
+        sums = torch.empty_like(maxes)
+    else:
+        partial, maxes, sums = output, output, output  # the extra two are unused
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_kv_splits)](
+        partial,
+        maxes,
+        sums,
+        query,
+        kv_cache[0],
+        kv_cache[1],
+        metadata.block_tables,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        metadata.num_seqs,
+        num_heads,
+        num_kv_splits,
+        scale * LOG2_E,
+        metadata.block_size,
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        metadata.block_tables.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        SPLIT=split,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=tile.block_n,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            output,
+            partial,
+            maxes,
+            sums,
+            num_heads,
+            num_kv_splits,
+            output.stride(0),
+            output.stride(1),
+            HEAD_DIM=head_dim,
+        )
