@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
+from kvserve.quantization import QUANTIZATION_METHODS
 from kvserve.utils import parse_size
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _json_dict(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 @dataclass
@@ -20,6 +33,8 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    quantization: str | None = None
+    quantization_config: dict[str, Any] | None = None
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: str | None = None
@@ -69,6 +84,16 @@ class EngineArgs:
         )
         group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
         group.add_argument("--seed", type=int, default=0, help="Seed for dummy weights.")
+        group.add_argument(
+            "--quantization", default=None, choices=list(QUANTIZATION_METHODS),
+            help="Weight-only quantization of the linear layers, applied at load: int8 "
+            "(symmetric, per output channel), int4 (asymmetric, group-wise), nf4 "
+            "(bitsandbytes NormalFloat-4, per-block absmax). Default: none.",
+        )
+        group.add_argument(
+            "--quantization-config", default=None, type=_json_dict,
+            help='JSON options of the quantization method, e.g. \'{"group_size": 32}\' for int4.',
+        )
         group.add_argument(
             "--max-model-len", type=int, default=None,
             help="Context length limit (prompt + output); default: the model's.",

@@ -47,6 +47,7 @@ class LLMEngine:
             loaded = load_model(
                 args.model, load_format=args.load_format, model_shape=args.model_shape,
                 dtype=dtype, device=self.device, seed=args.seed,
+                quantization=args.quantization, quantization_config=args.quantization_config,
             )
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

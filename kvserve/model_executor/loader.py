@@ -4,6 +4,7 @@ named shape, or the embedded default model."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ from kvserve.model_executor.dummy import dummy_model_config, init_dummy_weights
 from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.models.llama import LlamaForCausalLM
 from kvserve.model_executor.models.registry import get_model_class
+from kvserve.quantization import get_quantization_method, quantize_model
+
+logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -197,9 +201,28 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    quantization: str | None = None,
+    quantization_config: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a model for inference. `model` is a Hugging Face directory, a .gguf file, or
-    None for the embedded default (SmolLM2-135M-Instruct Q4_1)."""
+    None for the embedded default (SmolLM2-135M-Instruct Q4_1). `quantization` names a
+    weight-only method applied to the linear layers once the weights are loaded."""
+    # Resolved first so that a bad method or config fails before any weight is read.
+    method = get_quantization_method(quantization, quantization_config)
+    loaded = _load_unquantized(model, load_format, model_shape, dtype, device, seed)
+    if method is not None:
+        report = quantize_model(loaded.model, method)
+        logger.info(
+            "quantization=%s: linear weights %.1f MB -> %.1f MB (%d layers)",
+            report.method, report.bytes_before / 1e6, report.bytes_after / 1e6, report.num_layers,
+        )
+    return loaded
+
+
+def _load_unquantized(
+    model: str | None, load_format: str, model_shape: str | None, dtype: torch.dtype,
+    device: str | torch.device, seed: int,
+) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
     if load_format == "dummy":

@@ -1,0 +1,124 @@
+"""The quantization interface: a method turns each linear layer of a loaded model into a
+`QuantizedLinear` that owns its packed weights and computes `apply(x) -> y`.
+
+The model code builds plain `nn.Linear` layers and never learns which method is active:
+`quantize_model` swaps them after the weights are in place. Methods that load packed
+checkpoints (GGUF blocks, GPTQ/AWQ) plug in by building the same `QuantizedLinear`
+subclasses from the checkpoint's tensors instead of from a float weight.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Measured on SmolLM2's linears (2-core AVX512 CPU, torch 2.13): torch's weight-only
+# kernels with bf16 activations beat fp32 up to about 8 rows, break even near 16, and are
+# ~2x slower than fp32 at 64 rows; dequantizing to fp32 per call costs about one 1-row
+# fp32 pass over the weight extra, so it wins from there on.
+CPU_KERNEL_MAX_ROWS = 16
+
+# Layers left in the run dtype: the LM head decides every token, and embeddings are
+# only gathered, so quantizing them saves memory but no decode time.
+_SKIPPED_LAYERS = ("lm_head",)
+
+
+class QuantizedLinear(nn.Module, ABC):
+    """A linear layer whose weight is stored quantized; the computation is picked per
+    call by the number of rows: a fused weight-only kernel for decode-sized inputs on
+    CPU where the method has one, else dequantize to the activation dtype and run a
+    dense matmul (no float copy of the weight is kept between calls)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @abstractmethod
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this layer computes with, [out_features, in_features]."""
+
+    def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ W^T through a fused weight-only CPU kernel, or None where there is none."""
+        return None
+
+    def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T by dequantizing to the activation dtype: any device, any row count."""
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        y = None
+        if x.device.type == "cpu" and x.numel() <= CPU_KERNEL_MAX_ROWS * self.in_features:
+            y = self.kernel_matmul(x)
+        if y is None:
+            y = self.dense_matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply(x)
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class QuantizationMethod(ABC):
+    """Decides, per linear layer, how its weight is converted and applied."""
+
+    name: str
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        config = dict(config or {})
+        unknown = sorted(set(config) - set(self.config_keys()))
+        if unknown:
+            raise ValueError(
+                f"quantization={self.name!r}: unknown quantization_config keys {unknown}; "
+                f"supported: {sorted(self.config_keys()) or 'none'}"
+            )
+        self.config = config
+
+    def config_keys(self) -> tuple[str, ...]:
+        return ()
+
+    def check_layer(self, name: str, layer: nn.Linear) -> None:
+        """Raise ValueError naming the layer if this method cannot quantize it."""
+
+    @abstractmethod
+    def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
+        """Build the quantized replacement of a loaded float layer."""
+
+
+@dataclass
+class QuantizationReport:
+    method: str
+    num_layers: int
+    bytes_before: int
+    bytes_after: int
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: QuantizationMethod) -> QuantizationReport:
+    """Swap every nn.Linear except the LM head for the method's quantized layer; every
+    layer is checked before any is converted, so a bad config leaves the model intact."""
+    targets = [
+        (name, module) for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in _SKIPPED_LAYERS
+    ]
+    for name, layer in targets:
+        method.check_layer(name, layer)
+    bytes_before = bytes_after = 0
+    for name, layer in targets:
+        quantized = method.quantize_linear(name, layer)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, quantized)
+        bytes_before += layer.weight.numel() * layer.weight.element_size()
+        bytes_after += quantized.weight_bytes()
+    return QuantizationReport(method.name, len(targets), bytes_before, bytes_after)

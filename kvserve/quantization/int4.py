@@ -1,0 +1,134 @@
+"""int4: asymmetric group-wise weight-only quantization with FLOAT zero points.
+
+Each group of `group_size` input elements of a row keeps an fp32 scale and an fp32
+minimum: w ~= q * scale + minimum, q in [0, 15]. Float zero points (rather than an
+integer q-offset) reproduce a llama.cpp Q4_1 grid exactly when the groups line up (the
+embedded SmolLM2 is Q4_1 with 32-wide blocks); integer zero points cost about +25%
+perplexity there. torch's CPU kernel uses the same convention, w = (q - 8) * s + z,
+so it takes z = minimum + 8 * s.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.quantization.base import QuantizationMethod, QuantizedLinear
+
+DEFAULT_GROUP_SIZES = (128, 64, 32)
+_KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+_KERNEL_BLOCK_N = 64  # the CPU kernel's packed layout interleaves 64-row blocks
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 [N, K] in [0, 15], scale [N, K/g], minimum [N, K/g]), all fp32 maths."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // group_size, group_size)
+    minimum = groups.amin(dim=-1)
+    scale = (groups.amax(dim=-1) - minimum) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: q = 0
+    q = torch.round((groups - minimum[..., None]) / scale[..., None]).clamp(0, 15)
+    return q.to(torch.uint8).reshape(n, k), scale, minimum
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    groups = q.reshape(n, scale.shape[1], -1).to(torch.float32)
+    return torch.addcmul(minimum[..., None], groups, scale[..., None]).reshape(n, k)
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    flat = q.flatten()
+    if flat.numel() % 2:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    return flat[0::2] | (flat[1::2] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten()[: n * k].reshape(n, k)
+
+
+def _unpack_kernel_layout(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    # Byte j of a 64-row block at column c holds row j (low nibble) and row j + 32 (high).
+    blocks = packed.reshape(n // _KERNEL_BLOCK_N, k, _KERNEL_BLOCK_N // 2)
+    rows = torch.cat([blocks & 15, blocks >> 4], dim=-1)
+    return rows.permute(0, 2, 1).reshape(n, k)
+
+
+class Int4Linear(QuantizedLinear):
+    """Stores only the CPU kernel's packed layout where the kernel applies (dense calls
+    unpack it), else plain nibble pairs; 0.5 byte per weight either way."""
+
+    def __init__(self, layer: nn.Linear, group_size: int) -> None:
+        super().__init__(layer.in_features, layer.out_features, layer.bias)
+        self.group_size = group_size
+        q, scale, minimum = quantize_int4(layer.weight, group_size)
+        self.register_buffer("scale", scale)
+        self.register_buffer("minimum", minimum)
+        self.kernel_layout = self._try_kernel_layout(q)
+        if not self.kernel_layout:
+            self.register_buffer("qweight", _pack_nibbles(q))
+
+    def _try_kernel_layout(self, q: torch.Tensor) -> bool:
+        n, k = q.shape
+        if self.group_size not in _KERNEL_GROUP_SIZES or n % _KERNEL_BLOCK_N or q.device.type != "cpu":
+            return False
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        # The layout is torch-internal: keep it only if we can read it back exactly.
+        if not torch.equal(_unpack_kernel_layout(packed, n, k), q):
+            return False
+        self.register_buffer("qweight", packed)
+        zero = self.minimum + 8 * self.scale
+        scales_and_zeros = torch.stack([self.scale, zero], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("kernel_scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
+        return True
+
+    def unpacked(self) -> torch.Tensor:
+        unpack = _unpack_kernel_layout if self.kernel_layout else _unpack_nibbles
+        return unpack(self.qweight, self.out_features, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int4(self.unpacked(), self.scale, self.minimum).to(dtype)
+
+    def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.kernel_layout:
+            return None
+        # bf16 activations are the op's fast path; its scales and zeros are bf16 too.
+        y = torch._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features).to(torch.bfloat16), self.qweight,
+            self.group_size, self.kernel_scales_and_zeros,
+        )
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+class Int4Method(QuantizationMethod):
+    name = "int4"
+
+    def config_keys(self) -> tuple[str, ...]:
+        return ("group_size",)
+
+    def group_size(self, name: str, in_features: int) -> int:
+        if "group_size" in self.config:
+            group_size = self.config["group_size"]
+            if not isinstance(group_size, int) or group_size <= 0 or in_features % group_size:
+                raise ValueError(
+                    f"int4 group_size {group_size!r} does not divide the input size "
+                    f"{in_features} of layer {name!r}"
+                )
+            return group_size
+        for group_size in DEFAULT_GROUP_SIZES:
+            if in_features % group_size == 0:
+                return group_size
+        raise ValueError(
+            f"int4: none of the default group sizes {DEFAULT_GROUP_SIZES} divides the input "
+            f"size {in_features} of layer {name!r}; set quantization_config={{'group_size': N}}"
+        )
+
+    def check_layer(self, name: str, layer: nn.Linear) -> None:
+        self.group_size(name, layer.in_features)
+
+    def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
+        return Int4Linear(layer, self.group_size(name, layer.in_features))

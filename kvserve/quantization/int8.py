@@ -1,0 +1,51 @@
+"""int8: symmetric weight-only quantization with one scale per output channel."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.quantization.base import QuantizationMethod, QuantizedLinear
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K] in [-127, 127], scale fp32 [N]) with weight ~= q * scale[:, None]."""
+    weight = weight.float()
+    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(QuantizedLinear):
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__(layer.in_features, layer.out_features, layer.bias)
+        q, scale = quantize_int8(layer.weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        # torch's CPU kernel wants bf16 scales and crashes on some odd K (seen at K=51).
+        self.register_buffer("kernel_scale", scale.to(torch.bfloat16), persistent=False)
+        self.has_kernel = self.in_features % 16 == 0
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+    def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.has_kernel:
+            return None
+        # With fp32 activations the op is slower than a fp32 matmul; bf16 is its fast path.
+        y = torch._weight_int8pack_mm(
+            x.reshape(-1, self.in_features).to(torch.bfloat16), self.qweight, self.kernel_scale
+        )
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # Per-channel scales commute with the matmul: convert only, scale the output.
+        return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
+
+
+class Int8Method(QuantizationMethod):
+    name = "int8"
+
+    def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
+        return Int8Linear(layer)
