@@ -134,7 +134,11 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
-            cached_prefix = self.kv_cache.find_cached_prefix(seq.all_token_ids)
+            # Prompt logprobs need every prompt position computed, so no prefix hits then.
+            cached_prefix = (
+                [] if seq.wants_prompt_logprobs
+                else self.kv_cache.find_cached_prefix(seq.all_token_ids)
+            )
             num_computed = len(cached_prefix) * self.kv_cache.block_size
             num_new = seq.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:

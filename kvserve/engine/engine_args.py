@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvserve.quantization import QUANTIZATION_METHODS
+from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.utils import parse_size
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -44,6 +45,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -128,6 +130,10 @@ class EngineArgs:
         group.add_argument(
             "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
             help="Order of admission and preemption: arrival, or priority then arrival.",
+        )
+        group.add_argument(
+            "--attention-backend", default="auto", choices=list(BACKEND_NAMES),
+            help="Paged attention implementation (auto: Triton on GPU, torch reference on CPU).",
         )
 
     @classmethod

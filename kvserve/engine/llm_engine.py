@@ -66,7 +66,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             loaded.model, self.model_config, self.cache_config, self.scheduler_config,
-            self.device,
+            self.device, args.attention_backend,
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
@@ -76,10 +76,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         logger.info(
-            "kvserve engine: %s layers=%d dtype=%s device=%s, %d KV blocks of %d tokens "
-            "(%d tokens), max_model_len=%d",
+            "kvserve engine: %s layers=%d dtype=%s device=%s attention=%s, %d KV blocks of %d "
+            "tokens (%d tokens), max_model_len=%d",
             self.model_config.architecture, self.model_config.num_hidden_layers,
-            str(dtype).removeprefix("torch."), self.device, self.runner.num_blocks,
+            str(dtype).removeprefix("torch."), self.device,
+            type(self.runner.attn_backend).__name__,
+            self.runner.num_blocks,
             args.block_size, self.runner.num_blocks * args.block_size, self.max_model_len,
         )
 

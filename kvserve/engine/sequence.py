@@ -70,6 +70,10 @@ class Sequence:
         return self.request.arrival_time
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.request.params.prompt_logprobs is not None
+
+    @property
     def is_prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.selector import get_attn_backend
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
@@ -43,8 +44,11 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         device: torch.device,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
+        self.attn_backend = get_attn_backend(device, attention_backend)
+        model.set_attn_backend(self.attn_backend)
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -180,8 +184,7 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_indices.append(len(input_ids) - 1)
                 sampling_seqs.append(seq)
-            wants_prompt_logprobs = seq.request.params.prompt_logprobs is not None
-            if wants_prompt_logprobs and start < seq.num_prompt_tokens - 1 and seq.index == 0:
+            if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1 and seq.index == 0:
                 # Position p predicts prompt token p + 1; the last prompt position predicts
                 # the first output token, which is not a prompt logprob.
                 count = min(end, seq.num_prompt_tokens - 1) - start

@@ -128,3 +128,17 @@ def test_abort_frees_blocks_and_others_finish(smollm2_llm):
     reference = smollm2_llm.generate(PROMPT, params)[0]
     assert _tokens(finished[0]) == _tokens(reference)
     assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+
+
+def test_prompt_logprobs_cover_the_whole_prompt_with_prefix_caching(smollm2_llm):
+    assert smollm2_llm.engine.cache_config.enable_prefix_caching
+    prompt = PROMPT + " " + PROMPT  # long enough for several full blocks
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    smollm2_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2))  # fills the cache
+    first = smollm2_llm.generate(prompt, params)[0]
+    second = smollm2_llm.generate(prompt, params)[0]
+    num_prompt = len(first.prompt_token_ids)
+    assert num_prompt > 2 * smollm2_llm.engine.cache_config.block_size
+    assert len(first.prompt_logprobs) == len(second.prompt_logprobs) == num_prompt
+    for a, b in zip(first.prompt_logprobs[1:], second.prompt_logprobs[1:]):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)

@@ -143,6 +143,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
+    def set_attn_backend(self, attn_backend: AttentionBackend) -> None:
+        """Swap the attention implementation (the model runner picks it per device)."""
+        for layer in self.model.layers:
+            layer.self_attn.attn_backend = attn_backend
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = (
             self.model.embed_tokens.weight
