@@ -23,7 +23,7 @@ def small_server(tmp_path_factory):
     # the key comes from the environment to cover KVSERVE_API_KEY.
     proc = launch_server(tmp_path_factory.mktemp("lifecycle"), "--max-num-seqs", "1",
                          "--max-waiting-requests", "1", "--shutdown-timeout", "60",
-                         env={"KVSERVE_API_KEY": KEY})
+                         "--stream-interval", "4", env={"KVSERVE_API_KEY": KEY})
     yield proc
     proc.stop()
 
@@ -91,6 +91,23 @@ def test_full_waiting_queue_answers_429_then_recovers(small_server):
     assert running[-1] == waiting[-1] == "[DONE]"
     result = small_server.client(api_key=KEY).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert result.choices[0].finish_reason in ("stop", "length")
+
+
+def test_stream_interval_buffers_tokens_without_changing_the_text(small_server):
+    body = {"model": MODEL, "prompt": "List some fruits:", "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    whole = httpx.post(f"{small_server.base_url}/v1/completions", json=body, headers=headers,
+                       timeout=120).json()["choices"][0]["text"]
+    with httpx.stream("POST", f"{small_server.base_url}/v1/completions", headers=headers,
+                      json=body | {"stream": True}, timeout=120) as response:
+        payloads = [line.removeprefix("data: ") for line in response.iter_lines()
+                    if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    texts = [json.loads(p)["choices"][0]["text"] for p in payloads[:-1]]
+    assert "".join(texts) == whole
+    # 20 tokens at 4 per chunk: at most 5 text chunks plus the final one.
+    assert 2 <= len([t for t in texts if t]) <= 6
 
 
 def test_sigterm_drains_in_flight_request_then_exits_0(small_server):
