@@ -132,7 +132,7 @@ def test_abort_frees_blocks_and_others_finish(smollm2_llm):
 
 def test_prompt_logprobs_cover_the_whole_prompt_with_prefix_caching(smollm2_llm):
     assert smollm2_llm.engine.cache_config.enable_prefix_caching
-    prompt = PROMPT + " " + PROMPT  # long enough for several full blocks
+    prompt = " ".join([PROMPT] * 4)  # long enough for several full blocks
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
     smollm2_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2))  # fills the cache
     first = smollm2_llm.generate(prompt, params)[0]
