@@ -1,4 +1,4 @@
-"""`kvserve` command line: generate, chat, serve, bench."""
+"""`kvserve` command line: generate, chat, serve, bench, eval."""
 
 from __future__ import annotations
 
@@ -78,6 +78,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def cmd_eval_perplexity(args: argparse.Namespace) -> int:
+    from kvserve.eval.perplexity import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvserve", description="LLM inference engine with a paged KV cache."
@@ -120,6 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_bench_args(serve_bench)
     serve_bench.set_defaults(handler=cmd_bench_serve)
+
+    evaluate = commands.add_parser("eval", help="Quality evaluations.")
+    eval_commands = evaluate.add_subparsers(dest="eval_command", required=True)
+    from kvserve.eval.perplexity import add_cli_args as add_perplexity_args
+
+    perplexity = eval_commands.add_parser(
+        "perplexity", help="Sliding-window perplexity of a text file through the engine."
+    )
+    EngineArgs.add_cli_args(perplexity)
+    add_perplexity_args(perplexity)
+    perplexity.set_defaults(handler=cmd_eval_perplexity)
     return parser
 
 
