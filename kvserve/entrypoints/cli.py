@@ -72,6 +72,12 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    from kvserve.benchmarks.latency import run_from_args
+
+    return run_from_args(args)
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from kvserve.benchmarks.serve import run_from_args
 
@@ -119,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(throughput)
     add_throughput_args(throughput)
     throughput.set_defaults(handler=cmd_bench_throughput)
+    from kvserve.benchmarks.latency import add_cli_args as add_latency_args
+
+    latency = bench_commands.add_parser(
+        "latency", help="W2: TTFT and time per output token at fixed batch sizes, vs the floor."
+    )
+    EngineArgs.add_cli_args(latency)
+    add_latency_args(latency)
+    latency.set_defaults(handler=cmd_bench_latency)
     from kvserve.benchmarks.serve import add_cli_args as add_serve_bench_args
 
     serve_bench = bench_commands.add_parser(

@@ -1,0 +1,84 @@
+"""`kvserve bench latency` (W2): a batch of identical-length requests, prompt 128 and 256
+output tokens by default, greedy, ignore_eos. Reports TTFT and time per output token beside
+the floor: the bytes a decode step must read (weights once plus the live KV) over the copy
+bandwidth measured on the same device in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass
+
+from kvserve.benchmarks.roofline import (
+    copy_bandwidth,
+    decode_step_floor_s,
+    kv_bytes_per_token,
+    weight_bytes_per_step,
+)
+from kvserve.benchmarks.throughput import make_requests
+from kvserve.engine.engine_args import EngineArgs
+from kvserve.llm import LLM
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class LatencyResult:
+    batch_size: int
+    input_len: int
+    output_len: int
+    ttft_ms_median: float
+    tpot_ms_median: float  # decode time per output token of one request = one decode step
+    output_tok_s: float  # batch_size / TPOT
+    floor_ms: float  # at the mean context length of the decode phase
+    fraction_of_floor: float  # floor / measured; 1.0 would be at the floor
+
+
+def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
+                bandwidth: float, seed: int = 0) -> LatencyResult:
+    engine = llm.engine
+    requests = make_requests(batch_size, (input_len, input_len), (output_len, output_len),
+                             engine.model_config.vocab_size, seed)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params)
+    ttfts, tpots = [], []
+    for output in outputs:
+        times = output.metrics
+        ttfts.append(times.first_token_time - times.arrival_time)
+        tpots.append((times.finished_time - times.first_token_time) / max(1, output_len - 1))
+    tpot = statistics.median(tpots)
+    mean_context = input_len + output_len / 2
+    floor = decode_step_floor_s(
+        weight_bytes_per_step(engine.runner.model, engine.model_config),
+        kv_bytes_per_token(engine.model_config), round(batch_size * mean_context), bandwidth,
+    )
+    return LatencyResult(batch_size, input_len, output_len, statistics.median(ttfts) * 1e3,
+                         tpot * 1e3, batch_size / tpot, floor * 1e3, floor / tpot)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--input-len", type=int, default=128, help="Prompt tokens per request.")
+    group.add_argument("--output-len", type=int, default=256, help="Output tokens per request (EOS ignored).")
+    group.add_argument("--batch-sizes", default="1", help="Comma-separated batch sizes, e.g. 1,16,64.")
+    group.add_argument("--workload-seed", type=int, default=0, help="Seed of the random prompts.")
+    group.add_argument("--output-json", default=None, help="Write the results to this file.")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    bandwidth = copy_bandwidth(llm.engine.device)
+    run_latency(llm, 1, min(16, args.input_len), 4, bandwidth)  # warm-up
+    results = [run_latency(llm, b, args.input_len, args.output_len, bandwidth, args.workload_seed)
+               for b in batch_sizes]
+    print(f"\nmeasured copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
+    print(f"{'batch':>5s} {'TTFT ms':>9s} {'TPOT ms':>9s} {'out tok/s':>10s} {'floor ms':>9s} {'of floor':>9s}")
+    for r in results:
+        print(f"{r.batch_size:5d} {r.ttft_ms_median:9.1f} {r.tpot_ms_median:9.2f} "
+              f"{r.output_tok_s:10.1f} {r.floor_ms:9.2f} {r.fraction_of_floor:9.0%}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"copy_bandwidth_bytes_per_s": bandwidth,
+                       "results": [asdict(r) for r in results]}, f, indent=2)
+    return 0

@@ -1,0 +1,45 @@
+"""The W2 latency benchmark and the decode-step floor it reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM
+from kvserve.benchmarks.latency import run_latency
+from kvserve.benchmarks.roofline import kv_bytes_per_token, weight_bytes_per_step
+from kvserve.model_executor.dummy import dummy_model_config
+from kvserve.model_executor.models.llama import LlamaForCausalLM
+
+
+@pytest.mark.parametrize(
+    ("shape", "weights_gb", "kv_kib"),
+    # WORKLOADS.md: llama3-8b reads 15.0 GB per step (linears + LM head, the embedding is
+    # only gathered); qwen2.5-0.5b's tied embedding is its LM head (0.99 GB in all).
+    [("llama3-8b", 15.0, 128), ("qwen2.5-0.5b", 0.99, 12), ("smollm2-135m", 0.27, 22.5)],
+)
+def test_step_bytes_match_the_published_shapes(shape, weights_gb, kv_kib):
+    config = dummy_model_config(shape, torch.bfloat16)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    assert weight_bytes_per_step(model, config) / 1e9 == pytest.approx(weights_gb, rel=0.02)
+    assert kv_bytes_per_token(config) / 1024 == kv_kib
+
+
+def test_latency_result_is_consistent():
+    llm = LLM(load_format="dummy", model_shape="smollm2-135m", kv_cache_memory="64MiB")
+    bandwidth = 20e9
+    result = run_latency(llm, batch_size=3, input_len=24, output_len=8, bandwidth=bandwidth)
+    assert result.ttft_ms_median > 0 and result.tpot_ms_median > 0
+    assert result.output_tok_s == pytest.approx(3 / (result.tpot_ms_median / 1e3))
+    config = llm.engine.model_config
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    weights -= 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size * 4
+    live_kv = 3 * (24 + 8 / 2) * kv_bytes_per_token(config)
+    assert result.floor_ms == pytest.approx((weights + live_kv) / bandwidth * 1e3)
+    assert result.fraction_of_floor == pytest.approx(result.floor_ms / result.tpot_ms_median)
