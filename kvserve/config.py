@@ -28,6 +28,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
+    # Mistral: a token attends only to the last `sliding_window` positions (itself included).
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: torch.dtype = torch.float32

@@ -12,15 +12,23 @@ from kvserve.attention.torch_ref import TorchReferenceBackend
 BACKEND_NAMES = ("auto", "torch", "triton")
 
 
-def get_attn_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
-    """"auto": Triton on CUDA, the torch reference elsewhere; "torch" or "triton" explicitly.
+def get_attn_backend(
+    device: torch.device, name: str = "auto", sliding_window: int | None = None
+) -> AttentionBackend:
+    """"auto": Triton on CUDA, the torch reference elsewhere (and for sliding-window models,
+    which the Triton kernels do not implement yet); "torch" or "triton" explicitly.
     Triton on a CPU device only runs under its interpreter (TRITON_INTERPRET=1)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"Unknown attention backend {name!r}; choose one of {BACKEND_NAMES}.")
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" and sliding_window is None else "torch"
     if name == "torch":
-        return TorchReferenceBackend()
+        return TorchReferenceBackend(sliding_window)
+    if sliding_window is not None:
+        raise ValueError(
+            f"The triton attention backend has no sliding-window attention (this model uses a "
+            f"window of {sliding_window}); use the 'torch' backend."
+        )
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"The triton attention backend needs a CUDA device, got {device.type!r}; "

@@ -32,7 +32,11 @@ MAX_DECODE_GATHER_POSITIONS = 1 << 18
 
 class TorchReferenceBackend:
     """Prefill chunks are attended one sequence at a time; single-token decodes in groups,
-    each one padded gather and one masked batched attention."""
+    each one padded gather and one masked batched attention. With a sliding window, a
+    query at position p sees keys p - sliding_window < k <= p (Mistral, as transformers)."""
+
+    def __init__(self, sliding_window: int | None = None) -> None:
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -53,7 +57,7 @@ class TorchReferenceBackend:
         prefill_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > 1]
 
         for group in _decode_groups(decode_seqs, metadata.seq_lens_cpu):
-            self._decode(query, flat_k, flat_v, output, metadata, group, scale)
+            self._decode(query, flat_k, flat_v, output, metadata, group, scale, self.sliding_window)
         for i in prefill_seqs:
             start, end = starts[i], starts[i + 1]
             seq_len = metadata.seq_lens_cpu[i]
@@ -65,6 +69,8 @@ class TorchReferenceBackend:
             q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
             k_pos = torch.arange(seq_len, device=query.device)
             mask = k_pos[None, :] <= q_pos[:, None]
+            if self.sliding_window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )
@@ -80,6 +86,7 @@ class TorchReferenceBackend:
         metadata: AttentionMetadata,
         decode_seqs: list[int],
         scale: float,
+        sliding_window: int | None,
     ) -> None:
         device = query.device
         seq_index = torch.tensor(decode_seqs, device=device)
@@ -95,7 +102,11 @@ class TorchReferenceBackend:
         k = flat_k[slots].float().transpose(1, 2)  # [B, KVH, max_len, D]
         v = flat_v[slots].float().transpose(1, 2)
         # Padding positions past each sequence's length are masked out.
-        valid = torch.arange(max_len, device=device)[None, :] < metadata.seq_lens[seq_index, None]
+        key_pos = torch.arange(max_len, device=device)[None, :]
+        seq_lens = metadata.seq_lens[seq_index, None]
+        valid = key_pos < seq_lens
+        if sliding_window is not None:  # the query sits at seq_len - 1
+            valid &= key_pos >= seq_lens - sliding_window
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
         output[token_index] = out.reshape(len(decode_seqs), -1, head_dim).to(output.dtype)
 

@@ -74,6 +74,12 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
     if os.path.isfile(generation_path):
         eos = _read_json(generation_path).get("eos_token_id", eos)
     num_heads = cfg["num_attention_heads"]
+    sliding_window = cfg.get("sliding_window") if architecture == "MistralForCausalLM" else None
+    if cfg.get("use_sliding_window"):
+        raise ModelLoadError(
+            f"{config_path}: use_sliding_window=true ({architecture} with per-layer windows) "
+            "is not supported"
+        )
     try:
         return ModelConfig(
             architecture=architecture,
@@ -92,6 +98,7 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
             # Qwen2 always has q/k/v biases; others say so with attention_bias.
             attention_bias=architecture == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
             qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_window=sliding_window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(eos),
             dtype=dtype,

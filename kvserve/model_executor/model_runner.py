@@ -47,7 +47,9 @@ class ModelRunner:
         attention_backend: str = "auto",
     ) -> None:
         self.model = model
-        self.attn_backend = get_attn_backend(device, attention_backend)
+        self.attn_backend = get_attn_backend(
+            device, attention_backend, model_config.sliding_window
+        )
         model.set_attn_backend(self.attn_backend)
         self.model_config = model_config
         self.cache_config = cache_config

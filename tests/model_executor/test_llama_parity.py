@@ -32,6 +32,8 @@ ARCHITECTURES = {
     "llama-linear-rope": lambda: LlamaForCausalLM(LlamaConfig(
         **SMALL, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
     "mistral": lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None)),
+    # A window shorter than the 27-token sequence, off block boundaries, so it really cuts.
+    "mistral-sliding-window": lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=7)),
     "qwen2-tied-bias": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, tie_word_embeddings=True)),
     "qwen3-qk-norm": lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=32)),
 }

@@ -130,7 +130,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend or TorchReferenceBackend())
+        self.model = LlamaModel(
+            config, attn_backend or TorchReferenceBackend(config.sliding_window)
+        )
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
