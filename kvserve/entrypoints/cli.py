@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
@@ -66,28 +67,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
-def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from kvserve.benchmarks.throughput import run_from_args
-
-    return run_from_args(args)
-
-
-def cmd_bench_latency(args: argparse.Namespace) -> int:
-    from kvserve.benchmarks.latency import run_from_args
-
-    return run_from_args(args)
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from kvserve.benchmarks.serve import run_from_args
-
-    return run_from_args(args)
-
-
-def cmd_eval_perplexity(args: argparse.Namespace) -> int:
-    from kvserve.eval.perplexity import run_from_args
-
-    return run_from_args(args)
+# Benchmark and evaluation tools: each module has add_cli_args(parser) and run_from_args(args).
+# (group, command, help, module, whether it loads an engine and so takes the engine flags)
+_TOOLS = [
+    ("bench", "throughput", "Offline throughput: batched vs one-at-a-time (and transformers).",
+     "kvserve.benchmarks.throughput", True),
+    ("bench", "latency", "W2: TTFT and time per output token at fixed batch sizes, vs the floor.",
+     "kvserve.benchmarks.latency", True),
+    ("bench", "serve", "Online serving load test against any OpenAI-compatible server.",
+     "kvserve.benchmarks.serve", False),
+    ("eval", "perplexity", "Sliding-window perplexity of a text file through the engine.",
+     "kvserve.eval.perplexity", True),
+]
+_TOOL_GROUPS = {"bench": "Benchmarks.", "eval": "Quality evaluations."}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,42 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     serve.set_defaults(handler=cmd_serve)
 
-    bench = commands.add_parser("bench", help="Benchmarks.")
-    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    from kvserve.benchmarks.throughput import add_cli_args as add_throughput_args
-
-    throughput = bench_commands.add_parser(
-        "throughput", help="Offline throughput: batched vs one-at-a-time (and transformers)."
-    )
-    EngineArgs.add_cli_args(throughput)
-    add_throughput_args(throughput)
-    throughput.set_defaults(handler=cmd_bench_throughput)
-    from kvserve.benchmarks.latency import add_cli_args as add_latency_args
-
-    latency = bench_commands.add_parser(
-        "latency", help="W2: TTFT and time per output token at fixed batch sizes, vs the floor."
-    )
-    EngineArgs.add_cli_args(latency)
-    add_latency_args(latency)
-    latency.set_defaults(handler=cmd_bench_latency)
-    from kvserve.benchmarks.serve import add_cli_args as add_serve_bench_args
-
-    serve_bench = bench_commands.add_parser(
-        "serve", help="Online serving load test against any OpenAI-compatible server."
-    )
-    add_serve_bench_args(serve_bench)
-    serve_bench.set_defaults(handler=cmd_bench_serve)
-
-    evaluate = commands.add_parser("eval", help="Quality evaluations.")
-    eval_commands = evaluate.add_subparsers(dest="eval_command", required=True)
-    from kvserve.eval.perplexity import add_cli_args as add_perplexity_args
-
-    perplexity = eval_commands.add_parser(
-        "perplexity", help="Sliding-window perplexity of a text file through the engine."
-    )
-    EngineArgs.add_cli_args(perplexity)
-    add_perplexity_args(perplexity)
-    perplexity.set_defaults(handler=cmd_eval_perplexity)
+    groups = {
+        name: commands.add_parser(name, help=help).add_subparsers(
+            dest=f"{name}_command", required=True
+        )
+        for name, help in _TOOL_GROUPS.items()
+    }
+    for group, name, help, module_name, takes_engine_flags in _TOOLS:
+        module = importlib.import_module(module_name)
+        tool = groups[group].add_parser(name, help=help)
+        if takes_engine_flags:
+            EngineArgs.add_cli_args(tool)
+        module.add_cli_args(tool)
+        tool.set_defaults(handler=module.run_from_args)
     return parser
 
 
