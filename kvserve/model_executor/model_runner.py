@@ -138,9 +138,11 @@ class ModelRunner:
         query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
         block_tables_t = torch.tensor(padded, dtype=torch.int32, device=self.device)
         # Each token's cache slot: its sequence's block for the position, plus the offset.
+        # output_size is known on the host; without it the GPU would sync to learn it.
         seq_index = torch.repeat_interleave(
             torch.arange(len(seq_lens), device=self.device),
             torch.tensor(query_lens, device=self.device),
+            output_size=positions.numel(),
         )
         block_ids = block_tables_t[seq_index, positions // self.block_size].long()
         return AttentionMetadata(
