@@ -31,6 +31,8 @@ class AttentionMetadata:
     # Host copies, so reference code can loop without device syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Split-KV count the attention must use (a CUDA graph fixes its grid); None: its choice.
+    num_kv_splits: int | None = None
 
     @property
     def num_seqs(self) -> int:

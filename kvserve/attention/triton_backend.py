@@ -33,7 +33,7 @@ class TritonAttentionBackend:
         if query.stride(-1) != 1:
             query = query.contiguous()
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        num_kv_splits = self.num_kv_splits
+        num_kv_splits = metadata.num_kv_splits or self.num_kv_splits
         if num_kv_splits is None:
             num_kv_splits = choose_num_kv_splits(metadata, kv_cache.shape[3], query.device)
         paged_attention(query, kv_cache, metadata, scale, output, num_kv_splits)

@@ -32,6 +32,9 @@ class LatencyResult:
     output_tok_s: float  # batch_size / TPOT
     floor_ms: float  # at the mean context length of the decode phase
     fraction_of_floor: float  # floor / measured; 1.0 would be at the floor
+    # Device time of one decode step alone (its CUDA graph replayed back to back), when
+    # graphs are in use: TPOT minus this is the time the GPU waits for the host.
+    gpu_step_ms: float | None = None
 
 
 def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
@@ -53,7 +56,13 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
         kv_bytes_per_token(engine.model_config), round(batch_size * mean_context), bandwidth,
     )
     return LatencyResult(batch_size, input_len, output_len, statistics.median(ttfts) * 1e3,
-                         tpot * 1e3, batch_size / tpot, floor * 1e3, floor / tpot)
+                         tpot * 1e3, batch_size / tpot, floor * 1e3, floor / tpot,
+                         graph_replay_ms(llm, batch_size))
+
+
+def graph_replay_ms(llm: LLM, batch_size: int) -> float | None:
+    graphs = llm.engine.runner.cuda_graphs
+    return None if graphs is None else graphs.replay_time_ms(batch_size)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +72,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-sizes", default="1", help="Comma-separated batch sizes, e.g. 1,16,64.")
     group.add_argument("--workload-seed", type=int, default=0, help="Seed of the random prompts.")
     group.add_argument("--output-json", default=None, help="Write the results to this file.")
+    group.add_argument("--profile-host", action="store_true",
+                       help="Also print where the host spends a batch-1 run's time (cProfile).")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -72,13 +83,29 @@ def run_from_args(args: argparse.Namespace) -> int:
     run_latency(llm, 1, min(16, args.input_len), 4, bandwidth)  # warm-up
     results = [run_latency(llm, b, args.input_len, args.output_len, bandwidth, args.workload_seed)
                for b in batch_sizes]
+    if args.profile_host:
+        _profile_host(llm, args.input_len, args.output_len)
     print(f"\nmeasured copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
-    print(f"{'batch':>5s} {'TTFT ms':>9s} {'TPOT ms':>9s} {'out tok/s':>10s} {'floor ms':>9s} {'of floor':>9s}")
+    print(f"{'batch':>5s} {'TTFT ms':>9s} {'TPOT ms':>9s} {'out tok/s':>10s} {'floor ms':>9s} "
+          f"{'of floor':>9s} {'GPU ms':>7s}")
     for r in results:
+        gpu = f"{r.gpu_step_ms:7.2f}" if r.gpu_step_ms is not None else f"{'-':>7s}"
         print(f"{r.batch_size:5d} {r.ttft_ms_median:9.1f} {r.tpot_ms_median:9.2f} "
-              f"{r.output_tok_s:10.1f} {r.floor_ms:9.2f} {r.fraction_of_floor:9.0%}")
+              f"{r.output_tok_s:10.1f} {r.floor_ms:9.2f} {r.fraction_of_floor:9.0%} {gpu}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"copy_bandwidth_bytes_per_s": bandwidth,
                        "results": [asdict(r) for r in results]}, f, indent=2)
     return 0
+
+
+def _profile_host(llm: LLM, input_len: int, output_len: int) -> None:
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_latency(llm, 1, input_len, output_len, bandwidth=1.0)
+    profiler.disable()
+    print(f"\nhost profile of one batch-1 request ({output_len} tokens), by own time:")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)

@@ -47,3 +47,62 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype | None = None)
 def decode_step_floor_s(weight_bytes: int, kv_bytes_per_tok: int, context_tokens: int, bandwidth: float) -> float:
     """Seconds a decode step needs at least: weights once plus the live KV of every sequence."""
     return (weight_bytes + kv_bytes_per_tok * context_tokens) / bandwidth
+
+
+def matmul_peak_flops(device: torch.device, repeats: int = 10) -> float:
+    """FLOP/s of a large square matmul in the device's compute dtype (bf16 on GPU, fp32 on
+    CPU), median of repeats: the compute ceiling of a prefill-heavy step."""
+    cuda = device.type == "cuda"
+    n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    a @ b  # warm up
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / sorted(times)[len(times) // 2]
+
+
+def linear_flops_per_token(config: ModelConfig) -> int:
+    """Multiply-adds x 2 of every linear layer and the LM head for one token."""
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    h, i = config.hidden_size, config.intermediate_size
+    per_layer = h * (q + 2 * kv) + q * h + h * 2 * i + i * h
+    return 2 * (config.num_hidden_layers * per_layer + h * config.vocab_size)
+
+
+def attention_flops_per_key(config: ModelConfig) -> int:
+    """QK^T and PV for one query token against one key, all layers and heads."""
+    return 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+
+
+def offline_floor_s(
+    prompt_lens: list[int],
+    output_lens: list[int],
+    config: ModelConfig,
+    weight_bytes: int,
+    bandwidth: float,
+    peak_flops: float,
+) -> float:
+    """W1's floor: every request resident from the start, so one prefill pass over all
+    prompts and then one decode step per output position for the requests still running;
+    each step costs max(bytes / bandwidth, flops / peak). The first output token comes from
+    the prefill pass, the rest from decode steps."""
+    kv_per_token = kv_bytes_per_token(config)
+    linear, per_key = linear_flops_per_token(config), attention_flops_per_key(config)
+    prefill_flops = sum(linear * p + per_key * p * (p + 1) // 2 for p in prompt_lens)
+    total = max(weight_bytes / bandwidth, prefill_flops / peak_flops)
+    for step in range(1, max(output_lens)):
+        live = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
+        context = sum(live)
+        step_bytes = weight_bytes + kv_per_token * context
+        step_flops = linear * len(live) + per_key * context
+        total += max(step_bytes / bandwidth, step_flops / peak_flops)
+    return total

@@ -15,6 +15,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvserve.benchmarks.roofline import (
+    copy_bandwidth,
+    matmul_peak_flops,
+    offline_floor_s,
+    weight_bytes_per_step,
+)
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
@@ -136,6 +142,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     llm.generate({"prompt_token_ids": requests[0].prompt_token_ids[:16]},
                  SamplingParams(temperature=0.0, max_tokens=4))
     results = [run_kvserve_batched(llm, requests)]
+    floor = _offline_floor(llm, requests)
     if args.sequential:
         results.append(run_kvserve_sequential(llm, requests))
     if args.transformers:
@@ -153,8 +160,26 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"{r.name:40s} {r.num_requests:8d} {r.elapsed_s:8.1f} {r.output_tok_s:10.1f} {r.total_tok_s:12.1f}")
     if len(results) > 1:
         print(f"continuous batching vs one at a time: {results[0].output_tok_s / results[1].output_tok_s:.2f}x")
+    print(f"floor: {floor['floor_s']:.2f} s = {floor['floor_output_tok_s']:.0f} out tok/s at "
+          f"{floor['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s and {floor['peak_flops'] / 1e9:.0f} "
+          f"GFLOP/s measured here; continuous batching reaches {floor['floor_s'] / results[0].elapsed_s:.0%} of it")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump([asdict(r) | {"output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s}
-                       for r in results], f, indent=2)
+            json.dump({"floor": floor, "results": [
+                asdict(r) | {"output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s}
+                for r in results]}, f, indent=2)
     return 0
+
+
+def _offline_floor(llm: LLM, requests: list[BenchRequest]) -> dict[str, float]:
+    """W1's floor for these requests, from the bandwidth and matmul rate measured now."""
+    engine = llm.engine
+    bandwidth = copy_bandwidth(engine.device)
+    peak = matmul_peak_flops(engine.device)
+    floor_s = offline_floor_s(
+        [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests],
+        engine.model_config, weight_bytes_per_step(engine.runner.model, engine.model_config),
+        bandwidth, peak,
+    )
+    return {"floor_s": floor_s, "floor_output_tok_s": sum(r.output_len for r in requests) / floor_s,
+            "bandwidth_bytes_per_s": bandwidth, "peak_flops": peak}

@@ -46,6 +46,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -134,6 +135,11 @@ class EngineArgs:
         group.add_argument(
             "--attention-backend", default="auto", choices=list(BACKEND_NAMES),
             help="Paged attention implementation (auto: Triton on GPU, torch reference on CPU).",
+        )
+        group.add_argument(
+            "--enforce-eager", action="store_true",
+            help="Run every step eagerly; by default decode-only steps on the GPU replay CUDA "
+            "graphs captured at startup (Triton attention only).",
         )
 
     @classmethod

@@ -66,7 +66,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             loaded.model, self.model_config, self.cache_config, self.scheduler_config,
-            self.device, args.attention_backend,
+            self.device, args.attention_backend, self.max_model_len, args.enforce_eager,
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching

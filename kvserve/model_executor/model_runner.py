@@ -12,6 +12,7 @@ from kvserve.attention.selector import get_attn_backend
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
+from kvserve.model_executor.cuda_graphs import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         device: torch.device,
         attention_backend: str = "auto",
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.attn_backend = get_attn_backend(
@@ -60,6 +63,23 @@ class ModelRunner:
             cache_config.num_blocks = self._determine_num_blocks()
         self.num_blocks = cache_config.num_blocks
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.cuda_graphs = None
+        if self._can_use_cuda_graphs(enforce_eager):
+            max_len = max_model_len or model_config.max_position_embeddings
+            self.cuda_graphs = CudaGraphRunner(
+                model, self.kv_caches, self.block_size, scheduler_config.max_num_seqs,
+                -(-max_len // self.block_size), device,
+            )
+            self.cuda_graphs.capture_all()
+
+    def _can_use_cuda_graphs(self, enforce_eager: bool) -> bool:
+        """Only the Triton backend launches from device-side metadata alone; the torch
+        reference loops over host copies of it, which a replay would not update."""
+        if enforce_eager or self.device.type != "cuda":
+            return False
+        from kvserve.attention.triton_backend import TritonAttentionBackend
+
+        return isinstance(self.attn_backend, TritonAttentionBackend)
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -165,8 +185,32 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache[:, dst] = cache[:, src]
 
+    def _is_plain_decode(self, sched: SchedulerOutput) -> bool:
+        """Every sequence feeds its one newest token and samples (so none is inside its
+        prompt, where prompt logprobs would be wanted)."""
+        return all(
+            sched.num_scheduled_tokens[seq.seq_id] == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+            for seq in sched.scheduled_seqs
+        )
+
+    def _execute_graph(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
+        seqs = sched.scheduled_seqs
+        self._copy_blocks(sched.block_copies)
+        logits = self.cuda_graphs.run(
+            [seq.all_token_ids[-1] for seq in seqs],
+            [seq.num_computed_tokens for seq in seqs],
+            [block_tables[seq.seq_id] for seq in seqs],
+        )
+        return StepLogits(logits, list(seqs), [])
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
+        if (
+            self.cuda_graphs is not None
+            and self.cuda_graphs.can_run(len(sched.scheduled_seqs))
+            and self._is_plain_decode(sched)
+        ):
+            return self._execute_graph(sched, block_tables)
         input_ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]

@@ -43,3 +43,36 @@ def test_latency_result_is_consistent():
     live_kv = 3 * (24 + 8 / 2) * kv_bytes_per_token(config)
     assert result.floor_ms == pytest.approx((weights + live_kv) / bandwidth * 1e3)
     assert result.fraction_of_floor == pytest.approx(result.floor_ms / result.tpot_ms_median)
+
+
+def test_linear_flops_count_every_weight_once():
+    """2 FLOPs per weight of the linears and LM head: parameters counted on a meta model."""
+    from kvserve.benchmarks.roofline import linear_flops_per_token
+
+    config = dummy_model_config("llama3-8b", torch.bfloat16)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert linear_flops_per_token(config) == 2 * weights
+
+
+def test_offline_floor_sums_steps_by_hand():
+    """Two requests, hand-counted: prefill pass, then decode steps while each runs."""
+    from kvserve.benchmarks.roofline import (
+        attention_flops_per_key,
+        linear_flops_per_token,
+        offline_floor_s,
+    )
+
+    config = dummy_model_config("smollm2-135m")
+    kv = kv_bytes_per_token(config)
+    linear, per_key = linear_flops_per_token(config), attention_flops_per_key(config)
+    weight_bytes, bandwidth, peak = 1e8, 1e10, 1e12
+    # Prompts 3 and 5 tokens, outputs 2 and 4: decode steps 1..3 (request A only at step 1).
+    prefill = linear * 8 + per_key * (6 + 15)
+    expected = max(weight_bytes / bandwidth, prefill / peak)
+    for live in ([4, 6], [7], [8]):
+        expected += max((weight_bytes + kv * sum(live)) / bandwidth,
+                        (linear * len(live) + per_key * sum(live)) / peak)
+    got = offline_floor_s([3, 5], [2, 4], config, weight_bytes, bandwidth, peak)
+    assert got == pytest.approx(expected)

@@ -60,7 +60,12 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim / 2]."""
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim / 2]. On CUDA x is rotated in place
+    by one Triton kernel; elsewhere a new tensor is returned."""
+    if x.is_cuda:
+        from kvserve.model_executor.layers.triton_ops import rotary_
+
+        return rotary_(x, cos, sin)
     cos = cos[:, None, :].to(x.dtype)
     sin = sin[:, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)

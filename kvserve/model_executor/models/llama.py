@@ -81,15 +81,22 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), cos, sin, kv_cache, attn_metadata
-        )
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the next norm
+        adds them, so each residual add is fused into the norm that follows it."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -111,9 +118,13 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(positions)
         hidden_states = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(hidden_states, cos, sin, kv_cache, attn_metadata)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(
+                hidden_states, residual, cos, sin, kv_cache, attn_metadata
+            )
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
 
 
 # Hugging Face projection name -> (our fused parameter, shard index within it).

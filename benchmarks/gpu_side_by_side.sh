@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call: the GPU kernel and engine tests, then W2 (bench latency, batch 1/16/64)
+# and W1 (bench throughput, offline-mixed) for kvserve and for transformers (generate,
+# generate_batch) on the same random-weight shapes, then one table.
+#   SHAPES="llama3-8b qwen2.5-0.5b"  HF_W1_PROMPTS=64 (transformers' W1 request count: 256
+#   takes ~4.5 min for llama3-8b alone)  TESTS=1  HF=1  EAGER=0 (1: --enforce-eager)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/kvserve-gpu}
+mkdir -p "$OUT"
+SHAPES=${SHAPES:-"llama3-8b qwen2.5-0.5b"}
+EAGER_FLAG=$([ "${EAGER:-0}" = 1 ] && echo --enforce-eager || true)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python -c "import torch, transformers, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+if [ "${TESTS:-1}" = 1 ]; then
+  python -m pytest -q -m gpu tests/gpu tests/attention -p no:cacheprovider 2>&1 | tail -4
+fi
+for shape in $SHAPES; do
+  echo "== kvserve $shape"
+  python -m kvserve.entrypoints.cli --log-level WARNING bench latency --load-format dummy \
+    --model-shape "$shape" --batch-sizes 1,16,64 $EAGER_FLAG \
+    --output-json "$OUT/kvserve-w2-$shape.json" 2>&1 | tail -5
+  python -m kvserve.entrypoints.cli --log-level WARNING bench throughput --load-format dummy \
+    --model-shape "$shape" --num-prompts 256 --input-len 100 1024 --output-len 100 1024 \
+    --no-sequential --no-transformers $EAGER_FLAG \
+    --output-json "$OUT/kvserve-w1-$shape.json" 2>&1 | grep -v "Generating" | tail -4
+  if [ "${HF:-1}" = 1 ]; then
+    echo "== transformers $shape"
+    python -m kvserve.benchmarks.transformers_baseline --model-shape "$shape" --w2 \
+      --w2-batch-sizes 1,16,64 --w1 --w1-num-prompts "${HF_W1_PROMPTS:-64}" \
+      --output-json "$OUT/transformers-$shape.json" 2>&1 | grep -v -i "warn" | tail -5
+  fi
+done
+python -m kvserve.benchmarks.gpu_report "$OUT"
