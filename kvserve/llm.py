@@ -89,7 +89,7 @@ class LLM:
             while pending:
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError(f"requests vanished from the engine: {sorted(pending)}")
-                for output in self.engine.step():
+                for output in self.engine.step(final_only=True):
                     if output.finished and output.request_id in pending:
                         finished[output.request_id] = output
                         pending.discard(output.request_id)

@@ -200,7 +200,9 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Runs one iteration; returns an output for every request that got tokens (only
+        for those that finished, with final_only: building outputs costs host time)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -241,7 +243,8 @@ class LLMEngine:
                 request.finished = True
                 request.times.finished = time.time()
                 del self.requests[request.request_id]
-            outputs.append(self._make_output(request))
+            if request.finished or not final_only:
+                outputs.append(self._make_output(request))
         return outputs
 
     def _sampling_rows(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 
 import torch
 
@@ -161,7 +162,13 @@ class CudaGraphRunner:
         self.token_inputs[:, :bucket].copy_(staging[:, :bucket], non_blocking=True)
         self.seq_lens[:bucket].copy_(self.staging_lens[:bucket], non_blocking=True)
         width = max(len(table) for table in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        # One flat int32 array built in C is several times faster than a nested torch.tensor.
+        flat = array("i")
+        padding = [0] * width
+        for table in block_tables:
+            flat.extend(table)
+            flat.extend(padding[: width - len(table)])
+        tables = torch.frombuffer(flat, dtype=torch.int32).view(batch, width)
         self.block_tables[:batch, :width].copy_(tables.pin_memory(), non_blocking=True)
 
         key = (bucket, self._num_kv_splits(bucket, max(positions) + 1))
