@@ -42,6 +42,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Storage dtype of the paged KV cache; None: the model's dtype. float8 types store K/V
+    # with a scale of 1.0 (no calibration) and are upcast when read.
+    kv_cache_dtype: torch.dtype | None = None
     # Set by the model runner once the budget is known.
     num_blocks: int | None = None
 

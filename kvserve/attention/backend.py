@@ -18,7 +18,9 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:  # [T, H, D]
         """Write this step's key/value at metadata.slot_mapping, then attend causally
-        over each sequence's whole context read from the paged cache."""
+        over each sequence's whole context read from the paged cache. A float8 cache
+        stores key / kv_scales[0] and value / kv_scales[1], saturated to its range."""
         ...

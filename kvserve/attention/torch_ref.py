@@ -8,14 +8,43 @@ import torch.nn.functional as F
 from kvserve.attention.metadata import AttentionMetadata
 
 
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def as_storage(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as a dtype that indexing kernels support everywhere: float8 tensors are
+    viewed as their bytes (CPU index_copy_ and gathers have no float8 kernels)."""
+    return cache.view(torch.uint8) if cache.dtype in FLOAT8_DTYPES else cache
+
+
+def gather_cache(flat: torch.Tensor, slots: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """flat[slots] in fp32, for a cache of any storage dtype."""
+    values = as_storage(flat)[slots].view(flat.dtype).float()
+    return values * scale if flat.dtype in FLOAT8_DTYPES else values
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x in the cache's dtype; float8 is scaled and saturated (a plain cast overflows to NaN)."""
+    if dtype not in FLOAT8_DTYPES:
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+
+
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Scatter [T, KVH, D] key/value rows into their flat cache slots."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    flat_cache[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat_cache[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    storage = as_storage(flat_cache)
+    k_scale, v_scale = kv_scales
+    storage[0].index_copy_(0, slot_mapping, as_storage(to_cache_dtype(key, kv_cache.dtype, k_scale)))
+    storage[1].index_copy_(0, slot_mapping, as_storage(to_cache_dtype(value, kv_cache.dtype, v_scale)))
 
 
 def context_slots(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
@@ -46,8 +75,9 @@ class TorchReferenceBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)
         flat_v = kv_cache[1].view(-1, num_kv_heads, head_dim)
@@ -57,14 +87,16 @@ class TorchReferenceBackend:
         prefill_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > 1]
 
         for group in _decode_groups(decode_seqs, metadata.seq_lens_cpu):
-            self._decode(query, flat_k, flat_v, output, metadata, group, scale, self.sliding_window)
+            self._decode(
+                query, flat_k, flat_v, output, metadata, group, scale, self.sliding_window, kv_scales
+            )
         for i in prefill_seqs:
             start, end = starts[i], starts[i + 1]
             seq_len = metadata.seq_lens_cpu[i]
             slots = context_slots(metadata.block_tables[i : i + 1], seq_len, metadata.block_size)[0]
             q = query[start:end].float().transpose(0, 1)  # [H, q_len, D]
-            k = flat_k[slots].float().transpose(0, 1)  # [KVH, seq_len, D]
-            v = flat_v[slots].float().transpose(0, 1)
+            k = gather_cache(flat_k, slots, kv_scales[0]).transpose(0, 1)  # [KVH, seq_len, D]
+            v = gather_cache(flat_v, slots, kv_scales[1]).transpose(0, 1)
             # Query j sits at context position seq_len - q_len + j.
             q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
             k_pos = torch.arange(seq_len, device=query.device)
@@ -87,6 +119,7 @@ class TorchReferenceBackend:
         decode_seqs: list[int],
         scale: float,
         sliding_window: int | None,
+        kv_scales: tuple[float, float],
     ) -> None:
         device = query.device
         seq_index = torch.tensor(decode_seqs, device=device)
@@ -99,8 +132,8 @@ class TorchReferenceBackend:
         # Group query heads by the KV head they share ([B, KVH, H/KVH, D]): each KV head is
         # read once for its whole group, with no expanded copy of K/V.
         q = query[token_index].float().view(len(decode_seqs), num_kv_heads, -1, head_dim)
-        k = flat_k[slots].float().transpose(1, 2)  # [B, KVH, max_len, D]
-        v = flat_v[slots].float().transpose(1, 2)
+        k = gather_cache(flat_k, slots, kv_scales[0]).transpose(1, 2)  # [B, KVH, max_len, D]
+        v = gather_cache(flat_v, slots, kv_scales[1]).transpose(1, 2)
         # Padding positions past each sequence's length are masked out.
         key_pos = torch.arange(max_len, device=device)[None, :]
         seq_lens = metadata.seq_lens[seq_index, None]

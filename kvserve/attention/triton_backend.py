@@ -28,13 +28,14 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         if query.stride(-1) != 1:
             query = query.contiguous()
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_kv_splits = metadata.num_kv_splits or self.num_kv_splits
         if num_kv_splits is None:
             num_kv_splits = choose_num_kv_splits(metadata, kv_cache.shape[3], query.device)
-        paged_attention(query, kv_cache, metadata, scale, output, num_kv_splits)
+        paged_attention(query, kv_cache, metadata, scale, output, num_kv_splits, kv_scales=kv_scales)
         return output

@@ -14,6 +14,11 @@ from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.utils import parse_size
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# "auto": the model's dtype. "fp8" is e4m3 (more mantissa), as in vLLM.
+KV_CACHE_DTYPES = {
+    "auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def _json_dict(text: str) -> dict[str, Any]:
@@ -41,6 +46,7 @@ class EngineArgs:
     kv_cache_memory: str | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -61,6 +67,14 @@ class EngineArgs:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         return _DTYPES[self.dtype]
+
+    def resolved_kv_cache_dtype(self) -> torch.dtype | None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def kv_cache_bytes(self) -> int | None:
         return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
@@ -115,6 +129,12 @@ class EngineArgs:
         group.add_argument(
             "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
             help="Reuse KV blocks of prompts that share a prefix.",
+        )
+        group.add_argument(
+            "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+            help="KV-cache storage: auto (the model's dtype), bfloat16, float16, or float8 "
+            "(fp8 = fp8_e4m3, or fp8_e5m2) with per-layer scales measured at startup, which "
+            "holds twice the tokens of a bf16 cache.",
         )
         group.add_argument(
             "--max-num-seqs", type=int, default=256,

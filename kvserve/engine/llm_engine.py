@@ -57,6 +57,7 @@ class LLMEngine:
             kv_cache_memory=args.kv_cache_bytes(),
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_dtype=args.resolved_kv_cache_dtype(),
         )
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -76,11 +77,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         logger.info(
-            "kvserve engine: %s layers=%d dtype=%s device=%s attention=%s, %d KV blocks of %d "
-            "tokens (%d tokens), max_model_len=%d",
+            "kvserve engine: %s layers=%d dtype=%s device=%s attention=%s, %d KV blocks (%s) of "
+            "%d tokens (%d tokens), max_model_len=%d",
             self.model_config.architecture, self.model_config.num_hidden_layers,
             str(dtype).removeprefix("torch."), self.device,
             type(self.runner.attn_backend).__name__,
+            str(self.runner.kv_cache_dtype).removeprefix("torch."),
             self.runner.num_blocks,
             args.block_size, self.runner.num_blocks * args.block_size, self.max_model_len,
         )

@@ -9,6 +9,7 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.selector import get_attn_backend
+from kvserve.attention.torch_ref import FLOAT8_DTYPES, as_storage
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
@@ -17,6 +18,12 @@ from kvserve.model_executor.cuda_graphs import CudaGraphRunner
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+# float8 KV scales: measured on this many random tokens, with this much room above the
+# largest |K| and |V| seen (real text can exceed what random tokens produce; beyond the
+# room values saturate). Within the normal range float8's relative precision does not
+# depend on the scale, so room costs nothing until the smallest values turn subnormal.
+KV_CALIBRATION_TOKENS = 512
+KV_SCALE_HEADROOM = 4.0
 
 
 @dataclass
@@ -31,8 +38,10 @@ class StepLogits:
     prompt_logits: list[tuple[Sequence, torch.Tensor, int]]
 
 
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int) -> int:
-    element_size = torch.empty((), dtype=config.dtype).element_size()
+def kv_cache_bytes_per_block(
+    config: ModelConfig, block_size: int, kv_cache_dtype: torch.dtype | None = None
+) -> int:
+    element_size = torch.empty((), dtype=kv_cache_dtype or config.dtype).element_size()
     per_token = 2 * config.num_key_value_heads * config.head_dim * element_size
     return config.num_hidden_layers * block_size * per_token
 
@@ -59,10 +68,17 @@ class ModelRunner:
         self.scheduler_config = scheduler_config
         self.device = device
         self.block_size = cache_config.block_size
+        self.kv_cache_dtype = cache_config.kv_cache_dtype or model_config.dtype
+        self._check_kv_cache_dtype()
         if cache_config.num_blocks is None:
             cache_config.num_blocks = self._determine_num_blocks()
         self.num_blocks = cache_config.num_blocks
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        # The scales belong to this runner's cache (weights may be shared with other engines).
+        for layer in model.model.layers:
+            layer.self_attn.kv_scales = (1.0, 1.0)
+        if self.kv_cache_dtype in FLOAT8_DTYPES:
+            self._calibrate_kv_scales()
         self.cuda_graphs = None
         if self._can_use_cuda_graphs(enforce_eager):
             max_len = max_model_len or model_config.max_position_embeddings
@@ -81,18 +97,61 @@ class ModelRunner:
 
         return isinstance(self.attn_backend, TritonAttentionBackend)
 
+    def _check_kv_cache_dtype(self) -> None:
+        """float8 storage needs float8 conversions on the device: compute capability 8.9+."""
+        if self.kv_cache_dtype not in FLOAT8_DTYPES or self.device.type != "cuda":
+            return
+        capability = torch.cuda.get_device_capability(self.device)
+        if capability < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype} needs a GPU of compute capability 8.9 "
+                f"or newer (Ada, Hopper); this one is {capability[0]}.{capability[1]}. Use "
+                "--kv-cache-dtype auto."
+            )
+
+    @torch.inference_mode()
+    def _calibrate_kv_scales(self) -> None:
+        """Per-layer scales of a float8 cache: a forward of random tokens into a cache of
+        the model's dtype, each layer's largest |K| and |V| (times the headroom) mapped to
+        the float8 maximum."""
+        config = self.model_config
+        num_tokens = min(KV_CALIBRATION_TOKENS, self.scheduler_config.max_num_batched_tokens)
+        num_blocks = -(-num_tokens // self.block_size)
+        shape = (2, num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
+        caches = [torch.zeros(shape, dtype=config.dtype, device=self.device)
+                  for _ in range(config.num_hidden_layers)]
+        generator = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(config.vocab_size, (num_tokens,), generator=generator)
+        positions = torch.arange(num_tokens, device=self.device)
+        metadata = self._metadata(positions, [0, num_tokens], [num_tokens],
+                                  [list(range(num_blocks))])
+        self.model(input_ids.to(self.device), positions, caches, metadata)
+        fp8_max = torch.finfo(self.kv_cache_dtype).max
+        scales = []
+        for layer, cache in zip(self.model.model.layers, caches, strict=True):
+            amax = cache.abs().amax(dim=(1, 2, 3, 4)).float().clamp_min(1e-6)
+            k_scale, v_scale = (amax * KV_SCALE_HEADROOM / fp8_max).tolist()
+            layer.self_attn.kv_scales = (k_scale, v_scale)
+            scales += [k_scale, v_scale]
+        logger.info(
+            "%s KV cache: per-layer scales %.2e..%.2e from %d random tokens",
+            str(self.kv_cache_dtype).removeprefix("torch."), min(scales), max(scales), num_tokens,
+        )
+
     # -- memory ----------------------------------------------------------------------------
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         config = self.model_config
         shape = (2, num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
         return [
-            torch.zeros(shape, dtype=config.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(config.num_hidden_layers)
         ]
 
     def _determine_num_blocks(self) -> int:
-        bytes_per_block = kv_cache_bytes_per_block(self.model_config, self.block_size)
+        bytes_per_block = kv_cache_bytes_per_block(
+            self.model_config, self.block_size, self.kv_cache_dtype
+        )
         if self.device.type == "cuda":
             budget = self._profile_free_gpu_memory()
         else:
@@ -183,6 +242,7 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for cache in self.kv_caches:
+            cache = as_storage(cache)
             cache[:, dst] = cache[:, src]
 
     def _is_plain_decode(self, sched: SchedulerOutput) -> bool:

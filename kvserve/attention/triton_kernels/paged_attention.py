@@ -59,6 +59,7 @@ def _paged_attention_kernel(
     num_heads,
     num_kv_splits,
     qk_scale,
+    v_scale,
     block_size,
     stride_qt,
     stride_qh,
@@ -137,12 +138,13 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if not SPLIT:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_offsets = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
         part = (token * num_heads + head) * num_kv_splits + split
-        tl.store(out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+        tl.store(out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc * v_scale,
+                 mask=row_valid[:, None])
         tl.store(max_ptr + part, m_i, mask=row_valid)
         tl.store(sum_ptr + part, l_i, mask=row_valid)
 
@@ -224,10 +226,12 @@ def paged_attention(
     output: torch.Tensor,
     num_kv_splits: int = 1,
     tile: TileConfig | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """output[T, H, D] = causal attention of query [T, H, D] over each sequence's paged
-    context in kv_cache [2, num_blocks, block_size, KVH, D]. Grid sizes come from the
-    metadata's host-side fields only, so no device sync happens here."""
+    context in kv_cache [2, num_blocks, block_size, KVH, D] (a float8 cache holds K/V
+    divided by kv_scales). Grid sizes come from the metadata's host-side fields only, so
+    no device sync happens here."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     assert num_heads % num_kv_heads == 0 and query.stride(-1) == 1 and output.stride(-1) == 1
@@ -259,7 +263,8 @@ def paged_attention(
         metadata.num_seqs,
         num_heads,
         num_kv_splits,
-        scale * LOG2_E,
+        scale * kv_scales[0] * LOG2_E,
+        kv_scales[1],
         metadata.block_size,
         query.stride(0),
         query.stride(1),

@@ -36,6 +36,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.attn_backend = attn_backend
+        # (k, v) dequantization scales of a float8 KV cache, set by the model runner.
+        self.kv_scales = (1.0, 1.0)
 
     def forward(
         self,
@@ -55,7 +57,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+        out = self.attn_backend.forward(
+            q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales
+        )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
