@@ -46,6 +46,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
+    speculative_config: dict[str, Any] | None = None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -134,6 +135,15 @@ class EngineArgs:
         group.add_argument(
             "--attention-backend", default="auto", choices=list(BACKEND_NAMES),
             help="Paged attention implementation (auto: Triton on GPU, torch reference on CPU).",
+        )
+        group.add_argument(
+            "--speculative-config", default=None, type=_json_dict,
+            help="Speculative decoding as JSON. Prompt lookup: '{\"method\": \"ngram\", "
+            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; "
+            "draft model: '{\"method\": \"draft_model\", \"model\": \"<path or same>\", "
+            "\"num_speculative_tokens\": 4, \"quantization\": \"int4\"}'. Optional "
+            "\"disable_by_batch_size\" (default 8): no drafting while more sequences run. "
+            "Output is unchanged (lossless verification).",
         )
 
     @classmethod

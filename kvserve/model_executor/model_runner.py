@@ -22,9 +22,12 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 class StepLogits:
     """Logits of one forward pass, for the positions the engine asked for."""
 
-    # [S, V] fp32: the next-token logits of each sequence that samples this step.
+    # [R, V] fp32: next-token logits of each sequence that samples this step, in
+    # sampling_seqs order: one row, or 1 + k for a sequence verifying k drafts (the last
+    # verified token and each draft predict the token after them).
     sample_logits: torch.Tensor
     sampling_seqs: list[Sequence]
+    num_sample_rows: list[int]
     # (sequence, [P, V] logits, index of the first prompt token they predict): prompt
     # positions of this chunk, for requests that asked for prompt logprobs.
     prompt_logits: list[tuple[Sequence, torch.Tensor, int]]
@@ -45,7 +48,10 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         device: torch.device,
         attention_backend: str = "auto",
+        extra_kv_bytes_per_block: int = 0,
     ) -> None:
+        """`extra_kv_bytes_per_block`: another cache sized in the same number of blocks
+        (a speculative draft model's) that the KV memory budget must also hold."""
         self.model = model
         self.attn_backend = get_attn_backend(
             device, attention_backend, model_config.sliding_window
@@ -56,6 +62,7 @@ class ModelRunner:
         self.scheduler_config = scheduler_config
         self.device = device
         self.block_size = cache_config.block_size
+        self.extra_kv_bytes_per_block = extra_kv_bytes_per_block
         if cache_config.num_blocks is None:
             cache_config.num_blocks = self._determine_num_blocks()
         self.num_blocks = cache_config.num_blocks
@@ -72,7 +79,10 @@ class ModelRunner:
         ]
 
     def _determine_num_blocks(self) -> int:
-        bytes_per_block = kv_cache_bytes_per_block(self.model_config, self.block_size)
+        bytes_per_block = (
+            kv_cache_bytes_per_block(self.model_config, self.block_size)
+            + self.extra_kv_bytes_per_block
+        )
         if self.device.type == "cuda":
             budget = self._profile_free_gpu_memory()
         else:
@@ -174,20 +184,26 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_indices: list[int] = []
         sampling_seqs: list[Sequence] = []
+        num_sample_rows: list[int] = []
         prompt_spans: list[tuple[Sequence, int, int, int]] = []  # seq, flat start, count, pos
 
         for seq in sched.scheduled_seqs:
             start = seq.num_computed_tokens
             end = start + sched.num_scheduled_tokens[seq.seq_id]
             flat_start = len(input_ids)
-            input_ids.extend(seq.all_token_ids[start:end])
+            tokens = seq.all_token_ids
+            if end > seq.num_tokens:  # drafted tokens to verify follow the verified ones
+                tokens = tokens + seq.spec_token_ids
+            input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             tables.append(block_tables[seq.seq_id])
-            if end == seq.num_tokens:
-                sample_indices.append(len(input_ids) - 1)
+            if end >= seq.num_tokens:
+                num_rows = end - seq.num_tokens + 1
+                sample_indices.extend(range(len(input_ids) - num_rows, len(input_ids)))
                 sampling_seqs.append(seq)
+                num_sample_rows.append(num_rows)
             if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1 and seq.index == 0:
                 # Position p predicts prompt token p + 1; the last prompt position predicts
                 # the first output token, which is not a prompt logprob.
@@ -206,4 +222,4 @@ class ModelRunner:
             (seq, self.model.compute_logits(hidden[flat : flat + count]), pos + 1)
             for seq, flat, count, pos in prompt_spans
         ]
-        return StepLogits(sample_logits, sampling_seqs, prompt_logits)
+        return StepLogits(sample_logits, sampling_seqs, num_sample_rows, prompt_logits)
