@@ -31,6 +31,10 @@ class AttentionMetadata:
     # Host copies, so reference code can loop without device syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Sequence index -> [q, q] bool mask among its query tokens, replacing the causal one
+    # (speculative token trees; the context before the queries stays fully visible).
+    # Only the torch reference backend implements it.
+    tree_masks: dict[int, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

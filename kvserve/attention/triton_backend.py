@@ -29,6 +29,10 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if metadata.tree_masks:
+            raise NotImplementedError(
+                "token-tree attention masks are implemented in the 'torch' attention backend only"
+            )
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         if query.stride(-1) != 1:
             query = query.contiguous()

@@ -57,6 +57,9 @@ class Sequence:
         # the drafts were sampled from (None: one-hot, e.g. n-gram or greedy drafts).
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: torch.Tensor | None = None
+        # Parent of each draft (-1: the last verified token) when the drafts form a tree
+        # rather than a chain; the verify pass then attends each along its own path.
+        self.spec_tree_parents: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +99,7 @@ class Sequence:
     def clear_drafts(self) -> None:
         self.spec_token_ids = []
         self.spec_draft_probs = None
+        self.spec_tree_parents = None
 
     def __repr__(self) -> str:
         return (

@@ -12,6 +12,7 @@ from kvserve.attention.selector import get_attn_backend
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
+from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,13 @@ class ModelRunner:
         query_start_loc: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
+        slot_positions: torch.Tensor | None = None,
+        tree_masks: dict[int, torch.Tensor] | None = None,
     ) -> AttentionMetadata:
+        """`slot_positions`: where each token's K/V goes, when it differs from its RoPE
+        position (token-tree drafts); defaults to `positions`."""
+        if slot_positions is None:
+            slot_positions = positions
         max_blocks = max(len(table) for table in block_tables)
         padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]
         query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
@@ -154,9 +161,9 @@ class ModelRunner:
             torch.tensor(query_lens, device=self.device),
             output_size=positions.numel(),
         )
-        block_ids = block_tables_t[seq_index, positions // self.block_size].long()
+        block_ids = block_tables_t[seq_index, slot_positions // self.block_size].long()
         return AttentionMetadata(
-            slot_mapping=block_ids * self.block_size + positions % self.block_size,
+            slot_mapping=block_ids * self.block_size + slot_positions % self.block_size,
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
             block_tables=block_tables_t,
@@ -165,6 +172,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
+            tree_masks=tree_masks,
         )
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -186,6 +194,8 @@ class ModelRunner:
         sampling_seqs: list[Sequence] = []
         num_sample_rows: list[int] = []
         prompt_spans: list[tuple[Sequence, int, int, int]] = []  # seq, flat start, count, pos
+        tree_masks: dict[int, torch.Tensor] = {}
+        rope_positions: list[int] = []  # differ from positions only for token trees
 
         for seq in sched.scheduled_seqs:
             start = seq.num_computed_tokens
@@ -196,6 +206,16 @@ class ModelRunner:
                 tokens = tokens + seq.spec_token_ids
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
+            if end > seq.num_tokens and seq.spec_tree_parents is not None:
+                # Drafts keep their slots in node order but rotate by their depth.
+                parents = seq.spec_tree_parents[: end - seq.num_tokens]
+                rope_positions.extend(range(start, seq.num_tokens))
+                rope_positions.extend(seq.num_tokens + d for d in tree_depths(parents))
+                tree_masks[len(seq_lens)] = tree_attention_mask(
+                    seq.num_tokens - start, parents, self.device
+                )
+            else:
+                rope_positions.extend(range(start, end))
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             tables.append(block_tables[seq.seq_id])
@@ -211,11 +231,16 @@ class ModelRunner:
                 prompt_spans.append((seq, flat_start, count, start))
 
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        metadata = self._metadata(positions_t, query_start_loc, seq_lens, tables)
+        rope_positions_t = positions_t
+        if tree_masks:
+            rope_positions_t = torch.tensor(rope_positions, dtype=torch.long, device=self.device)
+        metadata = self._metadata(
+            rope_positions_t, query_start_loc, seq_lens, tables, positions_t, tree_masks or None
+        )
         self._copy_blocks(sched.block_copies)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions_t, self.kv_caches, metadata,
+            rope_positions_t, self.kv_caches, metadata,
         )
         sample_logits = self.model.compute_logits(hidden[sample_indices])
         prompt_logits = [

@@ -61,6 +61,7 @@ class _DraftView:
     index = 0
     wants_prompt_logprobs = False
     spec_token_ids: list[int] = []
+    spec_tree_parents = None
 
     def __init__(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
         self.seq_id = seq_id
