@@ -11,7 +11,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from tests.spec_decode.proposers import ScriptedProposer
 
-PROMPT = "List the days of the week, one per line:\n"
+PROMPT = "The history of the Roman Empire began"
 LENGTH = 30
 
 
