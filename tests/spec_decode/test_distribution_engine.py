@@ -94,3 +94,20 @@ def test_biased_verifier_is_caught(models, monkeypatch):
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     samples = _samples(target_dir, draft_dir, params, 20_000)
     assert chi_square_p_value(samples, _exact(target, -1, 1.0)) < P_VALUE_THRESHOLD
+
+
+def test_seeded_requests_reproduce_whatever_the_batch(models):
+    _, target_dir, draft_dir, _ = models
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def run(num_others: int) -> list[int]:
+        llm = LLM(target_dir, kv_cache_memory="4MiB", block_size=4,
+                  speculative_config={"method": "draft_model", "model": draft_dir,
+                                      "num_speculative_tokens": 3})
+        prompts = [{"prompt_token_ids": PROMPT}] * (1 + num_others)
+        outputs = llm.generate(prompts, [seeded] + [other] * num_others)
+        assert llm.engine.spec_decode_stats.num_drafts > 0
+        return outputs[0].outputs[0].token_ids
+
+    assert run(0) == run(3)
