@@ -221,6 +221,8 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         request.finished = True
         request.times.finished = time.time()
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
         return self._make_output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -296,6 +298,8 @@ class LLMEngine:
                 self._mark_token_time(seq.request, token_time)
                 touched[seq.request.request_id] = seq.request
 
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
         outputs = []
         for request in touched.values():
             if all(seq.status.is_finished for seq in request.sequences):

@@ -54,7 +54,6 @@ class Speculator:
         """Set each running sequence's drafts for the coming step."""
         for seq in running:
             seq.clear_drafts()
-        self.proposer.retain(seq.seq_id for seq in running)
         if len(running) > self.config.disable_by_batch_size:
             return
         seqs, budgets = [], []
@@ -68,6 +67,11 @@ class Speculator:
         for seq, draft in zip(seqs, self.proposer.propose(seqs, budgets)):
             seq.spec_token_ids = draft.token_ids
             seq.spec_draft_probs = draft.probs
+
+    def release(self, running: list[Sequence]) -> None:
+        """Free the drafting state (a draft model's KV blocks) of every sequence that is no
+        longer running: finished, aborted or preempted."""
+        self.proposer.retain(seq.seq_id for seq in running)
 
     def verify(
         self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Seq[int]

@@ -25,7 +25,7 @@ from kvserve.spec_decode.config import SpeculativeConfig
     ],
 )
 def test_bad_config_is_a_clear_error(config, expected):
-    with pytest.raises(ValueError, match=None) as error:
+    with pytest.raises(ValueError) as error:
         SpeculativeConfig.from_dict(config)
     assert expected in str(error.value)
 

@@ -111,3 +111,24 @@ def test_seeded_requests_reproduce_whatever_the_batch(models):
         return outputs[0].outputs[0].token_ids
 
     assert run(0) == run(3)
+
+
+def test_abort_and_finish_free_both_caches(models):
+    _, target_dir, draft_dir, _ = models
+    llm = LLM(target_dir, kv_cache_memory="1MiB", block_size=4,
+              speculative_config={"method": "draft_model", "model": draft_dir,
+                                  "num_speculative_tokens": 3})
+    engine = llm.engine
+    params = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    engine.add_request("keep", {"prompt_token_ids": PROMPT}, params)
+    engine.add_request("drop", {"prompt_token_ids": PROMPT * 3}, params)
+    for _ in range(3):
+        engine.step()
+    draft_cache = engine.speculator.proposer.kv_cache
+    assert engine.spec_decode_stats.num_drafts > 0 and "drop#0" in draft_cache.block_tables
+    engine.abort_request("drop")
+    assert "drop#0" not in draft_cache.block_tables
+    while engine.has_unfinished_requests():
+        engine.step()
+    for cache in (engine.kv_cache, draft_cache):
+        assert cache.num_free_blocks == engine.runner.num_blocks
