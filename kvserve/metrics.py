@@ -3,7 +3,8 @@
 Names mirror vLLM's with the `kvserve:` prefix so dashboards port by a rename. Each server
 owns a CollectorRegistry (not the global one), so several servers or tests never collide.
 Request latencies are observed by the server as outputs arrive; engine state (queues,
-KV usage, preemptions, prefix-cache totals) is read from the engine at scrape time.
+KV usage, preemptions, prefix-cache and speculative-decoding totals) is read from the
+engine at scrape time.
 """
 
 from __future__ import annotations
@@ -152,3 +153,21 @@ class _EngineCollector(Collector):
                            "Prompt tokens looked up in the prefix cache.", stats.queried_tokens)
         yield self._family(CounterMetricFamily, "kvserve:prefix_cache_hits",
                            "Prompt tokens found in the prefix cache.", stats.hit_tokens)
+        spec = engine.spec_decode_stats
+        if spec is None:
+            return
+        yield self._family(CounterMetricFamily, "kvserve:spec_decode_num_drafts",
+                           "Speculative verify runs (one per sequence per step with drafts).",
+                           spec.num_drafts)
+        yield self._family(CounterMetricFamily, "kvserve:spec_decode_num_draft_tokens",
+                           "Draft tokens proposed for verification.", spec.num_draft_tokens)
+        yield self._family(CounterMetricFamily, "kvserve:spec_decode_num_accepted_tokens",
+                           "Draft tokens the target accepted.", spec.num_accepted_tokens)
+        per_position = CounterMetricFamily(
+            "kvserve:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft (0 = first).",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(spec.accepted_per_position):
+            per_position.add_metric([*self._labels, str(position)], count)
+        yield per_position

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.spec_decode.stats import SpecDecodeStats
+
 
 @dataclass
 class CompletionOutput:
@@ -32,6 +34,9 @@ class RequestMetrics:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
+    # Speculative decoding of this request (mean_accepted_length, acceptance_rate); None
+    # when the engine does not speculate.
+    spec_decode: SpecDecodeStats | None = None
 
 
 @dataclass

@@ -33,6 +33,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # Split-KV count the attention must use (a CUDA graph fixes its grid); None: its choice.
     num_kv_splits: int | None = None
+    # Sequence index -> [q, q] bool mask among its query tokens, replacing the causal one
+    # (speculative token trees; the context before the queries stays fully visible).
+    # Only the torch reference backend implements it.
+    tree_masks: dict[int, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -101,6 +101,8 @@ class TorchReferenceBackend:
             q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
             k_pos = torch.arange(seq_len, device=query.device)
             mask = k_pos[None, :] <= q_pos[:, None]
+            if metadata.tree_masks and i in metadata.tree_masks:
+                mask[:, seq_len - (end - start) :] = metadata.tree_masks[i]
             if self.sliding_window is not None:
                 mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
             out = F.scaled_dot_product_attention(

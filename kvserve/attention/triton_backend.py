@@ -30,6 +30,10 @@ class TritonAttentionBackend:
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
+        if metadata.tree_masks:
+            raise NotImplementedError(
+                "token-tree attention masks are implemented in the 'torch' attention backend only"
+            )
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         if query.stride(-1) != 1:
             query = query.contiguous()

@@ -132,6 +132,16 @@ class KVCacheManager:
             hashes.append(block_hash)
             self.pool.register(table[i], block_hash)
 
+    def trim(self, seq_id: str, num_tokens: int) -> None:
+        """Keep only the blocks that hold the first `num_tokens` tokens: a speculative
+        step's blocks that only held rejected drafts go back to the pool."""
+        table = self.block_tables[seq_id]
+        keep = self.num_blocks_needed(num_tokens)
+        if len(self._block_hashes[seq_id]) > keep:
+            raise RuntimeError(f"{seq_id}: trimming would drop a block registered as cached")
+        while len(table) > keep:
+            self.pool.release(table.pop())
+
     # -- sharing and release ---------------------------------------------------------------
 
     def fork(self, parent_id: str, child_id: str) -> None:

@@ -107,7 +107,10 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if num_new == 1:  # a decode: its drafts (if any) are verified in the same pass
+                num_new += len(seq.spec_token_ids)
+            num_new = min(num_new, budget)
             while True:
                 seq_copies = self.kv_cache.allocate_slots(
                     seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, num_new
@@ -120,6 +123,10 @@ class Scheduler:
                     break
             if seq_copies is None:
                 continue
+            # Drafts the budget cut off (or that a prefill chunk cannot carry) are dropped.
+            num_drafts = max(0, seq.num_computed_tokens + num_new - seq.num_tokens)
+            if num_drafts < len(seq.spec_token_ids):
+                seq.spec_token_ids = seq.spec_token_ids[:num_drafts]
             copies[seq.seq_id] = seq_copies
             out.scheduled_seqs.append(seq)
             out.num_scheduled_tokens[seq.seq_id] = num_new
@@ -162,6 +169,8 @@ class Scheduler:
 
         for seq in out.scheduled_seqs:
             out.block_copies.extend(copies[seq.seq_id])
+            # all_token_ids holds verified tokens only, so no block holding a draft's KV
+            # is ever registered in the prefix cache.
             self.kv_cache.cache_full_blocks(
                 seq.seq_id, seq.all_token_ids,
                 seq.num_computed_tokens + out.num_scheduled_tokens[seq.seq_id],

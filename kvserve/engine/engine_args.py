@@ -53,6 +53,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    speculative_config: dict[str, Any] | None = None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -160,6 +161,15 @@ class EngineArgs:
             "--enforce-eager", action="store_true",
             help="Run every step eagerly; by default decode-only steps on the GPU replay CUDA "
             "graphs captured at startup (Triton attention only).",
+        )
+        group.add_argument(
+            "--speculative-config", default=None, type=_json_dict,
+            help="Speculative decoding as JSON. Prompt lookup: '{\"method\": \"ngram\", "
+            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; "
+            "draft model: '{\"method\": \"draft_model\", \"model\": \"<path or same>\", "
+            "\"num_speculative_tokens\": 4, \"quantization\": \"int4\"}'. Optional "
+            "\"disable_by_batch_size\" (default 8): no drafting while more sequences run. "
+            "Output is unchanged (lossless verification).",
         )
 
     @classmethod

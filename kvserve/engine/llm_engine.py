@@ -17,10 +17,13 @@ from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.request import Request
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.model_executor.loader import LoadedModel, load_model
-from kvserve.model_executor.model_runner import ModelRunner
+from kvserve.model_executor.model_runner import ModelRunner, kv_cache_bytes_per_block
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.speculator import Speculator
+from kvserve.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +68,28 @@ class LLMEngine:
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
         )
+        spec_config = draft = None
+        if args.speculative_config is not None:
+            # Validated and the draft loaded before the target's cache is sized, so a bad
+            # config fails fast and the draft's weights count against GPU memory.
+            spec_config = SpeculativeConfig.from_dict(args.speculative_config)
+            if spec_config.method == "draft_model":
+                from kvserve.spec_decode.draft_model_proposer import load_draft_model
+
+                draft = load_draft_model(spec_config, loaded, dtype, self.device)
         self.runner = ModelRunner(
             loaded.model, self.model_config, self.cache_config, self.scheduler_config,
             self.device, args.attention_backend, self.max_model_len, args.enforce_eager,
+            extra_kv_bytes_per_block=(
+                0 if draft is None else kv_cache_bytes_per_block(draft.config, args.block_size)
+            ),
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
         self.sampler = Sampler()
+        self.speculator = None if spec_config is None else self._make_speculator(spec_config, draft)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         logger.info(
@@ -86,6 +102,26 @@ class LLMEngine:
             self.runner.num_blocks,
             args.block_size, self.runner.num_blocks * args.block_size, self.max_model_len,
         )
+
+    def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | None) -> Speculator:
+        if draft is None:
+            from kvserve.spec_decode.ngram_proposer import NgramProposer
+
+            proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+        else:
+            from kvserve.spec_decode.draft_model_proposer import DraftModelProposer
+
+            # As many blocks as the target: the draft never holds more tokens than it.
+            proposer = DraftModelProposer(
+                draft, self.runner.num_blocks, self.args.block_size, self.device,
+                self.args.attention_backend, self.model_config.eos_token_ids,
+            )
+        logger.info("speculative decoding: %s", config)
+        return Speculator(config, proposer, self.max_model_len)
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        return None if self.speculator is None else self.speculator.stats
 
     # -- requests --------------------------------------------------------------------------
 
@@ -187,6 +223,8 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         request.finished = True
         request.times.finished = time.time()
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
         return self._make_output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -205,6 +243,8 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Runs one iteration; returns an output for every request that got tokens (only
         for those that finished, with final_only: building outputs costs host time)."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -216,7 +256,10 @@ class LLMEngine:
         block_tables = {seq.seq_id: self.kv_cache.block_ids(seq.seq_id) for seq in sched.scheduled_seqs}
         step_logits = self.runner.execute(sched, block_tables)
         for seq in sched.scheduled_seqs:
-            seq.num_computed_tokens += sched.num_scheduled_tokens[seq.seq_id]
+            # Drafts' KV is written but counts only once they are accepted (below).
+            seq.num_computed_tokens = min(
+                seq.num_computed_tokens + sched.num_scheduled_tokens[seq.seq_id], seq.num_tokens
+            )
 
         for seq, logits, first_target in step_logits.prompt_logits:
             request = seq.request
@@ -227,18 +270,40 @@ class LLMEngine:
                 compute_prompt_logprobs(logits, targets, request.params.prompt_logprobs)
             )
 
-        rows, row_seqs, logit_rows = self._sampling_rows(step_logits.sampling_seqs)
+        # Plain decodes and prefills sample one row; sequences with drafts verify 1 + k.
+        plain_seqs, plain_rows, spec_seqs, spec_rows = [], [], [], []
+        row = 0
+        for seq, num_rows in zip(step_logits.sampling_seqs, step_logits.num_sample_rows):
+            if num_rows == 1:
+                plain_seqs.append(seq)
+                plain_rows.append(row)
+            else:
+                spec_seqs.append(seq)
+                spec_rows.extend(range(row, row + num_rows))
+            row += num_rows
         touched: dict[str, Request] = {}
+        rows, row_seqs, logit_rows = self._sampling_rows(plain_seqs)
         if rows:
-            out = self.sampler(step_logits.sample_logits[logit_rows], rows)
+            logits = step_logits.sample_logits[[plain_rows[i] for i in logit_rows]]
+            out = self.sampler(logits, rows)
             token_time = time.time()
             for seq, token_id, logprobs in zip(row_seqs, out.token_ids, out.logprobs):
                 self._append_token(seq, token_id, logprobs)
-                request = seq.request
-                if request.times.first_token is None:
-                    request.times.first_token = token_time
-                touched[request.request_id] = request
+                self._mark_token_time(seq.request, token_time)
+                touched[seq.request.request_id] = seq.request
+        if spec_seqs:
+            verified = self.speculator.verify(
+                step_logits.sample_logits[spec_rows], spec_seqs, self.model_config.eos_token_ids
+            )
+            token_time = time.time()
+            for seq, result in zip(spec_seqs, verified):
+                self._append_verified(seq, result.run.token_ids, result.logprobs,
+                                      result.run.num_accepted)
+                self._mark_token_time(seq.request, token_time)
+                touched[seq.request.request_id] = seq.request
 
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
         outputs = []
         for request in touched.values():
             if all(seq.status.is_finished for seq in request.sequences):
@@ -277,6 +342,28 @@ class LLMEngine:
                 row_seqs.append(member)
                 logit_rows.append(logit_row)
         return rows, row_seqs, logit_rows
+
+    @staticmethod
+    def _mark_token_time(request: Request, token_time: float) -> None:
+        if request.times.first_token is None:
+            request.times.first_token = token_time
+
+    def _append_verified(
+        self,
+        seq: Sequence,
+        token_ids: list[int],
+        logprobs: list[dict[int, float]] | None,
+        num_accepted: int,
+    ) -> None:
+        """Append a verified run token by token, so a stop or a length limit inside it ends
+        the sequence there; then give back the blocks that only held rejected drafts."""
+        seq.num_computed_tokens += num_accepted  # the accepted drafts' KV is valid
+        seq.clear_drafts()
+        for i, token_id in enumerate(token_ids):
+            self._append_token(seq, token_id, None if logprobs is None else logprobs[i])
+            if seq.status.is_finished:
+                return
+        self.kv_cache.trim(seq.seq_id, seq.num_computed_tokens)
 
     def _append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> None:
         seq.append_token(token_id)
@@ -331,6 +418,7 @@ class LLMEngine:
             metrics=RequestMetrics(
                 arrival_time=times.arrival, first_scheduled_time=times.first_scheduled,
                 first_token_time=times.first_token, finished_time=times.finished,
+                spec_decode=None if self.speculator is None else request.spec_stats,
             ),
             num_cached_tokens=request.num_cached_tokens,
         )

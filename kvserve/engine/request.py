@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.sequence import Sequence
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Request:
     finished: bool = False
     max_tokens: int = 0  # resolved against the context length at admission
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)

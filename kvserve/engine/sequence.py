@@ -52,6 +52,14 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.emitted_text = ""  # text handed out so far (a prefix of the final text)
         self.num_preemptions = 0
+        # Drafted continuation to verify in the next step (speculative decoding): not part
+        # of the sequence until accepted. `spec_draft_probs` [k, V] are the distributions
+        # the drafts were sampled from (None: one-hot, e.g. n-gram or greedy drafts).
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: torch.Tensor | None = None
+        # Parent of each draft (-1: the last verified token) when the drafts form a tree
+        # rather than a chain; the verify pass then attends each along its own path.
+        self.spec_tree_parents: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +94,12 @@ class Sequence:
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
+        self.clear_drafts()
+
+    def clear_drafts(self) -> None:
+        self.spec_token_ids = []
+        self.spec_draft_probs = None
+        self.spec_tree_parents = None
 
     def __repr__(self) -> str:
         return (

@@ -14,6 +14,7 @@ from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
+from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +31,12 @@ KV_SCALE_HEADROOM = 4.0
 class StepLogits:
     """Logits of one forward pass, for the positions the engine asked for."""
 
-    # [S, V] fp32: the next-token logits of each sequence that samples this step.
+    # [R, V] fp32: next-token logits of each sequence that samples this step, in
+    # sampling_seqs order: one row, or 1 + k for a sequence verifying k drafts (the last
+    # verified token and each draft predict the token after them).
     sample_logits: torch.Tensor
     sampling_seqs: list[Sequence]
+    num_sample_rows: list[int]
     # (sequence, [P, V] logits, index of the first prompt token they predict): prompt
     # positions of this chunk, for requests that asked for prompt logprobs.
     prompt_logits: list[tuple[Sequence, torch.Tensor, int]]
@@ -57,7 +61,10 @@ class ModelRunner:
         attention_backend: str = "auto",
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        extra_kv_bytes_per_block: int = 0,
     ) -> None:
+        """`extra_kv_bytes_per_block`: another cache sized in the same number of blocks
+        (a speculative draft model's) that the KV memory budget must also hold."""
         self.model = model
         self.attn_backend = get_attn_backend(
             device, attention_backend, model_config.sliding_window
@@ -70,6 +77,7 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.kv_cache_dtype = cache_config.kv_cache_dtype or model_config.dtype
         self._check_kv_cache_dtype()
+        self.extra_kv_bytes_per_block = extra_kv_bytes_per_block
         if cache_config.num_blocks is None:
             cache_config.num_blocks = self._determine_num_blocks()
         self.num_blocks = cache_config.num_blocks
@@ -149,8 +157,9 @@ class ModelRunner:
         ]
 
     def _determine_num_blocks(self) -> int:
-        bytes_per_block = kv_cache_bytes_per_block(
-            self.model_config, self.block_size, self.kv_cache_dtype
+        bytes_per_block = (
+            kv_cache_bytes_per_block(self.model_config, self.block_size, self.kv_cache_dtype)
+            + self.extra_kv_bytes_per_block
         )
         if self.device.type == "cuda":
             budget = self._profile_free_gpu_memory()
@@ -211,7 +220,13 @@ class ModelRunner:
         query_start_loc: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
+        slot_positions: torch.Tensor | None = None,
+        tree_masks: dict[int, torch.Tensor] | None = None,
     ) -> AttentionMetadata:
+        """`slot_positions`: where each token's K/V goes, when it differs from its RoPE
+        position (token-tree drafts); defaults to `positions`."""
+        if slot_positions is None:
+            slot_positions = positions
         max_blocks = max(len(table) for table in block_tables)
         padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]
         query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
@@ -223,9 +238,9 @@ class ModelRunner:
             torch.tensor(query_lens, device=self.device),
             output_size=positions.numel(),
         )
-        block_ids = block_tables_t[seq_index, positions // self.block_size].long()
+        block_ids = block_tables_t[seq_index, slot_positions // self.block_size].long()
         return AttentionMetadata(
-            slot_mapping=block_ids * self.block_size + positions % self.block_size,
+            slot_mapping=block_ids * self.block_size + slot_positions % self.block_size,
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
             block_tables=block_tables_t,
@@ -234,6 +249,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
+            tree_masks=tree_masks,
         )
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -247,7 +263,7 @@ class ModelRunner:
 
     def _is_plain_decode(self, sched: SchedulerOutput) -> bool:
         """Every sequence feeds its one newest token and samples (so none is inside its
-        prompt, where prompt logprobs would be wanted)."""
+        prompt, where prompt logprobs would be wanted, and none verifies drafts)."""
         return all(
             sched.num_scheduled_tokens[seq.seq_id] == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
             for seq in sched.scheduled_seqs
@@ -261,7 +277,7 @@ class ModelRunner:
             [seq.num_computed_tokens for seq in seqs],
             [block_tables[seq.seq_id] for seq in seqs],
         )
-        return StepLogits(logits, list(seqs), [])
+        return StepLogits(logits, list(seqs), [1] * len(seqs), [])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
@@ -278,20 +294,38 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_indices: list[int] = []
         sampling_seqs: list[Sequence] = []
+        num_sample_rows: list[int] = []
         prompt_spans: list[tuple[Sequence, int, int, int]] = []  # seq, flat start, count, pos
+        tree_masks: dict[int, torch.Tensor] = {}
+        rope_positions: list[int] = []  # differ from positions only for token trees
 
         for seq in sched.scheduled_seqs:
             start = seq.num_computed_tokens
             end = start + sched.num_scheduled_tokens[seq.seq_id]
             flat_start = len(input_ids)
-            input_ids.extend(seq.all_token_ids[start:end])
+            tokens = seq.all_token_ids
+            if end > seq.num_tokens:  # drafted tokens to verify follow the verified ones
+                tokens = tokens + seq.spec_token_ids
+            input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
+            if end > seq.num_tokens and seq.spec_tree_parents is not None:
+                # Drafts keep their slots in node order but rotate by their depth.
+                parents = seq.spec_tree_parents[: end - seq.num_tokens]
+                rope_positions.extend(range(start, seq.num_tokens))
+                rope_positions.extend(seq.num_tokens + d for d in tree_depths(parents))
+                tree_masks[len(seq_lens)] = tree_attention_mask(
+                    seq.num_tokens - start, parents, self.device
+                )
+            else:
+                rope_positions.extend(range(start, end))
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             tables.append(block_tables[seq.seq_id])
-            if end == seq.num_tokens:
-                sample_indices.append(len(input_ids) - 1)
+            if end >= seq.num_tokens:
+                num_rows = end - seq.num_tokens + 1
+                sample_indices.extend(range(len(input_ids) - num_rows, len(input_ids)))
                 sampling_seqs.append(seq)
+                num_sample_rows.append(num_rows)
             if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1 and seq.index == 0:
                 # Position p predicts prompt token p + 1; the last prompt position predicts
                 # the first output token, which is not a prompt logprob.
@@ -299,15 +333,20 @@ class ModelRunner:
                 prompt_spans.append((seq, flat_start, count, start))
 
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        metadata = self._metadata(positions_t, query_start_loc, seq_lens, tables)
+        rope_positions_t = positions_t
+        if tree_masks:
+            rope_positions_t = torch.tensor(rope_positions, dtype=torch.long, device=self.device)
+        metadata = self._metadata(
+            rope_positions_t, query_start_loc, seq_lens, tables, positions_t, tree_masks or None
+        )
         self._copy_blocks(sched.block_copies)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions_t, self.kv_caches, metadata,
+            rope_positions_t, self.kv_caches, metadata,
         )
         sample_logits = self.model.compute_logits(hidden[sample_indices])
         prompt_logits = [
             (seq, self.model.compute_logits(hidden[flat : flat + count]), pos + 1)
             for seq, flat, count, pos in prompt_spans
         ]
-        return StepLogits(sample_logits, sampling_seqs, prompt_logits)
+        return StepLogits(sample_logits, sampling_seqs, num_sample_rows, prompt_logits)

@@ -58,6 +58,34 @@ class Sampler:
         return SamplerOutput(ids, logprobs)
 
 
+def final_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution each row samples from after every transform, normalised [S, V]:
+    one-hot at the argmax for greedy rows. Speculative verification accepts and resamples
+    against exactly this, so it stays lossless."""
+    logits = _apply_logit_bias(logits, rows)
+    logits = _apply_min_tokens(logits, rows)
+    logits = _apply_penalties(logits, rows)
+    greedy = torch.tensor([row.params.is_greedy for row in rows], device=logits.device)
+    temperature = torch.tensor(
+        [1.0 if row.params.is_greedy else row.params.temperature for row in rows],
+        dtype=logits.dtype, device=logits.device,
+    ).unsqueeze(1)
+    probs = _apply_min_p(_apply_top_k_top_p(torch.softmax(logits / temperature, dim=-1), rows), rows)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def gather_logprobs(
+    raw_logits: torch.Tensor, token_ids: list[int], num_tops: list[int]
+) -> list[dict[int, float]]:
+    """Per row: {chosen id and top-num_tops ids: logprob} from raw logits, as the sampler
+    reports them (for tokens chosen elsewhere, e.g. accepted drafts)."""
+    chosen = torch.tensor(token_ids, dtype=torch.long, device=raw_logits.device)
+    _, entries = _gather_logprobs(raw_logits, chosen, list(range(len(token_ids))), num_tops)
+    return entries
+
+
 def compute_prompt_logprobs(
     logits: torch.Tensor, target_ids: Sequence[int], num_top: int
 ) -> list[dict[int, float]]:

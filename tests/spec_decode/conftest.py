@@ -1,0 +1,30 @@
+"""Fixtures for speculative decoding tests on the real SmolLM2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2_draft(smollm2_loaded, tmp_path_factory) -> str:
+    """A tiny random Llama with SmolLM2's tokenizer: a valid but poor draft model, so
+    most of its drafts are rejected."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import randomize
+
+    config = LlamaConfig(
+        vocab_size=smollm2_loaded.config.vocab_size, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        tie_word_embeddings=True, max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    randomize(model, seed=0)
+    directory = os.path.join(tmp_path_factory.mktemp("draft"), "tiny-draft")
+    model.save_pretrained(directory)
+    smollm2_loaded.tokenizer.save_pretrained(directory)
+    return directory
