@@ -21,7 +21,8 @@ from kvserve.model_executor.dummy import dummy_model_config, init_dummy_weights
 from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.models.llama import LlamaForCausalLM
 from kvserve.model_executor.models.registry import get_model_class
-from kvserve.quantization import get_quantization_method, quantize_model
+from kvserve.quantization import QuantizedLinear, get_quantization_method, quantize_model
+from kvserve.quantization.gguf import GGUFMethod
 
 logger = logging.getLogger(__name__)
 
@@ -168,19 +169,30 @@ def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device)
     return LoadedModel(model, config, _load_tokenizer(model_dir))
 
 
-def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed: bool) -> LoadedModel:
     # Imported here so that safetensors and dummy loading work without the gguf package.
     from kvserve.model_executor.gguf_loader import (
         gguf_architecture,
         gguf_model_config,
+        install_packed_linears,
         iter_gguf_weights,
         open_gguf,
     )
 
     reader = open_gguf(path)
     config = gguf_model_config(reader, path, dtype)
-    model = _empty_model(config, device)
-    _load_into(model, iter_gguf_weights(reader, path, config, gguf_architecture(reader)), path)
+    arch = gguf_architecture(reader)
+    if packed:
+        # Packed layers replace their float linears while those are still on the meta
+        # device, so no float copy of the quantized weights is ever allocated.
+        with torch.device("meta"):
+            model = get_model_class(config.architecture)(config).to(dtype)
+        consumed = install_packed_linears(model, reader, path, config, arch)
+        model = model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+        model = model.to(device).eval()
+    else:
+        model, consumed = _empty_model(config, device), set()
+    _load_into(model, iter_gguf_weights(reader, path, config, arch, skip=consumed), path)
     tokenizer = _load_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
     return LoadedModel(model, config, tokenizer)
 
@@ -216,8 +228,16 @@ def load_model(
     weight-only method applied to the linear layers once the weights are loaded."""
     # Resolved first so that a bad method or config fails before any weight is read.
     method = get_quantization_method(quantization, quantization_config)
-    loaded = _load_unquantized(model, load_format, model_shape, dtype, device, seed)
-    if method is not None:
+    gguf_packed = isinstance(method, GGUFMethod)
+    loaded = _load_weights(model, load_format, model_shape, dtype, device, seed, gguf_packed)
+    if gguf_packed:
+        packed = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+        logger.info(
+            "quantization=gguf: %d linear layers kept packed, %.1f MB (fp32: %.1f MB)",
+            len(packed), sum(m.weight_bytes() for m in packed) / 1e6,
+            sum(4 * m.in_features * m.out_features for m in packed) / 1e6,
+        )
+    elif method is not None:
         report = quantize_model(loaded.model, method)
         logger.info(
             "quantization=%s: linear weights %.1f MB -> %.1f MB (%d layers)",
@@ -226,12 +246,17 @@ def load_model(
     return loaded
 
 
-def _load_unquantized(
+def _load_weights(
     model: str | None, load_format: str, model_shape: str | None, dtype: torch.dtype,
-    device: str | torch.device, seed: int,
+    device: str | torch.device, seed: int, gguf_packed: bool,
 ) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
+    if gguf_packed and (load_format == "dummy" or (model is not None and os.path.isdir(model))):
+        raise ModelLoadError(
+            f"quantization='gguf' keeps a GGUF file's blocks packed; got "
+            f"{'dummy weights' if load_format == 'dummy' else 'the directory ' + repr(model)}"
+        )
     if load_format == "dummy":
         return _load_dummy(model, model_shape, dtype, device, seed)
     if model is None:
@@ -244,7 +269,7 @@ def _load_unquantized(
     if load_format == "gguf" or (load_format == "auto" and os.path.isfile(model)):
         if os.path.isdir(model):
             raise ModelLoadError(f"{model}: load_format='gguf' needs a .gguf file, got a directory")
-        return _load_gguf(model, dtype, device)
+        return _load_gguf(model, dtype, device, gguf_packed)
     if not os.path.isdir(model):
         raise ModelLoadError(f"{model}: expected a Hugging Face model directory")
     return _load_hf_dir(model, dtype, device)

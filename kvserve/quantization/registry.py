@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.quantization.base import QuantizationMethod
+from kvserve.quantization.gguf import GGUFMethod
 from kvserve.quantization.int4 import Int4Method
 from kvserve.quantization.int8 import Int8Method
 from kvserve.quantization.nf4 import NF4Method
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationMethod]] = {
-    method.name: method for method in (Int8Method, Int4Method, NF4Method)
+    method.name: method for method in (Int8Method, Int4Method, NF4Method, GGUFMethod)
 }
 
 
