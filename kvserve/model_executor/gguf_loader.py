@@ -18,7 +18,8 @@ from tqdm import tqdm
 from kvserve.config import ModelConfig
 from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.models.llama import LlamaForCausalLM
-from kvserve.quantization.gguf import FLOAT_TYPES, SUPPORTED_TYPES, packed_linear, unpack_blocks
+from kvserve.quantization.gguf import FLOAT_TYPES, SUPPORTED_TYPES, unpack_blocks
+from kvserve.quantization.grid import grid_linear
 
 # GGUF general.architecture -> our architecture name.
 _GGUF_ARCHITECTURES = {
@@ -175,10 +176,10 @@ def install_packed_linears(
             heads = _rope_rows(t.name, config, arch)
             if heads is not None:
                 grid = grid.map_rows(lambda rows, h=heads: _unpermute_rope_rows(rows, h))
-            parts.append((grid, t.tensor_type))
+            parts.append(grid)
             consumed.add(t.name)
         parent_name, _, attr = module_name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, packed_linear(parts, module.bias))
+        setattr(model.get_submodule(parent_name), attr, grid_linear(parts, module.bias))
     return consumed
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -22,7 +23,10 @@ from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.models.llama import LlamaForCausalLM
 from kvserve.model_executor.models.registry import get_model_class
 from kvserve.quantization import QuantizedLinear, get_quantization_method, quantize_model
+from kvserve.quantization.checkpoint import CheckpointFormat
 from kvserve.quantization.gguf import GGUFMethod
+from kvserve.quantization.grid import grid_linear
+from kvserve.quantization.registry import get_checkpoint_format
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,7 @@ class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase | None  # None only for dummy weights without a model dir
+    quantization: str | None = None  # the checkpoint's own quant_method (GPTQ, AWQ, ...)
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -163,10 +168,58 @@ def _load_tokenizer(source: str, **kwargs: Any) -> PreTrainedTokenizerBase:
 
 def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
     config = hf_model_config(model_dir, dtype)
+    config_path = os.path.join(model_dir, "config.json")
+    quantization_config = _read_json(config_path).get("quantization_config")
     files = _safetensors_files(model_dir)
-    model = _empty_model(config, device)
-    _load_into(model, _iter_safetensors(files), model_dir)
-    return LoadedModel(model, config, _load_tokenizer(model_dir))
+    if not quantization_config:
+        model = _empty_model(config, device)
+        _load_into(model, _iter_safetensors(files), model_dir)
+        return LoadedModel(model, config, _load_tokenizer(model_dir))
+    try:
+        fmt = get_checkpoint_format(quantization_config, config_path)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    # Packed checkpoints are small: read them whole, build the quantized layers from their
+    # tensors on the meta model (no float copy of those weights), load the rest as usual.
+    tensors = dict(_iter_safetensors(files))
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config).to(dtype)
+    try:
+        _install_checkpoint_layers(model, fmt, tensors)
+    except ValueError as e:
+        raise ModelLoadError(f"{model_dir}: {e}") from e
+    model = model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    model = model.to(device).eval()
+    _load_into(model, iter(tensors.items()), model_dir)
+    return LoadedModel(model, config, _load_tokenizer(model_dir), quantization=fmt.quant_method)
+
+
+def _install_checkpoint_layers(
+    model: LlamaForCausalLM, fmt: CheckpointFormat, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Swap each linear whose shards the checkpoint stores quantized for a layer built from
+    their grids, removing the tensors consumed; act-order grids (groups not contiguous)
+    are put back as exact fp32 `.weight` tensors for the float layer instead."""
+    for module_name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or module_name.rsplit(".", 1)[-1] == "lm_head":
+            continue
+        shards = model.hf_shard_names(module_name)
+        packed = [f"{hf}.{fmt.packed_suffix}" in tensors for hf in shards]
+        if not any(packed):
+            continue
+        if not all(packed):
+            raise ValueError(f"{module_name}: only some of {shards} are quantized; they are fused "
+                             "into one layer, so all or none must be")
+        grids = [fmt.unpack(tensors, hf) for hf in shards]
+        for hf in shards:
+            for name in fmt.consumed(tensors, hf):
+                del tensors[name]
+        if all(g.contiguous_groups() for g in grids):
+            parent, _, attr = module_name.rpartition(".")
+            setattr(model.get_submodule(parent), attr,
+                    grid_linear([g.to_group_grid() for g in grids], module.bias))
+        else:
+            tensors.update({f"{hf}.weight": g.dequantize() for hf, g in zip(shards, grids)})
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed: bool) -> LoadedModel:
@@ -236,6 +289,11 @@ def load_model(
             "quantization=gguf: %d linear layers kept packed, %.1f MB (fp32: %.1f MB)",
             len(packed), sum(m.weight_bytes() for m in packed) / 1e6,
             sum(4 * m.in_features * m.out_features for m in packed) / 1e6,
+        )
+    elif method is not None and loaded.quantization is not None:
+        raise ModelLoadError(
+            f"{model}: the checkpoint is already quantized ({loaded.quantization}); "
+            f"quantization={quantization!r} applies to float checkpoints only"
         )
     elif method is not None:
         report = quantize_model(loaded.model, method)

@@ -3,7 +3,7 @@
 Every supported block type is an affine grid per group, w = q * scale + offset, so each
 unpacks exactly (all products below fit fp32's 24-bit significand) into:
 
-* 4-bit types -> `Int4Linear` with 32-wide groups and float zero points, the layout of
+* 4-bit types -> `Int4Linear` (via grid.grid_linear) with 32-wide groups and float zero points, the layout of
   torch's CPU int4 kernel (w = (q - 8) * s + z with z = offset + 8 * s):
   Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m), Q4_K (super-blocks of 256 with 6-bit
   sub-block scales and mins: w = d * sc * q - dmin * m).
@@ -22,8 +22,7 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from kvserve.quantization.base import QuantizationMethod, QuantizedLinear
-from kvserve.quantization.int4 import Int4Linear
-from kvserve.quantization.int8 import GroupInt8Linear
+from kvserve.quantization.grid import GroupGrid
 
 FOUR_BIT_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
 INT8_TYPES = (T.Q8_0, T.Q5_K, T.Q6_K)
@@ -32,25 +31,6 @@ FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 _QK_K = 256
 _BLOCK_BYTES = {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
 _BLOCK_SIZE = {T.Q4_0: 32, T.Q4_1: 32, T.Q8_0: 32, T.Q4_K: _QK_K, T.Q5_K: _QK_K, T.Q6_K: _QK_K}
-
-
-class GroupGrid:
-    """One tensor's exact grid: w[n, k] = q[n, k] * scale[n, g] + offset[n, g] with
-    g = k // group_size (offset None means 0); q is uint8 for 4-bit types, else int8."""
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group_size: int) -> None:
-        self.q, self.scale, self.offset, self.group_size = q, scale, offset, group_size
-
-    def map_rows(self, fn) -> GroupGrid:
-        """Apply a row permutation (llama's Q/K RoPE reordering) to every part."""
-        return GroupGrid(fn(self.q), fn(self.scale), None if self.offset is None else fn(self.offset), self.group_size)
-
-    def dequantize(self) -> torch.Tensor:
-        n, k = self.q.shape
-        groups = self.q.reshape(n, -1, self.group_size).float() * self.scale[..., None]
-        if self.offset is not None:
-            groups = groups + self.offset[..., None]
-        return groups.reshape(n, k)
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -96,7 +76,7 @@ def unpack_blocks(raw: np.ndarray, qtype: T, shape: tuple[int, int], name: str) 
         d = _f16(blocks[..., 0:2])
         offset = -8 * d if qtype == T.Q4_0 else _f16(blocks[..., 2:4])
         q = _nibbles(blocks[..., 2 if qtype == T.Q4_0 else 4:])
-        return GroupGrid(q.reshape(n, k), d, offset, 32)
+        return GroupGrid(q.reshape(n, k), d, offset, 32, four_bit=True)
     if qtype == T.Q6_K:
         ql, qh = blocks[..., :128], blocks[..., 128:192]
         sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
@@ -117,37 +97,7 @@ def unpack_blocks(raw: np.ndarray, qtype: T, shape: tuple[int, int], name: str) 
         q = (q | ((bits & 1) << 4)).to(torch.int8)
     scale = (d[..., None] * sc).reshape(n, -1)
     offset = -(dmin[..., None] * mn).reshape(n, -1)
-    return GroupGrid(q.reshape(n, k), scale, offset, 32)
-
-
-def _as_int8_grid(grid: GroupGrid, group_size: int) -> GroupGrid:
-    """The same grid as int8 q with `group_size`-wide groups (a divisor of its own)."""
-    repeat = grid.group_size // group_size
-    offset = grid.offset if grid.offset is None else grid.offset.repeat_interleave(repeat, dim=1)
-    return GroupGrid(grid.q.to(torch.int8), grid.scale.repeat_interleave(repeat, dim=1), offset, group_size)
-
-
-def packed_linear(parts: list[tuple[GroupGrid, T]], bias: torch.Tensor | None) -> QuantizedLinear:
-    """One layer from the grids of its row shards (q, k, v or gate, up) stacked in order:
-    int4 kernel layout when every shard is a 4-bit type, else group-wise int8 with the
-    narrowest group size among the shards (wider groups split exactly)."""
-    if all(qtype in FOUR_BIT_TYPES for _, qtype in parts):
-        grids = [grid for grid, _ in parts]
-        return Int4Linear(
-            torch.cat([g.q for g in grids]), torch.cat([g.scale for g in grids]),
-            torch.cat([g.offset for g in grids]), 32, bias,
-        )
-    group_size = min(grid.group_size for grid, _ in parts)
-    grids = [_as_int8_grid(grid, group_size) for grid, _ in parts]
-    if any(g.offset is not None for g in grids):
-        grids = [g if g.offset is not None else GroupGrid(g.q, g.scale, torch.zeros_like(g.scale), group_size)
-                 for g in grids]
-        offset = torch.cat([g.offset for g in grids])
-    else:
-        offset = None
-    return GroupInt8Linear(
-        torch.cat([g.q for g in grids]), torch.cat([g.scale for g in grids]), offset, group_size, bias
-    )
+    return GroupGrid(q.reshape(n, k), scale, offset, 32, four_bit=qtype == T.Q4_K)
 
 
 class GGUFMethod(QuantizationMethod):

@@ -16,7 +16,8 @@ from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.loader import load_model
 from kvserve.quantization import QuantizedLinear
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
-from kvserve.quantization.gguf import packed_linear, unpack_blocks
+from kvserve.quantization.gguf import unpack_blocks
+from kvserve.quantization.grid import grid_linear
 from kvserve.quantization.int4 import Int4Linear
 from kvserve.quantization.int8 import GroupInt8Linear
 
@@ -71,7 +72,7 @@ def _check_layer(layer: QuantizedLinear, weight: torch.Tensor) -> None:
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K])
 def test_four_bit_shards_stack_into_the_int4_kernel_layout(qtype):
     shards = [random_blocks(qtype, rows, 512, seed) for seed, rows in enumerate((128, 64, 64))]
-    layer = packed_linear([(unpack_blocks(raw, qtype, (raw.shape[0], 512), "w"), qtype) for raw in shards], None)
+    layer = grid_linear([unpack_blocks(raw, qtype, (raw.shape[0], 512), "w") for raw in shards], None)
     assert isinstance(layer, Int4Linear) and layer.kernel_layout and layer.group_size == 32
     _check_layer(layer, torch.cat([reference(raw, qtype) for raw in shards]))
 
@@ -80,8 +81,7 @@ def test_mixed_shards_become_group_int8_at_the_narrowest_group():
     """A Q4_K_M-style qkv: q and k in Q4_K, v in Q6_K (16-wide groups) -> one int8 layer."""
     types = (T.Q4_K, T.Q4_K, T.Q6_K)
     shards = [random_blocks(t, rows, 512, seed) for seed, (t, rows) in enumerate(zip(types, (64, 32, 32)))]
-    parts = [(unpack_blocks(raw, t, (raw.shape[0], 512), "w"), t) for raw, t in zip(shards, types)]
-    layer = packed_linear(parts, None)
+    layer = grid_linear([unpack_blocks(raw, t, (raw.shape[0], 512), "w") for raw, t in zip(shards, types)], None)
     assert isinstance(layer, GroupInt8Linear) and layer.group_size == 16
     assert layer.weight_bytes() < 0.4 * 4 * 128 * 512
     _check_layer(layer, torch.cat([reference(raw, t) for raw, t in zip(shards, types)]))
@@ -90,7 +90,7 @@ def test_mixed_shards_become_group_int8_at_the_narrowest_group():
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K])
 def test_int8_types_have_int8_storage(qtype):
     raw = random_blocks(qtype, 48, 256, seed=5)
-    layer = packed_linear([(unpack_blocks(raw, qtype, (48, 256), "w"), qtype)], torch.ones(48))
+    layer = grid_linear([unpack_blocks(raw, qtype, (48, 256), "w")], torch.ones(48))
     assert isinstance(layer, GroupInt8Linear) and layer.qweight.dtype == torch.int8
     x = torch.randn(3, 256)
     torch.testing.assert_close(layer(x), x @ reference(raw, qtype).T + 1, rtol=0, atol=1e-4)
