@@ -3,7 +3,7 @@
 Every supported block type is an affine grid per group, w = q * scale + offset, so each
 unpacks exactly (all products below fit fp32's 24-bit significand) into:
 
-* 4-bit types -> `Int4Linear` (via grid.grid_linear) with 32-wide groups and float zero points, the layout of
+* 4-bit types -> `Int4Linear` with 32-wide groups and float zero points, the layout of
   torch's CPU int4 kernel (w = (q - 8) * s + z with z = offset + 8 * s):
   Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m), Q4_K (super-blocks of 256 with 6-bit
   sub-block scales and mins: w = d * sc * q - dmin * m).
@@ -11,7 +11,9 @@ unpacks exactly (all products below fit fp32's 24-bit significand) into:
   Q8_0 (groups of 32, w = d * q), Q5_K (groups of 32, w = d * sc * q - dmin * m, q < 32),
   Q6_K (groups of 16, w = d * sc * (q - 32)).
 
-The fp32 dequantized model (quantization=None) stays the exact reference path.
+`grid.grid_linear` picks the layer; fused layers whose shards differ in type (Q4_K q/k
+with a Q6_K v) share one int8 layer. The fp32 dequantized model (quantization=None)
+stays the exact reference path.
 """
 
 from __future__ import annotations
@@ -81,10 +83,10 @@ def unpack_blocks(raw: np.ndarray, qtype: T, shape: tuple[int, int], name: str) 
         ql, qh = blocks[..., :128], blocks[..., 128:192]
         sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
         d = _f16(blocks[..., 208:210])
-        low = _nibbles(ql)  # [.., 4, 32]: l, l+32, l+64, l+96 order per 128-half after reorder
-        # Per 128-element half: ql[0:32] low -> 0..31, ql[32:64] low -> 32..63,
-        # ql[0:32] high -> 64..95, ql[32:64] high -> 96..127; qh[l] bits 2i..2i+1 -> run i.
-        low = low.reshape(n, -1, 2, 2, 2, 32).permute(0, 1, 2, 4, 3, 5).reshape(n, -1, 2, 4, 32)
+        # Per 128-element half: ql[0:32] low nibbles -> 0..31, ql[32:64] low -> 32..63,
+        # ql[0:32] high -> 64..95, ql[32:64] high -> 96..127; bits 2i, 2i+1 of qh[l] are
+        # the top two bits of run i. _nibbles gives (run, nibble) order: swap to (nibble, run).
+        low = _nibbles(ql).reshape(n, -1, 2, 2, 2, 32).permute(0, 1, 2, 4, 3, 5).reshape(n, -1, 2, 4, 32)
         high = qh.reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)
         q = (low | ((high & 3) << 4)).to(torch.int8) - 32
         return GroupGrid(q.reshape(n, k), (d[..., None] * sc).reshape(n, -1), None, 16)

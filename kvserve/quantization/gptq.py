@@ -30,6 +30,8 @@ class GPTQFormat(CheckpointFormat):
         self.checkpoint_format = config.get("checkpoint_format", "gptq")
         if self.checkpoint_format not in SUPPORTED_FORMATS:
             raise self.unsupported("checkpoint_format", self.checkpoint_format, ", ".join(SUPPORTED_FORMATS))
+        if config.get("lm_head"):
+            raise self.unsupported("lm_head", True, "false (the LM head stays in the run dtype)")
         if config.get("dynamic"):
             raise self.unsupported("dynamic", "per-module overrides", "one bit width for all layers")
 

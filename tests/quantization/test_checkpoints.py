@@ -148,7 +148,7 @@ def transformers_greedy(model, prompts: list[list[int]], max_tokens: int):
 @pytest.mark.parametrize(
     "bits, symmetric, group_size, kind",
     [(4, False, 32, Int4Linear), (4, True, 32, Int4Linear), (8, True, None, GroupInt8Linear),
-     (8, False, 32, GroupInt8Linear)],
+     (8, False, 32, GroupInt8Linear), (8, False, None, GroupInt8Linear)],
 )
 def test_compressed_tensors_checkpoint_matches_the_package(save_hf_model, bits, symmetric, group_size, kind):
     pytest.importorskip("compressed_tensors")
@@ -214,3 +214,34 @@ def test_quantizing_a_quantized_checkpoint_again_is_refused():
     with pytest.raises(ModelLoadError, match=r"already quantized \(gptq\); quantization='int4' applies to "
                                              "float checkpoints only"):
         load_model(os.path.join(FIXTURES, "gptq-w4-g32"), quantization="int4")
+
+
+def test_compressed_tensors_smollm2(smollm2_hf, smollm2_loaded, tmp_path):
+    """The real SmolLM2 written as W4A16 (group 32, asymmetric) by compressed-tensors."""
+    pytest.importorskip("compressed_tensors")
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    # A plain float copy: transformers refuses to save a model it loaded from GGUF.
+    config = copy.deepcopy(smollm2_hf.config)
+    config.__dict__.pop("quantization_config", None)
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(smollm2_hf.state_dict())
+    directory = str(tmp_path / "smollm2-w4a16")
+    write_compressed_tensors(model, directory, 4, False, 32)
+    smollm2_loaded.tokenizer.save_pretrained(directory)
+    loaded = load_model(directory)
+    packed = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(packed) == 120 and all(isinstance(m, Int4Linear) and m.kernel_layout for m in packed)
+    reference = decompressed_reference(directory)
+    reference_state = reference.state_dict()
+    for layer, weight in layer_weights(loaded).items():
+        expected = reference_state[f"{layer}.weight"]
+        torch.testing.assert_close(weight, expected, rtol=0, atol=2**-21 * expected.abs().max().item())
+    prompts = [smollm2_loaded.tokenizer(p).input_ids for p in
+               ("The capital of France is", "def fibonacci(n):", "Write a haiku about autumn leaves.")]
+    greedy, top5 = transformers_greedy(reference, prompts, 8)
+    identical = assert_greedy_agrees(greedy_with_top5(loaded, prompts, 8), greedy, top5)
+    print(f"SmolLM2 W4A16: {identical} of {len(prompts)} greedy sequences identical to transformers")
+    assert identical >= len(prompts) - 1
