@@ -193,6 +193,7 @@ def _with_config(tmp_path, fixture: str, **changes) -> str:
     "fixture, changes, message",
     [
         ("gptq-w4-g32", {"bits": 3}, r"quant_method='gptq' has bits=3, which is not supported; supported: 4, 8"),
+        ("gptq-w4-g32", {"lm_head": True}, r"has lm_head=True, which is not supported"),
         ("gptq-w4-g32", {"checkpoint_format": "marlin"},
          r"checkpoint_format='marlin', which is not supported; supported: gptq, gptq_v2"),
         ("awq-w4-g32", {"version": "gemv"}, r"quant_method='awq' has version='gemv', which is not supported; "
