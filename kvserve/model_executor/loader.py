@@ -150,6 +150,13 @@ def _empty_model(config: ModelConfig, device: str | torch.device) -> LlamaForCau
     return model.to(config.dtype).to_empty(device=device).eval()
 
 
+def _materialize(model: LlamaForCausalLM, device: str | torch.device) -> LlamaForCausalLM:
+    """Allocate the tensors still on the meta device (those the checkpoint fills as floats)
+    and move the already built quantized layers to `device`."""
+    model = model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    return model.to(device).eval()
+
+
 def _load_into(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], source: str) -> None:
     try:
         model.load_weights(weights)
@@ -188,8 +195,7 @@ def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device)
         _install_checkpoint_layers(model, fmt, tensors)
     except ValueError as e:
         raise ModelLoadError(f"{model_dir}: {e}") from e
-    model = model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
-    model = model.to(device).eval()
+    model = _materialize(model, device)
     _load_into(model, iter(tensors.items()), model_dir)
     return LoadedModel(model, config, _load_tokenizer(model_dir), quantization=fmt.quant_method)
 
@@ -241,8 +247,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed
         with torch.device("meta"):
             model = get_model_class(config.architecture)(config).to(dtype)
         consumed = install_packed_linears(model, reader, path, config, arch)
-        model = model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
-        model = model.to(device).eval()
+        model = _materialize(model, device)
     else:
         model, consumed = _empty_model(config, device), set()
     _load_into(model, iter_gguf_weights(reader, path, config, arch, skip=consumed), path)
@@ -290,6 +295,10 @@ def load_model(
             len(packed), sum(m.weight_bytes() for m in packed) / 1e6,
             sum(4 * m.in_features * m.out_features for m in packed) / 1e6,
         )
+    elif loaded.quantization is not None and method is None:
+        packed = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+        logger.info("checkpoint quantization %s: %d linear layers, %.1f MB",
+                    loaded.quantization, len(packed), sum(m.weight_bytes() for m in packed) / 1e6)
     elif method is not None and loaded.quantization is not None:
         raise ModelLoadError(
             f"{model}: the checkpoint is already quantized ({loaded.quantization}); "
