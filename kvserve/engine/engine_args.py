@@ -106,7 +106,10 @@ class EngineArgs:
             "--quantization", default=None, choices=list(QUANTIZATION_METHODS),
             help="Weight-only quantization of the linear layers, applied at load: int8 "
             "(symmetric, per output channel), int4 (asymmetric, group-wise), nf4 "
-            "(bitsandbytes NormalFloat-4, per-block absmax). Default: none.",
+            "(bitsandbytes NormalFloat-4, per-block absmax), gguf (run a GGUF file from its "
+            "Q4_0/Q4_1/Q4_K/Q8_0/Q5_K/Q6_K blocks, repacked for the CPU kernels). Default: "
+            "none (GGUF dequantized; GPTQ/AWQ/compressed-tensors checkpoints are detected "
+            "from config.json).",
         )
         group.add_argument(
             "--quantization-config", default=None, type=_json_dict,

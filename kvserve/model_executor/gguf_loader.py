@@ -1,4 +1,5 @@
-"""Config and weights from a llama.cpp GGUF file, dequantized to the run dtype."""
+"""Config and weights from a llama.cpp GGUF file: dequantized to the run dtype, or with
+the linear layers' blocks kept packed (quantization='gguf')."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
+from torch import nn
 from tqdm import tqdm
 
 from kvserve.config import ModelConfig
 from kvserve.model_executor.errors import ModelLoadError
+from kvserve.model_executor.models.llama import LlamaForCausalLM
+from kvserve.quantization.gguf import FLOAT_TYPES, SUPPORTED_TYPES, unpack_blocks
+from kvserve.quantization.grid import grid_linear
 
 # GGUF general.architecture -> our architecture name.
 _GGUF_ARCHITECTURES = {
@@ -128,23 +133,72 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
+def _rope_rows(gguf_name: str, config: ModelConfig, arch: str) -> int | None:
+    """Head count whose RoPE row order convert_hf_to_gguf permuted in this tensor, if any."""
+    if arch != "llama":
+        return None
+    if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+        return config.num_attention_heads
+    if gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+        return config.num_key_value_heads
+    return None
+
+
+def install_packed_linears(
+    model: LlamaForCausalLM, reader: GGUFReader, path: str, config: ModelConfig, arch: str
+) -> set[str]:
+    """Replace each linear layer (LM head excepted) whose GGUF tensors are all quantized by
+    a layer built from their blocks; return the GGUF names consumed. Layers stored as
+    F32/F16/BF16 stay float. An unsupported block type fails before anything is built."""
+    by_hf_name = {_hf_name(t.name): t for t in reader.tensors}
+    plans: list[tuple[str, nn.Linear, list[Any]]] = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module_name.rsplit(".", 1)[-1] == "lm_head":
+            continue
+        shards = [by_hf_name.get(f"{hf}.weight") for hf in model.hf_shard_names(module_name)]
+        if any(t is None for t in shards) or any(t.tensor_type in FLOAT_TYPES for t in shards):
+            continue  # missing tensors are reported by load_weights; float ones load as float
+        for t in shards:
+            if t.tensor_type not in SUPPORTED_TYPES:
+                raise ModelLoadError(
+                    f"{path}: tensor {t.name} ({module_name}) has GGUF type {t.tensor_type.name}; "
+                    f"quantization='gguf' supports {', '.join(q.name for q in SUPPORTED_TYPES)} "
+                    "(quantization=None dequantizes any type)"
+                )
+        plans.append((module_name, module, shards))
+    consumed: set[str] = set()
+    for module_name, module, shards in tqdm(plans, desc="Repacking GGUF blocks", leave=False,
+                                            disable=len(plans) < 64):
+        parts = []
+        for t in shards:
+            shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists dims innermost first
+            grid = unpack_blocks(t.data, t.tensor_type, shape, t.name)
+            heads = _rope_rows(t.name, config, arch)
+            if heads is not None:
+                grid = grid.map_rows(lambda rows, h=heads: _unpermute_rope_rows(rows, h))
+            parts.append(grid)
+            consumed.add(t.name)
+        parent_name, _, attr = module_name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, grid_linear(parts, module.bias))
+    return consumed
+
+
 def iter_gguf_weights(
-    reader: GGUFReader, path: str, config: ModelConfig, arch: str
+    reader: GGUFReader, path: str, config: ModelConfig, arch: str, skip: set[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, fp32 CPU tensor) for every weight in the file."""
+    """Yield (Hugging Face name, fp32 CPU tensor) for every weight in the file not in skip."""
     for tensor in tqdm(reader.tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
                        disable=len(reader.tensors) < 64, leave=False):
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name == _ROPE_FREQS or tensor.name in skip:
             continue
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot dequantize tensor {tensor.name}: {e}") from e
         weight = torch.from_numpy(np.array(array, dtype=np.float32))
-        if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
-            weight = _unpermute_rope_rows(weight, config.num_attention_heads)
-        elif arch == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
-            weight = _unpermute_rope_rows(weight, config.num_key_value_heads)
+        heads = _rope_rows(tensor.name, config, arch)
+        if heads is not None:
+            weight = _unpermute_rope_rows(weight, heads)
         yield _hf_name(tensor.name), weight
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -21,7 +22,11 @@ from kvserve.model_executor.dummy import dummy_model_config, init_dummy_weights
 from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.models.llama import LlamaForCausalLM
 from kvserve.model_executor.models.registry import get_model_class
-from kvserve.quantization import get_quantization_method, quantize_model
+from kvserve.quantization import QuantizedLinear, get_quantization_method, quantize_model
+from kvserve.quantization.checkpoint import CheckpointFormat
+from kvserve.quantization.gguf import GGUFMethod
+from kvserve.quantization.grid import grid_linear
+from kvserve.quantization.registry import get_checkpoint_format
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +38,7 @@ class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase | None  # None only for dummy weights without a model dir
+    quantization: str | None = None  # the checkpoint's own quant_method (GPTQ, AWQ, ...)
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -144,6 +150,13 @@ def _empty_model(config: ModelConfig, device: str | torch.device) -> LlamaForCau
     return model.to(config.dtype).to_empty(device=device).eval()
 
 
+def _materialize(model: LlamaForCausalLM, device: str | torch.device) -> LlamaForCausalLM:
+    """Allocate the tensors still on the meta device (those the checkpoint fills as floats)
+    and move the already built quantized layers to `device`."""
+    model = model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    return model.to(device).eval()
+
+
 def _load_into(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], source: str) -> None:
     try:
         model.load_weights(weights)
@@ -162,25 +175,82 @@ def _load_tokenizer(source: str, **kwargs: Any) -> PreTrainedTokenizerBase:
 
 def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
     config = hf_model_config(model_dir, dtype)
+    config_path = os.path.join(model_dir, "config.json")
+    quantization_config = _read_json(config_path).get("quantization_config")
     files = _safetensors_files(model_dir)
-    model = _empty_model(config, device)
-    _load_into(model, _iter_safetensors(files), model_dir)
-    return LoadedModel(model, config, _load_tokenizer(model_dir))
+    if not quantization_config:
+        model = _empty_model(config, device)
+        _load_into(model, _iter_safetensors(files), model_dir)
+        return LoadedModel(model, config, _load_tokenizer(model_dir))
+    try:
+        fmt = get_checkpoint_format(quantization_config, config_path)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    # Packed checkpoints are small: read them whole, build the quantized layers from their
+    # tensors on the meta model (no float copy of those weights), load the rest as usual.
+    tensors = dict(_iter_safetensors(files))
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config).to(dtype)
+    try:
+        _install_checkpoint_layers(model, fmt, tensors)
+    except ValueError as e:
+        raise ModelLoadError(f"{model_dir}: {e}") from e
+    model = _materialize(model, device)
+    _load_into(model, iter(tensors.items()), model_dir)
+    return LoadedModel(model, config, _load_tokenizer(model_dir), quantization=fmt.quant_method)
 
 
-def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+def _install_checkpoint_layers(
+    model: LlamaForCausalLM, fmt: CheckpointFormat, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Swap each linear whose shards the checkpoint stores quantized for a layer built from
+    their grids, removing the tensors consumed; act-order grids (groups not contiguous)
+    are put back as exact fp32 `.weight` tensors for the float layer instead."""
+    for module_name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or module_name.rsplit(".", 1)[-1] == "lm_head":
+            continue
+        shards = model.hf_shard_names(module_name)
+        packed = [f"{hf}.{fmt.packed_suffix}" in tensors for hf in shards]
+        if not any(packed):
+            continue
+        if not all(packed):
+            raise ValueError(f"{module_name}: only some of {shards} are quantized; they are fused "
+                             "into one layer, so all or none must be")
+        grids = [fmt.unpack(tensors, hf) for hf in shards]
+        for hf in shards:
+            for name in fmt.consumed(tensors, hf):
+                del tensors[name]
+        if all(g.contiguous_groups() for g in grids):
+            parent, _, attr = module_name.rpartition(".")
+            setattr(model.get_submodule(parent), attr,
+                    grid_linear([g.to_group_grid() for g in grids], module.bias))
+        else:
+            tensors.update({f"{hf}.weight": g.dequantize() for hf, g in zip(shards, grids)})
+
+
+def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed: bool) -> LoadedModel:
     # Imported here so that safetensors and dummy loading work without the gguf package.
     from kvserve.model_executor.gguf_loader import (
         gguf_architecture,
         gguf_model_config,
+        install_packed_linears,
         iter_gguf_weights,
         open_gguf,
     )
 
     reader = open_gguf(path)
     config = gguf_model_config(reader, path, dtype)
-    model = _empty_model(config, device)
-    _load_into(model, iter_gguf_weights(reader, path, config, gguf_architecture(reader)), path)
+    arch = gguf_architecture(reader)
+    if packed:
+        # Packed layers replace their float linears while those are still on the meta
+        # device, so no float copy of the quantized weights is ever allocated.
+        with torch.device("meta"):
+            model = get_model_class(config.architecture)(config).to(dtype)
+        consumed = install_packed_linears(model, reader, path, config, arch)
+        model = _materialize(model, device)
+    else:
+        model, consumed = _empty_model(config, device), set()
+    _load_into(model, iter_gguf_weights(reader, path, config, arch, skip=consumed), path)
     tokenizer = _load_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
     return LoadedModel(model, config, tokenizer)
 
@@ -216,8 +286,25 @@ def load_model(
     weight-only method applied to the linear layers once the weights are loaded."""
     # Resolved first so that a bad method or config fails before any weight is read.
     method = get_quantization_method(quantization, quantization_config)
-    loaded = _load_unquantized(model, load_format, model_shape, dtype, device, seed)
-    if method is not None:
+    gguf_packed = isinstance(method, GGUFMethod)
+    loaded = _load_weights(model, load_format, model_shape, dtype, device, seed, gguf_packed)
+    if gguf_packed:
+        packed = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+        logger.info(
+            "quantization=gguf: %d linear layers kept packed, %.1f MB (fp32: %.1f MB)",
+            len(packed), sum(m.weight_bytes() for m in packed) / 1e6,
+            sum(4 * m.in_features * m.out_features for m in packed) / 1e6,
+        )
+    elif loaded.quantization is not None and method is None:
+        packed = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+        logger.info("checkpoint quantization %s: %d linear layers, %.1f MB",
+                    loaded.quantization, len(packed), sum(m.weight_bytes() for m in packed) / 1e6)
+    elif method is not None and loaded.quantization is not None:
+        raise ModelLoadError(
+            f"{model}: the checkpoint is already quantized ({loaded.quantization}); "
+            f"quantization={quantization!r} applies to float checkpoints only"
+        )
+    elif method is not None:
         report = quantize_model(loaded.model, method)
         logger.info(
             "quantization=%s: linear weights %.1f MB -> %.1f MB (%d layers)",
@@ -226,12 +313,17 @@ def load_model(
     return loaded
 
 
-def _load_unquantized(
+def _load_weights(
     model: str | None, load_format: str, model_shape: str | None, dtype: torch.dtype,
-    device: str | torch.device, seed: int,
+    device: str | torch.device, seed: int, gguf_packed: bool,
 ) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
+    if gguf_packed and (load_format == "dummy" or (model is not None and os.path.isdir(model))):
+        raise ModelLoadError(
+            f"quantization='gguf' keeps a GGUF file's blocks packed; got "
+            f"{'dummy weights' if load_format == 'dummy' else 'the directory ' + repr(model)}"
+        )
     if load_format == "dummy":
         return _load_dummy(model, model_shape, dtype, device, seed)
     if model is None:
@@ -244,7 +336,7 @@ def _load_unquantized(
     if load_format == "gguf" or (load_format == "auto" and os.path.isfile(model)):
         if os.path.isdir(model):
             raise ModelLoadError(f"{model}: load_format='gguf' needs a .gguf file, got a directory")
-        return _load_gguf(model, dtype, device)
+        return _load_gguf(model, dtype, device, gguf_packed)
     if not os.path.isdir(model):
         raise ModelLoadError(f"{model}: expected a Hugging Face model directory")
     return _load_hf_dir(model, dtype, device)

@@ -59,12 +59,15 @@ class Int4Linear(QuantizedLinear):
     """Stores only the CPU kernel's packed layout where the kernel applies (dense calls
     unpack it), else plain nibble pairs; 0.5 byte per weight either way."""
 
-    def __init__(self, layer: nn.Linear, group_size: int) -> None:
-        super().__init__(layer.in_features, layer.out_features, layer.bias)
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int,
+        bias: torch.Tensor | None,
+    ) -> None:
+        """q uint8 [N, K] in [0, 15], scale and minimum fp32 [N, K / group_size]."""
+        super().__init__(q.shape[1], q.shape[0], bias)
         self.group_size = group_size
-        q, scale, minimum = quantize_int4(layer.weight, group_size)
-        self.register_buffer("scale", scale)
-        self.register_buffer("minimum", minimum)
+        self.register_buffer("scale", scale.float())
+        self.register_buffer("minimum", minimum.float())
         self.kernel_layout = self._try_kernel_layout(q)
         if not self.kernel_layout:
             self.register_buffer("qweight", _pack_nibbles(q))
@@ -131,4 +134,5 @@ class Int4Method(QuantizationMethod):
         self.group_size(name, layer.in_features)
 
     def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
-        return Int4Linear(layer, self.group_size(name, layer.in_features))
+        group_size = self.group_size(name, layer.in_features)
+        return Int4Linear(*quantize_int4(layer.weight, group_size), group_size, layer.bias)

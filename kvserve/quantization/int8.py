@@ -44,6 +44,51 @@ class Int8Linear(QuantizedLinear):
         return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
 
 
+class GroupInt8Linear(QuantizedLinear):
+    """int8 q with an fp32 scale (and optional offset) per group of `group_size` input
+    elements: w = q * scale + offset. Holds grids that per-channel int8 cannot express
+    exactly (GGUF Q8_0/Q5_K/Q6_K, 8-bit GPTQ). torch's int8 CPU kernel takes one scale per
+    output channel, so only whole-row groups use it; finer groups dequantize per call: on
+    2 CPU cores no loop-free grouped form (a batched bmm over groups, or the per-channel
+    kernel on group-masked activations) beat that or fp32 (see the GGUF notes in
+    BENCHMARKS.md)."""
+
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group_size: int,
+        bias: torch.Tensor | None,
+    ) -> None:
+        super().__init__(q.shape[1], q.shape[0], bias)
+        if q.dtype != torch.int8 or q.shape[1] % group_size:
+            raise ValueError(f"GroupInt8Linear needs int8 q with rows divisible by the group size "
+                             f"{group_size}, got {q.dtype} {tuple(q.shape)}")
+        self.group_size = group_size
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("offset", None if offset is None else offset.float().contiguous())
+        self.has_kernel = group_size == self.in_features and self.in_features % 16 == 0
+        if self.has_kernel:
+            self.register_buffer("kernel_scale", self.scale[:, 0].to(torch.bfloat16), persistent=False)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.qweight.shape
+        groups = self.qweight.reshape(n, -1, self.group_size).float() * self.scale[..., None]
+        if self.offset is not None:
+            groups = groups + self.offset[..., None]
+        return groups.reshape(n, k).to(dtype)
+
+    def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.has_kernel:
+            return None
+        rows = x.reshape(-1, self.in_features)
+        y = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.qweight, self.kernel_scale).to(x.dtype)
+        if self.offset is not None:  # a per-row offset adds offset * sum(x) to each output
+            y = y + rows.sum(-1, keepdim=True) * self.offset[:, 0].to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
 class Int8Method(QuantizationMethod):
     name = "int8"
 

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.quantization.awq import AWQFormat
 from kvserve.quantization.base import QuantizationMethod
+from kvserve.quantization.checkpoint import CheckpointFormat
+from kvserve.quantization.compressed_tensors import CompressedTensorsFormat
+from kvserve.quantization.gguf import GGUFMethod
+from kvserve.quantization.gptq import GPTQFormat
 from kvserve.quantization.int4 import Int4Method
 from kvserve.quantization.int8 import Int8Method
 from kvserve.quantization.nf4 import NF4Method
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationMethod]] = {
-    method.name: method for method in (Int8Method, Int4Method, NF4Method)
+    method.name: method for method in (Int8Method, Int4Method, NF4Method, GGUFMethod)
 }
 
 
@@ -26,3 +31,20 @@ def get_quantization_method(
             f"unknown quantization {name!r}; supported: {', '.join(QUANTIZATION_METHODS)}"
         )
     return QUANTIZATION_METHODS[name](config)
+
+
+CHECKPOINT_FORMATS: dict[str, type[CheckpointFormat]] = {
+    fmt.quant_method: fmt for fmt in (GPTQFormat, AWQFormat, CompressedTensorsFormat)
+}
+
+
+def get_checkpoint_format(config: dict[str, Any], source: str) -> CheckpointFormat:
+    """The format named by a checkpoint's quantization_config; ValueError naming the
+    method or setting when it is not one we load."""
+    method = config.get("quant_method")
+    if method not in CHECKPOINT_FORMATS:
+        raise ValueError(
+            f"{source}: quantization_config quant_method={method!r} is not supported; "
+            f"supported: {', '.join(CHECKPOINT_FORMATS)}"
+        )
+    return CHECKPOINT_FORMATS[method](config, source)

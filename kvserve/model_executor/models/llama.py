@@ -180,6 +180,14 @@ class LlamaForCausalLM(nn.Module):
             return [c.num_attention_heads * c.head_dim, kv, kv]
         return [c.intermediate_size, c.intermediate_size]
 
+    def hf_shard_names(self, module_name: str) -> list[str]:
+        """Hugging Face names of the linears stacked (by output rows) into one of ours."""
+        prefix, _, part = module_name.rpartition(".")
+        parent = prefix.rpartition(".")[2]
+        shards = [hf for hf, (fused, _) in _FUSED_SHARDS.items() if fused == f"{parent}.{part}"]
+        base = prefix.rpartition(".")[0]
+        return [f"{base}.{hf}" for hf in shards] if shards else [module_name]
+
     def hf_weight_views(self) -> dict[str, torch.Tensor]:
         """Hugging Face parameter name -> the view of our parameter it fills."""
         targets: dict[str, torch.Tensor] = {}

@@ -1,0 +1,66 @@
+"""Exact group-wise affine grids, the common form of every pre-quantized format we load
+(GGUF blocks, GPTQ, AWQ, compressed-tensors), and the layer each one becomes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvserve.quantization.base import QuantizedLinear
+from kvserve.quantization.int4 import Int4Linear
+from kvserve.quantization.int8 import GroupInt8Linear
+
+
+class GroupGrid:
+    """w[n, k] = q[n, k] * scale[n, g] + offset[n, g], g = k // group_size (offset None
+    means 0). `four_bit`: q is uint8 in [0, 15] (the int4 kernel's range); otherwise q
+    is int8. Every format's products fit fp32 exactly, so this is lossless."""
+
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group_size: int,
+        four_bit: bool = False,
+    ) -> None:
+        self.q, self.scale, self.offset = q, scale.float(), None if offset is None else offset.float()
+        self.group_size, self.four_bit = group_size, four_bit
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GroupGrid:
+        """Apply a row permutation (llama's Q/K RoPE reordering) to every part."""
+        offset = None if self.offset is None else fn(self.offset)
+        return GroupGrid(fn(self.q), fn(self.scale), offset, self.group_size, self.four_bit)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        groups = self.q.reshape(n, -1, self.group_size).float() * self.scale[..., None]
+        if self.offset is not None:
+            groups = groups + self.offset[..., None]
+        return groups.reshape(n, k)
+
+    def as_int8(self, group_size: int) -> GroupGrid:
+        """The same weights as int8 q with `group_size`-wide groups (a divisor of ours);
+        4-bit q in [0, 15] fits int8 as is."""
+        repeat = self.group_size // group_size
+        offset = None if self.offset is None else self.offset.repeat_interleave(repeat, dim=1)
+        return GroupGrid(self.q.to(torch.int8), self.scale.repeat_interleave(repeat, dim=1), offset, group_size)
+
+
+def grid_linear(shards: list[GroupGrid], bias: torch.Tensor | None) -> QuantizedLinear:
+    """One layer from the grids of its row shards (q, k, v or gate, up) stacked in order:
+    the int4 kernel layout when every shard is 4-bit with one group size, else group-wise
+    int8 at the narrowest group size (wider groups split exactly)."""
+    if all(g.four_bit for g in shards) and len({g.group_size for g in shards}) == 1:
+        offsets = [g.offset if g.offset is not None else torch.zeros_like(g.scale) for g in shards]
+        return Int4Linear(
+            torch.cat([g.q for g in shards]), torch.cat([g.scale for g in shards]),
+            torch.cat(offsets), shards[0].group_size, bias,
+        )
+    group_size = min(g.group_size for g in shards)
+    if any(g.group_size % group_size for g in shards):
+        raise ValueError(f"cannot stack shards with group sizes {[g.group_size for g in shards]}")
+    grids = [g.as_int8(group_size) for g in shards]
+    offset = None
+    if any(g.offset is not None for g in grids):
+        offset = torch.cat([g.offset if g.offset is not None else torch.zeros_like(g.scale) for g in grids])
+    return GroupInt8Linear(
+        torch.cat([g.q for g in grids]), torch.cat([g.scale for g in grids]), offset, group_size, bias
+    )
