@@ -99,3 +99,27 @@ def test_cuda_graph_decode_equals_eager(save_hf_model, num_prompts):
             assert graph_lp.keys() == eager_lp.keys()
             for token in graph_lp:
                 assert graph_lp[token] == pytest.approx(eager_lp[token], abs=1e-3)
+
+
+def test_fp8_kv_cache_triton_equals_torch_reference(save_hf_model):
+    """A float8 cache (calibrated scales) read by the Triton kernels gives the torch
+    reference's greedy tokens: same scales, same saturating round-to-nearest stores."""
+    config = LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+    )
+    model_dir = save_hf_model(LlamaForCausalLM(config))
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1024, (n,), generator=generator).tolist() for n in (7, 90, 600)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model=model_dir, dtype="float32", device="cuda", attention_backend=backend,
+                  kv_cache_dtype="fp8", gpu_memory_utilization=0.3)
+        assert llm.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+        results[backend] = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params)]
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert results["triton"] == results["torch"]
