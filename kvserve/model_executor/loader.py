@@ -24,7 +24,6 @@ from kvserve.model_executor.models.llama import LlamaForCausalLM
 from kvserve.model_executor.models.registry import get_model_class
 from kvserve.quantization import QuantizedLinear, get_quantization_method, quantize_model
 from kvserve.quantization.checkpoint import CheckpointFormat
-from kvserve.quantization.gguf import GGUFMethod
 from kvserve.quantization.grid import grid_linear
 from kvserve.quantization.registry import get_checkpoint_format
 
@@ -286,7 +285,7 @@ def load_model(
     weight-only method applied to the linear layers once the weights are loaded."""
     # Resolved first so that a bad method or config fails before any weight is read.
     method = get_quantization_method(quantization, quantization_config)
-    gguf_packed = isinstance(method, GGUFMethod)
+    gguf_packed = method is not None and method.name == "gguf"
     loaded = _load_weights(model, load_format, model_shape, dtype, device, seed, gguf_packed)
     if gguf_packed:
         packed = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvserve.quantization.awq import AWQFormat
 from kvserve.quantization.base import QuantizationMethod
 from kvserve.quantization.checkpoint import CheckpointFormat
 from kvserve.quantization.compressed_tensors import CompressedTensorsFormat
-from kvserve.quantization.gguf import GGUFMethod
 from kvserve.quantization.gptq import GPTQFormat
 from kvserve.quantization.int4 import Int4Method
 from kvserve.quantization.int8 import Int8Method
 from kvserve.quantization.nf4 import NF4Method
 
-QUANTIZATION_METHODS: dict[str, type[QuantizationMethod]] = {
-    method.name: method for method in (Int8Method, Int4Method, NF4Method, GGUFMethod)
+
+
+def _gguf_method() -> type[QuantizationMethod]:
+    # Imported on use: it needs the gguf package, which only GGUF files need (the GPU
+    # image, for one, does not have it).
+    from kvserve.quantization.gguf import GGUFMethod
+
+    return GGUFMethod
+
+
+# Name -> the method's class, resolved when the method is asked for.
+QUANTIZATION_METHODS: dict[str, Callable[[], type[QuantizationMethod]]] = {
+    **{method.name: (lambda method=method: method) for method in (Int8Method, Int4Method, NF4Method)},
+    "gguf": _gguf_method,
 }
 
 
@@ -30,7 +42,7 @@ def get_quantization_method(
         raise ValueError(
             f"unknown quantization {name!r}; supported: {', '.join(QUANTIZATION_METHODS)}"
         )
-    return QUANTIZATION_METHODS[name](config)
+    return QUANTIZATION_METHODS[name]()(config)
 
 
 CHECKPOINT_FORMATS: dict[str, type[CheckpointFormat]] = {
