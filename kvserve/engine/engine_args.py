@@ -9,11 +9,18 @@ from typing import Any
 
 import torch
 
+from kvserve.engine.cpu_defaults import AUTO, NONE
 from kvserve.quantization import QUANTIZATION_METHODS
 from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.utils import parse_size
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+# A smaller step budget on CPU: prefill chunks of several prompts no longer make every
+# running stream and every waiting prompt wait for one multi-second step (issue #8).
+CPU_MAX_NUM_BATCHED_TOKENS = 512
 
 
 def _json_dict(text: str) -> dict[str, Any]:
@@ -42,7 +49,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = 2048  # None: per device (resolved_max_num_batched_tokens)
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
@@ -60,6 +67,11 @@ class EngineArgs:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         return _DTYPES[self.dtype]
+
+    def resolved_max_num_batched_tokens(self, device: torch.device) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return CPU_MAX_NUM_BATCHED_TOKENS if device.type == "cpu" else GPU_MAX_NUM_BATCHED_TOKENS
 
     def kv_cache_bytes(self) -> int | None:
         return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
@@ -87,10 +99,12 @@ class EngineArgs:
         group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
         group.add_argument("--seed", type=int, default=0, help="Seed for dummy weights.")
         group.add_argument(
-            "--quantization", default=None, choices=list(QUANTIZATION_METHODS),
+            "--quantization", default=None, choices=[AUTO, NONE, *QUANTIZATION_METHODS],
             help="Weight-only quantization of the linear layers, applied at load: int8 "
             "(symmetric, per output channel), int4 (asymmetric, group-wise), nf4 "
-            "(bitsandbytes NormalFloat-4, per-block absmax). Default: none.",
+            "(bitsandbytes NormalFloat-4, per-block absmax), or auto (on CPU, a Q4_0/Q4_1 "
+            "GGUF runs as int4 group 32, which keeps its grid exactly, with an int8 LM head "
+            "for decode; otherwise none; the choice is logged), or none. Default: none (auto for serve).",
         )
         group.add_argument(
             "--quantization-config", default=None, type=_json_dict,
@@ -121,7 +135,8 @@ class EngineArgs:
         )
         group.add_argument(
             "--max-num-batched-tokens", type=int, default=2048,
-            help="Token budget of one step (prefill chunks plus decodes).",
+            help="Token budget of one step (prefill chunks plus decodes); serve's default is "
+            f"per device: {CPU_MAX_NUM_BATCHED_TOKENS} on CPU, {GPU_MAX_NUM_BATCHED_TOKENS} on GPU.",
         )
         group.add_argument(
             "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
