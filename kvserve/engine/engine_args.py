@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvserve.engine.cpu_defaults import AUTO, NONE
 from kvserve.quantization import QUANTIZATION_METHODS
 from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.utils import parse_size
@@ -19,6 +20,12 @@ KV_CACHE_DTYPES = {
     "auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
 }
+
+
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+# A smaller step budget on CPU: prefill chunks of several prompts no longer make every
+# running stream and every waiting prompt wait for one multi-second step (issue #8).
+CPU_MAX_NUM_BATCHED_TOKENS = 512
 
 
 def _json_dict(text: str) -> dict[str, Any]:
@@ -48,7 +55,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = 2048  # None: per device (resolved_max_num_batched_tokens)
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
@@ -77,6 +84,11 @@ class EngineArgs:
             )
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
+    def resolved_max_num_batched_tokens(self, device: torch.device) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return CPU_MAX_NUM_BATCHED_TOKENS if device.type == "cpu" else GPU_MAX_NUM_BATCHED_TOKENS
+
     def kv_cache_bytes(self) -> int | None:
         return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
 
@@ -103,13 +115,15 @@ class EngineArgs:
         group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
         group.add_argument("--seed", type=int, default=0, help="Seed for dummy weights.")
         group.add_argument(
-            "--quantization", default=None, choices=list(QUANTIZATION_METHODS),
+            "--quantization", default=None, choices=[AUTO, NONE, *QUANTIZATION_METHODS],
             help="Weight-only quantization of the linear layers, applied at load: int8 "
             "(symmetric, per output channel), int4 (asymmetric, group-wise), nf4 "
             "(bitsandbytes NormalFloat-4, per-block absmax), gguf (run a GGUF file from its "
-            "Q4_0/Q4_1/Q4_K/Q8_0/Q5_K/Q6_K blocks, repacked for the CPU kernels). Default: "
-            "none (GGUF dequantized; GPTQ/AWQ/compressed-tensors checkpoints are detected "
-            "from config.json).",
+            "Q4_0/Q4_1/Q4_K/Q8_0/Q5_K/Q6_K blocks, repacked for the CPU kernels), auto (on "
+            "CPU, a Q4_0/Q4_1 GGUF runs as int4 group 32, which keeps its grid exactly, with an "
+            "int8 LM head for decode; otherwise none; the choice is logged), or none. Default: "
+            "none (auto for serve; GPTQ/AWQ/compressed-tensors checkpoints are detected from "
+            "config.json).",
         )
         group.add_argument(
             "--quantization-config", default=None, type=_json_dict,
@@ -146,7 +160,8 @@ class EngineArgs:
         )
         group.add_argument(
             "--max-num-batched-tokens", type=int, default=2048,
-            help="Token budget of one step (prefill chunks plus decodes).",
+            help="Token budget of one step (prefill chunks plus decodes); serve's default is "
+            f"per device: {CPU_MAX_NUM_BATCHED_TOKENS} on CPU, {GPU_MAX_NUM_BATCHED_TOKENS} on GPU.",
         )
         group.add_argument(
             "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,

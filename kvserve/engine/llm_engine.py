@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import logging
 import time
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler
+from kvserve.engine.cpu_defaults import AUTO, NONE, apply_plan, resolve_auto_quantization
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.request import Request
@@ -46,11 +48,27 @@ class LLMEngine:
         self.args = args
         self.device = args.resolved_device()
         dtype = args.resolved_dtype(self.device)
+        if args.quantization == NONE:
+            args = replace(args, quantization=None)
+        auto = args.quantization == AUTO
         if loaded is None:
             loaded = load_model(
                 args.model, load_format=args.load_format, model_shape=args.model_shape,
                 dtype=dtype, device=self.device, seed=args.seed,
-                quantization=args.quantization, quantization_config=args.quantization_config,
+                quantization=None if auto else args.quantization,
+                quantization_config=None if auto else args.quantization_config,
+            )
+            if auto:
+                plan = resolve_auto_quantization(loaded, self.device)
+                for reason in plan.reasons:
+                    logger.info("quantization=auto: %s", reason)
+                apply_plan(loaded, plan)
+        if args.max_num_batched_tokens is None:
+            logger.info(
+                "max_num_batched_tokens=%d (per-device default%s)",
+                args.resolved_max_num_batched_tokens(self.device),
+                ": small prefill chunks on CPU so one step does not hold every stream for seconds"
+                if self.device.type == "cpu" else "",
             )
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -64,7 +82,7 @@ class LLMEngine:
         )
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_batched_tokens=args.resolved_max_num_batched_tokens(self.device),
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
         )

@@ -78,6 +78,8 @@ _TOOLS = [
      "kvserve.benchmarks.spec_decode", True),
     ("bench", "serve", "Online serving load test against any OpenAI-compatible server.",
      "kvserve.benchmarks.serve", False),
+    ("bench", "cpu-compare", "CPU serving side by side with llama.cpp's llama-server on the same GGUF.",
+     "kvserve.benchmarks.cpu_compare", False),
     ("eval", "perplexity", "Sliding-window perplexity of a text file through the engine.",
      "kvserve.eval.perplexity", True),
 ]

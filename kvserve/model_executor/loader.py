@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,9 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase | None  # None only for dummy weights without a model dir
     quantization: str | None = None  # the checkpoint's own quant_method (GPTQ, AWQ, ...)
+    # GGUF block type names of the file's tensors (e.g. {"Q4_1", "Q8_0", "F32"}), by tensor
+    # name; empty for other formats. Lets `quantization=auto` see the source grid.
+    gguf_tensor_types: dict[str, str] = field(default_factory=dict)
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -251,7 +254,8 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed
         model, consumed = _empty_model(config, device), set()
     _load_into(model, iter_gguf_weights(reader, path, config, arch, skip=consumed), path)
     tokenizer = _load_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    return LoadedModel(model, config, tokenizer)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    return LoadedModel(model, config, tokenizer, types)
 
 
 def _load_dummy(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
@@ -40,6 +42,13 @@ class StepLogits:
     # (sequence, [P, V] logits, index of the first prompt token they predict): prompt
     # positions of this chunk, for requests that asked for prompt logprobs.
     prompt_logits: list[tuple[Sequence, torch.Tensor, int]]
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros whose pages the OS maps on first write (numpy's calloc): a CPU KV cache then
+    costs resident memory only for the blocks in use, not its whole budget up front."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def kv_cache_bytes_per_block(
@@ -151,6 +160,8 @@ class ModelRunner:
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         config = self.model_config
         shape = (2, num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
+        if self.device.type == "cpu":
+            return [_lazy_zeros(shape, self.kv_cache_dtype) for _ in range(config.num_hidden_layers)]
         return [
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(config.num_hidden_layers)

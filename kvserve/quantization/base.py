@@ -52,12 +52,27 @@ class QuantizedLinear(nn.Module, ABC):
         """x @ W^T by dequantizing to the activation dtype: any device, any row count."""
         return F.linear(x, self.dequantize(x.dtype))
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        y = None
+    def decode_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ W^T through the fused kernel for decode-sized CPU inputs, else None."""
         if x.device.type == "cpu" and x.numel() <= CPU_KERNEL_MAX_ROWS * self.in_features:
-            y = self.kernel_matmul(x)
+            return self.kernel_matmul(x)
+        return None
+
+    def keep_dense_weight(self, weight: torch.Tensor | None = None) -> None:
+        """Keep a float weight for the dense path (the original one, or else a dequantized
+        copy): prefill-sized inputs then run a plain matmul instead of dequantizing per
+        call. Memory for speed; the CPU serving default."""
+        weight = self.dequantize(torch.float32) if weight is None else weight.detach()
+        self.register_buffer("dense_weight", weight, persistent=False)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.decode_matmul(x)
         if y is None:
-            y = self.dense_matmul(x)
+            dense_weight = getattr(self, "dense_weight", None)
+            if dense_weight is not None:
+                y = F.linear(x, dense_weight.to(x.dtype))
+            else:
+                y = self.dense_matmul(x)
         return y if self.bias is None else y + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

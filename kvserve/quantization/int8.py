@@ -94,3 +94,19 @@ class Int8Method(QuantizationMethod):
 
     def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
         return Int8Linear(layer)
+
+
+@torch.no_grad()
+def quantize_lm_head(model: nn.Module) -> Int8Linear | None:
+    """Attach an int8 copy of the LM head (the tied embedding where there is no separate
+    head) for decode-sized rows on CPU; larger inputs keep the float weight. Returns it,
+    or None where the kernel does not apply."""
+    head = getattr(model, "lm_head", None)
+    weight = head.weight if head is not None else model.model.embed_tokens.weight
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    quantized = Int8Linear(layer)
+    if not quantized.has_kernel:
+        return None
+    model.quantized_lm_head = quantized
+    return quantized

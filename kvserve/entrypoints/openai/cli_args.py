@@ -34,3 +34,5 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Tokens per streamed chunk; larger values cut SSE overhead at high concurrency.",
     )
     EngineArgs.add_cli_args(parser)
+    # Serving picks per-device settings unless told otherwise (logged at startup).
+    parser.set_defaults(quantization="auto", max_num_batched_tokens=None)

@@ -150,6 +150,8 @@ class LlamaForCausalLM(nn.Module):
         )
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Set by quantize_lm_head: a weight-only copy of the LM head for decode-sized rows.
+        self.quantized_lm_head: nn.Module | None = None
 
     def forward(
         self,
@@ -166,6 +168,10 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.attn_backend = attn_backend
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.quantized_lm_head is not None:
+            logits = self.quantized_lm_head.decode_matmul(hidden_states)
+            if logits is not None:
+                return logits.float()
         weight = (
             self.model.embed_tokens.weight
             if self.config.tie_word_embeddings

@@ -1,0 +1,74 @@
+"""The CPU side-by-side benchmark (issue #8): its table against hand-computed ratios, and
+its `--quick` smoke mode end to end against a real `kvserve serve` (no llama.cpp)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+from kvserve.benchmarks.cpu_compare import LoadPoint, format_table, summarize
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _point(tok_s, ttft50, ttft99, itl50, itl99, rss=None, rate=math.inf):
+    return {"output_tok_s": tok_s, "ttft_p50_ms": ttft50, "ttft_p99_ms": ttft99, "itl_p50_ms": itl50,
+            "itl_p99_ms": itl99, "peak_rss_mib": rss, "request_rate": rate}
+
+
+def test_table_rows_and_ratios_by_hand():
+    results = {
+        "llama.cpp": {"16-streams": _point(87.0, 9000.0, 12000.0, 111.0, 300.0, rss=200.0),
+                      "poisson": _point(50.0, 400.0, 900.0, 60.0, 120.0, rate=0.5)},
+        "kvserve": {"16-streams": _point(174.0, 4500.0, 6000.0, 80.0, 150.0, rss=800.0),
+                    "poisson": _point(50.0, 200.0, 300.0, 70.0, 100.0, rate=0.5)},
+    }
+    lines = format_table(results, ["1-stream", "16-streams", "poisson"]).splitlines()
+    rows = {tuple(line.split()[-4:]) for line in lines[2:]}
+    # 174 / 87 = 2.00, 4500 / 9000 = 0.50, 800 / 200 = 4.00, 200 / 400 = 0.50
+    assert ("tok/s", "87.0", "174.0", "2.00x") in rows
+    assert ("ms", "9,000.0", "4,500.0", "0.50x") in rows
+    assert ("MiB", "200", "800", "4.00x") in rows
+    assert ("ms", "400.0", "200.0", "0.50x") in rows
+    assert any(line.startswith("poisson 0.50/s") for line in lines)
+    assert not any(line.startswith("1-stream") for line in lines)  # no data, no rows
+
+
+def test_summarize_reads_the_bench_serve_fields():
+    data = {"output_throughput": 10.0, "request_throughput": 0.5, "completed": 4, "failed": 0,
+            "total_output_tokens": 64, "output_tokens_expected": 64, "request_rate": math.inf,
+            "duration_s": 6.4, "peak_rss_bytes": 3 * 2**20,
+            "ttft_ms": {"p50": 1.0, "p99": 2.0}, "itl_ms": {"p50": 3.0, "p99": 4.0}}
+    summary = summarize(data)
+    assert summary["peak_rss_mib"] == 3.0
+    assert (summary["ttft_p50_ms"], summary["ttft_p99_ms"], summary["itl_p50_ms"], summary["itl_p99_ms"]) == (1, 2, 3, 4)
+    assert LoadPoint("x", 1, 1).input_len == 128 and LoadPoint("x", 1, 1).output_len == 128
+
+
+def test_quick_mode_runs_kvserve_end_to_end(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        ["bash", os.path.join(REPO_ROOT, "benchmarks", "cpu_vs_llamacpp.sh"), "--quick",
+         "--output-dir", str(tmp_path), "--kvserve-args", "--kv-cache-memory 128MiB"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "cpu_quick.json") as f:
+        summary = json.load(f)
+    quick = summary["results"]["kvserve"]["quick"]
+    # The reference is the request itself: 4 requests of 16 tokens each, none failed.
+    assert quick["completed"] == 4 and quick["failed"] == 0
+    assert quick["output_tokens"] == quick["output_tokens_expected"] == 4 * 16
+    assert quick["output_tok_s"] > 0 and quick["ttft_p50_ms"] > 0 and quick["itl_p50_ms"] > 0
+    assert quick["peak_rss_mib"] > 50  # at least the weights were resident
+    assert "llama.cpp" not in summary["results"]
+    assert "output tok/s" in result.stdout and "peak RSS MiB" in result.stdout
+    with open(tmp_path / "cpu_quick_kvserve_quick.json") as f:
+        records = json.load(f)["requests"]
+    assert [r["output_tokens"] for r in records] == [16] * 4
+    assert all(r["prompt_tokens"] == 32 for r in records)
+
