@@ -255,7 +255,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed
     _load_into(model, iter_gguf_weights(reader, path, config, arch, skip=consumed), path)
     tokenizer = _load_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    return LoadedModel(model, config, tokenizer, types)
+    return LoadedModel(model, config, tokenizer, gguf_tensor_types=types)
 
 
 def _load_dummy(
