@@ -50,6 +50,7 @@ def test_bad_flag_value_is_a_clear_error_not_a_traceback():
     assert "top_p" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # the CLI path is covered by test_generate_*; keeps CI within 10 minutes
 def test_chat_streams_the_same_reply_as_llm_chat(smollm2_llm):
     conversation = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0.0, max_tokens=16)

@@ -57,6 +57,9 @@ def test_perplexity_matches_transformers(smollm2_llm, smollm2_hf):
     assert abs(result.perplexity / expected - 1) < 1e-3
 
 
+# The CLI wrapper of the tool checked above (test_perplexity_matches_transformers); slow
+# to keep the default suite within CI's 10 minutes.
+@pytest.mark.slow
 def test_cli_prints_the_perplexity(tmp_path, smollm2_llm):
     text_file = tmp_path / "text.txt"
     text_file.write_text(TEXT[:600])

@@ -39,6 +39,7 @@ def test_fp8_cache_holds_four_times_the_fp32_blocks(smollm2_loaded, kv_cache_dty
     assert all(cache.dtype.itemsize == 1 for cache in llm.engine.runner.kv_caches)
 
 
+@pytest.mark.slow  # keeps CI within 10 minutes; the fp8 tests below cover the cache path
 def test_bf16_cache_decodes_as_the_fp32_cache(smollm2_loaded):
     reference = _greedy(LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB"))
     bf16 = LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", kv_cache_dtype="bfloat16")
