@@ -6,6 +6,8 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 from kvserve import SamplingParams
 from kvserve.entrypoints.cli import build_parser
 

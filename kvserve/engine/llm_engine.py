@@ -116,8 +116,8 @@ class LLMEngine:
             self.model_config.architecture, self.model_config.num_hidden_layers,
             str(dtype).removeprefix("torch."), self.device,
             type(self.runner.attn_backend).__name__,
-            str(self.runner.kv_cache_dtype).removeprefix("torch."),
             self.runner.num_blocks,
+            str(self.runner.kv_cache_dtype).removeprefix("torch."),
             args.block_size, self.runner.num_blocks * args.block_size, self.max_model_len,
         )
 

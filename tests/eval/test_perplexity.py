@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from kvserve.eval.perplexity import perplexity, sliding_windows
