@@ -11,14 +11,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.model_executor.loader import LoadedModel
 from kvserve.quantization import QuantizedLinear, get_quantization_method, quantize_model
 
-PROMPTS = [
-    "Hi!",
-    "Name three rivers in Europe and say which countries they flow through.",
-    "Write a haiku about autumn leaves.",
-    "Explain why the sky is blue.",
-    "def fibonacci(n):",
-    "The capital of France is",
-]
+from tests.quantization.prompts import PROMPTS
 NUM_NEW_TOKENS = 24
 
 

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from tests.quantization.prompts import PROMPTS
 from kvserve import LLM, SamplingParams
 from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.loader import load_model
@@ -133,14 +134,6 @@ def test_gguf_method_needs_a_gguf_file():
 
 # --- the real SmolLM2 (Q4_1 linears, Q8_0 tied embedding) ---------------------------
 
-PROMPTS = [
-    "Hi!",
-    "Name three rivers in Europe and say which countries they flow through.",
-    "Write a haiku about autumn leaves.",
-    "Explain why the sky is blue.",
-    "def fibonacci(n):",
-    "The capital of France is",
-]
 
 
 @pytest.fixture(scope="module")
