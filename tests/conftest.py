@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 
@@ -12,6 +13,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 # Two cores: keep torch from oversubscribing them alongside pytest.
 torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory_after_gpu_tests(request):
+    """An engine sizes its KV cache from the memory the process already holds: free what a
+    GPU test's engines held (they may sit in reference cycles) before the next one starts."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")

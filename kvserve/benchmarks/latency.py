@@ -92,6 +92,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         gpu = f"{r.gpu_step_ms:7.2f}" if r.gpu_step_ms is not None else f"{'-':>7s}"
         print(f"{r.batch_size:5d} {r.ttft_ms_median:9.1f} {r.tpot_ms_median:9.2f} "
               f"{r.output_tok_s:10.1f} {r.floor_ms:9.2f} {r.fraction_of_floor:9.0%} {gpu}")
+    stats = llm.engine.spec_decode_stats
+    if stats is not None:
+        print(f"speculative decoding: {stats.num_drafts} verify runs, acceptance "
+              f"{stats.acceptance_rate:.1%}, mean accepted length {stats.mean_accepted_length:.2f} "
+              "(random prompts: acceptance depends on the weights)")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"copy_bandwidth_bytes_per_s": bandwidth,

@@ -1,6 +1,6 @@
 """Device time of a speculative verify step (1 + k query tokens of one sequence, logits at
-every one) against a plain decode step (1 token), each captured in a CUDA graph and
-replayed back to back, so host work does not hide the difference.
+every one) against a plain decode step (1 token): the engine's own CUDA graphs for both
+step shapes, replayed back to back so host work does not hide the difference.
 
     python -m kvserve.benchmarks.verify_cost --load-format dummy --model-shape llama3-8b -k 4
 """
@@ -19,33 +19,14 @@ from kvserve.llm import LLM
 @torch.inference_mode()
 def step_time_ms(llm: LLM, num_query_tokens: int, context_len: int, repeats: int = 50) -> float:
     runner = llm.engine.runner
-    block_size = runner.block_size
-    seq_len = context_len + num_query_tokens
-    table = list(range(-(-seq_len // block_size)))
-    positions = torch.arange(context_len, seq_len, device=runner.device)
-    input_ids = torch.randint(1000, llm.engine.model_config.vocab_size, (num_query_tokens,),
-                              device=runner.device)
-    metadata = runner._metadata(positions, [0, num_query_tokens], [seq_len], [table])
-
-    def forward() -> torch.Tensor:
-        hidden = runner.model(input_ids, positions, runner.kv_caches, metadata)
-        return runner.model.compute_logits(hidden)
-
-    forward()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / repeats)
-    return statistics.median(times)
+    graphs = runner.cuda_graphs
+    if graphs is None:
+        raise SystemExit("verify_cost needs CUDA graphs: a CUDA device, the Triton backend, "
+                         "no --enforce-eager")
+    table = list(range(-(-(context_len + num_query_tokens) // runner.block_size)))
+    tokens = torch.randint(1000, llm.engine.model_config.vocab_size, (num_query_tokens,))
+    graphs.run([tokens.tolist()], [context_len], [table])  # captures this shape's graph
+    return statistics.median(graphs.replay_last_ms(repeats) for _ in range(5))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-len", type=int, default=256,
                         help="Tokens already in the sequence's cache.")
     args = parser.parse_args(argv)
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.speculative_config is None:
+        # Sizes the engine's graphs for verify steps of 1 + k tokens.
+        engine_args.speculative_config = {
+            "method": "ngram", "num_speculative_tokens": args.num_speculative_tokens
+        }
+    llm = LLM(**vars(engine_args))
     plain = step_time_ms(llm, 1, args.context_len)
     verify = step_time_ms(llm, 1 + args.num_speculative_tokens, args.context_len)
     print(f"plain decode step {plain:.3f} ms, verify step (k={args.num_speculative_tokens}) "

@@ -177,8 +177,9 @@ class EngineArgs:
         )
         group.add_argument(
             "--enforce-eager", action="store_true",
-            help="Run every step eagerly; by default decode-only steps on the GPU replay CUDA "
-            "graphs captured at startup (Triton attention only).",
+            help="Run every step eagerly; by default decode steps on the GPU replay CUDA "
+            "graphs captured at startup, and speculative verify steps graphs captured on "
+            "first use (Triton attention only).",
         )
         group.add_argument(
             "--speculative-config", default=None, type=_json_dict,

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps and speculative verify steps.
 
 A decode step of a small model, or of a large one at small batch, launches hundreds of
 short kernels; the host cannot issue them as fast as the GPU runs them. Capturing the
@@ -9,6 +9,12 @@ persistent buffers, a batch is padded up to the next captured size (padding rows
 no KV: slot -1), and the attention's split-KV count is pinned per graph: one graph per
 (batch bucket, number of KV splits), captured on first use, the split count rounded down
 to a power of two so that few variants exist.
+
+A verify step feeds each sequence its newest token plus up to k drafts: the same shape
+with a query width q = 1 + k per sequence. A sequence with fewer drafts is padded at the
+end of its row group (padding tokens come after its real ones, so causal attention keeps
+them out of the real rows, and they write no KV). Graphs are keyed by
+(batch bucket, query width, KV splits); only width 1 is captured ahead of time.
 """
 
 from __future__ import annotations
@@ -39,12 +45,13 @@ def _power_of_two_floor(n: int) -> int:
 class DecodeGraph:
     def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
         self.graph = graph
-        self.logits = logits  # [bucket, vocab] fp32, rewritten by every replay
+        self.logits = logits  # [bucket * width, vocab] fp32, rewritten by every replay
 
 
 class CudaGraphRunner:
-    """Runs decode-only batches (one new token per sequence, every sequence sampling) of at
-    most max_batch sequences through captured graphs of `model` + `model.compute_logits`."""
+    """Runs decode and verify batches (each sequence feeds its newest token plus at most
+    max_width - 1 drafts, every query token samples) of at most max_batch sequences
+    through captured graphs of `model` + `model.compute_logits`."""
 
     def __init__(
         self,
@@ -54,6 +61,7 @@ class CudaGraphRunner:
         max_batch: int,
         max_blocks_per_seq: int,
         device: torch.device,
+        max_width: int = 1,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -62,68 +70,82 @@ class CudaGraphRunner:
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         self.num_kv_heads = kv_caches[0].shape[3]
-        self.graphs: dict[tuple[int, int], DecodeGraph] = {}
+        self.max_width = max_width
+        self.graphs: dict[tuple[int, int, int], DecodeGraph] = {}  # (bucket, width, splits)
         self.num_replays = 0
+        self.last_key: tuple[int, int, int] | None = None  # the graph the last run replayed
         self.pool = torch.cuda.graph_pool_handle()
         n = self.max_batch
         # Persistent inputs. int64 rows: token ids, positions, KV slots, copied in one go.
-        self.token_inputs = torch.zeros(3, n, dtype=torch.long, device=device)
+        self.token_inputs = torch.zeros(3, n * max_width, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        # Every sequence has exactly one query token, so the offsets never change.
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.staging = torch.zeros(3, n, dtype=torch.long, pin_memory=True)
+        # Padding tokens of a verify row group sit past the sequence's last block: the
+        # extra columns keep their (unused) block lookups inside the table.
+        extra_blocks = -(-max_width // block_size)
+        self.block_tables = torch.zeros(
+            n, max_blocks_per_seq + extra_blocks, dtype=torch.int32, device=device
+        )
+        # Every sequence has exactly `width` query tokens, so each width's offsets are fixed.
+        self.query_start_locs = {
+            width: torch.arange(0, n * width + 1, width, dtype=torch.int32, device=device)
+            for width in range(1, max_width + 1)
+        }
+        self.staging = torch.zeros(3, n * max_width, dtype=torch.long, pin_memory=True)
         self.staging_lens = torch.ones(n, dtype=torch.int32, pin_memory=True)
 
-    def can_run(self, batch_size: int) -> bool:
-        return batch_size <= self.max_batch
+    def can_run(self, batch_size: int, width: int = 1) -> bool:
+        return batch_size <= self.max_batch and width <= self.max_width
 
     def bucket_for(self, batch_size: int) -> int:
         return next(b for b in self.buckets if b >= batch_size)
 
-    def _metadata(self, bucket: int, max_seq_len: int, num_kv_splits: int | None) -> AttentionMetadata:
+    def _metadata(
+        self, bucket: int, width: int, max_seq_len: int, num_kv_splits: int | None
+    ) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.token_inputs[2, :bucket],
-            query_start_loc=self.query_start_loc[: bucket + 1],
+            slot_mapping=self.token_inputs[2, : bucket * width],
+            query_start_loc=self.query_start_locs[width][: bucket + 1],
             seq_lens=self.seq_lens[:bucket],
             block_tables=self.block_tables[:bucket],
             block_size=self.block_size,
-            max_query_len=1,
+            max_query_len=width,
             max_seq_len=max_seq_len,
-            query_start_loc_cpu=list(range(bucket + 1)),
-            seq_lens_cpu=[1] * bucket,
+            query_start_loc_cpu=list(range(0, bucket * width + 1, width)),
+            seq_lens_cpu=[width] * bucket,
             num_kv_splits=num_kv_splits,
         )
 
-    def _num_kv_splits(self, bucket: int, max_seq_len: int) -> int:
+    def _num_kv_splits(self, bucket: int, width: int, max_seq_len: int) -> int:
         splits = choose_num_kv_splits(
-            self._metadata(bucket, max_seq_len, None), self.num_kv_heads, self.device
+            self._metadata(bucket, width, max_seq_len, None), self.num_kv_heads, self.device
         )
         return _power_of_two_floor(splits)
 
-    def _forward(self, bucket: int, num_kv_splits: int) -> torch.Tensor:
-        ids, positions = self.token_inputs[0, :bucket], self.token_inputs[1, :bucket]
-        metadata = self._metadata(bucket, 1, num_kv_splits)
+    def _forward(self, bucket: int, width: int, num_kv_splits: int) -> torch.Tensor:
+        num_tokens = bucket * width
+        ids, positions = self.token_inputs[0, :num_tokens], self.token_inputs[1, :num_tokens]
+        metadata = self._metadata(bucket, width, width, num_kv_splits)
         hidden = self.model(ids, positions, self.kv_caches, metadata)
         return self.model.compute_logits(hidden)
 
-    def _capture(self, bucket: int, num_kv_splits: int) -> DecodeGraph:
-        # Padding rows, as replays will see them: no KV write, one visible key.
-        self.token_inputs[:, :bucket] = 0
-        self.token_inputs[2, :bucket] = -1
-        self.seq_lens[:bucket] = 1
+    def _capture(self, bucket: int, width: int, num_kv_splits: int) -> DecodeGraph:
+        # Padding sequences, as replays will see them: no KV write, `width` visible keys.
+        num_tokens = bucket * width
+        self.token_inputs[:, :num_tokens] = 0
+        self.token_inputs[2, :num_tokens] = -1
+        self.seq_lens[:bucket] = width
         start = time.perf_counter()
         # One eager run first: compiles the Triton kernels and settles lazy state
         # (e.g. RoPE tables moved to the device), neither of which may happen in capture.
-        self._forward(bucket, num_kv_splits)
+        self._forward(bucket, width, num_kv_splits)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(bucket, num_kv_splits)
+            logits = self._forward(bucket, width, num_kv_splits)
         torch.cuda.synchronize(self.device)
         logger.debug(
-            "captured decode graph: batch %d, %d KV splits, %.0f ms",
-            bucket, num_kv_splits, (time.perf_counter() - start) * 1e3,
+            "captured graph: batch %d, %d query tokens each, %d KV splits, %.0f ms",
+            bucket, width, num_kv_splits, (time.perf_counter() - start) * 1e3,
         )
         return DecodeGraph(graph, logits)
 
@@ -133,7 +155,7 @@ class CudaGraphRunner:
         ones reuse its memory pool."""
         start = time.perf_counter()
         for bucket in reversed(self.buckets):
-            self.graphs[(bucket, 1)] = self._capture(bucket, 1)
+            self.graphs[(bucket, 1, 1)] = self._capture(bucket, 1, 1)
         logger.info(
             "CUDA graphs: captured %d decode batch sizes (1..%d) in %.1f s",
             len(self.buckets), self.max_batch, time.perf_counter() - start,
@@ -142,53 +164,84 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def run(
         self,
-        token_ids: list[int],
-        positions: list[int],
+        query_tokens: list[list[int]],
+        start_positions: list[int],
         block_tables: list[list[int]],
     ) -> torch.Tensor:
-        """[B, vocab] fp32 next-token logits of B decoding sequences: sequence i feeds
-        token_ids[i] at positions[i]. The view is valid until the next run."""
-        batch = len(token_ids)
+        """Logits [sum of query lengths, vocab] fp32 of B sequences: sequence i feeds
+        query_tokens[i] (its newest token, then any drafts) from start_positions[i] on;
+        its rows are consecutive, in batch order. Valid until the next run."""
+        batch = len(query_tokens)
         bucket = self.bucket_for(batch)
+        lengths = [len(tokens) for tokens in query_tokens]
+        width = max(lengths)
         block_size = self.block_size
-        slots = [table[p // block_size] * block_size + p % block_size
-                 for table, p in zip(block_tables, positions)]
+        ids, positions, slots = [], [], []
+        for tokens, start, table in zip(query_tokens, start_positions, block_tables):
+            pad = width - len(tokens)
+            ids += tokens + [0] * pad
+            # Padding repeats the last position: RoPE tables end at the context limit.
+            positions += range(start, start + len(tokens))
+            positions += [start + len(tokens) - 1] * pad
+            slots += [table[p // block_size] * block_size + p % block_size
+                      for p in range(start, start + len(tokens))]
+            slots += [-1] * pad
+        num_tokens = bucket * width
         staging = self.staging
-        staging[:, :bucket] = 0
-        staging[2, :bucket] = -1
-        staging[:, :batch] = torch.tensor([token_ids, positions, slots], dtype=torch.long)
-        self.staging_lens[:bucket] = 1
-        self.staging_lens[:batch] = torch.tensor(positions, dtype=torch.int32) + 1
-        self.token_inputs[:, :bucket].copy_(staging[:, :bucket], non_blocking=True)
+        staging[:, :num_tokens] = 0
+        staging[2, :num_tokens] = -1
+        staging[:, : batch * width] = torch.tensor([ids, positions, slots], dtype=torch.long)
+        self.staging_lens[:bucket] = width
+        self.staging_lens[:batch] = torch.tensor(start_positions, dtype=torch.int32) + width
+        self.token_inputs[:, :num_tokens].copy_(staging[:, :num_tokens], non_blocking=True)
         self.seq_lens[:bucket].copy_(self.staging_lens[:bucket], non_blocking=True)
-        width = max(len(table) for table in block_tables)
+        table_width = max(len(table) for table in block_tables)
         # One flat int32 array built in C is several times faster than a nested torch.tensor.
         flat = array("i")
-        padding = [0] * width
+        padding = [0] * table_width
         for table in block_tables:
             flat.extend(table)
-            flat.extend(padding[: width - len(table)])
-        tables = torch.frombuffer(flat, dtype=torch.int32).view(batch, width)
-        self.block_tables[:batch, :width].copy_(tables.pin_memory(), non_blocking=True)
+            flat.extend(padding[: table_width - len(table)])
+        tables = torch.frombuffer(flat, dtype=torch.int32).view(batch, table_width)
+        self.block_tables[:batch, :table_width].copy_(tables.pin_memory(), non_blocking=True)
 
-        key = (bucket, self._num_kv_splits(bucket, max(positions) + 1))
+        max_seq_len = max(start_positions) + width
+        key = (bucket, width, self._num_kv_splits(bucket, width, max_seq_len))
         graph = self.graphs.get(key)
         if graph is None:
             # Capturing overwrites the persistent inputs with padding: redo the copies after.
             graph = self.graphs[key] = self._capture(*key)
-            return self.run(token_ids, positions, block_tables)
+            return self.run(query_tokens, start_positions, block_tables)
         graph.graph.replay()
         self.num_replays += 1
-        return graph.logits[:batch]
+        self.last_key = key
+        if all(length == width for length in lengths):
+            return graph.logits[: batch * width]
+        rows = [i * width + j for i, length in enumerate(lengths) for j in range(length)]
+        return graph.logits[torch.tensor(rows, device=self.device)]
 
     @torch.inference_mode()
     def replay_time_ms(self, batch_size: int, repeats: int = 50) -> float:
         """Device time of this batch size's (unsplit) graph, replayed back to back: a decode
         step with no host work between steps. The inputs are set to padding first, so the
         replays write nothing into the KV cache."""
-        graph = self.graphs[(self.bucket_for(batch_size), 1)].graph
+        graph = self.graphs[(self.bucket_for(batch_size), 1, 1)].graph
         self.token_inputs[2].fill_(-1)
         graph.replay()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
+
+    @torch.inference_mode()
+    def replay_last_ms(self, repeats: int = 50) -> float:
+        """Device time of the graph the last run replayed, on the same inputs (it rewrites
+        the same KV slots with the same values), replayed back to back."""
+        graph = self.graphs[self.last_key].graph
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()

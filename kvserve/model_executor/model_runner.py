@@ -71,9 +71,12 @@ class ModelRunner:
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         extra_kv_bytes_per_block: int = 0,
+        max_draft_tokens: int = 0,
     ) -> None:
         """`extra_kv_bytes_per_block`: another cache sized in the same number of blocks
-        (a speculative draft model's) that the KV memory budget must also hold."""
+        (a speculative draft model's) that the KV memory budget must also hold.
+        `max_draft_tokens`: speculative drafts a sequence may verify in one step, so that
+        verify steps replay CUDA graphs too."""
         self.model = model
         self.attn_backend = get_attn_backend(
             device, attention_backend, model_config.sliding_window
@@ -101,7 +104,7 @@ class ModelRunner:
             max_len = max_model_len or model_config.max_position_embeddings
             self.cuda_graphs = CudaGraphRunner(
                 model, self.kv_caches, self.block_size, scheduler_config.max_num_seqs,
-                -(-max_len // self.block_size), device,
+                -(-max_len // self.block_size), device, max_width=1 + max_draft_tokens,
             )
             self.cuda_graphs.capture_all()
 
@@ -272,31 +275,39 @@ class ModelRunner:
             cache = as_storage(cache)
             cache[:, dst] = cache[:, src]
 
-    def _is_plain_decode(self, sched: SchedulerOutput) -> bool:
-        """Every sequence feeds its one newest token and samples (so none is inside its
-        prompt, where prompt logprobs would be wanted, and none verifies drafts)."""
-        return all(
-            sched.num_scheduled_tokens[seq.seq_id] == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
-            for seq in sched.scheduled_seqs
-        )
+    def _graph_query_width(self, sched: SchedulerOutput) -> int | None:
+        """The query tokens per sequence when the step is a decode or a chain verify step
+        that a CUDA graph can run: every sequence feeds its newest token plus drafts and
+        samples at each (so none is inside its prompt, where prompt logprobs would be
+        wanted); None otherwise."""
+        width = 0
+        for seq in sched.scheduled_seqs:
+            num = sched.num_scheduled_tokens[seq.seq_id]
+            if (
+                seq.num_computed_tokens + 1 != seq.num_tokens
+                or num > 1 + len(seq.spec_token_ids)
+                or (num > 1 and seq.spec_tree_parents is not None)
+            ):
+                return None
+            width = max(width, num)
+        if width == 0 or not self.cuda_graphs.can_run(len(sched.scheduled_seqs), width):
+            return None
+        return width
 
     def _execute_graph(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
         seqs = sched.scheduled_seqs
+        num_rows = [sched.num_scheduled_tokens[seq.seq_id] for seq in seqs]
         self._copy_blocks(sched.block_copies)
         logits = self.cuda_graphs.run(
-            [seq.all_token_ids[-1] for seq in seqs],
+            [[seq.all_token_ids[-1], *seq.spec_token_ids[: n - 1]] for seq, n in zip(seqs, num_rows)],
             [seq.num_computed_tokens for seq in seqs],
             [block_tables[seq.seq_id] for seq in seqs],
         )
-        return StepLogits(logits, list(seqs), [1] * len(seqs), [])
+        return StepLogits(logits, list(seqs), num_rows, [])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
-        if (
-            self.cuda_graphs is not None
-            and self.cuda_graphs.can_run(len(sched.scheduled_seqs))
-            and self._is_plain_decode(sched)
-        ):
+        if self.cuda_graphs is not None and self._graph_query_width(sched) is not None:
             return self._execute_graph(sched, block_tables)
         input_ids: list[int] = []
         positions: list[int] = []

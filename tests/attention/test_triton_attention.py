@@ -114,6 +114,8 @@ SMALL_SCENARIOS: dict[str, tuple[tuple[int, int], ...]] = {
     "prefill_prefix": ((37, 12), (50, 3)),
     "mixed": ((9, 1), (21, 21), (45, 7), (1, 1), (6, 4)),
 }
+# A speculative verify step: 1 + k query tokens per sequence over the whole context.
+VERIFY_SEQS = ((37, 5), (70, 3), (5, 5), (16, 1))
 SMALL_CASES = [
     *(
         Case(scenario, seqs, h, kvh, 64, torch.float32)
@@ -126,6 +128,7 @@ SMALL_CASES = [
     ),
     Case("decode", SMALL_SCENARIOS["decode"], 8, 2, 64, torch.float32, num_kv_splits=4),
     Case("decode", SMALL_SCENARIOS["decode"], 4, 1, 128, torch.float16, num_kv_splits=3),
+    Case("verify", VERIFY_SEQS, 8, 2, 64, torch.float32, num_kv_splits=4),
     Case("mixed", SMALL_SCENARIOS["mixed"], 8, 2, 64, torch.float32, block_size=5),
     Case("mixed", SMALL_SCENARIOS["mixed"], 7, 1, 64, torch.float16),
 ]
@@ -214,6 +217,7 @@ GPU_SCENARIOS: dict[str, tuple[tuple[tuple[int, int], ...], int, int | None]] = 
     # name: (seqs, block size, forced splits)
     "decode": (((1, 1), (4097, 1), *_random_seqs(1, 30, 3000, lambda r: 1)), 16, None),
     "decode_split": (((5000, 1), (17, 1), (1, 1), (1203, 1)), 16, 7),
+    "verify_split": (((5000, 5), (17, 5), (3, 3), (1203, 2)), 16, 7),
     "prefill": (((300, 300), (1, 1), (77, 77), (513, 513)), 16, None),
     "prefill_prefix": (((1500, 200), (700, 2), (64, 63), (2100, 129)), 16, None),
     "mixed": (_random_seqs(2, 40, 2500, lambda r: r.choice([1, 1, 1, r.randint(2, 300)])), 16, None),

@@ -195,6 +195,8 @@ MAX_KV_SPLITS = 64
 KV_SPLIT_WAVES = 4
 # Fewer keys than this per split and the merge costs more than the parallelism buys.
 MIN_KEYS_PER_SPLIT = 512
+# Speculative verify steps (1 + k tokens) are decode-like: few rows, the whole context.
+MAX_SPLIT_QUERY_LEN = 17
 
 
 @functools.cache
@@ -205,10 +207,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_kv_splits(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
-    """Split the context of decode-only batches whose (sequence, KV head) programs would
-    leave multiprocessors idle, up to about KV_SPLIT_WAVES programs per multiprocessor;
-    1 for other batches (a batch that fills the chip loses to the merge's extra traffic)."""
-    if metadata.max_query_len != 1:
+    """Split the context of decode and verify batches (a few query tokens per sequence)
+    whose (sequence, KV head) programs would leave multiprocessors idle, up to about
+    KV_SPLIT_WAVES programs per multiprocessor; 1 for other batches (a batch that fills
+    the chip loses to the merge's extra traffic)."""
+    if metadata.max_query_len > MAX_SPLIT_QUERY_LEN:
         return 1
     programs = metadata.num_seqs * num_kv_heads
     num_sms = _num_sms(device)
