@@ -14,7 +14,8 @@ PROMPTS = ["The history of the printing press", "Ingredients for pancakes:", "de
 
 @pytest.fixture
 def async_llm(smollm2_llm):
-    engine = AsyncLLM(smollm2_llm.engine)
+    engine = AsyncLLM(lambda: smollm2_llm.engine)
+    asyncio.run(engine.started())
     yield engine
     engine.shutdown()
 

@@ -56,15 +56,16 @@ class ServerState:
         return self.async_llm.engine
 
     async def load(self) -> None:
+        async_llm = AsyncLLM.from_engine_args(self.engine_args)
         try:
-            engine = await asyncio.to_thread(LLMEngine, self.engine_args)
+            engine = await async_llm.started()
         except Exception as error:
             logger.error("failed to load the model: %s", error)
             self.load_error = error
             self.request_exit()
             return
         self.metrics.attach_engine(engine)
-        self.async_llm = AsyncLLM(engine)
+        self.async_llm = async_llm
         runner, block_size = engine.runner, engine.cache_config.block_size
         logger.info(
             "serving %s as %r: dtype=%s device=%s, %d KV blocks x %d tokens = %d max "
