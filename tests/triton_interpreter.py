@@ -12,12 +12,15 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def patch_interpreter() -> None:
-    """Three bugs of Triton 3.6's interpreter, fixed here rather than in the kernels:
+    """Four bugs of Triton 3.6's interpreter, fixed here rather than in the kernels:
     it turns its (1,)-shaped scalars into loop bounds with int(), which numpy >= 2.4
     rejects (triton-lang/triton#9171); its tl.dot multiplies bf16 operands' raw uint16
-    bits; and it casts integers to bf16 by storing the integer as the raw bits. Upcasting
-    bf16 operands to fp32 for the dot, and integers to fp32 before bf16, keeps exact values."""
+    bits; it casts integers to bf16 by storing the integer as the raw bits; and it rounds
+    fp32 to e4m3 wrongly (ties away from zero, some values an exponent off). Upcasting bf16
+    operands to fp32 for the dot, integers to fp32 before bf16, and rounding to e4m3 with
+    torch's cast (to nearest even, as the GPU does) keeps exact values."""
     import numpy as np
+    import torch
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -47,7 +50,16 @@ def patch_interpreter() -> None:
         as_fp32 = interpreter.TensorHandle(src.data.astype(np.float32), tl.float32)
         return cast(self, as_fp32, dst_type)
 
+    fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def patched_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar != tl.float32:
+            return fp_to_fp(self, src, dst_type, rounding_mode)
+        bits = torch.from_numpy(src.data).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return interpreter.TensorHandle(bits, tl.float8e4nv)
+
     interpreter._patch_lang_tensor = patched_tensor
+    interpreter.InterpreterBuilder.create_fp_to_fp = patched_fp_to_fp
     interpreter.InterpreterBuilder.create_dot = patched_dot
     interpreter.InterpreterBuilder.create_si_to_fp = patched_int_to_fp
     interpreter.InterpreterBuilder.create_ui_to_fp = patched_int_to_fp

@@ -4,11 +4,14 @@ elements, as block-wise fp8 checkpoints store them).
 Where the product runs:
 * CPU: the weight upcast to the activation dtype (fp32 there); per-channel scales
   commute with the matmul, so only the output is scaled.
-* CUDA, few rows (decode): the Triton weight-only kernel reads the fp8 bytes once and
-  upcasts them in the loop; `torch._scaled_mm` is far from the bandwidth floor there.
-* CUDA, more rows (prefill, big decode batches), capability >= 8.9, per-channel scales:
-  activations quantized to fp8 per token (dynamic scales) and `torch._scaled_mm` on the
-  fp8 tensor cores. Else the weight is dequantized to the activation dtype per call.
+* CUDA (capability >= 8.9), up to GPU_KERNEL_MAX_ROWS rows (decode): the Triton
+  weight-only kernel reads the fp8 bytes once and upcasts them in the loop;
+  `torch._scaled_mm` is far from the bandwidth floor there (BENCHMARKS.md).
+* CUDA (>= 8.9), more rows (prefill), bf16, per-channel scales: activations quantized to
+  fp8 per token (dynamic scales, one Triton kernel) and `torch._scaled_mm` on the fp8
+  tensor cores.
+* Otherwise (older GPUs, fp16 prefill, block scales) the weight is dequantized to the
+  activation dtype per call.
 """
 
 from __future__ import annotations
@@ -24,8 +27,6 @@ from kvserve.quantization.base import QuantizationMethod, QuantizedLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-# Rows above which _scaled_mm beats the Triton kernel (measured on an H200, BENCHMARKS.md).
-SCALED_MM_MIN_ROWS = 16
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,13 +36,6 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
     q = (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
-
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic activation quantization: (x_fp8 [M, K], scale fp32 [M, 1]), one scale per
-    row. Clamped because a cast to e4m3 overflows to NaN rather than saturating."""
-    scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,14 +73,13 @@ class Fp8Linear(QuantizedLinear):
     def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         if not _fp8_capable(x.device.index or 0):
             return None  # no e4m3 conversions in Triton below 8.9: dequantize instead
-        rows = x.numel() // self.in_features
-        if rows > SCALED_MM_MIN_ROWS and self._scaled_mm_applies(x):
-            return self._scaled_mm(x)
-        if not self.gpu_kernel_applies(x):
-            return None
-        from kvserve.quantization.triton_kernels import weight_only_matmul
+        if self.gpu_kernel_applies(x):
+            from kvserve.quantization.triton_kernels import weight_only_matmul
 
-        return weight_only_matmul(x, self.qweight, self.scale, None, self.group_size)
+            return weight_only_matmul(x, self.qweight, self.scale, None, self.group_size)
+        if self._scaled_mm_applies(x):
+            return self._scaled_mm(x)
+        return None
 
     def _scaled_mm_applies(self, x: torch.Tensor) -> bool:
         # Row-wise scaled _scaled_mm: bf16 output, both dims multiples of 16.
@@ -94,8 +87,10 @@ class Fp8Linear(QuantizedLinear):
                 and self.in_features % 16 == 0 and self.out_features % 16 == 0)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        from kvserve.quantization.fp8_activation import quantize_per_token
+
         rows = x.reshape(-1, self.in_features)
-        x_fp8, x_scale = quantize_per_token(rows)
+        x_fp8, x_scale = quantize_per_token(rows if rows.stride(-1) == 1 else rows.contiguous())
         # qweight [N, K] row-major is the column-major [K, N] operand _scaled_mm wants.
         y = torch._scaled_mm(x_fp8, self.qweight.t(), scale_a=x_scale, scale_b=self.scale.view(1, -1),
                              out_dtype=x.dtype)

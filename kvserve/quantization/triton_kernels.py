@@ -5,10 +5,11 @@ decode step moves the packed bytes once instead of a dequantized copy.
 W[n, k] = q[n, k] * scale[n, g] + offset[n, g] with g = k // group_size (per-channel:
 one group per row). q converts exactly to the activation dtype (|int8| <= 128, nibbles,
 e4m3 values are all bf16/fp16 numbers), so each tile's product runs on tensor cores in
-fp32 accumulation and the group's scale (and offset * sum(x)) is applied to the tile's
-partial sum afterwards. Small inputs pad rows to one 16-row tile (reads W once); split-K
-over fixed fp32 partials, summed in a fixed order, fills the GPU when N is small. No host
-syncs and only shape-dependent allocations: the launches are CUDA-graph capturable.
+fp32 accumulation (a single row: on the CUDA cores instead) and the group's scale (and
+offset * sum(x)) is applied to the tile's partial sum afterwards. Up to 16 rows pad to
+one 16-row tile (reads W once); split-K over fixed fp32 partials, summed in a fixed
+order, fills the GPU when N is small. No host syncs and only shape-dependent
+allocations: the launches are CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ def _weight_only_matmul_kernel(
     STORED_K: tl.constexpr = BLOCK_K // PACK
     kk = tl.arange(0, STORED_K)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-    w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn
     act = x_ptr.dtype.element_ty
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -54,11 +54,12 @@ def _weight_only_matmul_kernel(
     for tile in range(first, last):
         k0 = tile * BLOCK_K
         stored = k0 // PACK + kk
-        if EVEN_K:
-            w = tl.load(w_cols + stored[:, None], mask=col_mask[None, :], other=0)
-        else:  # (4-bit weights always come in whole tiles)
-            w = tl.load(w_cols + stored[:, None], mask=col_mask[None, :] & (stored[:, None] < K), other=0)
-        if FP8:  # stored as uint8 bits: masked lanes then load as +0.0, never a NaN
+        # The tile as tl.dot wants it, [K, N]. (4-bit weights always come in whole tiles, so
+        # `stored < K` only ever masks 8-bit K.)
+        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + stored[:, None]
+        w_mask = col_mask[None, :] if EVEN_K else col_mask[None, :] & (stored[:, None] < K)
+        w = tl.load(w_ptrs, mask=w_mask, other=0)
+        if FP8:
             w = w.to(tl.float8e4nv, bitcast=True)
         if FOUR_BIT:
             x_even = tl.load(x_rows + (k0 + 2 * kk)[None, :], mask=row_mask[:, None], other=0.0)
@@ -88,6 +89,72 @@ def _weight_only_matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def _weight_only_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, offset_ptr, out_ptr,
+    N, K, group_size, tiles_per_split,
+    stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+    FOUR_BIT: tl.constexpr, FP8: tl.constexpr, GROUPED: tl.constexpr, HAS_OFFSET: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One row of x per program: W tiles [BLOCK_N, BLOCK_K] read as stored and multiplied on
+    the CUDA cores into an fp32 accumulator of the same shape, reduced once at the end (no
+    tensor-core operand layout, no per-tile reduction): the decode-at-batch-1 form."""
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    PACK: tl.constexpr = 2 if FOUR_BIT else 1
+    STORED_K: tl.constexpr = BLOCK_K // PACK
+    kk = tl.arange(0, STORED_K)
+    x_row = x_ptr + row * stride_xm
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+
+    acc = tl.zeros((BLOCK_N, STORED_K), dtype=tl.float32)
+    offset_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x_total = tl.zeros((STORED_K,), dtype=tl.float32)
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for tile in range(first, last):
+        k0 = tile * BLOCK_K
+        stored = k0 // PACK + kk
+        if EVEN_K:
+            w = tl.load(w_rows + stored[None, :], mask=col_mask[:, None], other=0)
+        else:
+            w = tl.load(w_rows + stored[None, :], mask=col_mask[:, None] & (stored[None, :] < K), other=0)
+        if FP8:
+            w = w.to(tl.float8e4nv, bitcast=True)
+        if FOUR_BIT:
+            x_even = tl.load(x_row + k0 + 2 * kk).to(tl.float32)
+            x_odd = tl.load(x_row + k0 + 2 * kk + 1).to(tl.float32)
+            product = (w & 15).to(tl.float32) * x_even[None, :] + (w >> 4).to(tl.float32) * x_odd[None, :]
+            x_tile = x_even + x_odd
+        else:
+            if EVEN_K:
+                x_tile = tl.load(x_row + k0 + kk).to(tl.float32)
+            else:
+                x_tile = tl.load(x_row + k0 + kk, mask=(k0 + kk) < K, other=0.0).to(tl.float32)
+            product = w.to(tl.float32) * x_tile[None, :]
+        if GROUPED:
+            group = k0 // group_size
+            acc += product * tl.load(scale_ptr + cols * stride_sn + group, mask=col_mask, other=0.0)[:, None]
+            if HAS_OFFSET:
+                offset = tl.load(offset_ptr + cols * stride_sn + group, mask=col_mask, other=0.0)
+                offset_acc += tl.sum(x_tile, axis=0) * offset
+        else:
+            acc += product
+            x_total += x_tile
+    y = tl.sum(acc, axis=1)
+    if GROUPED:
+        y += offset_acc
+    else:
+        y *= tl.load(scale_ptr + cols * stride_sn, mask=col_mask, other=0.0)
+        if HAS_OFFSET:
+            y += tl.sum(x_total, axis=0) * tl.load(offset_ptr + cols * stride_sn, mask=col_mask, other=0.0)
+    tl.store(out_ptr + split * stride_os + row * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     block_m: int
@@ -97,12 +164,16 @@ class LaunchConfig:
     num_stages: int = 3
     waves: int = 2  # split K until about this many programs per SM
     split_k: int | None = None  # fixed split (tests); None: from `waves` on CUDA, else 1
+    # block_m 1: the CUDA-core kernel, one row per program (reads W once per row).
 
 
-def default_config(rows: int) -> LaunchConfig:
+def default_config(rows: int, four_bit: bool) -> LaunchConfig:
+    """Picked from a sweep of llama3-8b's linears on an H200 (BENCHMARKS.md)."""
+    if rows == 1:
+        return LaunchConfig(1, 32, 256)
     if rows <= SMALL_ROWS:
-        return LaunchConfig(16, 64, 128)
-    return LaunchConfig(64, 128, 64, num_warps=4)
+        return LaunchConfig(16, 128, 128) if four_bit else LaunchConfig(16, 64, 128)
+    return LaunchConfig(64, 128, 64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,7 +183,7 @@ def _num_sms(device_index: int) -> int:
 
 def _block_k(config: LaunchConfig, in_features: int, group_size: int, grouped: bool, four_bit: bool) -> int | None:
     """The K tile: within one group when grouped (halved until it divides the group size),
-    at least 16 stored elements per tl.dot; None when no tile fits."""
+    at least 16 stored elements (tl.dot's minimum); None when no tile fits."""
     block_k = config.block_k
     if grouped:
         while block_k > 16 and group_size % block_k:
@@ -142,7 +213,7 @@ def weight_only_matmul(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    config = config or default_config(m)
+    config = config or default_config(m, four_bit)
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
     if block_k is None or (four_bit and in_features % block_k):
         return None
@@ -153,13 +224,24 @@ def weight_only_matmul(
         split = max(1, min(num_tiles, triton.cdiv(config.waves * _num_sms(x.device.index or 0), programs)))
     tiles_per_split = triton.cdiv(num_tiles, split)
     split = triton.cdiv(num_tiles, tiles_per_split)
+    # e4m3 weights go in as their uint8 bits: masked lanes then load as +0.0, never a NaN.
+    weight = qweight.view(torch.uint8) if fp8 else qweight
     # Split-K partials stay fp32 and are summed in one fixed order (deterministic).
     out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    if m:
+    if m and config.block_m == 1:
+        _weight_only_gemv_kernel[(triton.cdiv(n, config.block_n), m, split)](
+            rows, weight, scale, offset if offset is not None else scale, out,
+            n, in_features, group_size, tiles_per_split,
+            rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
+            FOUR_BIT=four_bit, FP8=fp8, GROUPED=grouped, HAS_OFFSET=offset is not None,
+            EVEN_K=in_features % block_k == 0, BLOCK_N=config.block_n, BLOCK_K=block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    elif m:
         _weight_only_matmul_kernel[(triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)](
-            rows, qweight.view(torch.uint8) if fp8 else qweight, scale, offset if offset is not None else scale, out,
+            rows, weight, scale, offset if offset is not None else scale, out,
             m, n, in_features, group_size, tiles_per_split,
-            rows.stride(0), qweight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
+            rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
             FOUR_BIT=four_bit, FP8=fp8, GROUPED=grouped, HAS_OFFSET=offset is not None,
             EVEN_K=in_features % block_k == 0,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
