@@ -5,11 +5,11 @@ decode step moves the packed bytes once instead of a dequantized copy.
 W[n, k] = q[n, k] * scale[n, g] + offset[n, g] with g = k // group_size (per-channel:
 one group per row). q converts exactly to the activation dtype (|int8| <= 128, nibbles,
 e4m3 values are all bf16/fp16 numbers), so each tile's product runs on tensor cores in
-fp32 accumulation (a single row: on the CUDA cores instead) and the group's scale (and
-offset * sum(x)) is applied to the tile's partial sum afterwards. Up to 16 rows pad to
-one 16-row tile (reads W once); split-K over fixed fp32 partials, summed in a fixed
-order, fills the GPU when N is small. No host syncs and only shape-dependent
-allocations: the launches are CUDA-graph capturable.
+fp32 accumulation (a single row of fp8 weights: on the CUDA cores instead) and the
+group's scale (and offset * sum(x)) is applied to the tile's partial sum afterwards. Up
+to 16 rows pad to one 16-row tile (reads W once); split-K over fixed fp32 partials,
+summed in a fixed order, fills the GPU when N is small. No host syncs and only
+shape-dependent allocations: the launches are CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -167,9 +167,11 @@ class LaunchConfig:
     # block_m 1: the CUDA-core kernel, one row per program (reads W once per row).
 
 
-def default_config(rows: int, four_bit: bool) -> LaunchConfig:
-    """Picked from a sweep of llama3-8b's linears on an H200 (BENCHMARKS.md)."""
-    if rows == 1:
+def default_config(rows: int, four_bit: bool, fp8: bool) -> LaunchConfig:
+    """Picked from llama3-8b's linears on an H200 (BENCHMARKS.md): at one row the CUDA-core
+    kernel beats tl.dot tiles for fp8 weights (3.10 against 4.24 ms per step's linears),
+    not for int8 (3.88 against 3.47) or int4 (even)."""
+    if rows == 1 and fp8:
         return LaunchConfig(1, 32, 256)
     if rows <= SMALL_ROWS:
         return LaunchConfig(16, 128, 128) if four_bit else LaunchConfig(16, 64, 128)
@@ -213,7 +215,7 @@ def weight_only_matmul(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    config = config or default_config(m, four_bit)
+    config = config or default_config(m, four_bit, fp8)
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
     if block_k is None or (four_bit and in_features % block_k):
         return None

@@ -71,13 +71,17 @@ def kernel_args(layer) -> tuple:
 
 
 def per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448
-    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+    """Correctly rounded fp32 divisions (through fp64, on the CPU: CUDA torch divides by a
+    scalar as a multiplication by its rounded reciprocal), then e4m3 to nearest even."""
+    x = x.cpu().double()
+    scale = (x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448).float()
+    q = (x / scale.double()).float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def per_token_matches(x: torch.Tensor) -> bool:
     (q, scale), (ref_q, ref_scale) = quantize_per_token(x), per_token_reference(x)
-    return torch.equal(scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    return torch.equal(scale.cpu(), ref_scale) and torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
 
 
 def relative_error(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> float:
