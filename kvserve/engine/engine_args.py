@@ -118,7 +118,9 @@ class EngineArgs:
             "--quantization", default=None, choices=[AUTO, NONE, *QUANTIZATION_METHODS],
             help="Weight-only quantization of the linear layers, applied at load: int8 "
             "(symmetric, per output channel), int4 (asymmetric, group-wise), nf4 "
-            "(bitsandbytes NormalFloat-4, per-block absmax), gguf (run a GGUF file from its "
+            "(bitsandbytes NormalFloat-4, per-block absmax), fp8 (float8_e4m3fn per output channel; "
+            "on Hopper/Ada GPUs activations are quantized per token for torch._scaled_mm on "
+            "prefill-sized inputs), gguf (run a GGUF file from its "
             "Q4_0/Q4_1/Q4_K/Q8_0/Q5_K/Q6_K blocks, repacked for the CPU kernels), auto (on "
             "CPU, a Q4_0/Q4_1 GGUF runs as int4 group 32, which keeps its grid exactly, with an "
             "int8 LM head for decode; otherwise none; the choice is logged), or none. Default: "

@@ -74,6 +74,8 @@ _TOOLS = [
      "kvserve.benchmarks.throughput", True),
     ("bench", "latency", "W2: TTFT and time per output token at fixed batch sizes, vs the floor.",
      "kvserve.benchmarks.latency", True),
+    ("bench", "quantized-linears", "Device time of llama3-8b's linears per weight format (GPU), vs the floor.",
+     "kvserve.benchmarks.quantized_linears", False),
     ("bench", "spec-decode", "W5: batch-1 greedy tok/s with and without speculative decoding.",
      "kvserve.benchmarks.spec_decode", True),
     ("bench", "serve", "Online serving load test against any OpenAI-compatible server.",

@@ -24,7 +24,6 @@ from kvserve.model_executor.models.llama import LlamaForCausalLM
 from kvserve.model_executor.models.registry import get_model_class
 from kvserve.quantization import QuantizedLinear, get_quantization_method, quantize_model
 from kvserve.quantization.checkpoint import CheckpointFormat
-from kvserve.quantization.grid import grid_linear
 from kvserve.quantization.registry import get_checkpoint_format
 
 logger = logging.getLogger(__name__)
@@ -205,9 +204,9 @@ def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device)
 def _install_checkpoint_layers(
     model: LlamaForCausalLM, fmt: CheckpointFormat, tensors: dict[str, torch.Tensor]
 ) -> None:
-    """Swap each linear whose shards the checkpoint stores quantized for a layer built from
-    their grids, removing the tensors consumed; act-order grids (groups not contiguous)
-    are put back as exact fp32 `.weight` tensors for the float layer instead."""
+    """Swap each linear whose shards the checkpoint stores quantized for the layer the
+    format builds from them (the format removes the tensors it consumes; act-order grids
+    come back as exact fp32 `.weight` tensors for the float layer instead)."""
     for module_name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or module_name.rsplit(".", 1)[-1] == "lm_head":
             continue
@@ -218,16 +217,10 @@ def _install_checkpoint_layers(
         if not all(packed):
             raise ValueError(f"{module_name}: only some of {shards} are quantized; they are fused "
                              "into one layer, so all or none must be")
-        grids = [fmt.unpack(tensors, hf) for hf in shards]
-        for hf in shards:
-            for name in fmt.consumed(tensors, hf):
-                del tensors[name]
-        if all(g.contiguous_groups() for g in grids):
+        layer = fmt.linear(tensors, shards, module.bias)
+        if layer is not None:
             parent, _, attr = module_name.rpartition(".")
-            setattr(model.get_submodule(parent), attr,
-                    grid_linear([g.to_group_grid() for g in grids], module.bias))
-        else:
-            tensors.update({f"{hf}.weight": g.dequantize() for hf, g in zip(shards, grids)})
+            setattr(model.get_submodule(parent), attr, layer)
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed: bool) -> LoadedModel:

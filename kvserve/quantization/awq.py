@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvserve.quantization.checkpoint import CheckpointFormat, CheckpointGrid, unpack_int32
+from kvserve.quantization.checkpoint import CheckpointGrid, GridFormat, unpack_int32
 
 # Nibble i of a packed word holds column _PACK_ORDER[i] of its 8.
 _PACK_ORDER = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
@@ -22,7 +22,7 @@ def _unpack_columns(packed: torch.Tensor) -> torch.Tensor:
     return nibbles[..., torch.argsort(_PACK_ORDER)].reshape(packed.shape[0], -1)
 
 
-class AWQFormat(CheckpointFormat):
+class AWQFormat(GridFormat):
     quant_method = "awq"
     packed_suffix = "qweight"
 

@@ -23,6 +23,15 @@ from torch import nn
 # fp32 pass over the weight extra, so it wins from there on.
 CPU_KERNEL_MAX_ROWS = 16
 
+# On CUDA, inputs of up to this many rows (bf16/fp16) run the Triton weight-only kernels
+# (quantization/triton_kernels.py), which read the packed weight once; more rows
+# dequantize to the activation dtype per call and run cuBLAS (measured on an H200,
+# BENCHMARKS.md). fp8 layers use torch._scaled_mm for those instead (fp8.py).
+GPU_KERNEL_MAX_ROWS = 64
+# Off: every CUDA call takes the dequantize path (the reference the kernels are tested
+# and benchmarked against).
+gpu_kernels_enabled = True
+
 # Layers left in the run dtype: the LM head decides every token, and embeddings are
 # only gathered, so quantizing them saves memory but no decode time.
 _SKIPPED_LAYERS = ("lm_head",)
@@ -31,7 +40,7 @@ _SKIPPED_LAYERS = ("lm_head",)
 class QuantizedLinear(nn.Module, ABC):
     """A linear layer whose weight is stored quantized; the computation is picked per
     call by the number of rows: a fused weight-only kernel for decode-sized inputs on
-    CPU where the method has one, else dequantize to the activation dtype and run a
+    CPU or CUDA where the method has one, else dequantize to the activation dtype and run a
     dense matmul (no float copy of the weight is kept between calls)."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
@@ -52,10 +61,22 @@ class QuantizedLinear(nn.Module, ABC):
         """x @ W^T by dequantizing to the activation dtype: any device, any row count."""
         return F.linear(x, self.dequantize(x.dtype))
 
+    def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ W^T through a Triton kernel on CUDA, or None where the method has none or
+        the input does not suit it."""
+        return None
+
+    def gpu_kernel_applies(self, x: torch.Tensor) -> bool:
+        return (gpu_kernels_enabled and x.dtype in (torch.bfloat16, torch.float16)
+                and x.numel() <= GPU_KERNEL_MAX_ROWS * self.in_features)
+
     def decode_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x @ W^T through the fused kernel for decode-sized CPU inputs, else None."""
+        """x @ W^T through the fused kernel for decode-sized CPU inputs or the method's
+        CUDA kernels, else None."""
         if x.device.type == "cpu" and x.numel() <= CPU_KERNEL_MAX_ROWS * self.in_features:
             return self.kernel_matmul(x)
+        if x.is_cuda:
+            return self.gpu_matmul(x)
         return None
 
     def keep_dense_weight(self, weight: torch.Tensor | None = None) -> None:

@@ -1,7 +1,8 @@
-"""Pre-quantized Hugging Face checkpoints (config.json `quantization_config`): each format
-unpacks a layer's tensors into a `CheckpointGrid`, w = (q - zero) * scale per group, which
-becomes an int4/int8 kernel layer exactly, or dense fp32 weights when its groups are not
-contiguous (GPTQ act-order), also exactly."""
+"""Pre-quantized Hugging Face checkpoints (config.json `quantization_config`): each integer
+format unpacks a layer's tensors into a `CheckpointGrid`, w = (q - zero) * scale per group,
+which becomes an int4/int8 kernel layer exactly, or dense fp32 weights when its groups are
+not contiguous (GPTQ act-order), also exactly. fp8 formats (fp8_checkpoint.py) build their
+layer directly."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvserve.quantization.grid import GroupGrid
+from kvserve.quantization.base import QuantizedLinear
+from kvserve.quantization.grid import GroupGrid, grid_linear
 
 
 @dataclass
@@ -62,9 +64,10 @@ class CheckpointFormat(ABC):
         )
 
     @abstractmethod
-    def unpack(self, tensors: dict[str, torch.Tensor], prefix: str) -> CheckpointGrid:
-        """The grid of layer `prefix` (e.g. model.layers.0.self_attn.q_proj); the error
-        names the tensor if one is missing or misshapen."""
+    def linear(self, tensors: dict[str, torch.Tensor], shards: list[str], bias: torch.Tensor | None) -> QuantizedLinear | None:
+        """The layer of the row shards `shards` (stacked in order), removing the tensors it
+        consumes from `tensors`; or None after putting exact fp32 `{shard}.weight` tensors
+        back for the float layer instead."""
 
     def consumed(self, tensors: dict[str, torch.Tensor], prefix: str) -> list[str]:
         """The tensor names of layer `prefix` that `unpack` replaces (its bias stays)."""
@@ -74,6 +77,26 @@ class CheckpointFormat(ABC):
         if name not in tensors:
             raise ValueError(f"{self.source}: {self.quant_method} checkpoint has no tensor {name!r}")
         return tensors[name]
+
+
+class GridFormat(CheckpointFormat):
+    """An integer format: each shard unpacks to a `CheckpointGrid`."""
+
+    @abstractmethod
+    def unpack(self, tensors: dict[str, torch.Tensor], prefix: str) -> CheckpointGrid:
+        """The grid of layer `prefix` (e.g. model.layers.0.self_attn.q_proj); the error
+        names the tensor if one is missing or misshapen."""
+
+    def linear(self, tensors: dict[str, torch.Tensor], shards: list[str], bias: torch.Tensor | None) -> QuantizedLinear | None:
+        # Act-order grids (groups not contiguous) go back as exact fp32 weights.
+        grids = [self.unpack(tensors, hf) for hf in shards]
+        for hf in shards:
+            for name in self.consumed(tensors, hf):
+                del tensors[name]
+        if all(g.contiguous_groups() for g in grids):
+            return grid_linear([g.to_group_grid() for g in grids], bias)
+        tensors.update({f"{hf}.weight": g.dequantize() for hf, g in zip(shards, grids)})
+        return None
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """compressed-tensors checkpoints in the "pack-quantized" format that llmcompressor writes
 for W4A16 / W8A16 (int weights, 16-bit activations): per-channel or group strategy,
-symmetric or not, optional `weight_g_idx` (activation ordering).
+symmetric or not, optional `weight_g_idx` (activation ordering). The "float-quantized"
+format (fp8 weights) is read by fp8_checkpoint.py.
 
 weight_packed int32 [N, K * bits / 32] packs each row's values offset to unsigned
 (q + 2**(bits - 1)); weight_scale [N, G]; weight_zero_point (asymmetric only) int32
@@ -13,13 +14,14 @@ from typing import Any
 
 import torch
 
-from kvserve.quantization.checkpoint import CheckpointFormat, CheckpointGrid, unpack_int32
+from kvserve.quantization.checkpoint import CheckpointFormat, CheckpointGrid, GridFormat, unpack_int32
+from kvserve.quantization.fp8_checkpoint import CompressedTensorsFp8Format
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_STRATEGIES = ("channel", "group")
 
 
-class CompressedTensorsFormat(CheckpointFormat):
+class CompressedTensorsFormat(GridFormat):
     quant_method = "compressed-tensors"
     packed_suffix = "weight_packed"
 
@@ -31,7 +33,7 @@ class CompressedTensorsFormat(CheckpointFormat):
         for name, group in groups.items():
             fmt = group.get("format") or config.get("format")
             if fmt != "pack-quantized":
-                raise self.unsupported(f"config_groups.{name}.format", fmt, "pack-quantized")
+                raise self.unsupported(f"config_groups.{name}.format", fmt, "pack-quantized, float-quantized (fp8)")
             if group.get("input_activations") is not None:
                 raise self.unsupported(f"config_groups.{name}.input_activations",
                                        group["input_activations"], "none (weight-only W4A16 / W8A16)")
@@ -57,3 +59,12 @@ class CompressedTensorsFormat(CheckpointFormat):
         else:  # symmetric: signed zero point 0 is 2**(bits - 1) unsigned
             zero = torch.full(scale.shape, 1 << (bits - 1), dtype=torch.int32)
         return CheckpointGrid(q, scale, zero, bits, tensors.get(f"{prefix}.weight_g_idx"))
+
+
+def compressed_tensors_format(config: dict[str, Any], source: str) -> CheckpointFormat:
+    """float-quantized (fp8 weights) when every group is, else the integer format (which
+    names what it does not support)."""
+    groups = (config.get("config_groups") or {}).values()
+    if groups and all((g.get("format") or config.get("format")) == "float-quantized" for g in groups):
+        return CompressedTensorsFp8Format(config, source)
+    return CompressedTensorsFormat(config, source)

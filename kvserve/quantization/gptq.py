@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from kvserve.quantization.checkpoint import CheckpointFormat, CheckpointGrid, unpack_int32
+from kvserve.quantization.checkpoint import CheckpointGrid, GridFormat, unpack_int32
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_FORMATS = ("gptq", "gptq_v2")
 
 
-class GPTQFormat(CheckpointFormat):
+class GPTQFormat(GridFormat):
     quant_method = "gptq"
     packed_suffix = "qweight"
 

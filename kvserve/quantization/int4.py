@@ -57,7 +57,8 @@ def _unpack_kernel_layout(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 class Int4Linear(QuantizedLinear):
     """Stores only the CPU kernel's packed layout where the kernel applies (dense calls
-    unpack it), else plain nibble pairs; 0.5 byte per weight either way."""
+    unpack it), else plain nibble pairs (row-major, even k in the low nibble: the GPU
+    kernel's layout); 0.5 byte per weight either way."""
 
     def __init__(
         self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int,
@@ -86,6 +87,17 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("kernel_scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
         return True
 
+    def _apply(self, fn, recurse: bool = True):  # every .to() / .cuda() of the module
+        super()._apply(fn, recurse)
+        if self.kernel_layout and self.qweight.device.type != "cpu":
+            # torch's CPU kernel layout means nothing elsewhere (a checkpoint's layers are
+            # built on the CPU, then moved): plain nibble pairs are what the GPU kernel reads.
+            q = _unpack_kernel_layout(self.qweight, self.out_features, self.in_features)
+            self.qweight = _pack_nibbles(q)
+            del self.kernel_scales_and_zeros
+            self.kernel_layout = False
+        return self
+
     def unpacked(self) -> torch.Tensor:
         unpack = _unpack_kernel_layout if self.kernel_layout else _unpack_nibbles
         return unpack(self.qweight, self.out_features, self.in_features)
@@ -102,6 +114,14 @@ class Int4Linear(QuantizedLinear):
             self.group_size, self.kernel_scales_and_zeros,
         )
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.gpu_kernel_applies(x) or self.in_features % 2:
+            return None
+        from kvserve.quantization.triton_kernels import weight_only_matmul
+
+        qweight = self.qweight.view(self.out_features, self.in_features // 2)
+        return weight_only_matmul(x, qweight, self.scale, self.minimum, self.group_size, four_bit=True)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"

@@ -39,6 +39,13 @@ class Int8Linear(QuantizedLinear):
         )
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.gpu_kernel_applies(x):
+            return None
+        from kvserve.quantization.triton_kernels import weight_only_matmul
+
+        return weight_only_matmul(x, self.qweight, self.scale[:, None], None, self.in_features)
+
     def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         # Per-channel scales commute with the matmul: convert only, scale the output.
         return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
@@ -84,6 +91,13 @@ class GroupInt8Linear(QuantizedLinear):
         if self.offset is not None:  # a per-row offset adds offset * sum(x) to each output
             y = y + rows.sum(-1, keepdim=True) * self.offset[:, 0].to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.gpu_kernel_applies(x):
+            return None
+        from kvserve.quantization.triton_kernels import weight_only_matmul
+
+        return weight_only_matmul(x, self.qweight, self.scale, self.offset, self.group_size)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"

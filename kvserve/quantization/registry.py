@@ -8,12 +8,13 @@ from typing import Any
 from kvserve.quantization.awq import AWQFormat
 from kvserve.quantization.base import QuantizationMethod
 from kvserve.quantization.checkpoint import CheckpointFormat
-from kvserve.quantization.compressed_tensors import CompressedTensorsFormat
+from kvserve.quantization.compressed_tensors import compressed_tensors_format
+from kvserve.quantization.fp8 import Fp8Method
+from kvserve.quantization.fp8_checkpoint import HFFp8Format
 from kvserve.quantization.gptq import GPTQFormat
 from kvserve.quantization.int4 import Int4Method
 from kvserve.quantization.int8 import Int8Method
 from kvserve.quantization.nf4 import NF4Method
-
 
 
 def _gguf_method() -> type[QuantizationMethod]:
@@ -26,7 +27,7 @@ def _gguf_method() -> type[QuantizationMethod]:
 
 # Name -> the method's class, resolved when the method is asked for.
 QUANTIZATION_METHODS: dict[str, Callable[[], type[QuantizationMethod]]] = {
-    **{method.name: (lambda method=method: method) for method in (Int8Method, Int4Method, NF4Method)},
+    **{method.name: (lambda method=method: method) for method in (Int8Method, Int4Method, NF4Method, Fp8Method)},
     "gguf": _gguf_method,
 }
 
@@ -45,8 +46,9 @@ def get_quantization_method(
     return QUANTIZATION_METHODS[name]()(config)
 
 
-CHECKPOINT_FORMATS: dict[str, type[CheckpointFormat]] = {
-    fmt.quant_method: fmt for fmt in (GPTQFormat, AWQFormat, CompressedTensorsFormat)
+# quant_method -> the format that reads it (compressed-tensors: int or fp8 by its config).
+CHECKPOINT_FORMATS: dict[str, Callable[[dict[str, Any], str], CheckpointFormat]] = {
+    "gptq": GPTQFormat, "awq": AWQFormat, "compressed-tensors": compressed_tensors_format, "fp8": HFFp8Format,
 }
 
 

@@ -1,17 +1,13 @@
 """TritonAttentionBackend against the torch reference on random paged batches.
 
 Without a GPU the kernels run under Triton's interpreter on small sizes, all in one
-subprocess: TRITON_INTERPRET must be set before triton is imported and must not leak
-into the other tests of this process. The full-size matrix runs on CUDA (marked gpu).
+subprocess (tests/triton_interpreter.py). The full-size matrix runs on CUDA (marked gpu).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -19,6 +15,7 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import TorchReferenceBackend
+from tests.triton_interpreter import run_interpreted
 
 # Worst per-token relative error ||out - ref|| / ||ref|| against an fp32 reference.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -134,40 +131,8 @@ SMALL_CASES = [
 ]
 
 
-def _patch_interpreter() -> None:
-    """Two bugs of Triton 3.6's interpreter, fixed here rather than in the kernels:
-    it turns its (1,)-shaped scalars into loop bounds with int(), which numpy >= 2.4
-    rejects (triton-lang/triton#9171), and its tl.dot multiplies bf16 operands' raw uint16
-    bits. Upcasting bf16 operands to fp32 for the dot keeps their exact values."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched_tensor(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    def to_fp32(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        return interpreter.TensorHandle(
-            (handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32
-        )
-
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def patched_dot(self, a, b, *args):
-        return create_dot(self, to_fp32(a), to_fp32(b), *args)
-
-    interpreter._patch_lang_tensor = patched_tensor
-    interpreter.InterpreterBuilder.create_dot = patched_dot
-
-
 def run_small_cases() -> None:
     """Subprocess entry: print {case id: error or null} as JSON."""
-    _patch_interpreter()
     results = {}
     for case in SMALL_CASES:
         try:
@@ -181,19 +146,7 @@ def run_small_cases() -> None:
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, str | None]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    command = "import test_triton_attention as t; t.run_small_cases()"
-    proc = subprocess.run(
-        [sys.executable, "-c", command],
-        check=False,
-        cwd=os.path.dirname(__file__),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(run_interpreted("tests.attention.test_triton_attention", "run_small_cases"))
 
 
 @pytest.mark.parametrize("case", SMALL_CASES, ids=lambda case: case.id)

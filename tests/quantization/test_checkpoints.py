@@ -25,6 +25,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.loader import LoadedModel, load_model
 from kvserve.quantization import QuantizedLinear
+from kvserve.quantization.fp8 import Fp8Linear
 from kvserve.quantization.int4 import Int4Linear
 from kvserve.quantization.int8 import GroupInt8Linear
 
@@ -200,9 +201,15 @@ def _with_config(tmp_path, fixture: str, **changes) -> str:
                                             r"supported: gemm"),
         ("awq-w4-g32", {"quant_method": "bitsandbytes"},
          r"quant_method='bitsandbytes' is not supported; supported: gptq, awq, compressed-tensors"),
+        ("awq-w4-g32", {"quant_method": "compressed-tensors", "format": "int-quantized",
+                        "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 8}}}},
+         r"config_groups.group_0.format='int-quantized', which is not supported; supported: pack-quantized, "
+         r"float-quantized"),
         ("awq-w4-g32", {"quant_method": "compressed-tensors", "format": "float-quantized",
-                        "config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 8}}}},
-         r"config_groups.group_0.format='float-quantized', which is not supported; supported: pack-quantized"),
+                        "config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 8, "strategy": "group"}}}},
+         r"config_groups.group_0.weights.strategy='group', which is not supported; supported: channel, tensor, block"),
+        ("awq-w4-g32", {"quant_method": "fp8", "weight_block_size": None},
+         r"quant_method='fp8' has weight_block_size=None, which is not supported"),
     ],
 )
 def test_unsupported_quantization_config_fails_at_load(tmp_path, fixture, changes, message):
@@ -246,3 +253,93 @@ def test_compressed_tensors_smollm2(smollm2_hf, smollm2_loaded, tmp_path):
     identical = assert_greedy_agrees(greedy_with_top5(loaded, prompts, 8), greedy, top5)
     print(f"SmolLM2 W4A16: {identical} of {len(prompts)} greedy sequences identical to transformers")
     assert identical >= len(prompts) - 1
+
+
+# --- fp8 checkpoints ------------------------------------------------------------------
+
+def write_compressed_tensors_fp8(model, directory: str, strategy: str) -> None:
+    """Quantize `model` to fp8 weights with compressed-tensors' own qparams, dynamic per-token
+    fp8 activations (llmcompressor's FP8_DYNAMIC scheme for "channel"), and save it in its
+    float-quantized format."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy)
+    activations = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="float-quantized")
+    apply_quantization_config(model, config, show_progress=False)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "quantization_scheme"):
+                weight = module.weight if strategy == "channel" else module.weight.reshape(1, -1)
+                scale, zero_point = calculate_qparams(weight.amin(-1), weight.amax(-1), weights)
+                module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+                module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor(quantization_config=config)
+    compressor.compress_model(model)
+    model.save_pretrained(directory)
+    compressor.update_config(directory)
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_fp8_checkpoint_matches_the_package(save_hf_model, strategy):
+    pytest.importorskip("compressed_tensors")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = save_hf_model(LlamaForCausalLM(LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)))
+    write_compressed_tensors_fp8(LlamaForCausalLM.from_pretrained(directory), directory, strategy)
+    loaded = load_model(directory)
+    assert loaded.quantization == "compressed-tensors"
+    assert isinstance(loaded.model.model.layers[1].mlp.down_proj, Fp8Linear)
+    reference_state = decompressed_reference(directory).state_dict()
+    for layer, weight in layer_weights(loaded).items():
+        # One rounding each side: e4m3 value times an fp32 scale.
+        torch.testing.assert_close(weight, reference_state[f"{layer}.weight"], rtol=0, atol=0)
+    prompts = [[1, 5, 9], [3, 7, 11, 13, 17], [2, 4, 8, 16, 32, 64, 127]]
+    greedy, top5 = transformers_greedy(decompressed_reference(directory), prompts, 8)
+    identical = assert_greedy_agrees(greedy_with_top5(loaded, prompts, 8), greedy, top5)
+    assert identical >= len(prompts) - 1
+
+
+def test_hf_fp8_block_checkpoint(save_hf_model):
+    """quant_method "fp8" with [128, 128] blocks (transformers' FineGrainedFP8 layout),
+    written here from e4m3 values and block scales chosen at random: the loaded weights
+    are value * block scale, blocks cut short at the matrix edges (N = 320, K = 192)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = save_hf_model(LlamaForCausalLM(LlamaConfig(
+        vocab_size=128, hidden_size=192, intermediate_size=320, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)))
+    tensors = load_file(os.path.join(directory, "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    expected = {}
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        n, k = tensors[name].shape
+        q = (torch.randn(n, k, generator=generator) * 50).to(torch.float8_e4m3fn)
+        scale = torch.rand(-(-n // 128), -(-k // 128), generator=generator) / 100
+        full_scale = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        expected[name.removesuffix(".weight")] = q.float() * full_scale
+        tensors[name], tensors[name + "_scale_inv"] = q, scale
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    loaded = load_model(directory)
+    assert loaded.quantization == "fp8"
+    weights = layer_weights(loaded)
+    assert weights.keys() == expected.keys()
+    for layer, weight in weights.items():
+        torch.testing.assert_close(weight, expected[layer], rtol=0, atol=0)

@@ -1,0 +1,188 @@
+"""`kvserve bench quantized-linears`: device time of llama3-8b's decoder-layer linears per
+weight format (bf16 cuBLAS, the Triton W8A16 / W4A16 / fp8-weight kernels, fp8
+torch._scaled_mm, and the dequantize-then-cuBLAS path) at a few row counts, beside the
+floor: the bytes each call must move (weights as stored, activations in and out) over the
+copy bandwidth measured in the same run.
+
+Each measurement replays a CUDA graph of back-to-back calls (as decode steps run), cycling
+over enough weight copies that they do not fit the L2 cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.benchmarks.roofline import copy_bandwidth
+from kvserve.quantization.base import QuantizedLinear
+from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
+from kvserve.quantization.int4 import Int4Linear, quantize_int4
+from kvserve.quantization.int8 import Int8Linear
+from kvserve.quantization.triton_kernels import LaunchConfig, weight_only_matmul
+
+# llama3-8b: (name, out features, in features), once per decoder layer each.
+LLAMA3_8B_LINEARS = [
+    ("q_proj", 4096, 4096), ("k_proj", 1024, 4096), ("v_proj", 1024, 4096), ("o_proj", 4096, 4096),
+    ("gate_proj", 14336, 4096), ("up_proj", 14336, 4096), ("down_proj", 4096, 14336),
+]
+LLAMA3_8B_LAYERS = 32
+FORMATS = ("bf16", "int8", "int4", "fp8-triton", "fp8-scaled_mm", "int8-dequant", "int4-dequant")
+L2_BYTES = 256 * 2**20  # cycle over at least this many weight bytes (H200 L2: 60 MB)
+# Launch configs compared by --sweep, per row count: the one-row CUDA-core kernel
+# (block_m 1) against 16-row tl.dot tiles.
+SWEEP_CONFIGS = {
+    1: [LaunchConfig(1, bn, bk) for bn, bk in ((16, 256), (32, 256), (64, 128), (32, 512), (16, 512))]
+       + [LaunchConfig(16, 64, 128)],
+    4: [LaunchConfig(1, 32, 256), LaunchConfig(16, 64, 128), LaunchConfig(16, 128, 128)],
+}
+
+
+@dataclass
+class LinearTime:
+    name: str
+    out_features: int
+    in_features: int
+    rows: int
+    fmt: str
+    us: float
+    floor_us: float  # bytes moved / copy bandwidth
+
+    @property
+    def of_floor(self) -> float:
+        return self.floor_us / self.us
+
+
+@functools.lru_cache(maxsize=None)
+def _layers(fmt: str, n: int, k: int) -> list[nn.Module]:
+    """Weight copies of one format and shape, built once per run."""
+    copies = max(2, -(-L2_BYTES // (n * k * (2 if fmt == "bf16" else 1))))
+    layers = []
+    for seed in range(copies):
+        torch.manual_seed(seed)
+        layer = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        nn.init.normal_(layer.weight, std=0.02)
+        if fmt.startswith("int8"):
+            layer = Int8Linear(layer)
+        elif fmt.startswith("int4"):
+            layer = Int4Linear(*quantize_int4(layer.weight, 128), 128, None)
+        elif fmt.startswith("fp8"):
+            q, scale = quantize_fp8(layer.weight)
+            layer = Fp8Linear(q, scale[:, None], None)
+        layers.append(layer)
+    return layers
+
+
+def _call(fmt: str, layer: nn.Module, x: torch.Tensor, config: LaunchConfig | None) -> Callable[[], object]:
+    if fmt == "bf16":
+        return lambda: F.linear(x, layer.weight)
+    if fmt.endswith("-dequant"):
+        return lambda: layer.dense_matmul(x)
+    if fmt == "fp8-scaled_mm":
+        return lambda: layer._scaled_mm(x)
+    if isinstance(layer, Int4Linear):
+        q = layer.qweight.view(layer.out_features, layer.in_features // 2)
+        return lambda: weight_only_matmul(x, q, layer.scale, layer.minimum, layer.group_size, True, config)
+    scale = layer.scale if isinstance(layer, Fp8Linear) else layer.scale[:, None]
+    return lambda: weight_only_matmul(x, layer.qweight, scale, None, layer.in_features, False, config)
+
+
+def _weight_bytes(layer: nn.Module) -> int:
+    if isinstance(layer, QuantizedLinear):
+        return layer.weight_bytes()
+    return layer.weight.numel() * layer.weight.element_size()
+
+
+def time_calls(calls: list[Callable[[], object]], repeats: int = 20) -> float:
+    """Microseconds per call: a CUDA graph of `repeats` rounds over `calls`, replayed."""
+    for call in calls:
+        call()  # compiles, and settles lazy allocations outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            for call in calls:
+                call()
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (repeats * len(calls)))
+    return statistics.median(times)
+
+
+def measure(fmt: str, name: str, n: int, k: int, rows: int, bandwidth: float,
+            config: LaunchConfig | None = None) -> LinearTime:
+    layers = _layers(fmt.removesuffix("-dequant").removesuffix("-triton").removesuffix("-scaled_mm"), n, k)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    us = time_calls([_call(fmt, layer, x, config) for layer in layers])
+    moved = _weight_bytes(layers[0]) + 2 * rows * (n + k)
+    return LinearTime(name, n, k, rows, fmt, us, moved / bandwidth * 1e6)
+
+
+def sweep(bandwidth: float) -> list[dict]:
+    """Every sweep config for each kernel format on four of the shapes."""
+    results = []
+    for fmt in ("int8", "int4", "fp8-triton"):
+        for name, n, k in (LLAMA3_8B_LINEARS[0], LLAMA3_8B_LINEARS[1], LLAMA3_8B_LINEARS[4], LLAMA3_8B_LINEARS[6]):
+            for rows, configs in SWEEP_CONFIGS.items():
+                timed = [(measure(fmt, name, n, k, rows, bandwidth, config).us, config) for config in configs]
+                results += [{**asdict(config), "fmt": fmt, "shape": name, "rows": rows, "us": us} for us, config in timed]
+                print(f"sweep {fmt:10s} {name:9s} M={rows}: "
+                      + ", ".join(f"{c.block_m}x{c.block_n}x{c.block_k} {us:.1f}" for us, c in timed), flush=True)
+    return results
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", default="1,16", help="Comma-separated row counts (batch of tokens).")
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"Comma-separated, of {', '.join(FORMATS)}.")
+    parser.add_argument("--sweep", action="store_true", help="Also time some of the Triton kernels' launch configs.")
+    parser.add_argument("--output-json", default=None, help="Write the results to this file.")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench quantized-linears needs a CUDA device")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    formats = args.formats.split(",")
+    bandwidth = copy_bandwidth(torch.device("cuda"))  # bytes read + written per second
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    if torch.cuda.get_device_capability() < (8, 9):
+        formats = [f for f in formats if not f.startswith("fp8")]
+    results = [measure(fmt, name, n, k, rows, bandwidth)
+               for rows in rows_list for name, n, k in LLAMA3_8B_LINEARS for fmt in formats]
+    print(f"\n| rows | linear | {' | '.join(formats)} |")
+    print(f"|---:|---|{'---:|' * len(formats)}")
+    for rows in rows_list:
+        for name, n, k in [*LLAMA3_8B_LINEARS, ("layer", 0, 0)]:
+            cells = []
+            for fmt in formats:
+                picked = [r for r in results if r.rows == rows and r.fmt == fmt and (name == "layer" or r.name == name)]
+                us, floor = sum(r.us for r in picked), sum(r.floor_us for r in picked)
+                cells.append(f"{us:.1f} ({floor / us:.0%})")
+            label = f"{name} {n}x{k}" if n else f"one layer (x{LLAMA3_8B_LAYERS} = step)"
+            print(f"| {rows} | {label} | {' | '.join(cells)} |")
+    print("\ncells: microseconds per call (floor / measured)")
+    for rows in rows_list:
+        step = {fmt: LLAMA3_8B_LAYERS * sum(r.us for r in results if r.rows == rows and r.fmt == fmt) / 1e3
+                for fmt in formats}
+        print(f"rows {rows}: linears of one llama3-8b step (ms): "
+              + ", ".join(f"{fmt} {ms:.2f}" for fmt, ms in step.items()))
+    sweep_results = sweep(bandwidth) if args.sweep else []
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "bandwidth_bytes_per_s": bandwidth,
+                       "results": [{**asdict(r), "of_floor": r.of_floor} for r in results],
+                       "sweep": sweep_results}, f, indent=1)
+    return 0

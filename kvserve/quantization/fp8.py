@@ -1,0 +1,109 @@
+"""fp8: float8_e4m3fn weights with fp32 scales per output channel (or per group of input
+elements, as block-wise fp8 checkpoints store them).
+
+Where the product runs:
+* CPU: the weight upcast to the activation dtype (fp32 there); per-channel scales
+  commute with the matmul, so only the output is scaled.
+* CUDA (capability >= 8.9), up to GPU_KERNEL_MAX_ROWS rows (decode): the Triton
+  weight-only kernel reads the fp8 bytes once and upcasts them in the loop;
+  `torch._scaled_mm` is far from the bandwidth floor there (BENCHMARKS.md).
+* CUDA (>= 8.9), more rows (prefill), bf16, per-channel scales: activations quantized to
+  fp8 per token (dynamic scales, one Triton kernel) and `torch._scaled_mm` on the fp8
+  tensor cores.
+* Otherwise (older GPUs, fp16 prefill, block scales) the weight is dequantized to the
+  activation dtype per call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.quantization import base
+from kvserve.quantization.base import QuantizationMethod, QuantizedLinear
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [N, K], scale fp32 [N]) with weight ~= q * scale[:, None]: each
+    row's absolute maximum maps to the largest e4m3 value."""
+    weight = weight.float()
+    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    q = (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_capable(device_index: int) -> bool:
+    """Hopper / Ada (8.9+): fp8 tensor cores for _scaled_mm and e4m3 conversions in Triton."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+class Fp8Linear(QuantizedLinear):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """q float8_e4m3fn [N, K]; scale fp32 [N, G] (G = 1: per output channel)."""
+        super().__init__(q.shape[1], q.shape[0], bias)
+        if q.dtype != FP8_DTYPE or scale.dim() != 2 or scale.shape[0] != q.shape[0] or q.shape[1] % scale.shape[1]:
+            raise ValueError(f"Fp8Linear needs float8_e4m3fn q [N, K] and scales [N, G] with G dividing K, "
+                             f"got {q.dtype} {tuple(q.shape)} and {tuple(scale.shape)}")
+        self.group_size = q.shape[1] // scale.shape[1]
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+
+    @property
+    def per_channel(self) -> bool:
+        return self.group_size == self.in_features
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.qweight.shape
+        groups = self.qweight.reshape(n, -1, self.group_size).float() * self.scale[..., None]
+        return groups.reshape(n, k).to(dtype)
+
+    def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # fp16's range is too small for unscaled products (|q| up to 448 over long rows).
+        if not self.per_channel or x.dtype == torch.float16:
+            return super().dense_matmul(x)
+        # e4m3 values are exact in bf16/fp32: convert only, scale the output.
+        return F.linear(x, self.qweight.to(x.dtype)) * self.scale[:, 0].to(x.dtype)
+
+    def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not _fp8_capable(x.device.index or 0):
+            return None  # no e4m3 conversions in Triton below 8.9: dequantize instead
+        if self.gpu_kernel_applies(x):
+            from kvserve.quantization.triton_kernels import weight_only_matmul
+
+            return weight_only_matmul(x, self.qweight, self.scale, None, self.group_size)
+        if self._scaled_mm_applies(x):
+            return self._scaled_mm(x)
+        return None
+
+    def _scaled_mm_applies(self, x: torch.Tensor) -> bool:
+        # Row-wise scaled _scaled_mm: bf16 output, both dims multiples of 16.
+        return (base.gpu_kernels_enabled and self.per_channel and x.dtype == torch.bfloat16
+                and self.in_features % 16 == 0 and self.out_features % 16 == 0)
+
+    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        from kvserve.quantization.fp8_activation import quantize_per_token
+
+        rows = x.reshape(-1, self.in_features)
+        x_fp8, x_scale = quantize_per_token(rows if rows.stride(-1) == 1 else rows.contiguous())
+        # qweight [N, K] row-major is the column-major [K, N] operand _scaled_mm wants.
+        y = torch._scaled_mm(x_fp8, self.qweight.t(), scale_a=x_scale, scale_b=self.scale.view(1, -1),
+                             out_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+class Fp8Method(QuantizationMethod):
+    name = "fp8"
+
+    def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
+        q, scale = quantize_fp8(layer.weight)
+        return Fp8Linear(q, scale[:, None], layer.bias)
