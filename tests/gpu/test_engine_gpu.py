@@ -89,7 +89,7 @@ def test_cuda_graph_decode_equals_eager(save_hf_model, num_prompts):
             assert graphs is None
         else:
             assert graphs.num_replays > 0
-            assert any(splits > 1 for _, splits in graphs.graphs)
+            assert any(splits > 1 for _, _, splits in graphs.graphs)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
