@@ -18,3 +18,7 @@ run int8 --quantization int8
 run int4-g64 --quantization int4
 run int4-g32 --quantization int4 --quantization-config '{"group_size": 32}'
 run nf4 --quantization nf4
+run gguf-packed --quantization gguf
+run fp8 --quantization fp8
+run fp8-kv --kv-cache-dtype fp8
+run fp8_e5m2-kv --kv-cache-dtype fp8_e5m2
