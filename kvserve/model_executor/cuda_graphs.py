@@ -228,25 +228,21 @@ class CudaGraphRunner:
         graph = self.graphs[(self.bucket_for(batch_size), 1, 1)].graph
         self.token_inputs[2].fill_(-1)
         graph.replay()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / repeats
+        return _replay_time_ms(graph, repeats)
 
     @torch.inference_mode()
     def replay_last_ms(self, repeats: int = 50) -> float:
         """Device time of the graph the last run replayed, on the same inputs (it rewrites
         the same KV slots with the same values), replayed back to back."""
-        graph = self.graphs[self.last_key].graph
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / repeats
+        return _replay_time_ms(self.graphs[self.last_key].graph, repeats)
+
+
+def _replay_time_ms(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
