@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,6 +38,9 @@ class AttentionMetadata:
     # (speculative token trees; the context before the queries stays fully visible).
     # Only the torch reference backend implements it.
     tree_masks: dict[int, torch.Tensor] | None = None
+    # What a backend derives from this batch alike for every layer (slot indices, masks),
+    # computed by the first layer that needs it and reused by the rest of the step.
+    backend_plans: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

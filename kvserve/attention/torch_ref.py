@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -61,8 +63,9 @@ MAX_DECODE_GATHER_POSITIONS = 1 << 18
 
 class TorchReferenceBackend:
     """Prefill chunks are attended one sequence at a time; single-token decodes in groups,
-    each one padded gather and one masked batched attention. With a sliding window, a
-    query at position p sees keys p - sliding_window < k <= p (Mistral, as transformers)."""
+    each one padded gather and one masked batched attention. The slots and masks are the
+    same for every layer of a step: the first layer plans them (per metadata), the others
+    reuse the plan, which takes ~10 small ops per layer off a CPU decode step."""
 
     def __init__(self, sliding_window: int | None = None) -> None:
         self.sliding_window = sliding_window
@@ -82,68 +85,93 @@ class TorchReferenceBackend:
         flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)
         flat_v = kv_cache[1].view(-1, num_kv_heads, head_dim)
         output = torch.empty_like(query)
-        starts = metadata.query_start_loc_cpu
-        decode_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
-        prefill_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > 1]
-
-        for group in _decode_groups(decode_seqs, metadata.seq_lens_cpu):
-            self._decode(
-                query, flat_k, flat_v, output, metadata, group, scale, self.sliding_window, kv_scales
-            )
-        for i in prefill_seqs:
-            start, end = starts[i], starts[i + 1]
-            seq_len = metadata.seq_lens_cpu[i]
-            slots = context_slots(metadata.block_tables[i : i + 1], seq_len, metadata.block_size)[0]
-            q = query[start:end].float().transpose(0, 1)  # [H, q_len, D]
-            k = gather_cache(flat_k, slots, kv_scales[0]).transpose(0, 1)  # [KVH, seq_len, D]
-            v = gather_cache(flat_v, slots, kv_scales[1]).transpose(0, 1)
-            # Query j sits at context position seq_len - q_len + j.
-            q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]
-            if metadata.tree_masks and i in metadata.tree_masks:
-                mask[:, seq_len - (end - start) :] = metadata.tree_masks[i]
-            if self.sliding_window is not None:
-                mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
+        plan = metadata.backend_plans.get("torch_ref")
+        if plan is None:
+            plan = metadata.backend_plans["torch_ref"] = _plan(metadata, self.sliding_window)
+        for group in plan.decode_groups:
+            q = query[group.token_index].float().view(group.size, num_kv_heads, -1, head_dim)
+            # [B, KVH, H/KVH, D] queries against [B, KVH, max_len, D]: each KV head is read
+            # once for its whole group, with no expanded copy of K/V.
+            k = gather_cache(flat_k, group.slots, kv_scales[0]).transpose(1, 2)
+            v = gather_cache(flat_v, group.slots, kv_scales[1]).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+            output[group.token_index] = out.reshape(group.size, -1, head_dim).to(output.dtype)
+        for chunk in plan.prefill_chunks:
+            q = query[chunk.start : chunk.end].float().transpose(0, 1)  # [H, q_len, D]
+            k = gather_cache(flat_k, chunk.slots, kv_scales[0]).transpose(0, 1)  # [KVH, len, D]
+            v = gather_cache(flat_v, chunk.slots, kv_scales[1]).transpose(0, 1)
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+                q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True
             )
-            output[start:end] = out.transpose(0, 1).to(output.dtype)
+            output[chunk.start : chunk.end] = out.transpose(0, 1).to(output.dtype)
         return output
 
-    @staticmethod
-    def _decode(
-        query: torch.Tensor,
-        flat_k: torch.Tensor,
-        flat_v: torch.Tensor,
-        output: torch.Tensor,
-        metadata: AttentionMetadata,
-        decode_seqs: list[int],
-        scale: float,
-        sliding_window: int | None,
-        kv_scales: tuple[float, float],
-    ) -> None:
-        device = query.device
-        seq_index = torch.tensor(decode_seqs, device=device)
-        token_index = torch.tensor(
-            [metadata.query_start_loc_cpu[i] for i in decode_seqs], device=device
-        )
-        max_len = max(metadata.seq_lens_cpu[i] for i in decode_seqs)
-        slots = context_slots(metadata.block_tables[seq_index], max_len, metadata.block_size)
-        num_kv_heads, head_dim = flat_k.shape[1:]
-        # Group query heads by the KV head they share ([B, KVH, H/KVH, D]): each KV head is
-        # read once for its whole group, with no expanded copy of K/V.
-        q = query[token_index].float().view(len(decode_seqs), num_kv_heads, -1, head_dim)
-        k = gather_cache(flat_k, slots, kv_scales[0]).transpose(1, 2)  # [B, KVH, max_len, D]
-        v = gather_cache(flat_v, slots, kv_scales[1]).transpose(1, 2)
+
+@dataclass
+class _DecodeGroup:
+    """Single-token decodes attended together: one padded gather, one masked attention."""
+
+    token_index: torch.Tensor  # [B] the decodes' rows in the flat batch
+    slots: torch.Tensor  # [B, max_len] cache slot of each context position
+    mask: torch.Tensor  # [B, 1, 1, max_len] positions each decode sees
+
+    @property
+    def size(self) -> int:
+        return self.token_index.numel()
+
+
+@dataclass
+class _PrefillChunk:
+    start: int  # the chunk's rows start:end in the flat batch
+    end: int
+    slots: torch.Tensor  # [seq_len] cache slot of each context position
+    mask: torch.Tensor  # [q_len, seq_len] positions each query sees
+
+
+@dataclass
+class _Plan:
+    decode_groups: list[_DecodeGroup]
+    prefill_chunks: list[_PrefillChunk]
+
+
+def _plan(metadata: AttentionMetadata, sliding_window: int | None) -> _Plan:
+    """Slots and masks of one step, the same for every layer. With a sliding window, a
+    query at position p sees keys p - sliding_window < k <= p (Mistral, as transformers)."""
+    device = metadata.block_tables.device
+    starts = metadata.query_start_loc_cpu
+    decode_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+    groups = []
+    for seqs in _decode_groups(decode_seqs, metadata.seq_lens_cpu):
+        seq_index = torch.tensor(seqs, device=device)
+        max_len = max(metadata.seq_lens_cpu[i] for i in seqs)
         # Padding positions past each sequence's length are masked out.
         key_pos = torch.arange(max_len, device=device)[None, :]
         seq_lens = metadata.seq_lens[seq_index, None]
         valid = key_pos < seq_lens
         if sliding_window is not None:  # the query sits at seq_len - 1
             valid &= key_pos >= seq_lens - sliding_window
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
-        output[token_index] = out.reshape(len(decode_seqs), -1, head_dim).to(output.dtype)
+        groups.append(_DecodeGroup(
+            token_index=torch.tensor([starts[i] for i in seqs], device=device),
+            slots=context_slots(metadata.block_tables[seq_index], max_len, metadata.block_size),
+            mask=valid[:, None, None, :],
+        ))
+    chunks = []
+    for i in range(metadata.num_seqs):
+        start, end = starts[i], starts[i + 1]
+        if end - start <= 1:
+            continue
+        seq_len = metadata.seq_lens_cpu[i]
+        # Query j sits at context position seq_len - q_len + j.
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=device)
+        k_pos = torch.arange(seq_len, device=device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if metadata.tree_masks and i in metadata.tree_masks:
+            mask[:, seq_len - (end - start) :] = metadata.tree_masks[i]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        slots = context_slots(metadata.block_tables[i : i + 1], seq_len, metadata.block_size)[0]
+        chunks.append(_PrefillChunk(start, end, slots, mask))
+    return _Plan(groups, chunks)
 
 
 def _decode_groups(decode_seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
