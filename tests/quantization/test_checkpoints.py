@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -98,26 +99,30 @@ def test_tool_written_checkpoint_matches_the_tool(name):
 def write_compressed_tensors(model, directory: str, bits: int, symmetric: bool, group_size: int | None) -> None:
     """Quantize `model` (a transformers model) with compressed-tensors' own qparams and
     save it in its pack-quantized format, as llmcompressor's save_pretrained does."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
                             strategy="group" if group_size else "channel", group_size=group_size)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
                                 ignore=["lm_head"], format="pack-quantized")
+    compress_and_save(model, config, args, directory,
+                      lambda w: w.reshape(w.shape[0], -1, group_size or w.shape[1]))
+
+
+def compress_and_save(model, config, weight_args, directory: str, grouped: Callable) -> None:
+    """Quantize `model` by `config` with min/max quantization parameters over the groups
+    `grouped(weight)` lays out in its last dimension, and save it compressed as
+    llmcompressor's save_pretrained does."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+
     apply_quantization_config(model, config, show_progress=False)
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "quantization_scheme"):
-                n, k = module.weight.shape
-                groups = module.weight.reshape(n, -1, group_size or k)
-                scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+                groups = grouped(module.weight)
+                scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), weight_args)
                 module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
                 module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape))
     compressor = ModelCompressor(quantization_config=config)
@@ -261,31 +266,14 @@ def write_compressed_tensors_fp8(model, directory: str, strategy: str) -> None:
     """Quantize `model` to fp8 weights with compressed-tensors' own qparams, dynamic per-token
     fp8 activations (llmcompressor's FP8_DYNAMIC scheme for "channel"), and save it in its
     float-quantized format."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy)
     activations = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="float-quantized")
-    apply_quantization_config(model, config, show_progress=False)
-    with torch.no_grad():
-        for module in model.modules():
-            if hasattr(module, "quantization_scheme"):
-                weight = module.weight if strategy == "channel" else module.weight.reshape(1, -1)
-                scale, zero_point = calculate_qparams(weight.amin(-1), weight.amax(-1), weights)
-                module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
-                module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor(quantization_config=config)
-    compressor.compress_model(model)
-    model.save_pretrained(directory)
-    compressor.update_config(directory)
+    compress_and_save(model, config, weights, directory,
+                      lambda w: w if strategy == "channel" else w.reshape(1, -1))
 
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
