@@ -275,11 +275,10 @@ class ModelRunner:
             cache = as_storage(cache)
             cache[:, dst] = cache[:, src]
 
-    def _graph_query_width(self, sched: SchedulerOutput) -> int | None:
-        """The query tokens per sequence when the step is a decode or a chain verify step
-        that a CUDA graph can run: every sequence feeds its newest token plus drafts and
-        samples at each (so none is inside its prompt, where prompt logprobs would be
-        wanted); None otherwise."""
+    def _graph_can_run(self, sched: SchedulerOutput) -> bool:
+        """Whether the step is a decode or a chain verify step that a CUDA graph can run:
+        every sequence feeds its newest token plus drafts and samples at each (so none is
+        inside its prompt, where prompt logprobs would be wanted)."""
         width = 0
         for seq in sched.scheduled_seqs:
             num = sched.num_scheduled_tokens[seq.seq_id]
@@ -288,11 +287,9 @@ class ModelRunner:
                 or num > 1 + len(seq.spec_token_ids)
                 or (num > 1 and seq.spec_tree_parents is not None)
             ):
-                return None
+                return False
             width = max(width, num)
-        if width == 0 or not self.cuda_graphs.can_run(len(sched.scheduled_seqs), width):
-            return None
-        return width
+        return width > 0 and self.cuda_graphs.can_run(len(sched.scheduled_seqs), width)
 
     def _execute_graph(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
         seqs = sched.scheduled_seqs
@@ -307,7 +304,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
-        if self.cuda_graphs is not None and self._graph_query_width(sched) is not None:
+        if self.cuda_graphs is not None and self._graph_can_run(sched):
             return self._execute_graph(sched, block_tables)
         input_ids: list[int] = []
         positions: list[int] = []
