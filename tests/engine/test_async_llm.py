@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -75,3 +76,43 @@ def test_bad_request_raises_in_caller_and_others_continue(async_llm):
 
     text, final = asyncio.run(main())
     assert final.finished and len(final.outputs[0].token_ids) == 5
+
+
+def test_the_thread_that_steps_the_engine_also_builds_it(smollm2_llm, monkeypatch):
+    """On CPU, building in one thread and stepping in another gives libgomp two thread
+    pools and halves decode speed (async_llm's docstring): both must be the worker."""
+    engine = smollm2_llm.engine
+    threads: dict[str, int] = {}
+
+    def make_engine():
+        threads["build"] = threading.get_ident()
+        return engine
+
+    step = engine.step
+
+    def recorded_step(*args, **kwargs):
+        threads["step"] = threading.get_ident()
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", recorded_step)
+    async_llm = AsyncLLM(make_engine)
+
+    async def main():
+        assert await async_llm.started() is engine
+        return await _stream(async_llm, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3))
+
+    try:
+        asyncio.run(main())
+    finally:
+        async_llm.shutdown()
+    assert threads["build"] == threads["step"] != threading.get_ident()
+
+
+def test_a_failed_build_is_raised_by_started():
+    def make_engine():
+        raise ValueError("no such model: /nowhere")
+
+    async_llm = AsyncLLM(make_engine)
+    with pytest.raises(ValueError, match="no such model"):
+        asyncio.run(async_llm.started())
+    async_llm.shutdown()
