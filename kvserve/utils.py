@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -20,3 +22,11 @@ def parse_size(text: str | int) -> int:
     if match is None or unit not in _SIZE_UNITS:
         raise ValueError(f"cannot parse size {text!r}; use e.g. 512MiB, 2GiB or 1000000")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def to_device_async(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values on `device` without waiting for it: a plain copy to a GPU waits for all
+    work queued before it (undoing overlapped scheduling); one from pinned memory does not."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -1,6 +1,9 @@
 """Where an offline run's time goes, by kind of step: decode-only steps (replayed CUDA
 graphs where enabled) and steps with prefill tokens (eager), each as model time (the
 runner, synchronised) and the rest of the step (scheduling, sampling, bookkeeping).
+With overlapped scheduling, decode steps launched ahead are a kind of their own: their
+"model" time is the launch only (not synchronised, which would undo the overlap), and the
+rest includes waiting for the step before.
 
     python -m kvserve.benchmarks.step_profile --load-format dummy --model-shape qwen2.5-0.5b
 """
@@ -29,7 +32,7 @@ class StepTimer:
         self._kind = ""
         self._model_s = 0.0
         runner, engine = self.engine.runner, self.engine
-        execute, step = runner.execute, engine.step
+        execute, execute_ahead, step = runner.execute, runner.execute_ahead, engine.step
 
         def timed_execute(sched, block_tables):
             tokens = sched.total_num_scheduled_tokens
@@ -39,6 +42,13 @@ class StepTimer:
             start = time.perf_counter()
             result = execute(sched, block_tables)
             self._sync()
+            self._model_s = time.perf_counter() - start
+            return result
+
+        def timed_execute_ahead(seqs, *args):
+            self._kind, self._tokens = "decode ahead", len(seqs)
+            start = time.perf_counter()
+            result = execute_ahead(seqs, *args)
             self._model_s = time.perf_counter() - start
             return result
 
@@ -55,6 +65,7 @@ class StepTimer:
             return outputs
 
         runner.execute = timed_execute
+        runner.execute_ahead = timed_execute_ahead
         engine.step = timed_step
 
     def _sync(self) -> None:

@@ -60,6 +60,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    overlap_scheduling: bool | None = None  # None: on for GPUs (resolved_overlap_scheduling)
     speculative_config: dict[str, Any] | None = None
 
     def resolved_device(self) -> torch.device:
@@ -88,6 +89,12 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return CPU_MAX_NUM_BATCHED_TOKENS if device.type == "cpu" else GPU_MAX_NUM_BATCHED_TOKENS
+
+    def resolved_overlap_scheduling(self, device: torch.device) -> bool:
+        # On a CPU the model runs in the host thread: there is nothing to overlap with.
+        if self.overlap_scheduling is not None:
+            return self.overlap_scheduling
+        return device.type == "cuda"
 
     def kv_cache_bytes(self) -> int | None:
         return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
@@ -182,6 +189,14 @@ class EngineArgs:
             help="Run every step eagerly; by default decode steps on the GPU replay CUDA "
             "graphs captured at startup, and speculative verify steps graphs captured on "
             "first use (Triton attention only).",
+        )
+        group.add_argument(
+            "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
+            help="Launch each decode step before the host has read the previous step's "
+            "tokens, so that bookkeeping and scheduling run while the GPU works (default: on "
+            "for GPUs, off on CPU, where the model runs in the host thread; always off with "
+            "speculative decoding). A sequence that ends at a stop token computes one extra "
+            "token, which is dropped.",
         )
         group.add_argument(
             "--speculative-config", default=None, type=_json_dict,

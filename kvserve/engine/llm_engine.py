@@ -12,10 +12,11 @@ import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.cpu_defaults import AUTO, NONE, apply_plan, resolve_auto_quantization
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_args import EngineArgs
+from kvserve.engine.overlap import InflightStep, can_sample_ahead
 from kvserve.engine.request import Request
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.model_executor.loader import LoadedModel, load_model
@@ -26,6 +27,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.spec_decode.stats import SpecDecodeStats
+from kvserve.utils import to_device_async
 
 logger = logging.getLogger(__name__)
 
@@ -111,15 +113,19 @@ class LLMEngine:
         self.speculator = None if spec_config is None else self._make_speculator(spec_config, draft)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
+        self.overlap_scheduling = args.resolved_overlap_scheduling(self.device) and self.speculator is None
+        self._inflight: InflightStep | None = None
+        self.num_steps_ahead = 0  # decode steps launched before the previous one was read
         logger.info(
             "kvserve engine: %s layers=%d dtype=%s device=%s attention=%s, %d KV blocks (%s) of "
-            "%d tokens (%d tokens), max_model_len=%d",
+            "%d tokens (%d tokens), max_model_len=%d, overlapped scheduling %s",
             self.model_config.architecture, self.model_config.num_hidden_layers,
             str(dtype).removeprefix("torch."), self.device,
             type(self.runner.attn_backend).__name__,
             self.runner.num_blocks,
             str(self.runner.kv_cache_dtype).removeprefix("torch."),
             args.block_size, self.runner.num_blocks * args.block_size, self.max_model_len,
+            "on" if self.overlap_scheduling else "off",
         )
 
     def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | None) -> Speculator:
@@ -247,7 +253,8 @@ class LLMEngine:
         return self._make_output(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Also true while a step is in flight, so that stepping drains it."""
+        return bool(self.requests) or self._inflight is not None
 
     @property
     def num_requests_running(self) -> int:
@@ -261,19 +268,34 @@ class LLMEngine:
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Runs one iteration; returns an output for every request that got tokens (only
-        for those that finished, with final_only: building outputs costs host time)."""
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        now = time.time()
-        for seq in sched.scheduled_seqs:
-            if seq.request.times.first_scheduled is None:
-                seq.request.times.first_scheduled = now
-                seq.request.num_cached_tokens = seq.num_computed_tokens
-        block_tables = {seq.seq_id: self.kv_cache.block_ids(seq.seq_id) for seq in sched.scheduled_seqs}
-        step_logits = self.runner.execute(sched, block_tables)
+        for those that finished, with final_only: building outputs costs host time).
+
+        With overlapped scheduling a decode step's tokens are read one call later: the
+        call launches the next step first (see kvserve/engine/overlap.py)."""
+        if self._inflight is None:
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return []
+            now = time.time()
+            for seq in sched.scheduled_seqs:
+                if seq.request.times.first_scheduled is None:
+                    seq.request.times.first_scheduled = now
+                    seq.request.num_cached_tokens = seq.num_computed_tokens
+            if not self._can_defer(sched):
+                return self._run_step(sched, final_only)
+            self._inflight = self._launch(sched)
+        inflight = self._inflight
+        self._inflight = self._launch_ahead(inflight)
+        return self._finish_inflight(inflight, final_only)
+
+    def _block_tables(self, seqs: list[Sequence]) -> dict[str, list[int]]:
+        return {seq.seq_id: self.kv_cache.block_ids(seq.seq_id) for seq in seqs}
+
+    def _run_step(self, sched: SchedulerOutput, final_only: bool) -> list[RequestOutput]:
+        """A step from schedule to outputs, waiting for the device."""
+        step_logits = self.runner.execute(sched, self._block_tables(sched.scheduled_seqs))
         for seq in sched.scheduled_seqs:
             # Drafts' KV is written but counts only once they are accepted (below).
             seq.num_computed_tokens = min(
@@ -323,6 +345,88 @@ class LLMEngine:
 
         if self.speculator is not None:
             self.speculator.release(self.scheduler.running)
+        return self._outputs(touched, final_only)
+
+    # -- overlapped decode steps -----------------------------------------------------------
+
+    def _can_defer(self, sched: SchedulerOutput) -> bool:
+        """A step whose tokens may be read later: every sequence decodes one token and can
+        be sampled ahead."""
+        return self.overlap_scheduling and all(
+            sched.num_scheduled_tokens[seq.seq_id] == 1
+            and seq.num_computed_tokens + 1 == seq.num_tokens
+            and can_sample_ahead(seq)
+            for seq in sched.scheduled_seqs
+        )
+
+    def _launch(self, sched: SchedulerOutput) -> InflightStep:
+        seqs = sched.scheduled_seqs
+        step_logits = self.runner.execute(sched, self._block_tables(seqs))
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+        rows, _, _ = self._sampling_rows(seqs)
+        return InflightStep.start(seqs, self.sampler.sample_ids(step_logits.sample_logits, rows))
+
+    def _launch_ahead(self, inflight: InflightStep) -> InflightStep | None:
+        """The next decode step of the in-flight step's sequences, fed its sampled ids on
+        the device; None when it must wait for the host (requests waiting for admission,
+        too few free blocks, nothing left to run)."""
+        if self.scheduler.waiting:
+            return None  # the scheduler admits them in a step of its own
+        seqs, rows = [], []
+        for row, seq in enumerate(inflight.seqs):
+            if seq.status is not SequenceStatus.RUNNING or self._ends_at_inflight_token(seq):
+                continue
+            if not can_sample_ahead(seq):
+                return None
+            seqs.append(seq)
+            rows.append(row)
+        if not seqs:
+            return None
+        copies = []
+        for seq in seqs:
+            # Blocks taken here before a failure are the ones the next step needs anyway.
+            seq_copies = self.kv_cache.allocate_slots(
+                seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, 1
+            )
+            if seq_copies is None:
+                return None  # the scheduler preempts in a step of its own
+            copies += seq_copies
+        token_ids = inflight.token_ids
+        if len(rows) < len(inflight.seqs):
+            token_ids = token_ids[to_device_async(rows, torch.long, token_ids.device)]
+        logits = self.runner.execute_ahead(seqs, self._block_tables(seqs), copies, token_ids)
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+        self.num_steps_ahead += 1
+        sampling_rows, _, _ = self._sampling_rows(seqs)
+        return InflightStep.start(seqs, self.sampler.sample_ids(logits, sampling_rows))
+
+    def _ends_at_inflight_token(self, seq: Sequence) -> bool:
+        """Whether the token in flight is certainly the sequence's last (length limits)."""
+        return (
+            len(seq.output_token_ids) + 1 >= seq.request.max_tokens
+            or seq.num_tokens + 1 >= self.max_model_len
+        )
+
+    def _finish_inflight(self, inflight: InflightStep, final_only: bool) -> list[RequestOutput]:
+        token_ids = inflight.read()
+        token_time = time.time()
+        touched: dict[str, Request] = {}
+        for seq, token_id in zip(inflight.seqs, token_ids):
+            if seq.status.is_finished:
+                continue  # ended by the step before (its extra token is dropped) or aborted
+            self._append_token(seq, token_id, None)
+            self._mark_token_time(seq.request, token_time)
+            touched[seq.request.request_id] = seq.request
+            if not seq.status.is_finished:
+                # Registered now that the token is known; the step writing its KV is queued.
+                self.kv_cache.cache_full_blocks(
+                    seq.seq_id, seq.all_token_ids, seq.num_computed_tokens
+                )
+        return self._outputs(touched, final_only)
+
+    def _outputs(self, touched: dict[str, Request], final_only: bool) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
             if all(seq.status.is_finished for seq in request.sequences):

@@ -90,8 +90,14 @@ class CudaGraphRunner:
             width: torch.arange(0, n * width + 1, width, dtype=torch.int32, device=device)
             for width in range(1, max_width + 1)
         }
-        self.staging = torch.zeros(3, n * max_width, dtype=torch.long, pin_memory=True)
-        self.staging_lens = torch.ones(n, dtype=torch.int32, pin_memory=True)
+        # Host staging, two sets used in turn: with overlapped scheduling the next step's
+        # inputs are written while the copy of this step's may still wait in the stream.
+        self.stagings = [
+            (torch.zeros(3, n * max_width, dtype=torch.long, pin_memory=True),
+             torch.ones(n, dtype=torch.int32, pin_memory=True))
+            for _ in range(2)
+        ]
+        self.num_runs = 0
 
     def can_run(self, batch_size: int, width: int = 1) -> bool:
         return batch_size <= self.max_batch and width <= self.max_width
@@ -167,10 +173,13 @@ class CudaGraphRunner:
         query_tokens: list[list[int]],
         start_positions: list[int],
         block_tables: list[list[int]],
+        device_token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [sum of query lengths, vocab] fp32 of B sequences: sequence i feeds
         query_tokens[i] (its newest token, then any drafts) from start_positions[i] on;
-        its rows are consecutive, in batch order. Valid until the next run."""
+        its rows are consecutive, in batch order. Valid until the next run.
+        `device_token_ids` [B]: one query token per sequence, still on the device (sampled
+        by a step the host has not read yet); query_tokens then only give the width."""
         batch = len(query_tokens)
         bucket = self.bucket_for(batch)
         lengths = [len(tokens) for tokens in query_tokens]
@@ -187,14 +196,19 @@ class CudaGraphRunner:
                       for p in range(start, start + len(tokens))]
             slots += [-1] * pad
         num_tokens = bucket * width
-        staging = self.staging
+        staging, staging_lens = self.stagings[self.num_runs % 2]
+        self.num_runs += 1
         staging[:, :num_tokens] = 0
         staging[2, :num_tokens] = -1
         staging[:, : batch * width] = torch.tensor([ids, positions, slots], dtype=torch.long)
-        self.staging_lens[:bucket] = width
-        self.staging_lens[:batch] = torch.tensor(start_positions, dtype=torch.int32) + width
+        staging_lens[:bucket] = width
+        staging_lens[:batch] = torch.tensor(start_positions, dtype=torch.int32) + width
         self.token_inputs[:, :num_tokens].copy_(staging[:, :num_tokens], non_blocking=True)
-        self.seq_lens[:bucket].copy_(self.staging_lens[:bucket], non_blocking=True)
+        if device_token_ids is not None:
+            if width != 1:
+                raise ValueError("device token ids are for decode steps (one token each)")
+            self.token_inputs[0, :batch].copy_(device_token_ids)
+        self.seq_lens[:bucket].copy_(staging_lens[:bucket], non_blocking=True)
         table_width = max(len(table) for table in block_tables)
         # One flat int32 array built in C is several times faster than a nested torch.tensor.
         flat = array("i")
@@ -211,7 +225,7 @@ class CudaGraphRunner:
         if graph is None:
             # Capturing overwrites the persistent inputs with padding: redo the copies after.
             graph = self.graphs[key] = self._capture(*key)
-            return self.run(query_tokens, start_positions, block_tables)
+            return self.run(query_tokens, start_positions, block_tables, device_token_ids)
         graph.graph.replay()
         self.num_replays += 1
         self.last_key = key

@@ -303,6 +303,29 @@ class ModelRunner:
         return StepLogits(logits, list(seqs), num_rows, [])
 
     @torch.inference_mode()
+    def execute_ahead(
+        self,
+        seqs: list[Sequence],
+        block_tables: dict[str, list[int]],
+        block_copies: list[tuple[int, int]],
+        token_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """A decode step launched before the host has read its input tokens: sequence i
+        feeds token_ids[i] (on the device, sampled by the step still in flight) at position
+        seq.num_computed_tokens. Returns next-token logits [B, V] fp32."""
+        positions = [seq.num_computed_tokens for seq in seqs]
+        tables = [block_tables[seq.seq_id] for seq in seqs]
+        self._copy_blocks(block_copies)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(len(seqs)):
+            return self.cuda_graphs.run([[0]] * len(seqs), positions, tables, token_ids)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        metadata = self._metadata(
+            positions_t, list(range(len(seqs) + 1)), [p + 1 for p in positions], tables
+        )
+        hidden = self.model(token_ids, positions_t, self.kv_caches, metadata)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
         if self.cuda_graphs is not None and self._graph_can_run(sched):
             return self._execute_graph(sched, block_tables)

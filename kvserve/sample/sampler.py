@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.sampling_params import SamplingParams
+from kvserve.utils import to_device_async
 
 
 @dataclass
@@ -40,11 +41,7 @@ class Sampler:
             raise ValueError(
                 f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         raw_logits = logits
-        logits = _apply_logit_bias(logits, rows)
-        logits = _apply_min_tokens(logits, rows)
-        logits = _apply_penalties(logits, rows)
-        token_ids = _sample(logits, rows)
-
+        token_ids = self.sample_ids(logits, rows)
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not logprob_rows:
             return SamplerOutput(token_ids.tolist(), [None] * len(rows))
@@ -57,14 +54,18 @@ class Sampler:
             logprobs[i] = entry
         return SamplerOutput(ids, logprobs)
 
+    @staticmethod
+    def sample_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The sampled ids [S], left on the logits' device; on a GPU nothing here waits for
+        the device, so the host can go on while the step runs (overlapped scheduling)."""
+        return _sample(_apply_request_transforms(logits, rows), rows)
+
 
 def final_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The distribution each row samples from after every transform, normalised [S, V]:
     one-hot at the argmax for greedy rows. Speculative verification accepts and resamples
     against exactly this, so it stays lossless."""
-    logits = _apply_logit_bias(logits, rows)
-    logits = _apply_min_tokens(logits, rows)
-    logits = _apply_penalties(logits, rows)
+    logits = _apply_request_transforms(logits, rows)
     greedy = torch.tensor([row.params.is_greedy for row in rows], device=logits.device)
     temperature = torch.tensor(
         [1.0 if row.params.is_greedy else row.params.temperature for row in rows],
@@ -139,11 +140,17 @@ def _gather_logprobs(
     return host_ids, entries
 
 
+def _apply_request_transforms(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logit_bias, min_tokens and the penalties: what comes before temperature."""
+    logits = _apply_logit_bias(logits, rows)
+    logits = _apply_min_tokens(logits, rows)
+    return _apply_penalties(logits, rows)
+
+
 def _row_values(rows: list[SamplingRow], attr: str, device: torch.device) -> torch.Tensor:
     """Column [S, 1] of one float parameter across rows."""
-    return torch.tensor(
-        [float(getattr(row.params, attr)) for row in rows], device=device
-    ).unsqueeze(1)
+    values = [float(getattr(row.params, attr)) for row in rows]
+    return to_device_async(values, torch.float32, device).unsqueeze(1)
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -159,8 +166,8 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
         return logits
     device = logits.device
     return logits.index_put(
-        (torch.tensor(row_idx, device=device), torch.tensor(tok_idx, device=device)),
-        torch.tensor(biases, dtype=logits.dtype, device=device),
+        (to_device_async(row_idx, torch.long, device), to_device_async(tok_idx, torch.long, device)),
+        to_device_async(biases, logits.dtype, device),
         accumulate=True,
     )
 
@@ -238,9 +245,9 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     device = logits.device
     if any(not g and row.params.temperature != 1.0 for g, row in zip(greedy, rows)):
         # Greedy rows divide by 1: their sample is discarded for the argmax below.
-        temperature = torch.tensor(
+        temperature = to_device_async(
             [1.0 if g else row.params.temperature for g, row in zip(greedy, rows)],
-            dtype=logits.dtype, device=device,
+            logits.dtype, device,
         ).unsqueeze(1)
         probs = torch.softmax(logits / temperature, dim=-1)
     else:
@@ -250,7 +257,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     # Filtered probs are not renormalised: argmax(probs / q) is scale invariant.
     sampled = probs.div_(_exponential_noise(probs, rows, greedy)).argmax(dim=-1)
     if any(greedy):
-        is_greedy = torch.tensor(greedy, device=device)
+        is_greedy = to_device_async(greedy, torch.bool, device)
         sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
     return sampled
 
@@ -264,9 +271,9 @@ def _apply_top_k_top_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     device = probs.device
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     if use_top_k:
-        top_k = torch.tensor(
+        top_k = to_device_async(
             [row.params.top_k if row.params.top_k > 0 else vocab_size for row in rows],
-            device=device,
+            torch.long, device,
         ).unsqueeze(1)
         rank = torch.arange(vocab_size, device=device).unsqueeze(0)
         sorted_probs = sorted_probs.masked_fill(rank >= top_k, 0.0)

@@ -123,3 +123,58 @@ def test_fp8_kv_cache_triton_equals_torch_reference(save_hf_model):
         gc.collect()
         torch.cuda.empty_cache()
     assert results["triton"] == results["torch"]
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_overlap_scheduling_equals_one_step_at_a_time(save_hf_model, eager):
+    """Decode steps launched before the previous step's tokens are read (inputs taken from
+    the device) give the same tokens and finish reasons, with stops that end sequences
+    while a step ahead is in flight and requests that arrive in between."""
+    config = LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+    )
+    model_dir = save_hf_model(LlamaForCausalLM(config))
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 1024, (n,), generator=generator).tolist()
+               for n in (3, 40, 129, 700, 17, 64)]
+
+    def run(params: list[SamplingParams], overlap: bool) -> tuple[list, int]:
+        llm = LLM(model=model_dir, dtype="float32", device="cuda", enforce_eager=eager,
+                  max_num_seqs=16, gpu_memory_utilization=0.3, overlap_scheduling=overlap)
+        engine = llm.engine
+        for i in range(4):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params[i])
+        finals, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finals[output.request_id] = [
+                        (c.token_ids, c.finish_reason) for c in output.outputs]
+            steps += 1
+            if steps == 5:
+                for i in (4, 5):
+                    engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params[i])
+        assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+        ahead = engine.num_steps_ahead
+        del llm, engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        return [finals[f"r{i}"] for i in range(len(prompts))], ahead
+
+    greedy = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * len(prompts)
+    first, _ = run(greedy, overlap=False)
+    # Stop tokens that end three sequences part-way (the token greedy decoding makes 8th).
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[first[0][0][0][7]]),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=26, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[first[2][0][0][7]]),
+        SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=19, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[first[4][0][0][7]]),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    ]
+    reference, none_ahead = run(params, overlap=False)
+    overlapped, ahead = run(params, overlap=True)
+    assert overlapped == reference
+    assert none_ahead == 0 and ahead >= 10
+    assert sum(c[1] == "stop" for outs in reference for c in outs) >= 3
