@@ -1,5 +1,6 @@
 """One table from the JSON files of benchmarks/gpu_side_by_side.sh: kvserve beside
-transformers on W2 and W1, each with its floor.
+transformers on W2 and W1, each with its floor. A kvserve run with other flags is named
+`SHAPE__VARIANT` (files kvserve-w1-SHAPE__VARIANT.json) and set beside the same transformers run.
 
     python -m kvserve.benchmarks.gpu_report OUT_DIR
 """
@@ -22,7 +23,8 @@ def report_rows(out_dir: str, shape: str) -> list[list[str]]:
     rows = []
     w2 = _load(os.path.join(out_dir, f"kvserve-w2-{shape}.json"))
     w1 = _load(os.path.join(out_dir, f"kvserve-w1-{shape}.json"))
-    hf = _load(os.path.join(out_dir, f"transformers-{shape}.json")) or {}
+    base_shape = shape.split("__")[0]
+    hf = _load(os.path.join(out_dir, f"transformers-{base_shape}.json")) or {}
     hf_w2 = {r["batch_size"]: r for r in hf.get("w2_generate", [])}
     for r in (w2 or {}).get("results", []):
         other = hf_w2.get(r["batch_size"])

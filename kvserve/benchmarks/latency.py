@@ -78,8 +78,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
-    bandwidth = copy_bandwidth(llm.engine.device)
+    engine_args = EngineArgs.from_cli_args(args)
+    # Before the engine: on a GPU its KV cache takes the memory a large copy needs.
+    bandwidth = copy_bandwidth(engine_args.resolved_device())
+    llm = LLM(**vars(engine_args))
     run_latency(llm, 1, min(16, args.input_len), 4, bandwidth)  # warm-up
     results = [run_latency(llm, b, args.input_len, args.output_len, bandwidth, args.workload_seed)
                for b in batch_sizes]

@@ -132,6 +132,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
+    # Before the engine: on a GPU its KV cache takes the memory these measurements need.
+    device = engine_args.resolved_device()
+    ceilings = copy_bandwidth(device), matmul_peak_flops(device)
     llm = LLM(**vars(engine_args))
     engine = llm.engine
     requests = make_requests(
@@ -142,7 +145,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     llm.generate({"prompt_token_ids": requests[0].prompt_token_ids[:16]},
                  SamplingParams(temperature=0.0, max_tokens=4))
     results = [run_kvserve_batched(llm, requests)]
-    floor = _offline_floor(llm, requests)
+    floor = _offline_floor(llm, requests, *ceilings)
     if args.sequential:
         results.append(run_kvserve_sequential(llm, requests))
     if args.transformers:
@@ -171,11 +174,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def _offline_floor(llm: LLM, requests: list[BenchRequest]) -> dict[str, float]:
-    """W1's floor for these requests, from the bandwidth and matmul rate measured now."""
+def _offline_floor(
+    llm: LLM, requests: list[BenchRequest], bandwidth: float, peak: float
+) -> dict[str, float]:
+    """W1's floor for these requests, from the bandwidth and matmul rate measured here."""
     engine = llm.engine
-    bandwidth = copy_bandwidth(engine.device)
-    peak = matmul_peak_flops(engine.device)
     floor_s = offline_floor_s(
         [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests],
         engine.model_config, weight_bytes_per_step(engine.runner.model, engine.model_config),
