@@ -405,6 +405,7 @@ def _int4_words_matmul(
     rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
     group_size: int, config: LaunchConfig, block_k: int,
 ) -> torch.Tensor:
+    """rows [M, K] times the nibble pairs read as int32 words, by config.int4_words."""
     m, k = rows.shape
     n = qweight.shape[0]
     out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)

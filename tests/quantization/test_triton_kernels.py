@@ -127,7 +127,7 @@ class WordsCase(NamedTuple):
 
 
 # Odd N, group sizes 32 / 64 / 128 (block_k is halved down to the group), groups of one
-# and of two tiles, rows 1..17 with several row blocks, split-K with uneven splits (summed
+# and of two tiles, rows 1..40 with several row blocks, split-K with uneven splits (summed
 # in the kernel), the defaults.
 WORDS_CASES = [
     WordsCase("fma", 1, 37, 128, 32, (1, 16, 128, None)),
