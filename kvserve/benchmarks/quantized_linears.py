@@ -2,7 +2,9 @@
 weight format (bf16 cuBLAS, the Triton W8A16 / W4A16 / fp8-weight kernels, fp8
 torch._scaled_mm, and the dequantize-then-cuBLAS path) at a few row counts, beside the
 floor: the bytes each call must move (weights as stored, activations in and out) over the
-copy bandwidth measured in the same run.
+copy bandwidth measured in the same run. `--sweep` also times the Triton kernels' launch
+configs on the linears as the engine runs them (q/k/v and gate/up fused), beside bf16, and
+prints each row count's fastest config per step: what `default_config` should pick.
 
 Each measurement replays a CUDA graph of back-to-back calls (as decode steps run), cycling
 over enough weight copies that they do not fit the L2 cache.
@@ -34,14 +36,41 @@ LLAMA3_8B_LINEARS = [
     ("gate_proj", 14336, 4096), ("up_proj", 14336, 4096), ("down_proj", 4096, 14336),
 ]
 LLAMA3_8B_LAYERS = 32
+# The same weights as kvserve's llama runs them: q/k/v and gate/up as one linear each.
+LLAMA3_8B_ENGINE_LINEARS = [
+    ("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096), ("down_proj", 4096, 14336),
+]
 FORMATS = ("bf16", "int8", "int4", "fp8-triton", "fp8-scaled_mm", "int8-dequant", "int4-dequant")
+SWEEP_FORMATS = ("int8", "int4", "fp8-triton")
 L2_BYTES = 256 * 2**20  # cycle over at least this many weight bytes (H200 L2: 60 MB)
-# Launch configs compared by --sweep, per row count: the one-row CUDA-core kernel
-# (block_m 1) against 16-row tl.dot tiles.
-SWEEP_CONFIGS = {
+# Launch configs compared by --sweep, per format and row count. int8 / fp8: the one-row
+# CUDA-core kernel (block_m 1) against 16-row tl.dot tiles. int4: the nibble-pair kernels
+# (the defaults before the int32-word kernels) against the word kernels' tile shapes,
+# num_warps and waves (programs per SM that split-K aims for).
+SWEEP_MAX_ERROR = 2e-2  # bf16 output rounding alone is ~4e-3
+_OLD_SWEEP = {
     1: [LaunchConfig(1, bn, bk) for bn, bk in ((16, 256), (32, 256), (64, 128), (32, 512), (16, 512))]
        + [LaunchConfig(16, 64, 128)],
     4: [LaunchConfig(1, 32, 256), LaunchConfig(16, 64, 128), LaunchConfig(16, 128, 128)],
+}
+_INT4_FMA = [LaunchConfig(1, bn, bk, num_warps=nw, num_stages=1, waves=waves, int4_words="fma")
+             for bn, bk, nw, waves in ((256, 128, 4, 4), (256, 128, 4, 8), (128, 128, 4, 4), (128, 128, 4, 8),
+                                       (128, 128, 2, 8), (64, 256, 4, 4), (128, 256, 4, 4))]
+_INT4_DOT = [LaunchConfig(16, bn, bk, num_warps=nw, num_stages=stages, waves=waves, int4_words="dot")
+             for bn, bk, nw, stages, waves in ((128, 128, 4, 1, 2), (128, 128, 4, 1, 4), (64, 128, 4, 1, 4),
+                                               (256, 128, 8, 1, 2), (128, 128, 4, 3, 2))]
+_INT4_DOT_64 = [LaunchConfig(64, bn, bk, num_warps=nw, num_stages=1, waves=2, int4_words="dot")
+                for bn, bk, nw in ((128, 128, 8), (256, 64, 8), (128, 64, 4), (64, 128, 4))]
+SWEEP_CONFIGS = {
+    "int8": _OLD_SWEEP,
+    "fp8-triton": _OLD_SWEEP,
+    "int4": {
+        1: [LaunchConfig(16, 128, 128), LaunchConfig(1, 32, 256), *_INT4_FMA, *_INT4_DOT],
+        4: [LaunchConfig(16, 128, 128), _INT4_FMA[0], LaunchConfig(4, 64, 128, num_stages=1, waves=4, int4_words="fma"),
+            *_INT4_DOT],
+        16: [LaunchConfig(16, 128, 128), *_INT4_DOT],
+        64: [LaunchConfig(64, 128, 64), *_INT4_DOT_64],
+    },
 }
 
 
@@ -122,25 +151,70 @@ def time_calls(calls: list[Callable[[], object]], repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def _stored_format(fmt: str) -> str:
+    return fmt.removesuffix("-dequant").removesuffix("-triton").removesuffix("-scaled_mm")
+
+
 def measure(fmt: str, name: str, n: int, k: int, rows: int, bandwidth: float,
             config: LaunchConfig | None = None) -> LinearTime:
-    layers = _layers(fmt.removesuffix("-dequant").removesuffix("-triton").removesuffix("-scaled_mm"), n, k)
+    layers = _layers(_stored_format(fmt), n, k)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     us = time_calls([_call(fmt, layer, x, config) for layer in layers])
     moved = _weight_bytes(layers[0]) + 2 * rows * (n + k)
     return LinearTime(name, n, k, rows, fmt, us, moved / bandwidth * 1e6)
 
 
-def sweep(bandwidth: float) -> list[dict]:
-    """Every sweep config for each kernel format on four of the shapes."""
+def relative_error(fmt: str, n: int, k: int, rows: int, config: LaunchConfig) -> float:
+    """||y - x W^T|| / ||x W^T|| of one call against the layer's fp32 dequantized weight:
+    a config that computes the wrong thing shows here, not in its time."""
+    layer = _layers(_stored_format(fmt), n, k)[0]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    expected = F.linear(x.float(), layer.dequantize(torch.float32))
+    return ((_call(fmt, layer, x, config)().float() - expected).norm() / expected.norm()).item()
+
+
+def config_label(config: LaunchConfig) -> str:
+    kind = f"words-{config.int4_words}" if config.int4_words else ("gemv" if config.block_m == 1 else "dot")
+    return (f"{kind} {config.block_m}x{config.block_n}x{config.block_k} warps{config.num_warps} "
+            f"stages{config.num_stages} waves{config.waves}")
+
+
+def _sweep_entry(fmt: str, t: LinearTime, config: LaunchConfig | None = None, error: float | None = None) -> dict:
+    entry = {"fmt": fmt, "shape": t.name, "n": t.out_features, "k": t.in_features, "rows": t.rows,
+             "us": t.us, "floor_us": t.floor_us}
+    if config is None:
+        return entry
+    return {**asdict(config), "label": config_label(config), **entry, "relative_error": error}
+
+
+def _sweep_cell(config: LaunchConfig, t: LinearTime, error: float) -> str:
+    wrong = f" WRONG: relative error {error:.1e}" if error > SWEEP_MAX_ERROR else ""
+    return f"[{config_label(config)}] {t.us:.1f} ({t.of_floor:.0%}){wrong}"
+
+
+def sweep(bandwidth: float, formats: list[str]) -> list[dict]:
+    """Every sweep config of each format on the engine's linears, bf16 beside them; prints
+    each (format, rows) ranking per step's linears, fastest first."""
     results = []
-    for fmt in ("int8", "int4", "fp8-triton"):
-        for name, n, k in (LLAMA3_8B_LINEARS[0], LLAMA3_8B_LINEARS[1], LLAMA3_8B_LINEARS[4], LLAMA3_8B_LINEARS[6]):
-            for rows, configs in SWEEP_CONFIGS.items():
-                timed = [(measure(fmt, name, n, k, rows, bandwidth, config).us, config) for config in configs]
-                results += [{**asdict(config), "fmt": fmt, "shape": name, "rows": rows, "us": us} for us, config in timed]
-                print(f"sweep {fmt:10s} {name:9s} M={rows}: "
-                      + ", ".join(f"{c.block_m}x{c.block_n}x{c.block_k} {us:.1f}" for us, c in timed), flush=True)
+    for fmt in formats:
+        for rows, configs in SWEEP_CONFIGS[fmt].items():
+            step_us = {"bf16 cuBLAS": 0.0} | {config_label(c): 0.0 for c in configs}
+            floor_us = 0.0
+            for name, n, k in LLAMA3_8B_ENGINE_LINEARS:
+                bf16 = measure("bf16", name, n, k, rows, bandwidth)
+                timed = [(c, measure(fmt, name, n, k, rows, bandwidth, c), relative_error(fmt, n, k, rows, c))
+                         for c in configs]
+                results += [_sweep_entry("bf16", bf16)] + [_sweep_entry(fmt, t, c, e) for c, t, e in timed]
+                step_us["bf16 cuBLAS"] += bf16.us
+                for config, t, _ in timed:
+                    step_us[config_label(config)] += t.us
+                floor_us += timed[0][1].floor_us
+                print(f"sweep {fmt} {name} {n}x{k} M={rows}: bf16 {bf16.us:.1f}, "
+                      + ", ".join(_sweep_cell(*entry) for entry in timed), flush=True)
+            print(f"sweep {fmt} M={rows}: one step's linears, fastest first (ms, x{LLAMA3_8B_LAYERS} layers; "
+                  f"{fmt} floor {LLAMA3_8B_LAYERS * floor_us / 1e3:.2f} ms):")
+            for label, us in sorted(step_us.items(), key=lambda item: item[1]):
+                print(f"  {LLAMA3_8B_LAYERS * us / 1e3:6.2f} ms ({floor_us / us:4.0%} of the {fmt} floor)  {label}")
     return results
 
 
@@ -148,6 +222,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="1,16", help="Comma-separated row counts (batch of tokens).")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"Comma-separated, of {', '.join(FORMATS)}.")
     parser.add_argument("--sweep", action="store_true", help="Also time some of the Triton kernels' launch configs.")
+    parser.add_argument("--sweep-formats", default=",".join(SWEEP_FORMATS),
+                        help=f"Comma-separated formats --sweep times, of {', '.join(SWEEP_FORMATS)}.")
     parser.add_argument("--output-json", default=None, help="Write the results to this file.")
 
 
@@ -155,11 +231,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench quantized-linears needs a CUDA device")
     rows_list = [int(r) for r in args.rows.split(",")]
-    formats = args.formats.split(",")
+    formats, sweep_formats = args.formats.split(","), args.sweep_formats.split(",")
     bandwidth = copy_bandwidth(torch.device("cuda"))  # bytes read + written per second
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     if torch.cuda.get_device_capability() < (8, 9):
         formats = [f for f in formats if not f.startswith("fp8")]
+        sweep_formats = [f for f in sweep_formats if not f.startswith("fp8")]
     results = [measure(fmt, name, n, k, rows, bandwidth)
                for rows in rows_list for name, n, k in LLAMA3_8B_LINEARS for fmt in formats]
     print(f"\n| rows | linear | {' | '.join(formats)} |")
@@ -179,7 +256,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                 for fmt in formats}
         print(f"rows {rows}: linears of one llama3-8b step (ms): "
               + ", ".join(f"{fmt} {ms:.2f}" for fmt, ms in step.items()))
-    sweep_results = sweep(bandwidth) if args.sweep else []
+    sweep_results = sweep(bandwidth, sweep_formats) if args.sweep else []
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "bandwidth_bytes_per_s": bandwidth,

@@ -8,8 +8,17 @@ e4m3 values are all bf16/fp16 numbers), so each tile's product runs on tensor co
 fp32 accumulation (a single row of fp8 weights: on the CUDA cores instead) and the
 group's scale (and offset * sum(x)) is applied to the tile's partial sum afterwards. Up
 to 16 rows pad to one 16-row tile (reads W once); split-K over fixed fp32 partials,
-summed in a fixed order, fills the GPU when N is small. No host syncs and only
-shape-dependent allocations: the launches are CUDA-graph capturable.
+summed in a fixed order by torch, fills the GPU when N is small.
+
+4-bit weights at up to 64 rows (INT4_DECODE_CONFIGS) take the int32-word kernels instead:
+the same bytes read 8 nibbles a load, each nibble put into the mantissa of 1.0f by a shift
+and one LOP3 (f = 1 + q / 128, no int-to-float conversion), multiplied on the CUDA cores
+(one row) or on tensor cores (W x^T: a wgmma on sm_90); 128 scale and (offset - 128 scale)
+* sum(x) apply once per tile. Their split-K partials are summed inside the kernel, in split
+order, by the last split to finish: one launch per linear.
+
+No host syncs and only shape-dependent allocations (the split counters are allocated once
+per device, at the first call): the launches are CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -155,6 +164,165 @@ def _weight_only_gemv_kernel(
     tl.store(out_ptr + split * stride_os + row * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
+@triton.jit
+def _nibble(w, i: tl.constexpr, one_bits):
+    """Nibble i of int32 words (k = 8 j + i) as the fp32 1 + q / 128: q goes into the top
+    mantissa bits of 1.0f, so no int-to-float conversion; its products with bf16 or fp16
+    values are exact in fp32."""
+    return (((w >> (4 * i)) & 15) << 16 | one_bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_x_pair(x_ptrs, pair: tl.constexpr, mask, X_BF16: tl.constexpr):
+    """x_ptrs[2 pair] and x_ptrs[2 pair + 1] in fp32; a bf16 pair comes in one 32-bit load
+    and widens by moving bits."""
+    if X_BF16:
+        bits = tl.load(x_ptrs.to(tl.pointer_type(tl.int32)) + pair, mask=mask, other=0)
+        return (bits << 16).to(tl.float32, bitcast=True), (bits & -65536).to(tl.float32, bitcast=True)
+    else:
+        x_even = tl.load(x_ptrs + 2 * pair, mask=mask, other=0.0).to(tl.float32)
+        return x_even, tl.load(x_ptrs + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps):
+    """Split-K without a second kernel: every split leaves its fp32 partial, and the last of
+    an output tile's splits to arrive (an acq_rel counter) sums them all in split order
+    (deterministic), writes the output and re-arms the counter for the next launch."""
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    counter = count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(partial_ptr + split * stride_ps + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is written before thread 0 releases them
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        total = tl.zeros_like(acc)
+        for s in range(num_splits):
+            total += tl.load(partial_ptr + s * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr,
+    M, N, num_tiles, tiles_per_split, tiles_per_group, one_bits,
+    stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
+    X_BF16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """4-bit weights as int32 words of 8 nibbles, unpacked with shifts and masks into fp32
+    1 + q / 128 and multiplied on the CUDA cores against up to BLOCK_M rows of x; the group
+    scale and offset apply once per tile (a tile lies within one group):
+    sum(W x) = 128 scale sum(f x) + (offset - 128 scale) sum(x)."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(2)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    WORDS: tl.constexpr = BLOCK_K // 8
+    words = tl.arange(0, WORDS)
+    # [rows, cols, words] throughout: the weight load fixes the layout (4 words a thread,
+    # every row of x in each thread), so nothing moves between threads inside the loop.
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, num_tiles)
+    w_ptrs = w_ptr + cols[None, :, None].to(tl.int64) * stride_wn + (first * WORDS + words[None, None, :])
+    w_mask = col_mask[None, :, None]
+    x_ptrs = x_ptr + rows[:, None, None] * stride_xm + (first * BLOCK_K + 8 * words[None, None, :])
+    x_mask = row_mask[:, None, None]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w = tl.load(w_ptrs, mask=w_mask, other=0)
+    for tile in range(first, last):
+        # The next tile's words are in flight while this one is multiplied.
+        w_next = tl.load(w_ptrs + WORDS, mask=w_mask & (tile + 1 < last), other=0)
+        f_x = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_M, 1, WORDS), dtype=tl.float32)
+        for pair in tl.static_range(4):
+            x_even, x_odd = _load_x_pair(x_ptrs, pair, x_mask, X_BF16)
+            f_x += _nibble(w, 2 * pair, one_bits) * x_even
+            f_x += _nibble(w, 2 * pair + 1, one_bits) * x_odd
+            x_sum += x_even + x_odd
+        group = tile // tiles_per_group
+        scale = 128.0 * tl.load(scale_ptr + cols * stride_sn + group, mask=col_mask, other=0.0)
+        offset = -scale
+        if HAS_OFFSET:
+            offset += tl.load(offset_ptr + cols * stride_sn + group, mask=col_mask, other=0.0)
+        acc += tl.sum(f_x, axis=2) * scale[None, :] + tl.sum(x_sum, axis=2) * offset[None, :]
+        w = w_next
+        w_ptrs += WORDS
+        x_ptrs += BLOCK_K
+    offs = rows[:, None] * stride_om + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT:
+        _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _unpack_words(w, one_bits, BLOCK_K: tl.constexpr):
+    """[N, BLOCK_K / 8] int32 words to [N, BLOCK_K] fp32 1 + q / 128 in k order: nibble
+    i = 4 a + 2 b + c of word j is k = 8 j + i, and each join adds the next of a, b, c as a
+    new minor dimension."""
+    h0 = tl.join(tl.join(_nibble(w, 0, one_bits), _nibble(w, 4, one_bits)),
+                 tl.join(_nibble(w, 2, one_bits), _nibble(w, 6, one_bits)))
+    h1 = tl.join(tl.join(_nibble(w, 1, one_bits), _nibble(w, 5, one_bits)),
+                 tl.join(_nibble(w, 3, one_bits), _nibble(w, 7, one_bits)))
+    return tl.join(h0, h1).reshape(w.shape[0], BLOCK_K)
+
+
+@triton.jit
+def _int4_dot_kernel(
+    x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr,
+    M, N, num_tiles, tiles_per_split, tiles_per_group, one_bits,
+    stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
+    HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The same words and 1 + q / 128 values on tensor cores, computed transposed (W x^T:
+    the weight tile is the dot's M side, so on sm_90 it is a wgmma of BLOCK_N rows with
+    BLOCK_M >= 16 padded rows of x as its N side). The values 1 + q / 128 are exact in
+    bf16 and fp16."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(2)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    WORDS: tl.constexpr = BLOCK_K // 8
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, num_tiles)
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (first * WORDS + tl.arange(0, WORDS)[None, :])
+    w_mask = col_mask[:, None]
+    x_ptrs = x_ptr + rows[None, :] * stride_xm + (first * BLOCK_K + tl.arange(0, BLOCK_K)[:, None])
+    x_mask = row_mask[None, :]
+    act = x_ptr.dtype.element_ty
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    w = tl.load(w_ptrs, mask=w_mask, other=0)
+    for tile in range(first, last):
+        # The next tile's words are in flight while this one is multiplied.
+        w_next = tl.load(w_ptrs + WORDS, mask=w_mask & (tile + 1 < last), other=0)
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        f_x = tl.dot(_unpack_words(w, one_bits, BLOCK_K).to(act), x)
+        group = tile // tiles_per_group
+        scale = 128.0 * tl.load(scale_ptr + cols * stride_sn + group, mask=col_mask, other=0.0)
+        offset = -scale
+        if HAS_OFFSET:
+            offset += tl.load(offset_ptr + cols * stride_sn + group, mask=col_mask, other=0.0)
+        acc += f_x * scale[:, None] + tl.sum(x.to(tl.float32), axis=0)[None, :] * offset[:, None]
+        w = w_next
+        w_ptrs += WORDS
+        x_ptrs += BLOCK_K
+    offs = rows[None, :] * stride_om + cols[:, None]
+    mask = row_mask[None, :] & col_mask[:, None]
+    if SPLIT:
+        _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     block_m: int
@@ -164,23 +332,49 @@ class LaunchConfig:
     num_stages: int = 3
     waves: int = 2  # split K until about this many programs per SM
     split_k: int | None = None  # fixed split (tests); None: from `waves` on CUDA, else 1
-    # block_m 1: the CUDA-core kernel, one row per program (reads W once per row).
+    # 4-bit weights only: the int32-word kernel, "fma" (CUDA cores) or "dot" (tensor cores,
+    # block_m >= 16), block_m rows per program. None: block_m 1 is the CUDA-core kernel, one
+    # row per program (reads W once per row), else tl.dot tiles.
+    int4_words: str | None = None
+
+
+# 4-bit weights, (most rows, config): the first entry that covers the row count. Provisional,
+# from SASS instruction counts for sm_90 (about 4 instructions per weight in the loop, against
+# 7-10 with I2F for the nibble-pair kernels): replace with the fastest configs per row count
+# of `kvserve bench quantized-linears --sweep --sweep-formats int4`.
+INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
+    (1, LaunchConfig(1, 256, 128, num_stages=1, waves=4, int4_words="fma")),
+    (SMALL_ROWS, LaunchConfig(16, 128, 128, num_stages=1, waves=2, int4_words="dot")),
+    (64, LaunchConfig(64, 128, 128, num_warps=8, num_stages=1, waves=2, int4_words="dot")),
+)
 
 
 def default_config(rows: int, four_bit: bool, fp8: bool) -> LaunchConfig:
     """Picked from llama3-8b's linears on an H200 (BENCHMARKS.md): at one row the CUDA-core
     kernel beats tl.dot tiles for fp8 weights (3.10 against 4.24 ms per step's linears),
-    not for int8 (3.88 against 3.47) or int4 (even)."""
+    not for int8 (3.88 against 3.47); 4-bit weights: INT4_DECODE_CONFIGS."""
     if rows == 1 and fp8:
         return LaunchConfig(1, 32, 256)
+    if four_bit and rows <= INT4_DECODE_CONFIGS[-1][0]:
+        return next(config for most_rows, config in INT4_DECODE_CONFIGS if rows <= most_rows)
     if rows <= SMALL_ROWS:
-        return LaunchConfig(16, 128, 128) if four_bit else LaunchConfig(16, 64, 128)
+        return LaunchConfig(16, 64, 128)
     return LaunchConfig(64, 128, 64)
 
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# One counter per output tile for the in-kernel split-K sum; each launch leaves them at 0.
+# Shared by every launch on the device: launches must not overlap (one stream at a time).
+_MAX_SPLIT_COUNTERS = 16384
+
+
+@functools.lru_cache(maxsize=None)
+def _split_counters(device: torch.device) -> torch.Tensor:
+    return torch.zeros(_MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
 
 
 def _block_k(config: LaunchConfig, in_features: int, group_size: int, grouped: bool, four_bit: bool) -> int | None:
@@ -197,14 +391,59 @@ def _block_k(config: LaunchConfig, in_features: int, group_size: int, grouped: b
     return block_k
 
 
+def _split_k(config: LaunchConfig, num_tiles: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """(splits, tiles per split): config.split_k, else enough splits for about `waves`
+    programs per SM on CUDA; every split gets at least one tile."""
+    split = config.split_k or 1
+    if config.split_k is None and device.type == "cuda":
+        split = max(1, min(num_tiles, triton.cdiv(config.waves * _num_sms(device.index or 0), programs)))
+    tiles_per_split = triton.cdiv(num_tiles, split)
+    return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
+
+
+def _int4_words_matmul(
+    rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+    group_size: int, config: LaunchConfig, block_k: int,
+) -> torch.Tensor:
+    """rows [M, K] times the nibble pairs read as int32 words, by config.int4_words."""
+    m, k = rows.shape
+    n = qweight.shape[0]
+    out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
+    if m == 0:
+        return out
+    dot = config.int4_words == "dot"
+    block_m = max(16, config.block_m) if dot else config.block_m  # tl.dot's minimum
+    num_tiles = k // block_k
+    grid_n, grid_m = triton.cdiv(n, config.block_n), triton.cdiv(m, block_m)
+    split, tiles_per_split = _split_k(config, num_tiles, grid_n * grid_m, rows.device)
+    if grid_n * grid_m > _MAX_SPLIT_COUNTERS:
+        split, tiles_per_split = 1, num_tiles
+    partial = torch.empty((split, m, n), dtype=torch.float32, device=rows.device) if split > 1 else out
+    words = qweight.view(torch.int32)
+    kernel, flags = _int4_dot_kernel, {}
+    if not dot:
+        # bf16 pairs load as one int32 where aligned.
+        aligned = rows.data_ptr() % 4 == 0 and rows.stride(0) % 2 == 0
+        kernel, flags = _int4_gemv_kernel, {"X_BF16": rows.dtype == torch.bfloat16 and aligned}
+    kernel[(grid_n, grid_m, split)](
+        rows, words, scale, offset if offset is not None else scale, partial, out,
+        _split_counters(rows.device), m, n, num_tiles, tiles_per_split, max(1, group_size // block_k),
+        0x3F800000,  # 1.0f as a run-time value: ptxas then merges mask and OR into one LOP3
+        rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
+        HAS_OFFSET=offset is not None, SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages, **flags,
+    )
+    return out
+
+
 def weight_only_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
     group_size: int, four_bit: bool = False, config: LaunchConfig | None = None,
 ) -> torch.Tensor | None:
     """x [..., K] (bf16/fp16; fp32 too under the interpreter) times the quantized weight.
-    qweight [N, K] int8 / float8_e4m3fn, or uint8 [N, K / 2] nibble pairs (four_bit);
-    scale and offset fp32 [N, K / group_size]. None where the kernel does not apply (odd
-    K for 4-bit, groups narrower than a tile): the caller dequantizes instead."""
+    qweight [N, K] int8 / float8_e4m3fn, or uint8 [N, K / 2] nibble pairs (four_bit,
+    contiguous); scale and offset fp32 [N, K / group_size]. None where the kernel does not
+    apply (odd K for 4-bit, groups narrower than a tile): the caller dequantizes instead."""
     in_features = x.shape[-1]
     n = qweight.shape[0]
     if four_bit and in_features % 2:
@@ -219,13 +458,11 @@ def weight_only_matmul(
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
     if block_k is None or (four_bit and in_features % block_k):
         return None
+    if four_bit and config.int4_words:
+        return _int4_words_matmul(rows, qweight, scale, offset, group_size, config, block_k).reshape(*x.shape[:-1], n)
     num_tiles = triton.cdiv(in_features, block_k)
     programs = triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m)
-    split = config.split_k or 1
-    if config.split_k is None and x.is_cuda:
-        split = max(1, min(num_tiles, triton.cdiv(config.waves * _num_sms(x.device.index or 0), programs)))
-    tiles_per_split = triton.cdiv(num_tiles, split)
-    split = triton.cdiv(num_tiles, tiles_per_split)
+    split, tiles_per_split = _split_k(config, num_tiles, programs, x.device)
     # e4m3 weights go in as their uint8 bits: masked lanes then load as +0.0, never a NaN.
     weight = qweight.view(torch.uint8) if fp8 else qweight
     # Split-K partials stay fp32 and are summed in one fixed order (deterministic).

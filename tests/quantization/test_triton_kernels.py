@@ -9,6 +9,7 @@ subprocess (tests/triton_interpreter.py); on CUDA the layers run it on real shap
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 from kvserve.quantization import base
 from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from kvserve.quantization.fp8_activation import quantize_per_token
-from kvserve.quantization.int4 import Int4Linear, quantize_int4
+from kvserve.quantization.int4 import Int4Linear, dequantize_int4, quantize_int4
 from kvserve.quantization.int8 import GroupInt8Linear, Int8Linear
 from kvserve.quantization.triton_kernels import LaunchConfig, weight_only_matmul
 from tests.triton_interpreter import run_interpreted
@@ -107,15 +108,81 @@ SMALL_DTYPES = (torch.float32, torch.bfloat16)
 PER_TOKEN_SHAPES = ((3, 77), (2, 128))
 
 
+class WordsCase(NamedTuple):
+    """A call of the int4 int32-word kernels: `config` None takes default_config; variant
+    "unaligned" hands x as a view at an odd element offset (bf16 pairs cannot load as one
+    int32), "no_offset" drops the minimums (W = q * scale)."""
+    kernel: str | None
+    rows: int
+    n: int
+    k: int
+    group_size: int
+    config: tuple[int, int, int, int | None] | None = None  # block_m, block_n, block_k, split
+    variant: str = ""
+
+    @property
+    def id(self) -> str:
+        config = "default" if self.config is None else "x".join(map(str, self.config))
+        return f"words-{self.kernel}-m{self.rows}-n{self.n}-k{self.k}-g{self.group_size}-{config}-{self.variant}"
+
+
+# Odd N, group sizes 32 / 64 / 128 (block_k is halved down to the group), groups of one
+# and of two tiles, rows 1..40 with several row blocks, split-K with uneven splits (summed
+# in the kernel), the defaults.
+WORDS_CASES = [
+    WordsCase("fma", 1, 37, 128, 32, (1, 16, 128, None)),
+    WordsCase("fma", 1, 45, 256, 64, (1, 32, 64, 3)),
+    WordsCase("fma", 2, 33, 256, 128, (2, 16, 64, 2)),
+    WordsCase("fma", 3, 19, 384, 128, (4, 16, 128, 3)),
+    WordsCase("fma", 5, 37, 256, 64, (2, 32, 32, 4)),
+    WordsCase("fma", 16, 21, 128, 32, (16, 16, 32, None)),
+    WordsCase("fma", 3, 37, 256, 64, (4, 16, 64, 2), "unaligned"),
+    WordsCase("fma", 2, 33, 256, 128, (2, 16, 128, 2), "no_offset"),
+    WordsCase("dot", 1, 37, 128, 32, (16, 16, 32, None)),
+    WordsCase("dot", 2, 45, 256, 64, (16, 32, 32, 3)),
+    WordsCase("dot", 3, 33, 384, 128, (16, 16, 128, 3)),
+    WordsCase("dot", 5, 70, 256, 128, (16, 64, 64, 2)),
+    WordsCase("dot", 16, 19, 256, 64, (16, 16, 64, 4)),
+    WordsCase("dot", 17, 37, 128, 128, (16, 16, 128, 2)),
+    WordsCase("dot", 2, 33, 256, 128, (16, 16, 128, 2), "no_offset"),
+    WordsCase(None, 1, 37, 256, 128), WordsCase(None, 4, 37, 256, 128), WordsCase(None, 16, 37, 256, 128),
+    WordsCase(None, 40, 37, 256, 128),
+]
+WORDS_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def _case_id(case: tuple, dtype: torch.dtype) -> str:
     kind, m, n, k, split, gemv = case
     product = "dot" if gemv is None else "gemv"
     return f"{kind}-m{m}-n{n}-k{k}-split{split}-{product}-{str(dtype).removeprefix('torch.')}"
 
 
+def words_case_error(case: WordsCase, dtype: torch.dtype) -> float:
+    layer = _float_linear(case.n, case.k, seed=case.rows)
+    q, scale, minimum = quantize_int4(layer.weight.detach(), case.group_size)
+    offset = None if case.variant == "no_offset" else minimum
+    generator = torch.Generator().manual_seed(case.k)
+    x = torch.randn(case.rows, case.k + 1, generator=generator).to(dtype)
+    x = x[:, 1:] if case.variant == "unaligned" else x[:, :-1].contiguous()
+    config = None
+    if case.config is not None:
+        block_m, block_n, block_k, split = case.config
+        config = LaunchConfig(block_m, block_n, block_k, split_k=split, int4_words=case.kernel)
+    packed = Int4Linear(q, scale, minimum, case.group_size, None)
+    assert not packed.kernel_layout
+    qweight = packed.qweight.view(case.n, case.k // 2)
+    y = weight_only_matmul(x, qweight, scale, offset, case.group_size, four_bit=True, config=config)
+    assert y.dtype == dtype and y.shape == (case.rows, case.n)
+    weight = dequantize_int4(q, scale, minimum if offset is not None else torch.zeros_like(minimum))
+    return relative_error(y, x, weight.double())
+
+
 def run_small_cases() -> None:
     """Subprocess entry: print {case id: relative error} as JSON."""
     results = {}
+    for case in WORDS_CASES:
+        for dtype in WORDS_DTYPES:
+            results[f"{case.id}-{str(dtype).removeprefix('torch.')}"] = words_case_error(case, dtype)
     for case in SMALL_CASES:
         kind, m, n, k, split, gemv = case
         layer = make_layer(kind, n, k)
@@ -142,6 +209,12 @@ def interpreted_errors() -> dict[str, float | bool]:
 @pytest.mark.parametrize("case", SMALL_CASES, ids=lambda c: _case_id(c, torch.float32).rsplit("-", 1)[0])
 def test_interpreted_matches_reference(case, dtype, interpreted_errors) -> None:
     assert interpreted_errors[_case_id(case, dtype)] <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", WORDS_DTYPES, ids=str)
+@pytest.mark.parametrize("case", WORDS_CASES, ids=lambda c: c.id)
+def test_interpreted_int4_word_kernels_match_reference(case, dtype, interpreted_errors) -> None:
+    assert interpreted_errors[f"{case.id}-{str(dtype).removeprefix('torch.')}"] <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("shape", PER_TOKEN_SHAPES, ids=str)
@@ -191,6 +264,26 @@ def test_gpu_layers_match_reference(kind, dtype) -> None:
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("rows", (1, 4, 16, 64))
+def test_gpu_int4_sweep_configs_match_reference(rows) -> None:
+    """Every config `bench quantized-linears --sweep` times is right on llama3-8b's shapes
+    and an odd one, and the in-kernel split-K sum is deterministic."""
+    from kvserve.benchmarks.quantized_linears import SWEEP_CONFIGS
+
+    for n, k in ((4096, 14336), (37, 384)):
+        layer = Int4Linear(*quantize_int4(_float_linear(n, k, 0, "cuda").weight.detach(), 128), 128, None)
+        weight = layer.dequantize(torch.float64)
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.randn(rows, k, device="cuda").to(dtype)
+            for config in SWEEP_CONFIGS["int4"][rows]:
+                y = weight_only_matmul(x, *kernel_args(layer), config=config)
+                error = relative_error(y, x, weight)
+                assert error <= TOLERANCE[dtype], f"{config} {(rows, n, k)} {dtype}: relative error {error:.2e}"
+                assert torch.equal(y, weight_only_matmul(x, *kernel_args(layer), config=config)), config
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_gpu_per_token_fp8_matches_torch() -> None:
     for m, k in ((1, 4096), (300, 14336), (7, 77)):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16) * 3
@@ -212,17 +305,18 @@ def test_gpu_int4_checkpoint_layout_is_repacked_on_the_device() -> None:
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("rows", (1, 4))
 @pytest.mark.parametrize("kind", GPU_KINDS)
-def test_gpu_kernels_replay_in_a_cuda_graph(kind) -> None:
+def test_gpu_kernels_replay_in_a_cuda_graph(kind, rows) -> None:
     if kind.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 kernels need compute capability 8.9")
     layer = make_layer(kind, 1024, 4096, device="cuda")
-    static_x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
+    static_x = torch.zeros(rows, 4096, device="cuda", dtype=torch.bfloat16)
     layer(static_x)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_y = layer(static_x)
-    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     static_x.copy_(x)
     graph.replay()
     assert torch.equal(static_y, layer(x))
