@@ -338,14 +338,14 @@ class LaunchConfig:
     int4_words: str | None = None
 
 
-# 4-bit weights, (most rows, config): the first entry that covers the row count. Provisional,
-# from SASS instruction counts for sm_90 (about 4 instructions per weight in the loop, against
-# 7-10 with I2F for the nibble-pair kernels): replace with the fastest configs per row count
-# of `kvserve bench quantized-linears --sweep --sweep-formats int4`.
+# 4-bit weights, (most rows, config): the first entry that covers the row count. The fastest
+# per step's linears of `kvserve bench quantized-linears --sweep --sweep-formats int4` on an
+# H100 (llama3-8b, BENCHMARKS.md): 1 row 2.53 ms (bf16 cuBLAS 5.17), 4 rows 4.05, 16 rows
+# 4.20, 64 rows 8.49 (bf16 5.38: above 16 rows 4-bit weights cost time, they save memory).
 INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
-    (1, LaunchConfig(1, 256, 128, num_stages=1, waves=4, int4_words="fma")),
-    (SMALL_ROWS, LaunchConfig(16, 128, 128, num_stages=1, waves=2, int4_words="dot")),
-    (64, LaunchConfig(64, 128, 128, num_warps=8, num_stages=1, waves=2, int4_words="dot")),
+    (1, LaunchConfig(1, 64, 256, num_stages=1, waves=4, int4_words="fma")),
+    (SMALL_ROWS, LaunchConfig(16, 64, 128, num_stages=1, waves=4, int4_words="dot")),
+    (64, LaunchConfig(64, 64, 128, num_stages=1, waves=2, int4_words="dot")),
 )
 
 
