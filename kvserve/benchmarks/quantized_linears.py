@@ -43,30 +43,41 @@ LLAMA3_8B_ENGINE_LINEARS = [
 FORMATS = ("bf16", "int8", "int4", "fp8-triton", "fp8-scaled_mm", "int8-dequant", "int4-dequant")
 SWEEP_FORMATS = ("int8", "int4", "fp8-triton")
 L2_BYTES = 256 * 2**20  # cycle over at least this many weight bytes (H200 L2: 60 MB)
-# Launch configs compared by --sweep, per format and row count. int8 / fp8: the one-row
-# CUDA-core kernel (block_m 1) against 16-row tl.dot tiles. int4: the nibble-pair kernels
-# (the defaults before the int32-word kernels) against the word kernels' tile shapes,
-# num_warps and waves (programs per SM that split-K aims for).
+# Launch configs compared by --sweep, per format and row count. int8: the one-row CUDA-core
+# kernel (block_m 1) against 16-row tl.dot tiles. int4 and fp8: those byte kernels (the
+# defaults before the int32-word kernels) against the word kernels' tile shapes, num_warps
+# and waves (programs per SM that split-K aims for).
 SWEEP_MAX_ERROR = 2e-2  # bf16 output rounding alone is ~4e-3
 _OLD_SWEEP = {
     1: [LaunchConfig(1, bn, bk) for bn, bk in ((16, 256), (32, 256), (64, 128), (32, 512), (16, 512))]
        + [LaunchConfig(16, 64, 128)],
     4: [LaunchConfig(1, 32, 256), LaunchConfig(16, 64, 128), LaunchConfig(16, 128, 128)],
 }
-_INT4_FMA = [LaunchConfig(1, bn, bk, num_warps=nw, num_stages=1, waves=waves, int4_words="fma")
+_INT4_FMA = [LaunchConfig(1, bn, bk, num_warps=nw, num_stages=1, waves=waves, words="fma")
              for bn, bk, nw, waves in ((256, 128, 4, 4), (256, 128, 4, 8), (128, 128, 4, 4), (128, 128, 4, 8),
                                        (128, 128, 2, 8), (64, 256, 4, 4), (128, 256, 4, 4))]
-_INT4_DOT = [LaunchConfig(16, bn, bk, num_warps=nw, num_stages=stages, waves=waves, int4_words="dot")
+_INT4_DOT = [LaunchConfig(16, bn, bk, num_warps=nw, num_stages=stages, waves=waves, words="dot")
              for bn, bk, nw, stages, waves in ((128, 128, 4, 1, 2), (128, 128, 4, 1, 4), (64, 128, 4, 1, 4),
                                                (256, 128, 8, 1, 2), (128, 128, 4, 3, 2))]
-_INT4_DOT_64 = [LaunchConfig(64, bn, bk, num_warps=nw, num_stages=1, waves=2, int4_words="dot")
+_INT4_DOT_64 = [LaunchConfig(64, bn, bk, num_warps=nw, num_stages=1, waves=2, words="dot")
                 for bn, bk, nw in ((128, 128, 8), (256, 64, 8), (128, 64, 4), (64, 128, 4))]
+_FP8_FMA = [LaunchConfig(1, bn, bk, num_warps=nw, num_stages=1, waves=waves, words="fma")
+            for bn, bk, nw, waves in ((128, 256, 4, 4), (128, 256, 4, 8), (64, 256, 4, 4), (256, 256, 8, 4),
+                                      (128, 128, 4, 4), (64, 512, 4, 4))]
+_FP8_DOT = [LaunchConfig(16, bn, bk, num_warps=nw, num_stages=stages, waves=waves, words="dot")
+            for bn, bk, nw, stages, waves in ((128, 128, 4, 1, 2), (128, 128, 4, 1, 4), (64, 128, 4, 1, 4),
+                                              (128, 256, 8, 1, 2), (128, 128, 4, 3, 2))]
 SWEEP_CONFIGS = {
     "int8": _OLD_SWEEP,
-    "fp8-triton": _OLD_SWEEP,
+    "fp8-triton": {
+        1: [LaunchConfig(1, 32, 256), LaunchConfig(16, 64, 128), *_FP8_FMA, _FP8_DOT[0]],
+        4: [LaunchConfig(1, 32, 256), LaunchConfig(16, 64, 128), _FP8_FMA[0],
+            LaunchConfig(4, 64, 256, num_stages=1, waves=4, words="fma"), *_FP8_DOT[:3]],
+        16: [LaunchConfig(16, 64, 128), *_FP8_DOT],
+    },
     "int4": {
         1: [LaunchConfig(16, 128, 128), LaunchConfig(1, 32, 256), *_INT4_FMA, *_INT4_DOT],
-        4: [LaunchConfig(16, 128, 128), _INT4_FMA[0], LaunchConfig(4, 64, 128, num_stages=1, waves=4, int4_words="fma"),
+        4: [LaunchConfig(16, 128, 128), _INT4_FMA[0], LaunchConfig(4, 64, 128, num_stages=1, waves=4, words="fma"),
             *_INT4_DOT],
         16: [LaunchConfig(16, 128, 128), *_INT4_DOT],
         64: [LaunchConfig(64, 128, 64), *_INT4_DOT_64],
@@ -174,7 +185,7 @@ def relative_error(fmt: str, n: int, k: int, rows: int, config: LaunchConfig) ->
 
 
 def config_label(config: LaunchConfig) -> str:
-    kind = f"words-{config.int4_words}" if config.int4_words else ("gemv" if config.block_m == 1 else "dot")
+    kind = f"words-{config.words}" if config.words else ("gemv" if config.block_m == 1 else "dot")
     return (f"{kind} {config.block_m}x{config.block_n}x{config.block_k} warps{config.num_warps} "
             f"stages{config.num_stages} waves{config.waves}")
 

@@ -5,17 +5,20 @@ decode step moves the packed bytes once instead of a dequantized copy.
 W[n, k] = q[n, k] * scale[n, g] + offset[n, g] with g = k // group_size (per-channel:
 one group per row). q converts exactly to the activation dtype (|int8| <= 128, nibbles,
 e4m3 values are all bf16/fp16 numbers), so each tile's product runs on tensor cores in
-fp32 accumulation (a single row of fp8 weights: on the CUDA cores instead) and the
-group's scale (and offset * sum(x)) is applied to the tile's partial sum afterwards. Up
-to 16 rows pad to one 16-row tile (reads W once); split-K over fixed fp32 partials,
-summed in a fixed order by torch, fills the GPU when N is small.
+fp32 accumulation (block_m 1: on the CUDA cores instead) and the group's scale (and
+offset * sum(x)) is applied to the tile's partial sum afterwards. Up to 16 rows pad to one
+16-row tile (reads W once); split-K over fixed fp32 partials, summed in a fixed order by
+torch, fills the GPU when N is small. int8 weights, and fp8 rows that are not whole
+tiles of K, always take these kernels.
 
-4-bit weights at up to 64 rows (INT4_DECODE_CONFIGS) take the int32-word kernels instead:
-the same bytes read 8 nibbles a load, each nibble put into the mantissa of 1.0f by a shift
-and one LOP3 (f = 1 + q / 128, no int-to-float conversion), multiplied on the CUDA cores
-(one row) or on tensor cores (W x^T: a wgmma on sm_90); 128 scale and (offset - 128 scale)
-* sum(x) apply once per tile. Their split-K partials are summed inside the kernel, in split
-order, by the last split to finish: one launch per linear.
+4-bit weights at up to 64 rows (INT4_DECODE_CONFIGS) and fp8 weights at up to 16 rows
+(FP8_DECODE_CONFIGS) take the int32-word kernels instead, multiplied on the CUDA cores
+("fma", few rows) or on tensor cores ("dot": W x^T, a wgmma on sm_90). 4-bit: 8 nibbles a
+load, each put into the mantissa of 1.0f by a shift and one LOP3 (f = 1 + q / 128, no
+int-to-float conversion); 128 scale and (offset - 128 scale) * sum(x) apply once per tile.
+fp8: 4 e4m3 values a load, each byte converted by the hardware (exact); per-channel scales
+apply once at the end, group scales once per tile. Their split-K partials are summed
+inside the kernel, in split order, by the last split to finish: one launch per linear.
 
 No host syncs and only shape-dependent allocations (the split counters are allocated once
 per device, at the first call): the launches are CUDA-graph capturable.
@@ -323,6 +326,130 @@ def _int4_dot_kernel(
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _e4m3(w, i: tl.constexpr):
+    """Byte i of int32 words (k = 4 j + i) as the e4m3 value it holds, in fp32: exact,
+    subnormals included (the hardware conversion, through fp16 on sm_90)."""
+    return ((w >> (8 * i)) & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, partial_ptr, out_ptr, count_ptr,
+    M, N, num_tiles, tiles_per_split, tiles_per_group,
+    stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
+    X_BF16: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """e4m3 weights as int32 words of 4 values, multiplied on the CUDA cores against up to
+    BLOCK_M rows of x (the int4 "fma" kernel's layout). Per-channel scales apply once at the
+    end, to products summed over all tiles (one reduction across threads per program);
+    group scales once per tile (a tile lies within one group)."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(2)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    WORDS: tl.constexpr = BLOCK_K // 4
+    words = tl.arange(0, WORDS)
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, num_tiles)
+    w_ptrs = w_ptr + cols[None, :, None].to(tl.int64) * stride_wn + (first * WORDS + words[None, None, :])
+    w_mask = col_mask[None, :, None]
+    x_ptrs = x_ptr + rows[:, None, None] * stride_xm + (first * BLOCK_K + 4 * words[None, None, :])
+    x_mask = row_mask[:, None, None]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_x = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)
+    w = tl.load(w_ptrs, mask=w_mask, other=0)
+    for tile in range(first, last):
+        # The next tile's words are in flight while this one is multiplied.
+        w_next = tl.load(w_ptrs + WORDS, mask=w_mask & (tile + 1 < last), other=0)
+        if GROUPED:
+            w_x = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)
+        for pair in tl.static_range(2):
+            x_even, x_odd = _load_x_pair(x_ptrs, pair, x_mask, X_BF16)
+            w_x += _e4m3(w, 2 * pair) * x_even
+            w_x += _e4m3(w, 2 * pair + 1) * x_odd
+        if GROUPED:
+            group = tile // tiles_per_group
+            scale = tl.load(scale_ptr + cols * stride_sn + group, mask=col_mask, other=0.0)
+            acc += tl.sum(w_x, axis=2) * scale[None, :]
+        w = w_next
+        w_ptrs += WORDS
+        x_ptrs += BLOCK_K
+    if not GROUPED:
+        acc = tl.sum(w_x, axis=2) * tl.load(scale_ptr + cols * stride_sn, mask=col_mask, other=0.0)[None, :]
+    offs = rows[:, None] * stride_om + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT:
+        _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _unpack_e4m3_words(w, dtype: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[N, BLOCK_K / 4] int32 words to [N, BLOCK_K] values of `dtype` in k order: byte
+    i = 2 a + b of word j is k = 4 j + i (each join adds the next of a, b as a new minor
+    dimension). e4m3 values are exact in bf16 and fp16."""
+    lo = tl.join((w & 255).to(tl.uint8), ((w >> 16) & 255).to(tl.uint8))
+    hi = tl.join(((w >> 8) & 255).to(tl.uint8), ((w >> 24) & 255).to(tl.uint8))
+    return tl.join(lo, hi).reshape(w.shape[0], BLOCK_K).to(tl.float8e4nv, bitcast=True).to(dtype)
+
+
+@triton.jit
+def _fp8_dot_kernel(
+    x_ptr, w_ptr, scale_ptr, partial_ptr, out_ptr, count_ptr,
+    M, N, num_tiles, tiles_per_split, tiles_per_group,
+    stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
+    GROUPED: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The e4m3 words upcast to x's dtype and multiplied on tensor cores, transposed as in
+    _int4_dot_kernel (W x^T: on sm_90 a wgmma of BLOCK_N weight rows against BLOCK_M >= 16
+    padded rows of x)."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(2)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    WORDS: tl.constexpr = BLOCK_K // 4
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, num_tiles)
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (first * WORDS + tl.arange(0, WORDS)[None, :])
+    w_mask = col_mask[:, None]
+    x_ptrs = x_ptr + rows[None, :] * stride_xm + (first * BLOCK_K + tl.arange(0, BLOCK_K)[:, None])
+    x_mask = row_mask[None, :]
+    act = x_ptr.dtype.element_ty
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    w = tl.load(w_ptrs, mask=w_mask, other=0)
+    for tile in range(first, last):
+        # The next tile's words are in flight while this one is multiplied.
+        w_next = tl.load(w_ptrs + WORDS, mask=w_mask & (tile + 1 < last), other=0)
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if GROUPED:
+            group = tile // tiles_per_group
+            scale = tl.load(scale_ptr + cols * stride_sn + group, mask=col_mask, other=0.0)
+            acc += tl.dot(_unpack_e4m3_words(w, act, BLOCK_K), x) * scale[:, None]
+        else:
+            acc = tl.dot(_unpack_e4m3_words(w, act, BLOCK_K), x, acc)
+        w = w_next
+        w_ptrs += WORDS
+        x_ptrs += BLOCK_K
+    if not GROUPED:
+        acc *= tl.load(scale_ptr + cols * stride_sn, mask=col_mask, other=0.0)[:, None]
+    offs = rows[None, :] * stride_om + cols[:, None]
+    mask = row_mask[None, :] & col_mask[:, None]
+    if SPLIT:
+        _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     block_m: int
@@ -332,10 +459,10 @@ class LaunchConfig:
     num_stages: int = 3
     waves: int = 2  # split K until about this many programs per SM
     split_k: int | None = None  # fixed split (tests); None: from `waves` on CUDA, else 1
-    # 4-bit weights only: the int32-word kernel, "fma" (CUDA cores) or "dot" (tensor cores,
-    # block_m >= 16), block_m rows per program. None: block_m 1 is the CUDA-core kernel, one
-    # row per program (reads W once per row), else tl.dot tiles.
-    int4_words: str | None = None
+    # 4-bit and fp8 weights: the int32-word kernel, "fma" (CUDA cores) or "dot" (tensor
+    # cores, block_m >= 16), block_m rows per program. None (and int8 weights): block_m 1 is
+    # the CUDA-core kernel, one row per program (reads W once per row), else tl.dot tiles.
+    words: str | None = None
 
 
 # 4-bit weights, (most rows, config): the first entry that covers the row count. The fastest
@@ -343,20 +470,26 @@ class LaunchConfig:
 # H100 (llama3-8b, BENCHMARKS.md): 1 row 2.53 ms (bf16 cuBLAS 5.17), 4 rows 4.05, 16 rows
 # 4.20, 64 rows 8.49 (bf16 5.38: above 16 rows 4-bit weights cost time, they save memory).
 INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
-    (1, LaunchConfig(1, 64, 256, num_stages=1, waves=4, int4_words="fma")),
-    (SMALL_ROWS, LaunchConfig(16, 64, 128, num_stages=1, waves=4, int4_words="dot")),
-    (64, LaunchConfig(64, 64, 128, num_stages=1, waves=2, int4_words="dot")),
+    (1, LaunchConfig(1, 64, 256, num_stages=1, waves=4, words="fma")),
+    (SMALL_ROWS, LaunchConfig(16, 64, 128, num_stages=1, waves=4, words="dot")),
+    (64, LaunchConfig(64, 64, 128, num_stages=1, waves=2, words="dot")),
+)
+# fp8 weights, the same form. Provisional, not yet timed on a GPU: the int4 table's shapes
+# with block_k doubled (a word holds 4 values, so the same bytes per load); replace with the
+# fastest of `kvserve bench quantized-linears --sweep --sweep-formats fp8-triton`.
+FP8_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
+    (1, LaunchConfig(1, 128, 256, num_stages=1, waves=4, words="fma")),
+    (SMALL_ROWS, LaunchConfig(16, 128, 128, num_stages=1, waves=2, words="dot")),
 )
 
 
 def default_config(rows: int, four_bit: bool, fp8: bool) -> LaunchConfig:
-    """Picked from llama3-8b's linears on an H200 (BENCHMARKS.md): at one row the CUDA-core
-    kernel beats tl.dot tiles for fp8 weights (3.10 against 4.24 ms per step's linears),
-    not for int8 (3.88 against 3.47); 4-bit weights: INT4_DECODE_CONFIGS."""
-    if rows == 1 and fp8:
-        return LaunchConfig(1, 32, 256)
-    if four_bit and rows <= INT4_DECODE_CONFIGS[-1][0]:
-        return next(config for most_rows, config in INT4_DECODE_CONFIGS if rows <= most_rows)
+    """int8 picked from llama3-8b's linears on an H200 (BENCHMARKS.md): at one row tl.dot
+    tiles beat the CUDA-core kernel (3.47 against 3.88 ms per step's linears); 4-bit and
+    fp8 weights: INT4_DECODE_CONFIGS and FP8_DECODE_CONFIGS."""
+    table = INT4_DECODE_CONFIGS if four_bit else FP8_DECODE_CONFIGS if fp8 else ()
+    if table and rows <= table[-1][0]:
+        return next(config for most_rows, config in table if rows <= most_rows)
     if rows <= SMALL_ROWS:
         return LaunchConfig(16, 64, 128)
     return LaunchConfig(64, 128, 64)
@@ -401,17 +534,25 @@ def _split_k(config: LaunchConfig, num_tiles: int, programs: int, device: torch.
     return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
 
 
-def _int4_words_matmul(
+def _words_apply(qweight: torch.Tensor, in_features: int, block_k: int, four_bit: bool, fp8: bool) -> bool:
+    """The word kernels take whole K tiles of rows that start on a word."""
+    if not (four_bit or fp8) or in_features % block_k:
+        return False
+    return qweight.stride(-1) == 1 and qweight.stride(0) % 4 == 0 and qweight.data_ptr() % 4 == 0
+
+
+def _words_matmul(
     rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
     group_size: int, config: LaunchConfig, block_k: int,
 ) -> torch.Tensor:
-    """rows [M, K] times the nibble pairs read as int32 words, by config.int4_words."""
+    """rows [M, K] times the nibble pairs or e4m3 values read as int32 words, by
+    config.words; split-K partials summed in the kernel."""
     m, k = rows.shape
     n = qweight.shape[0]
     out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
     if m == 0:
         return out
-    dot = config.int4_words == "dot"
+    dot = config.words == "dot"
     block_m = max(16, config.block_m) if dot else config.block_m  # tl.dot's minimum
     num_tiles = k // block_k
     grid_n, grid_m = triton.cdiv(n, config.block_n), triton.cdiv(m, block_m)
@@ -420,18 +561,26 @@ def _int4_words_matmul(
         split, tiles_per_split = 1, num_tiles
     partial = torch.empty((split, m, n), dtype=torch.float32, device=rows.device) if split > 1 else out
     words = qweight.view(torch.int32)
-    kernel, flags = _int4_dot_kernel, {}
+    fp8 = qweight.dtype == torch.float8_e4m3fn
+    flags = {}
     if not dot:
         # bf16 pairs load as one int32 where aligned.
         aligned = rows.data_ptr() % 4 == 0 and rows.stride(0) % 2 == 0
-        kernel, flags = _int4_gemv_kernel, {"X_BF16": rows.dtype == torch.bfloat16 and aligned}
+        flags["X_BF16"] = rows.dtype == torch.bfloat16 and aligned
+    if fp8:
+        kernel = _fp8_dot_kernel if dot else _fp8_gemv_kernel
+        pointers, flags["GROUPED"] = (scale,), scale.shape[1] > 1
+    else:
+        kernel = _int4_dot_kernel if dot else _int4_gemv_kernel
+        pointers, flags["HAS_OFFSET"] = (scale, offset if offset is not None else scale), offset is not None
+    # 1.0f as a run-time value: ptxas then merges mask and OR into one LOP3.
+    one_bits = () if fp8 else (0x3F800000,)
     kernel[(grid_n, grid_m, split)](
-        rows, words, scale, offset if offset is not None else scale, partial, out,
-        _split_counters(rows.device), m, n, num_tiles, tiles_per_split, max(1, group_size // block_k),
-        0x3F800000,  # 1.0f as a run-time value: ptxas then merges mask and OR into one LOP3
+        rows, words, *pointers, partial, out, _split_counters(rows.device),
+        m, n, num_tiles, tiles_per_split, max(1, group_size // block_k), *one_bits,
         rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
-        HAS_OFFSET=offset is not None, SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=config.block_n,
-        BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages, **flags,
+        SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, **flags,
     )
     return out
 
@@ -458,8 +607,8 @@ def weight_only_matmul(
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
     if block_k is None or (four_bit and in_features % block_k):
         return None
-    if four_bit and config.int4_words:
-        return _int4_words_matmul(rows, qweight, scale, offset, group_size, config, block_k).reshape(*x.shape[:-1], n)
+    if config.words and _words_apply(qweight, in_features, block_k, four_bit, fp8):
+        return _words_matmul(rows, qweight, scale, offset, group_size, config, block_k).reshape(*x.shape[:-1], n)
     num_tiles = triton.cdiv(in_features, block_k)
     programs = triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m)
     split, tiles_per_split = _split_k(config, num_tiles, programs, x.device)

@@ -151,6 +151,46 @@ WORDS_CASES = [
 WORDS_DTYPES = (torch.bfloat16, torch.float16)
 
 
+class Fp8WordsCase(NamedTuple):
+    """A call of the fp8 int32-word kernels: group_size None is per-channel scales;
+    `config` None takes default_config (odd K then falls back to the byte kernels);
+    variant "unaligned" hands x as a view at an odd element offset."""
+    kernel: str | None
+    rows: int
+    n: int
+    k: int
+    group_size: int | None
+    config: tuple[int, int, int, int | None] | None = None  # block_m, block_n, block_k, split
+    variant: str = ""
+
+    @property
+    def id(self) -> str:
+        config = "default" if self.config is None else "x".join(map(str, self.config))
+        return f"fp8-words-{self.kernel}-m{self.rows}-n{self.n}-k{self.k}-g{self.group_size}-{config}-{self.variant}"
+
+
+# Odd N, per-channel and grouped scales (block_k halved down to the group), rows 1..17 with
+# several row blocks, split-K with uneven splits (summed in the kernel), the defaults.
+FP8_WORDS_CASES = [
+    Fp8WordsCase("fma", 1, 37, 320, None, (1, 16, 64, 3)),
+    Fp8WordsCase("fma", 1, 45, 256, 64, (1, 32, 128, 2)),
+    Fp8WordsCase("fma", 3, 33, 384, 128, (4, 16, 128, 3)),
+    Fp8WordsCase("fma", 16, 21, 128, None, (16, 16, 32, None)),
+    Fp8WordsCase("fma", 5, 37, 192, 32, (2, 32, 32, 4), "unaligned"),
+    Fp8WordsCase("dot", 1, 37, 320, None, (16, 16, 64, 3)),
+    Fp8WordsCase("dot", 2, 45, 256, 64, (16, 32, 32, 3)),
+    Fp8WordsCase("dot", 16, 19, 384, 128, (16, 16, 128, 2)),
+    Fp8WordsCase("dot", 11, 70, 256, None, (16, 64, 64, 2)),
+    Fp8WordsCase("dot", 17, 37, 128, None, (16, 16, 32, None)),
+    Fp8WordsCase(None, 1, 37, 512, None), Fp8WordsCase(None, 4, 37, 256, 32), Fp8WordsCase(None, 16, 37, 256, None),
+    Fp8WordsCase(None, 2, 37, 250, None),
+]
+# Every finite e4m3 code (subnormals, zeros, +-448) at every byte position of a word, read
+# by (kernel, block_m, split) against one-hot rows of x: the output must be exact.
+E4M3_CODES = torch.tensor([c for c in range(256) if c & 127 != 127], dtype=torch.uint8)
+FP8_EXACT_CASES = (("fma", 16, 2), ("dot", 16, 2), ("fma", 4, None))
+
+
 def _case_id(case: tuple, dtype: torch.dtype) -> str:
     kind, m, n, k, split, gemv = case
     product = "dot" if gemv is None else "gemv"
@@ -167,7 +207,7 @@ def words_case_error(case: WordsCase, dtype: torch.dtype) -> float:
     config = None
     if case.config is not None:
         block_m, block_n, block_k, split = case.config
-        config = LaunchConfig(block_m, block_n, block_k, split_k=split, int4_words=case.kernel)
+        config = LaunchConfig(block_m, block_n, block_k, split_k=split, words=case.kernel)
     packed = Int4Linear(q, scale, minimum, case.group_size, None)
     assert not packed.kernel_layout
     qweight = packed.qweight.view(case.n, case.k // 2)
@@ -177,9 +217,52 @@ def words_case_error(case: WordsCase, dtype: torch.dtype) -> float:
     return relative_error(y, x, weight.double())
 
 
+def fp8_words_case_error(case: Fp8WordsCase, dtype: torch.dtype) -> float:
+    layer = make_layer("fp8", case.n, case.k, seed=case.rows)
+    scale = layer.scale
+    if case.group_size is not None:
+        generator = torch.Generator().manual_seed(case.n)
+        scale = torch.rand(case.n, case.k // case.group_size, generator=generator) / 100
+    generator = torch.Generator().manual_seed(case.k)
+    x = torch.randn(case.rows, case.k + 1, generator=generator).to(dtype)
+    x = x[:, 1:] if case.variant == "unaligned" else x[:, :-1].contiguous()
+    config = None
+    if case.config is not None:
+        block_m, block_n, block_k, split = case.config
+        config = LaunchConfig(block_m, block_n, block_k, split_k=split, words=case.kernel)
+    y = weight_only_matmul(x, layer.qweight, scale, None, case.group_size or case.k, config=config)
+    assert y.dtype == dtype and y.shape == (case.rows, case.n)
+    groups = layer.qweight.double().reshape(case.n, scale.shape[1], -1) * scale.double()[..., None]
+    return relative_error(y, x, groups.reshape(case.n, case.k))
+
+
+def fp8_codes_exact(kernel: str, block_m: int, split: int | None, dtype: torch.dtype, grouped: bool) -> bool:
+    """W[n, k] runs through all e4m3 codes; row r of x picks k = 4 r + r % 4 (each byte
+    position of a word), so y[r] = W[:, k] * scale exactly (power-of-two scales)."""
+    n, k, rows = len(E4M3_CODES), 64, 16
+    codes = E4M3_CODES[(torch.arange(n)[:, None] + 7 * torch.arange(k)[None, :]) % n]
+    qweight = codes.view(torch.float8_e4m3fn)
+    scale = 2.0 ** (torch.arange(n * (2 if grouped else 1)) % 5 - 2.0).reshape(n, -1)
+    picked = 4 * torch.arange(rows) + torch.arange(rows) % 4
+    x = torch.zeros(rows, k, dtype=dtype)
+    x[torch.arange(rows), picked] = 1
+    config = LaunchConfig(block_m, 32, 32, split_k=split, words=kernel)
+    y = weight_only_matmul(x, qweight, scale, None, k // scale.shape[1], config=config)
+    weight = qweight.float().reshape(n, scale.shape[1], -1) * scale[..., None]
+    return torch.equal(y, weight.reshape(n, k)[:, picked].T.to(dtype))
+
+
 def run_small_cases() -> None:
     """Subprocess entry: print {case id: relative error} as JSON."""
     results = {}
+    for dtype in WORDS_DTYPES:
+        dtype_name = str(dtype).removeprefix("torch.")
+        for case in FP8_WORDS_CASES:
+            results[f"{case.id}-{dtype_name}"] = fp8_words_case_error(case, dtype)
+        for kernel, block_m, split in FP8_EXACT_CASES:
+            for grouped in (False, True):
+                results[f"fp8-codes-{kernel}-{block_m}-{split}-{grouped}-{dtype_name}"] = fp8_codes_exact(
+                    kernel, block_m, split, dtype, grouped)
     for case in WORDS_CASES:
         for dtype in WORDS_DTYPES:
             results[f"{case.id}-{str(dtype).removeprefix('torch.')}"] = words_case_error(case, dtype)
@@ -215,6 +298,20 @@ def test_interpreted_matches_reference(case, dtype, interpreted_errors) -> None:
 @pytest.mark.parametrize("case", WORDS_CASES, ids=lambda c: c.id)
 def test_interpreted_int4_word_kernels_match_reference(case, dtype, interpreted_errors) -> None:
     assert interpreted_errors[f"{case.id}-{str(dtype).removeprefix('torch.')}"] <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", WORDS_DTYPES, ids=str)
+@pytest.mark.parametrize("case", FP8_WORDS_CASES, ids=lambda c: c.id)
+def test_interpreted_fp8_word_kernels_match_reference(case, dtype, interpreted_errors) -> None:
+    assert interpreted_errors[f"{case.id}-{str(dtype).removeprefix('torch.')}"] <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", WORDS_DTYPES, ids=str)
+@pytest.mark.parametrize("grouped", (False, True), ids=("per_channel", "grouped"))
+@pytest.mark.parametrize("case", FP8_EXACT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_interpreted_fp8_word_kernels_read_every_e4m3_code_exactly(case, grouped, dtype, interpreted_errors) -> None:
+    kernel, block_m, split = case
+    assert interpreted_errors[f"fp8-codes-{kernel}-{block_m}-{split}-{grouped}-{str(dtype).removeprefix('torch.')}"]
 
 
 @pytest.mark.parametrize("shape", PER_TOKEN_SHAPES, ids=str)
@@ -262,24 +359,37 @@ def test_gpu_layers_match_reference(kind, dtype) -> None:
             assert error <= tolerance, f"{kind} {(m, n, k)} {dtype}: relative error {error:.2e}"
 
 
+def _sweep_layers(fmt: str, n: int, k: int) -> list:
+    """The stored forms `bench quantized-linears` sweeps (and fp8 in 128-wide groups)."""
+    weight = _float_linear(n, k, 0, "cuda").weight.detach()
+    if fmt == "int4":
+        return [Int4Linear(*quantize_int4(weight, 128), 128, None)]
+    q, scale = quantize_fp8(weight)
+    blocks = torch.rand(n, k // 128, device="cuda") / 100
+    return [Fp8Linear(q, scale[:, None], None), Fp8Linear(q, blocks, None)]
+
+
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("rows", (1, 4, 16, 64))
-def test_gpu_int4_sweep_configs_match_reference(rows) -> None:
+@pytest.mark.parametrize(("fmt", "rows"), [("int4", 1), ("int4", 4), ("int4", 16), ("int4", 64),
+                                           ("fp8-triton", 1), ("fp8-triton", 4), ("fp8-triton", 16)])
+def test_gpu_sweep_configs_match_reference(fmt, rows) -> None:
     """Every config `bench quantized-linears --sweep` times is right on llama3-8b's shapes
     and an odd one, and the in-kernel split-K sum is deterministic."""
     from kvserve.benchmarks.quantized_linears import SWEEP_CONFIGS
 
+    if fmt.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 kernels need compute capability 8.9")
     for n, k in ((4096, 14336), (37, 384)):
-        layer = Int4Linear(*quantize_int4(_float_linear(n, k, 0, "cuda").weight.detach(), 128), 128, None)
-        weight = layer.dequantize(torch.float64)
-        for dtype in (torch.bfloat16, torch.float16):
-            x = torch.randn(rows, k, device="cuda").to(dtype)
-            for config in SWEEP_CONFIGS["int4"][rows]:
-                y = weight_only_matmul(x, *kernel_args(layer), config=config)
-                error = relative_error(y, x, weight)
-                assert error <= TOLERANCE[dtype], f"{config} {(rows, n, k)} {dtype}: relative error {error:.2e}"
-                assert torch.equal(y, weight_only_matmul(x, *kernel_args(layer), config=config)), config
+        for layer in _sweep_layers(fmt, n, k):
+            weight = layer.dequantize(torch.float64)
+            for dtype in (torch.bfloat16, torch.float16):
+                x = torch.randn(rows, k, device="cuda").to(dtype)
+                for config in SWEEP_CONFIGS[fmt][rows]:
+                    y = weight_only_matmul(x, *kernel_args(layer), config=config)
+                    error = relative_error(y, x, weight)
+                    assert error <= TOLERANCE[dtype], f"{config} {(rows, n, k)} {dtype}: relative error {error:.2e}"
+                    assert torch.equal(y, weight_only_matmul(x, *kernel_args(layer), config=config)), config
 
 
 @pytest.mark.gpu
