@@ -60,6 +60,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    compile_decode: bool = False
     speculative_config: dict[str, Any] | None = None
 
     def resolved_device(self) -> torch.device:
@@ -182,6 +183,12 @@ class EngineArgs:
             help="Run every step eagerly; by default decode steps on the GPU replay CUDA "
             "graphs captured at startup, and speculative verify steps graphs captured on "
             "first use (Triton attention only).",
+        )
+        group.add_argument(
+            "--compile-decode", action="store_true",
+            help="CPU: run decode steps of up to 16 sequences through one torch.compile'd "
+            "graph of the model (inductor C++), compiled at startup (~1 min on 2 cores, less "
+            "with inductor's cache warm); a batch-1 SmolLM2 step takes ~30%% less time.",
         )
         group.add_argument(
             "--speculative-config", default=None, type=_json_dict,
