@@ -3,8 +3,9 @@
 Eager, a CPU decode step of a small model is bound by dispatching ~30 small torch ops per
 layer (norms, rotary, casts around the int4 kernel, the paged-attention gather), not by
 the bytes it reads. Inductor fuses those into a few C++ loops per layer; the whole model is
-one graph, since per-layer graphs pay ~100 us of Dynamo guards and wrappers each (measured:
-SmolLM2 batch-1 step 18.2 eager, 16.6 per-layer graphs, 12.4 ms one graph).
+one graph, since per-layer graphs pay ~140 us of Dynamo guards and wrappers each (measured:
+SmolLM2 batch-1 step 18.2 eager, 16.6 per-layer graphs, 12.4 ms one graph; the numbers and
+what else was tried are in benchmarks/results/cpu_profile.md).
 
 The graph covers steps where every sequence feeds one token, up to MAX_ROWS of them: the
 attention reads each layer's cached context through `DecodeContext` and returns the new
@@ -52,7 +53,7 @@ def _decode_forward(
 
 
 class CompiledDecode:
-    """Runs a CPU model's decode-only steps through one compiled graph of its forward."""
+    """Runs a CPU model's decode-only steps through a compiled graph of its forward."""
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], sliding_window: int | None) -> None:
         self.model = model
