@@ -7,8 +7,10 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from kvserve import LLM, SamplingParams
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.loader import load_model
+from tests.quantization.prompts import PROMPTS
 
 VOCAB = 256
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -83,9 +85,6 @@ def test_serve_defaults_with_compiled_decode_match_eager(smollm2_path) -> None:
     """The embedded SmolLM2 as `kvserve serve --compile-decode` runs it on CPU (int4
     linears, int8 LM head): greedy outputs as with the same engine's eager steps up to
     near-ties, at batch 1 and batch 6, and the compiled graph really ran."""
-    from kvserve import LLM, SamplingParams
-    from tests.quantization.prompts import PROMPTS
-
     llm = LLM(model=smollm2_path, quantization="auto", compile_decode=True,
               kv_cache_memory="256MiB", enable_prefix_caching=False)
     runner = llm.engine.runner
@@ -101,3 +100,10 @@ def test_serve_defaults_with_compiled_decode_match_eager(smollm2_path) -> None:
     for ours, reference in zip(outputs["compiled"], outputs["eager"], strict=True):
         _agree_up_to_near_ties(ours, reference, tol=0.3)
     assert len(calls) == 2 * 23
+
+
+def test_compile_decode_refuses_a_float8_cache(save_hf_model) -> None:
+    """Refused before compiling anything: the DecodeContext attention does not scale float8."""
+    path = save_hf_model(ARCHITECTURES["mistral-sliding-window"]())
+    with pytest.raises(ValueError, match="--compile-decode needs"):
+        LLM(model=path, compile_decode=True, kv_cache_dtype="fp8", kv_cache_memory="16MiB")
