@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +65,8 @@ class TorchReferenceBackend:
     """Prefill chunks are attended one sequence at a time; single-token decodes in groups,
     each one padded gather and one masked batched attention. The slots and masks are the
     same for every layer of a step: the first layer plans them (per metadata), the others
-    reuse the plan, which takes ~10 small ops per layer off a CPU decode step."""
+    reuse the plan, which takes ~10 small ops per layer off a CPU decode step. Given a
+    DecodeContext instead (the compiled CPU decode), it attends without writing the cache."""
 
     def __init__(self, sliding_window: int | None = None) -> None:
         self.sliding_window = sliding_window
@@ -76,10 +77,12 @@ class TorchReferenceBackend:
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata | DecodeContext,
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
+        if isinstance(metadata, DecodeContext):
+            return decode_context_attention(query, key, value, kv_cache, metadata, scale)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)
@@ -105,6 +108,55 @@ class TorchReferenceBackend:
             )
             output[chunk.start : chunk.end] = out.transpose(0, 1).to(output.dtype)
         return output
+
+
+@dataclass
+class DecodeContext:
+    """A step of single-token decodes in a form torch.compile traces (tensors only, no
+    host lists): each query attends to its cached context, gathered through `slots`, and to
+    its own new key/value, which are collected in `new_kv` for the caller to write into the
+    cache after the forward. Writing into the cache inside the graph would make inductor
+    copy the whole cache (a graph input it cannot mutate in place) every step. Not for
+    float8 caches (the new key/value are not scaled)."""
+
+    slots: torch.Tensor  # [B, C] cache slot of each cached context position (padded)
+    valid: torch.Tensor  # [B, C] bool: cached positions each query sees
+    new_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+def decode_context(metadata: AttentionMetadata, sliding_window: int | None) -> DecodeContext:
+    """The DecodeContext of a step whose sequences all feed one token."""
+    device = metadata.block_tables.device
+    # The cached context is every position but the new token's, at seq_len - 1.
+    cached = metadata.seq_lens[:, None] - 1
+    key_pos = torch.arange(metadata.max_seq_len - 1, device=device)[None, :]
+    valid = key_pos < cached
+    if sliding_window is not None:  # keys p - sliding_window < k <= p, p = seq_len - 1
+        valid &= key_pos > cached - sliding_window
+    slots = context_slots(metadata.block_tables, metadata.max_seq_len - 1, metadata.block_size)
+    return DecodeContext(slots, valid)
+
+
+def decode_context_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+    context: DecodeContext, scale: float,
+) -> torch.Tensor:
+    """[B, H, D] attention of B single-token decodes over [cached context, new token]."""
+    num_seqs = query.shape[0]
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    context.new_kv.append((key, value))
+    flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    flat_v = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    # The new key/value round-trip through the cache dtype, as the eager path reads them.
+    k = torch.cat([flat_k[context.slots], key.to(kv_cache.dtype)[:, None]], dim=1)
+    v = torch.cat([flat_v[context.slots], value.to(kv_cache.dtype)[:, None]], dim=1)
+    mask = torch.cat([context.valid, context.valid.new_ones(num_seqs, 1)], dim=1)
+    q = query.float().view(num_seqs, num_kv_heads, -1, head_dim)
+    out = F.scaled_dot_product_attention(
+        q, k.float().transpose(1, 2), v.float().transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=scale,
+    )
+    return out.reshape(num_seqs, -1, head_dim).to(query.dtype)
 
 
 @dataclass

@@ -61,6 +61,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     overlap_scheduling: bool | None = None  # None: on for GPUs (resolved_overlap_scheduling)
+    compile_decode: bool = False
     speculative_config: dict[str, Any] | None = None
 
     def resolved_device(self) -> torch.device:
@@ -197,6 +198,12 @@ class EngineArgs:
             "for GPUs, off on CPU, where the model runs in the host thread; always off with "
             "speculative decoding). A sequence that ends at a stop token computes one extra "
             "token, which is dropped.",
+        )
+        group.add_argument(
+            "--compile-decode", action="store_true",
+            help="CPU: run decode steps of up to 16 sequences through one torch.compile'd "
+            "graph of the model (inductor C++), compiled at startup (~80 s on 2 cores, ~12 s "
+            "with inductor's cache warm); a batch-1 SmolLM2 step takes ~30%% less time.",
         )
         group.add_argument(
             "--speculative-config", default=None, type=_json_dict,

@@ -104,6 +104,7 @@ class LLMEngine:
                 0 if draft is None else kv_cache_bytes_per_block(draft.config, args.block_size)
             ),
             max_draft_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
+            compile_decode=args.compile_decode,
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching

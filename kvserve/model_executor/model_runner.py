@@ -15,6 +15,7 @@ from kvserve.attention.torch_ref import FLOAT8_DTYPES, as_storage
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
+from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
 from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
@@ -72,11 +73,13 @@ class ModelRunner:
         enforce_eager: bool = False,
         extra_kv_bytes_per_block: int = 0,
         max_draft_tokens: int = 0,
+        compile_decode: bool = False,
     ) -> None:
         """`extra_kv_bytes_per_block`: another cache sized in the same number of blocks
         (a speculative draft model's) that the KV memory budget must also hold.
         `max_draft_tokens`: speculative drafts a sequence may verify in one step, so that
-        verify steps replay CUDA graphs too."""
+        verify steps replay CUDA graphs too. `compile_decode`: run CPU decode steps through
+        a torch.compile'd graph (compiled_decode.py), compiled here."""
         self.model = model
         self.attn_backend = get_attn_backend(
             device, attention_backend, model_config.sliding_window
@@ -107,6 +110,15 @@ class ModelRunner:
                 -(-max_len // self.block_size), device, max_width=1 + max_draft_tokens,
             )
             self.cuda_graphs.capture_all()
+        self.compiled_decode = None
+        if compile_decode:
+            if not CompiledDecode.supports(model, self.kv_caches, device):
+                raise ValueError(
+                    "--compile-decode needs the CPU, the torch attention backend and a KV cache "
+                    "that is not float8"
+                )
+            self.compiled_decode = CompiledDecode(model, self.kv_caches, model_config.sliding_window)
+            self.compiled_decode.warm_up()
 
     def _can_use_cuda_graphs(self, enforce_eager: bool) -> bool:
         """Only the Triton backend launches from device-side metadata alone; the torch
@@ -382,10 +394,11 @@ class ModelRunner:
             rope_positions_t, query_start_loc, seq_lens, tables, positions_t, tree_masks or None
         )
         self._copy_blocks(sched.block_copies)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            rope_positions_t, self.kv_caches, metadata,
-        )
+        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        if self.compiled_decode is not None and self.compiled_decode.applies(metadata):
+            hidden = self.compiled_decode.forward(input_ids_t, rope_positions_t, metadata)
+        else:
+            hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata)
         sample_logits = self.model.compute_logits(hidden[sample_indices])
         prompt_logits = [
             (seq, self.model.compute_logits(hidden[flat : flat + count]), pos + 1)

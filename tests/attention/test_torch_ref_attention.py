@@ -78,3 +78,41 @@ def test_mixed_batch_matches_dense(num_heads: int, num_kv_heads: int, max_gather
     flat = kv_cache.view(2, -1, num_kv_heads, HEAD_DIM)
     assert torch.equal(flat[0, metadata.slot_mapping], key)
     assert torch.equal(flat[1, metadata.slot_mapping], value)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_decode_context_matches_the_paged_decode(sliding_window) -> None:
+    """The compiled decode's attention (cached context gathered, the new key/value appended
+    rather than written) against the backend's own decode path on the same step."""
+    torch.manual_seed(1)
+    num_heads, num_kv_heads = 6, 2
+    seq_lens = [9, 1, 31, 17, 2, 10]  # uneven: padding and, with the window, cut contexts
+    free_blocks = torch.randperm(NUM_BLOCKS).tolist()
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    max_blocks = max(-(-length // BLOCK_SIZE) for length in seq_lens)
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    slot_mapping = []
+    for i, length in enumerate(seq_lens):
+        blocks = [free_blocks.pop() for _ in range(-(-length // BLOCK_SIZE))]
+        block_tables[i, : len(blocks)] = torch.tensor(blocks)
+        slot_mapping.append(blocks[(length - 1) // BLOCK_SIZE] * BLOCK_SIZE + (length - 1) % BLOCK_SIZE)
+    starts = list(range(len(seq_lens) + 1))
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
+        block_size=BLOCK_SIZE, max_query_len=1, max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+    )
+    query = torch.randn(len(seq_lens), num_heads, HEAD_DIM)
+    key = torch.randn(len(seq_lens), num_kv_heads, HEAD_DIM)
+    value = torch.randn(len(seq_lens), num_kv_heads, HEAD_DIM)
+    backend = TorchReferenceBackend(sliding_window)
+    scale = HEAD_DIM**-0.5
+
+    context_cache = kv_cache.clone()
+    context = torch_ref.decode_context(metadata, sliding_window)
+    out = backend.forward(query, key, value, context_cache, context, scale)
+    assert torch.equal(context_cache, kv_cache)  # nothing written: the caller writes new_kv
+    assert len(context.new_kv) == 1 and context.new_kv[0][0] is key and context.new_kv[0][1] is value
+    expected = backend.forward(query, key, value, kv_cache, metadata, scale)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)

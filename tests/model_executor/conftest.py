@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.model_executor.models.llama import LlamaForCausalLM
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
 class PagedRunner:
@@ -27,9 +30,10 @@ class PagedRunner:
         self.block_tables: dict[int, list[int]] = {}
         self.seq_lens: dict[int, int] = {}
 
-    @torch.no_grad()
-    def step(self, batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """batch: (sequence id, new token ids). Returns each sequence's [new, vocab] logits."""
+    @torch.inference_mode()  # as the model runner's steps (compiled graphs guard on it)
+    def step(self, batch: list[tuple[int, list[int]]], forward: Forward | None = None) -> list[torch.Tensor]:
+        """batch: (sequence id, new token ids). Returns each sequence's [new, vocab] logits.
+        `forward(input_ids, positions, metadata)`: in place of the model's own (eager) one."""
         input_ids, positions, slots, starts, seq_lens = [], [], [], [0], []
         for seq_id, tokens in batch:
             start = self.seq_lens.get(seq_id, 0)
@@ -60,7 +64,10 @@ class PagedRunner:
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata)
+        if forward is None:
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata)
+        else:
+            hidden = forward(torch.tensor(input_ids), torch.tensor(positions), metadata)
         logits = self.model.compute_logits(hidden)
         return [logits[starts[i] : starts[i + 1]] for i in range(len(batch))]
 

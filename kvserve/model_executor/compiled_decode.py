@@ -1,0 +1,108 @@
+"""A torch.compile'd forward for CPU decode steps (`--compile-decode`).
+
+Eager, a CPU decode step of a small model is bound by dispatching ~30 small torch ops per
+layer (norms, rotary, casts around the int4 kernel, the paged-attention gather), not by
+the bytes it reads. Inductor fuses those into a few C++ loops per layer; the whole model is
+one graph, since per-layer graphs pay ~140 us of Dynamo guards and wrappers each (measured:
+SmolLM2 batch-1 step 18.2 eager, 16.6 per-layer graphs, 12.4 ms one graph; the numbers and
+what else was tried are in benchmarks/results/cpu_profile.md).
+
+The graph covers steps where every sequence feeds one token, up to MAX_ROWS of them: the
+attention reads each layer's cached context through `DecodeContext` and returns the new
+keys/values, written into the cache after the graph (an in-graph cache write makes inductor
+copy the cache). Batch size and context length are dynamic; batch 1 gets a graph of its own
+(0/1 specialization: traced size-obliviously, inductor still specialized the size-1 batch),
+so there are two compiles, both done at start-up by `warm_up`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.torch_ref import (
+    FLOAT8_DTYPES,
+    DecodeContext,
+    TorchReferenceBackend,
+    decode_context,
+    write_kv_cache,
+)
+from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
+
+logger = logging.getLogger(__name__)
+
+# Decode rows per compiled step: the int4/int8 kernels' range (their dispatch on the row
+# count is a guard of the graph, so larger batches would compile again); more run eager.
+MAX_ROWS = CPU_KERNEL_MAX_ROWS
+# Shorter cached contexts (the padded longest of the step) run eager: lengths 0 and 1 would
+# be specialized, compiling again.
+MIN_CONTEXT = 2
+
+
+def _decode_forward(
+    model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+    kv_caches: list[torch.Tensor], slots: torch.Tensor, valid: torch.Tensor,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    context = DecodeContext(slots, valid)
+    hidden = model(input_ids, positions, kv_caches, context)
+    return hidden, context.new_kv
+
+
+class CompiledDecode:
+    """Runs a CPU model's decode-only steps through a compiled graph of its forward."""
+
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], sliding_window: int | None) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sliding_window = sliding_window
+        self._forward = torch.compile(_decode_forward, dynamic=False, fullgraph=True)
+
+    @staticmethod
+    def supports(model: nn.Module, kv_caches: list[torch.Tensor], device: torch.device) -> bool:
+        """CPU, the torch reference attention (the only one that reads a DecodeContext),
+        a cache that stores keys/values as computed (not float8)."""
+        backend = model.model.layers[0].self_attn.attn_backend
+        return (device.type == "cpu" and isinstance(backend, TorchReferenceBackend)
+                and kv_caches[0].dtype not in FLOAT8_DTYPES)
+
+    @staticmethod
+    def applies(metadata: AttentionMetadata) -> bool:
+        """One token per sequence, at most MAX_ROWS, with a cached context of at least
+        MIN_CONTEXT positions."""
+        return (metadata.max_query_len == 1 and metadata.num_seqs <= MAX_ROWS
+                and metadata.max_seq_len > MIN_CONTEXT and not metadata.tree_masks)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        context = decode_context(metadata, self.sliding_window)
+        hidden, new_kv = self._run(input_ids, positions, context)
+        for layer, kv_cache, (key, value) in zip(self.model.model.layers, self.kv_caches, new_kv, strict=True):
+            write_kv_cache(key, value, kv_cache, metadata.slot_mapping, layer.self_attn.kv_scales)
+        return hidden
+
+    def warm_up(self) -> None:
+        """Compile both graphs (batch 1 and batch 2+) now rather than in the first requests,
+        in inference mode as the model runner's steps (the graphs guard on it). The new keys
+        and values are not written: the cache is left as it was."""
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for num_seqs in (1, 2):
+                context = DecodeContext(slots=torch.zeros(num_seqs, MIN_CONTEXT, dtype=torch.long),
+                                        valid=torch.ones(num_seqs, MIN_CONTEXT, dtype=torch.bool))
+                self._run(torch.zeros(num_seqs, dtype=torch.long),
+                          torch.full((num_seqs,), MIN_CONTEXT, dtype=torch.long), context)
+        logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - start)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: DecodeContext
+             ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        for tensor, dims in ((input_ids, (0,)), (positions, (0,)), (context.slots, (0, 1)),
+                             (context.valid, (0, 1))):
+            for dim in dims:
+                if tensor.shape[dim] > 1:  # size 1 is specialized whatever is marked
+                    torch._dynamo.mark_dynamic(tensor, dim)
+        return self._forward(self.model.model, input_ids, positions, self.kv_caches,
+                             context.slots, context.valid)

@@ -1,0 +1,109 @@
+"""The torch.compile'd CPU decode step against the eager forward it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from kvserve import LLM, SamplingParams
+from kvserve.model_executor.compiled_decode import CompiledDecode
+from kvserve.model_executor.loader import load_model
+from tests.quantization.prompts import PROMPTS
+
+VOCAB = 256
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+ARCHITECTURES = {
+    # A window shorter than the contexts, so it cuts in the compiled mask too.
+    "mistral-sliding-window": lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=7)),
+    "qwen3-qk-norm": lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=32)),
+}
+
+
+PROMPT_LENS = (11, 4, 17)
+# Three sequences of uneven lengths (padding, masks); then one alone: the batch-1 graph.
+UNEVEN_BATCHES = [(0, 1, 2)] * 4
+WITH_BATCH_1 = UNEVEN_BATCHES + [(1,)] * 3
+
+
+def _compiled_against_eager(arch: str, batches: list[tuple[int, ...]], save_hf_model, paged_runner) -> None:
+    loaded = load_model(save_hf_model(ARCHITECTURES[arch]()))
+    eager = paged_runner(loaded.model, loaded.config)
+    compiled_runner = paged_runner(loaded.model, loaded.config)  # same seed: same blocks
+    compiled = CompiledDecode(loaded.model, compiled_runner.kv_caches, loaded.config.sliding_window)
+    torch._dynamo.reset()  # graphs compiled by other tests would be reused
+    graphs_before = counters["stats"]["unique_graphs"]
+    gen = torch.Generator().manual_seed(3)
+    prompts = {i: torch.randint(3, VOCAB, (n,), generator=gen).tolist() for i, n in enumerate(PROMPT_LENS)}
+    next_tokens = {}
+    for runner in (eager, compiled_runner):  # eager prefill for both
+        logits = runner.step(list(prompts.items()))
+        next_tokens = {i: int(out[-1].argmax()) for i, out in zip(prompts, logits)}
+    for seq_ids in batches:
+        batch = [(i, [next_tokens[i]]) for i in seq_ids]
+        expected = eager.step(batch)
+        ours = compiled_runner.step(batch, forward=compiled.forward)
+        torch.testing.assert_close(torch.cat(ours), torch.cat(expected), atol=1e-5, rtol=1e-5)
+        next_tokens.update((i, int(out[-1].argmax())) for i, out in zip(seq_ids, expected))
+    for ours, reference in zip(compiled_runner.kv_caches, eager.kv_caches, strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-6)
+    # One graph per batch kind (1, 2+), with dynamic context lengths: no recompiles per step.
+    assert counters["stats"]["unique_graphs"] - graphs_before == len({len(b) > 1 for b in batches})
+
+
+def test_compiled_decode_matches_eager(save_hf_model, paged_runner) -> None:
+    """One graph only (~15 s of compiling on 2 cores); the batch-1 one in the slow tests."""
+    _compiled_against_eager("mistral-sliding-window", UNEVEN_BATCHES, save_hf_model, paged_runner)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_compiled_decode_matches_eager_with_batch_1(arch, save_hf_model, paged_runner) -> None:
+    _compiled_against_eager(arch, WITH_BATCH_1, save_hf_model, paged_runner)
+
+
+def _agree_up_to_near_ties(ours, reference, tol: float) -> None:
+    """Greedy outputs (with top-2 logprobs) agree token for token, with logprobs within
+    tol, up to the first position where both runs see their two candidates within tol of
+    each other. The int4 kernels take bf16 activations and the int8 LM head returns bf16
+    logits, so rounding moves logprobs by ~0.1 and makes near-ties (even exact ties) common:
+    the eager path itself differs that much between batch 1 and batch 6 (measured up to
+    0.12, and diverging at ties), compiled vs eager up to 0.2."""
+    for i, (token, expected) in enumerate(zip(ours.token_ids, reference.token_ids, strict=True)):
+        mine, theirs = ours.logprobs[i], reference.logprobs[i]
+        if token != expected:
+            assert expected in mine and token in theirs, (i, mine, theirs)
+            assert abs(mine[token] - mine[expected]) < tol and abs(theirs[token] - theirs[expected]) < tol
+            return
+        assert abs(mine[token] - theirs[token]) < tol, (i, mine, theirs)
+
+
+@pytest.mark.slow
+def test_serve_defaults_with_compiled_decode_match_eager(smollm2_path) -> None:
+    """The embedded SmolLM2 as `kvserve serve --compile-decode` runs it on CPU (int4
+    linears, int8 LM head): greedy outputs as with the same engine's eager steps up to
+    near-ties, at batch 1 and batch 6, and the compiled graph really ran."""
+    llm = LLM(model=smollm2_path, quantization="auto", compile_decode=True,
+              kv_cache_memory="256MiB", enable_prefix_caching=False)
+    runner = llm.engine.runner
+    compiled, calls = runner.compiled_decode, []
+    forward = compiled.forward
+    compiled.forward = lambda *args: calls.append(1) or forward(*args)
+    prompts = [{"prompt_token_ids": llm.get_tokenizer()(p).input_ids} for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    outputs = {}
+    for name, decode in (("compiled", compiled), ("eager", None)):
+        runner.compiled_decode = decode
+        outputs[name] = [o.outputs[0] for o in llm.generate(prompts[:1], params) + llm.generate(prompts, params)]
+    for ours, reference in zip(outputs["compiled"], outputs["eager"], strict=True):
+        _agree_up_to_near_ties(ours, reference, tol=0.3)
+    assert len(calls) == 2 * 23
+
+
+def test_compile_decode_refuses_a_float8_cache(save_hf_model) -> None:
+    """Refused before compiling anything: the DecodeContext attention does not scale float8."""
+    path = save_hf_model(ARCHITECTURES["mistral-sliding-window"]())
+    with pytest.raises(ValueError, match="--compile-decode needs"):
+        LLM(model=path, compile_decode=True, kv_cache_dtype="fp8", kv_cache_memory="16MiB")
