@@ -1,5 +1,6 @@
 """Build (once) and cache llama.cpp's `llama-server` from the sources vendored in the
-`llama-cpp-python` sdist: CPU only, native ISA, no BLAS, no curl/OpenSSL, no web UI.
+`llama-cpp-python` sdist: CPU only, the vector ISAs this CPU reports, no BLAS, no
+curl/OpenSSL, no web UI.
 
 The cache directory is $KVSERVE_LLAMA_CPP_DIR, else ~/.cache/kvserve/llama.cpp; a
 finished build leaves `bin/llama-server` and `build-info.json` there and reruns skip
@@ -24,7 +25,6 @@ CACHE_ENV = "KVSERVE_LLAMA_CPP_DIR"
 SDIST_PACKAGE = "llama-cpp-python"
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
     "-DGGML_BLAS=OFF",
     "-DGGML_CUDA=OFF",
     "-DGGML_OPENMP=ON",
@@ -37,6 +37,34 @@ CMAKE_FLAGS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DBUILD_SHARED_LIBS=OFF",
 )
+
+
+# /proc/cpuinfo flag -> ggml option. Named instead of -march=native (GGML_NATIVE), which also
+# turns on AMX where the CPU reports it: that build died with a general-protection fault
+# right after starting its thread pool on an AMX Xeon VM here (2026-11-25); this set ran.
+_ISA_OPTIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+                "avx512f": "GGML_AVX512", "avx512_vnni": "GGML_AVX512_VNNI"}
+
+
+def isa_cmake_flags(cpu_flags: set[str] | None) -> list[str]:
+    """ggml's ISA options for a CPU with these /proc/cpuinfo flags; None (no /proc/cpuinfo,
+    e.g. macOS): -march=native."""
+    if cpu_flags is None:
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF"] + [
+        f"-D{option}={'ON' if flag in cpu_flags else 'OFF'}" for flag, option in _ISA_OPTIONS.items()
+    ]
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
 
 
 def cache_dir() -> str:
@@ -88,7 +116,8 @@ def build_llama_server(jobs: int | None = None) -> str:
     logger.info("building llama-server (%d jobs, log %s); a 2-core machine takes several minutes",
                 jobs, log_path)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    _run(["cmake", "-S", source, "-B", build, *generator, *CMAKE_FLAGS], log_path)
+    cmake_flags = [*CMAKE_FLAGS, *isa_cmake_flags(_cpu_flags())]
+    _run(["cmake", "-S", source, "-B", build, *generator, *cmake_flags], log_path)
     _run(["cmake", "--build", build, "--target", "llama-server", "-j", str(jobs)], log_path)
     os.makedirs(os.path.join(directory, "bin"), exist_ok=True)
     shutil.copy2(os.path.join(build, "bin", "llama-server"), server_binary(directory))
@@ -96,7 +125,7 @@ def build_llama_server(jobs: int | None = None) -> str:
     shutil.rmtree(build, ignore_errors=True)  # the binary is static: the cache keeps only it and the sdist
     shutil.rmtree(source_root, ignore_errors=True)
     with open(os.path.join(directory, "build-info.json"), "w") as f:
-        json.dump({"sdist": os.path.basename(sdist), "cmake_flags": list(CMAKE_FLAGS),
+        json.dump({"sdist": os.path.basename(sdist), "cmake_flags": cmake_flags,
                    "jobs": jobs, "build_seconds": round(seconds, 1)}, f, indent=2)
     logger.info("llama-server built in %.0f s: %s", seconds, server_binary(directory))
     return server_binary(directory)

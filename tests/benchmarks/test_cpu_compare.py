@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from kvserve.benchmarks.cpu_compare import LoadPoint, format_table, summarize
+from kvserve.benchmarks.llama_cpp_build import isa_cmake_flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,6 +48,17 @@ def test_summarize_reads_the_bench_serve_fields():
     assert summary["peak_rss_mib"] == 3.0
     assert (summary["ttft_p50_ms"], summary["ttft_p99_ms"], summary["itl_p50_ms"], summary["itl_p99_ms"]) == (1, 2, 3, 4)
     assert LoadPoint("x", 1, 1).input_len == 128 and LoadPoint("x", 1, 1).output_len == 128
+
+
+def test_llama_cpp_build_names_the_cpu_isas_instead_of_native():
+    """An AVX-512 CPU with AMX gets its vector ISAs by name and no -march=native (which would
+    also enable AMX); an AVX2-only CPU gets AVX-512 off; no cpuinfo falls back to native."""
+    amx_xeon = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"}
+    flags = isa_cmake_flags(amx_xeon)
+    assert "-DGGML_NATIVE=OFF" in flags and not any("AMX" in f for f in flags)
+    assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON"} <= set(flags)
+    assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=OFF"} <= set(isa_cmake_flags({"avx", "avx2", "fma", "f16c"}))
+    assert isa_cmake_flags(None) == ["-DGGML_NATIVE=ON"]
 
 
 def test_quick_mode_runs_kvserve_end_to_end(tmp_path):
