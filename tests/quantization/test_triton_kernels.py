@@ -116,7 +116,7 @@ class WordsCase(NamedTuple):
     rows: int
     n: int
     k: int
-    group_size: int
+    group_size: int | None  # None: per-channel scales (fp8)
     config: tuple[int, int, int, int | None] | None = None  # block_m, block_n, block_k, split
     variant: str = ""
 
@@ -151,22 +151,16 @@ WORDS_CASES = [
 WORDS_DTYPES = (torch.bfloat16, torch.float16)
 
 
-class Fp8WordsCase(NamedTuple):
+class Fp8WordsCase(WordsCase):
     """A call of the fp8 int32-word kernels: group_size None is per-channel scales;
     `config` None takes default_config (odd K then falls back to the byte kernels);
     variant "unaligned" hands x as a view at an odd element offset."""
-    kernel: str | None
-    rows: int
-    n: int
-    k: int
-    group_size: int | None
-    config: tuple[int, int, int, int | None] | None = None  # block_m, block_n, block_k, split
-    variant: str = ""
+
+    __slots__ = ()
 
     @property
     def id(self) -> str:
-        config = "default" if self.config is None else "x".join(map(str, self.config))
-        return f"fp8-words-{self.kernel}-m{self.rows}-n{self.n}-k{self.k}-g{self.group_size}-{config}-{self.variant}"
+        return f"fp8-{super().id}"
 
 
 # Odd N, per-channel and grouped scales (block_k halved down to the group), rows 1..17 with
