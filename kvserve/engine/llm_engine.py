@@ -14,6 +14,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.cpu_defaults import AUTO, NONE, apply_plan, resolve_auto_quantization
+from kvserve.engine.cpu_malloc import retain_freed_memory
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.overlap import InflightStep, can_sample_ahead
@@ -65,6 +66,8 @@ class LLMEngine:
                 for reason in plan.reasons:
                     logger.info("quantization=auto: %s", reason)
                 apply_plan(loaded, plan)
+        if self.device.type == "cpu":  # after loading: its transients are not kept
+            retain_freed_memory()
         if args.max_num_batched_tokens is None:
             logger.info(
                 "max_num_batched_tokens=%d (per-device default%s)",
