@@ -13,16 +13,26 @@ CPUs without AMX, see WORKLOADS.md). Measured on the 2-core development machine
   dequantizing per call would cost more than the GEMM.
 * The LM head (SmolLM2's tied embedding: 113 MB in fp32) gets an int8 per-channel copy for
   decode rows: about 2.5x less time per step on it at one row. (The file stores it as Q8_0.)
+* Where the CPU's bf16 GEMMs are much faster than its fp32 ones (AMX: 4-6x at 64-512 rows
+  on the Xeon of BENCHMARKS.md), that dense copy is kept in bf16 instead (prefill ~2x
+  faster, half the memory), and a bf16 copy of the LM head takes its inputs of more than
+  LM_HEAD_BF16_FROM_ROWS rows. Measured at start-up on the model's own shapes, since on CPUs
+  without AMX the same bf16 GEMM is ~100x slower than fp32. Decode rows keep the int4
+  kernel: over a whole SmolLM2 step's linears (weights streamed from memory, not cache) it
+  beats bf16 up to ~12 rows and loses by only 15% at 16.
 * Anything else, and every GPU run, keeps the weights in the run dtype.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
 
 if TYPE_CHECKING:  # the CLI imports this module while building its parser: keep it light
     from kvserve.model_executor.loader import LoadedModel
@@ -35,6 +45,13 @@ NONE = "none"  # explicit "no quantization", e.g. to override serve's auto defau
 _INT4_EXACT_GGUF_TYPES = {"Q4_0", "Q4_1"}
 _LINEAR_TENSOR_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                            "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+# bf16 dense weights are used where a bf16 GEMM (activation casts included) is at least this
+# much faster than fp32 on the model's MLP shape; measured 3-5x with AMX, ~0.01x without.
+BF16_MIN_SPEEDUP = 2.0
+_PROBE_ROWS = 64
+# With fast bf16 GEMMs, LM-head inputs of more rows than this take its bf16 copy instead of
+# the int8 kernel (SmolLM2's head: int8 1.6 vs bf16 2.1 ms at 4 rows, 3.2 vs 2.3 at 8).
+LM_HEAD_BF16_FROM_ROWS = 4
 
 
 @dataclass
@@ -42,8 +59,31 @@ class AutoPlan:
     quantization: str | None = None
     quantization_config: dict[str, Any] | None = None
     keep_dense_weights: bool = False
+    dense_dtype: torch.dtype = torch.float32
+    lm_head_kernel_max_rows: int = CPU_KERNEL_MAX_ROWS
     quantize_lm_head: bool = False
     reasons: list[str] = field(default_factory=list)
+
+
+def bf16_gemm_speedup(in_features: int, out_features: int, rows: int = _PROBE_ROWS) -> float:
+    """fp32 time / bf16 time of one [rows, in] x [in, out] GEMM on this CPU, the bf16 one
+    with its activation casts; a few milliseconds of measuring."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+    weight_bf16 = weight.to(torch.bfloat16)
+
+    def best_of(fn, repeats: int = 5) -> float:
+        fn()  # first call: kernel selection, page faults
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    fp32 = best_of(lambda: torch.nn.functional.linear(x, weight))
+    bf16 = best_of(lambda: torch.nn.functional.linear(x.to(torch.bfloat16), weight_bf16).float())
+    return fp32 / bf16
 
 
 def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> AutoPlan:
@@ -55,14 +95,28 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
         return AutoPlan(reasons=["not a GGUF model: weights stay fp32 (bit-exact with transformers)"])
     if not types <= _INT4_EXACT_GGUF_TYPES:
         return AutoPlan(reasons=[f"GGUF linear types {sorted(types)} are not all Q4_0/Q4_1: weights stay fp32"])
+    config = loaded.config
+    speedup = bf16_gemm_speedup(config.hidden_size, config.intermediate_size)
+    fast_bf16 = speedup >= BF16_MIN_SPEEDUP
+    dense_dtype = torch.bfloat16 if fast_bf16 else torch.float32
+    head_rows = LM_HEAD_BF16_FROM_ROWS if fast_bf16 else CPU_KERNEL_MAX_ROWS
+    probe = (f"a {_PROBE_ROWS}x{config.hidden_size}x{config.intermediate_size} bf16 GEMM measured "
+             f"{speedup:.2f}x the fp32 one on this CPU")
+    dense_reason = (
+        f"bf16 copies of the linears for prefill-sized inputs and of the LM head for more than "
+        f"{head_rows} rows ({probe}: AMX-class bf16)" if fast_bf16 else
+        f"fp32 linears kept for prefill-sized inputs ({probe}: fp32 GEMMs are the fast path)"
+    )
     return AutoPlan(
         quantization="int4", quantization_config={"group_size": 32},
-        keep_dense_weights=True, quantize_lm_head=True,
+        keep_dense_weights=True, dense_dtype=dense_dtype, lm_head_kernel_max_rows=head_rows,
+        quantize_lm_head=True,
         reasons=[
             f"CPU + GGUF {'/'.join(sorted(types))} linears: int4 group 32 reproduces the file's grid "
-            "exactly and reads 4x fewer bytes per decode step (torch int4 kernel for <= 16 rows)",
-            "fp32 linears kept for prefill-sized inputs (fp32 GEMMs are the fast path there)",
-            "int8 copy of the LM head for decode rows (4.7x less CPU time than its fp32 GEMV at one row)",
+            f"exactly and reads 4x fewer bytes per decode step (torch int4 kernel for <= {CPU_KERNEL_MAX_ROWS} rows)",
+            dense_reason,
+            f"int8 copy of the LM head for up to {head_rows} rows "
+            "(4.7x less CPU time than its fp32 GEMV at one row)",
         ],
     )
 
@@ -83,6 +137,6 @@ def apply_plan(loaded: LoadedModel, plan: AutoPlan) -> None:
         if plan.keep_dense_weights:
             for name, module in model.named_modules():
                 if isinstance(module, QuantizedLinear):
-                    module.keep_dense_weight(float_weights[name])
-    if plan.quantize_lm_head and quantize_lm_head(model) is None:
+                    module.keep_dense_weight(float_weights[name], plan.dense_dtype)
+    if plan.quantize_lm_head and quantize_lm_head(model, plan.dense_dtype, plan.lm_head_kernel_max_rows) is None:
         logger.info("quantization=auto: the LM head's shape has no int8 kernel; it stays in the run dtype")

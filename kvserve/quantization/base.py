@@ -70,28 +70,35 @@ class QuantizedLinear(nn.Module, ABC):
         return (gpu_kernels_enabled and x.dtype in (torch.bfloat16, torch.float16)
                 and x.numel() <= GPU_KERNEL_MAX_ROWS * self.in_features)
 
+    # Rows up to which CPU inputs take the fused kernel (keep_dense_weight may lower it).
+    cpu_kernel_max_rows = CPU_KERNEL_MAX_ROWS
+
     def decode_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         """x @ W^T through the fused kernel for decode-sized CPU inputs or the method's
         CUDA kernels, else None."""
-        if x.device.type == "cpu" and x.numel() <= CPU_KERNEL_MAX_ROWS * self.in_features:
+        if x.device.type == "cpu" and x.numel() <= self.cpu_kernel_max_rows * self.in_features:
             return self.kernel_matmul(x)
         if x.is_cuda:
             return self.gpu_matmul(x)
         return None
 
-    def keep_dense_weight(self, weight: torch.Tensor | None = None) -> None:
+    def keep_dense_weight(self, weight: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                          kernel_max_rows: int = CPU_KERNEL_MAX_ROWS) -> None:
         """Keep a float weight for the dense path (the original one, or else a dequantized
-        copy): prefill-sized inputs then run a plain matmul instead of dequantizing per
-        call. Memory for speed; the CPU serving default."""
+        copy), in `dtype`: inputs of more than `kernel_max_rows` rows then run a plain matmul
+        in that dtype instead of dequantizing per call. Memory for speed; the CPU serving
+        default (bf16 where the CPU's bf16 GEMMs are the fast ones, cpu_defaults.py)."""
         weight = self.dequantize(torch.float32) if weight is None else weight.detach()
-        self.register_buffer("dense_weight", weight, persistent=False)
+        self.register_buffer("dense_weight", weight.to(dtype), persistent=False)
+        self.cpu_kernel_max_rows = kernel_max_rows
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         y = self.decode_matmul(x)
         if y is None:
             dense_weight = getattr(self, "dense_weight", None)
             if dense_weight is not None:
-                y = F.linear(x, dense_weight.to(x.dtype))
+                # The activations are cast, not the weight: a bf16 dense weight computes in bf16.
+                y = F.linear(x.to(dense_weight.dtype), dense_weight).to(x.dtype)
             else:
                 y = self.dense_matmul(x)
         return y if self.bias is None else y + self.bias

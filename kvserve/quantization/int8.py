@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.quantization.base import QuantizationMethod, QuantizedLinear
+from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS, QuantizationMethod, QuantizedLinear
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,10 +111,12 @@ class Int8Method(QuantizationMethod):
 
 
 @torch.no_grad()
-def quantize_lm_head(model: nn.Module) -> Int8Linear | None:
+def quantize_lm_head(model: nn.Module, dense_dtype: torch.dtype = torch.float32,
+                     kernel_max_rows: int = CPU_KERNEL_MAX_ROWS) -> Int8Linear | None:
     """Attach an int8 copy of the LM head (the tied embedding where there is no separate
-    head) for decode-sized rows on CPU; larger inputs keep the float weight. Returns it,
-    or None where the kernel does not apply."""
+    head) for inputs of up to `kernel_max_rows` rows on CPU; larger inputs run the float
+    weight in `dense_dtype` (the head's own tensor where that is its dtype, else a copy). Returns it, or None where
+    the kernel does not apply."""
     head = getattr(model, "lm_head", None)
     weight = head.weight if head is not None else model.model.embed_tokens.weight
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -122,5 +124,6 @@ def quantize_lm_head(model: nn.Module) -> Int8Linear | None:
     quantized = Int8Linear(layer)
     if not quantized.has_kernel:
         return None
+    quantized.keep_dense_weight(weight, dense_dtype, kernel_max_rows)
     model.quantized_lm_head = quantized
     return quantized

@@ -169,9 +169,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.quantized_lm_head is not None:
-            logits = self.quantized_lm_head.decode_matmul(hidden_states)
-            if logits is not None:
-                return logits.float()
+            return self.quantized_lm_head(hidden_states).float()
         weight = (
             self.model.embed_tokens.weight
             if self.config.tie_word_embeddings
