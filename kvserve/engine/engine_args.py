@@ -61,7 +61,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     overlap_scheduling: bool | None = None  # None: on for GPUs (resolved_overlap_scheduling)
-    compile_decode: bool = False
+    compile_decode: bool | None = False  # None: on where supported (serve's default)
     speculative_config: dict[str, Any] | None = None
 
     def resolved_device(self) -> torch.device:
@@ -200,10 +200,12 @@ class EngineArgs:
             "token, which is dropped.",
         )
         group.add_argument(
-            "--compile-decode", action="store_true",
+            "--compile-decode", action=argparse.BooleanOptionalAction, default=False,
             help="CPU: run decode steps of up to 16 sequences through one torch.compile'd "
             "graph of the model (inductor C++), compiled at startup (~80 s on 2 cores, ~12 s "
-            "with inductor's cache warm); a batch-1 SmolLM2 step takes ~30%% less time.",
+            "with inductor's cache warm); a batch-1 SmolLM2 step takes ~30%% less time. "
+            "`kvserve serve` turns it on by default where it applies (CPU, torch attention, "
+            "a KV cache that is not float8); --no-compile-decode starts faster.",
         )
         group.add_argument(
             "--speculative-config", default=None, type=_json_dict,

@@ -73,13 +73,13 @@ class ModelRunner:
         enforce_eager: bool = False,
         extra_kv_bytes_per_block: int = 0,
         max_draft_tokens: int = 0,
-        compile_decode: bool = False,
+        compile_decode: bool | None = False,
     ) -> None:
         """`extra_kv_bytes_per_block`: another cache sized in the same number of blocks
         (a speculative draft model's) that the KV memory budget must also hold.
         `max_draft_tokens`: speculative drafts a sequence may verify in one step, so that
         verify steps replay CUDA graphs too. `compile_decode`: run CPU decode steps through
-        a torch.compile'd graph (compiled_decode.py), compiled here."""
+        a torch.compile'd graph (compiled_decode.py), compiled here; None: where supported."""
         self.model = model
         self.attn_backend = get_attn_backend(
             device, attention_backend, model_config.sliding_window
@@ -111,6 +111,11 @@ class ModelRunner:
             )
             self.cuda_graphs.capture_all()
         self.compiled_decode = None
+        if compile_decode is None:
+            compile_decode = CompiledDecode.supports(model, self.kv_caches, device)
+            if compile_decode:
+                logger.info("compile-decode: on by default for CPU serving (--no-compile-decode "
+                            "skips the compile; decode steps then run eager, ~30%% slower at batch 1)")
         if compile_decode:
             if not CompiledDecode.supports(model, self.kv_caches, device):
                 raise ValueError(

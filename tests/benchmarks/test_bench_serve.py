@@ -128,7 +128,7 @@ def server_url(tmp_path_factory):
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvserve.entrypoints.cli", "--log-level", "WARNING", "serve",
-             "--port", str(port), "--kv-cache-memory", "256MiB"],
+             "--port", str(port), "--kv-cache-memory", "256MiB", "--no-compile-decode"],
             stdout=log, stderr=log,
         )
     url = f"http://127.0.0.1:{port}"

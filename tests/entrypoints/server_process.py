@@ -47,10 +47,12 @@ def launch_server(log_dir, *args: str, env: dict[str, str] | None = None) -> Ser
     log_path = os.path.join(str(log_dir), f"server-{port}.log")
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            # fp32 weights, like the offline reference engine these tests compare with (serve's
-            # CPU default, --quantization auto, is covered in tests/engine/test_cpu_defaults.py).
+            # fp32 weights and eager decode steps, like the offline reference engine these tests
+            # compare with (serve's CPU defaults, --quantization auto and the compiled decode
+            # step, are covered in tests/engine/test_cpu_defaults.py and
+            # tests/model_executor/test_compiled_decode.py).
             [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(port),
-             "--kv-cache-memory", "256MiB", "--quantization", "none", *args],
+             "--kv-cache-memory", "256MiB", "--quantization", "none", "--no-compile-decode", *args],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
     base_url = f"http://127.0.0.1:{port}"
