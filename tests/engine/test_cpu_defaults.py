@@ -121,8 +121,11 @@ def test_serve_defaults_are_auto_and_per_device_chunk():
     add_serve_args(parser)
     args = EngineArgs.from_cli_args(parser.parse_args([]))
     assert args.quantization == "auto" and args.max_num_batched_tokens is None
+    assert args.compile_decode is None  # on where it applies (tests/model_executor/test_compiled_decode.py)
     assert args.resolved_max_num_batched_tokens(CPU) == CPU_MAX_NUM_BATCHED_TOKENS
     assert args.resolved_max_num_batched_tokens(torch.device("cuda")) == 2048
     explicit = EngineArgs.from_cli_args(parser.parse_args(["--quantization", "none",
-                                                           "--max-num-batched-tokens", "1024"]))
+                                                           "--max-num-batched-tokens", "1024",
+                                                           "--no-compile-decode"]))
     assert explicit.quantization == "none" and explicit.resolved_max_num_batched_tokens(CPU) == 1024
+    assert explicit.compile_decode is False

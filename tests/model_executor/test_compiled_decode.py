@@ -107,3 +107,15 @@ def test_compile_decode_refuses_a_float8_cache(save_hf_model) -> None:
     path = save_hf_model(ARCHITECTURES["mistral-sliding-window"]())
     with pytest.raises(ValueError, match="--compile-decode needs"):
         LLM(model=path, compile_decode=True, kv_cache_dtype="fp8", kv_cache_memory="16MiB")
+
+
+def test_serve_default_compiles_where_it_applies(save_hf_model, monkeypatch) -> None:
+    """compile_decode=None (`kvserve serve`'s default): on for a CPU cache of the model's
+    dtype, quietly off for a float8 one, which an explicit True refuses (above)."""
+    path = save_hf_model(ARCHITECTURES["mistral-sliding-window"]())
+    warmed = []
+    monkeypatch.setattr(CompiledDecode, "warm_up", lambda self: warmed.append(self))
+    on = LLM(model=path, compile_decode=None, kv_cache_memory="16MiB")
+    assert isinstance(on.engine.runner.compiled_decode, CompiledDecode) and len(warmed) == 1
+    off = LLM(model=path, compile_decode=None, kv_cache_dtype="fp8", kv_cache_memory="16MiB")
+    assert off.engine.runner.compiled_decode is None and len(warmed) == 1
