@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.quantization.cpu_dense import dense_linear, pack_dense_weight
+
 # Measured on SmolLM2's linears (2-core AVX512 CPU, torch 2.13): torch's weight-only
 # kernels with bf16 activations beat fp32 up to about 8 rows, break even near 16, and are
 # ~2x slower than fp32 at 64 rows; dequantizing to fp32 per call costs about one 1-row
@@ -83,13 +85,15 @@ class QuantizedLinear(nn.Module, ABC):
         return None
 
     def keep_dense_weight(self, weight: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                          kernel_max_rows: int = CPU_KERNEL_MAX_ROWS) -> None:
+                          kernel_max_rows: int = CPU_KERNEL_MAX_ROWS, pack: bool = True) -> None:
         """Keep a float weight for the dense path (the original one, or else a dequantized
-        copy), in `dtype`: inputs of more than `kernel_max_rows` rows then run a plain matmul
-        in that dtype instead of dequantizing per call. Memory for speed; the CPU serving
-        default (bf16 where the CPU's bf16 GEMMs are the fast ones, cpu_defaults.py)."""
+        copy), in `dtype` and (`pack`) oneDNN's blocked layout: inputs of more than
+        `kernel_max_rows` rows then run a plain matmul in that dtype instead of dequantizing
+        per call. Memory for speed; the CPU serving default (bf16 where the CPU's bf16 GEMMs
+        are the fast ones, cpu_defaults.py)."""
         weight = self.dequantize(torch.float32) if weight is None else weight.detach()
-        self.register_buffer("dense_weight", weight.to(dtype), persistent=False)
+        weight = pack_dense_weight(weight, dtype) if pack else weight.to(dtype)
+        self.register_buffer("dense_weight", weight, persistent=False)
         self.cpu_kernel_max_rows = kernel_max_rows
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +102,7 @@ class QuantizedLinear(nn.Module, ABC):
             dense_weight = getattr(self, "dense_weight", None)
             if dense_weight is not None:
                 # The activations are cast, not the weight: a bf16 dense weight computes in bf16.
-                y = F.linear(x.to(dense_weight.dtype), dense_weight).to(x.dtype)
+                y = dense_linear(x, dense_weight)
             else:
                 y = self.dense_matmul(x)
         return y if self.bias is None else y + self.bias

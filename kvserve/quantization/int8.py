@@ -124,6 +124,7 @@ def quantize_lm_head(model: nn.Module, dense_dtype: torch.dtype = torch.float32,
     quantized = Int8Linear(layer)
     if not quantized.has_kernel:
         return None
-    quantized.keep_dense_weight(weight, dense_dtype, kernel_max_rows)
+    # An fp32 head stays the embedding's own tensor (shared, no copy); a bf16 copy is packed.
+    quantized.keep_dense_weight(weight, dense_dtype, kernel_max_rows, pack=dense_dtype != weight.dtype)
     model.quantized_lm_head = quantized
     return quantized

@@ -14,6 +14,7 @@ from kvserve.engine.engine_args import CPU_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from kvserve.entrypoints.openai.cli_args import add_cli_args as add_serve_args
 from kvserve.model_executor.loader import load_model
 from kvserve.quantization.base import QuantizedLinear
+from kvserve.quantization.cpu_dense import plain_weight
 
 CPU = torch.device("cpu")
 
@@ -54,7 +55,8 @@ def test_int4_group32_keeps_the_gguf_grid_exactly(auto_loaded, smollm2_loaded):
     for name, module in quantized:
         # Reference: the GGUF's Q4_1 blocks dequantized to fp32 by the gguf package (a
         # separate load): the int4 grid must hold them exactly.
-        assert torch.equal(module.dense_weight, reference[name].weight.to(auto_loaded[0].dense_dtype)), name
+        dense = plain_weight(module.dense_weight)
+        assert torch.equal(dense, reference[name].weight.to(auto_loaded[0].dense_dtype)), name
         assert torch.allclose(module.dequantize(), reference[name].weight, rtol=0, atol=1e-6), name
 
 
@@ -79,17 +81,19 @@ def test_int8_lm_head_tracks_the_fp32_logits(auto_loaded, smollm2_loaded):
 
 def test_prefill_with_the_plans_dense_weights_tracks_fp32(auto_loaded, smollm2_loaded):
     """A 48-token prompt (prefill-sized: the dense path) through the planned model against the
-    fp32 dequantized model: fp32 dense weights give the same logits; bf16 ones (bf16
-    activations too) move them by about bf16's precision over 30 layers, and random tokens
-    are full of near-ties (measured: <= 4.7% of the row's largest logit, 92-94% top-1)."""
+    fp32 dequantized model: packed fp32 dense weights give the same logits up to the order of
+    sums; bf16 ones (bf16 activations too) move them by about bf16's precision over 30
+    layers, and random tokens are full of near-ties (measured: <= 4.7% of the row's largest
+    logit, 92-94% top-1)."""
     plan, loaded = auto_loaded
     torch.manual_seed(1)
     token_ids = torch.randint(0, 49152, (48,))
     logits, reference = (_prefill_logits(m, token_ids) for m in (loaded.model, smollm2_loaded.model))
-    if plan.dense_dtype == torch.float32:
-        assert torch.equal(logits, reference)
-        return
     scale = reference.abs().amax(dim=-1, keepdim=True)
+    if plan.dense_dtype == torch.float32:
+        assert ((logits - reference).abs() / scale).max() < 1e-4  # measured 5e-6
+        assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+        return
     assert ((logits - reference).abs() / scale).max() < 0.08
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.85
 
