@@ -4,7 +4,9 @@ A block is in exactly one of three states:
   * in use: ref_count > 0 (held by one or more block tables);
   * free and cached: ref_count == 0 but its hash is still registered, so a later request
     with the same prefix can revive it; evicted least-recently-freed first;
-  * free and uncached: ref_count == 0 and no hash; handed out before evicting cached ones.
+  * free and uncached: ref_count == 0 and no hash; handed out before evicting cached ones,
+    most recently freed first (on CPU its cache pages are already resident: reusing them
+    keeps the process from faulting in the rest of a large cache).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class BlockPool:
     def allocate(self) -> KVBlock:
         """A fresh block with ref_count 1; evicts the LRU cached block if nothing else is free."""
         if self._uncached_free:
-            block = self._uncached_free.popleft()
+            block = self._uncached_free.pop()  # most recently freed: its pages are resident
         elif self._evictable:
             _, block = self._evictable.popitem(last=False)
             del self._cached[block.block_hash]
