@@ -15,11 +15,10 @@ CPUs without AMX, see WORKLOADS.md). Measured on the 2-core development machine
   decode rows: about 2.5x less time per step on it at one row. (The file stores it as Q8_0.)
 * Where the CPU's bf16 GEMMs are much faster than its fp32 ones (AMX: 4-6x at 64-512 rows
   on the Xeon of BENCHMARKS.md), that dense copy is kept in bf16 instead (prefill ~2x
-  faster, half the memory), and a bf16 copy of the LM head takes its inputs of more than
-  LM_HEAD_BF16_FROM_ROWS rows. Measured at start-up on the model's own shapes, since on CPUs
-  without AMX the same bf16 GEMM is ~100x slower than fp32. Decode rows keep the int4
-  kernel: over a whole SmolLM2 step's linears (weights streamed from memory, not cache) it
-  beats bf16 up to ~12 rows and loses by only 15% at 16.
+  faster, half the memory), with a bf16 copy of the LM head, and both take every input of
+  more than BF16_FROM_ROWS rows, decode batches included. Measured at start-up on the
+  model's own shapes, since on CPUs without AMX the same bf16 GEMM is ~100x slower than fp32.
+* The dense copies are packed in oneDNN's layout (quantization/cpu_dense.py).
 * Anything else, and every GPU run, keeps the weights in the run dtype.
 """
 
@@ -49,9 +48,12 @@ _LINEAR_TENSOR_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "a
 # much faster than fp32 on the model's MLP shape; measured 3-5x with AMX, ~0.01x without.
 BF16_MIN_SPEEDUP = 2.0
 _PROBE_ROWS = 64
-# With fast bf16 GEMMs, LM-head inputs of more rows than this take its bf16 copy instead of
-# the int8 kernel (SmolLM2's head: int8 1.6 vs bf16 2.1 ms at 4 rows, 3.2 vs 2.3 at 8).
-LM_HEAD_BF16_FROM_ROWS = 4
+# With fast bf16 GEMMs, inputs of more rows than this take the packed bf16 copies instead
+# of the int4 (linears) and int8 (LM head) kernels. Over a SmolLM2 step's 120 linears, weights
+# streamed from memory (AMX Xeon, 2 threads): int4 6.4 / 8.5 / 14.2 / 25.4 ms at 1 / 4 / 8 /
+# 16 rows, packed bf16 13.3 / 11.8 / 11.7 / 12.2; the head: int8 1.6 vs bf16 2.1 ms at 4 rows,
+# 3.2 vs 2.3 at 8.
+BF16_FROM_ROWS = 4
 
 
 @dataclass
@@ -60,7 +62,7 @@ class AutoPlan:
     quantization_config: dict[str, Any] | None = None
     keep_dense_weights: bool = False
     dense_dtype: torch.dtype = torch.float32
-    lm_head_kernel_max_rows: int = CPU_KERNEL_MAX_ROWS
+    kernel_max_rows: int = CPU_KERNEL_MAX_ROWS  # more rows take the dense copies
     quantize_lm_head: bool = False
     reasons: list[str] = field(default_factory=list)
 
@@ -99,23 +101,23 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
     speedup = bf16_gemm_speedup(config.hidden_size, config.intermediate_size)
     fast_bf16 = speedup >= BF16_MIN_SPEEDUP
     dense_dtype = torch.bfloat16 if fast_bf16 else torch.float32
-    head_rows = LM_HEAD_BF16_FROM_ROWS if fast_bf16 else CPU_KERNEL_MAX_ROWS
+    kernel_rows = BF16_FROM_ROWS if fast_bf16 else CPU_KERNEL_MAX_ROWS
     probe = (f"a {_PROBE_ROWS}x{config.hidden_size}x{config.intermediate_size} bf16 GEMM measured "
              f"{speedup:.2f}x the fp32 one on this CPU")
     dense_reason = (
-        f"bf16 copies of the linears for prefill-sized inputs and of the LM head for more than "
-        f"{head_rows} rows ({probe}: AMX-class bf16)" if fast_bf16 else
-        f"fp32 linears kept for prefill-sized inputs ({probe}: fp32 GEMMs are the fast path)"
+        f"packed bf16 copies of the linears and the LM head for inputs of more than "
+        f"{kernel_rows} rows ({probe}: AMX-class bf16)" if fast_bf16 else
+        f"packed fp32 linears kept for prefill-sized inputs ({probe}: fp32 GEMMs are the fast path)"
     )
     return AutoPlan(
         quantization="int4", quantization_config={"group_size": 32},
-        keep_dense_weights=True, dense_dtype=dense_dtype, lm_head_kernel_max_rows=head_rows,
+        keep_dense_weights=True, dense_dtype=dense_dtype, kernel_max_rows=kernel_rows,
         quantize_lm_head=True,
         reasons=[
             f"CPU + GGUF {'/'.join(sorted(types))} linears: int4 group 32 reproduces the file's grid "
-            f"exactly and reads 4x fewer bytes per decode step (torch int4 kernel for <= {CPU_KERNEL_MAX_ROWS} rows)",
+            f"exactly and reads 4x fewer bytes per decode step (torch int4 kernel for <= {kernel_rows} rows)",
             dense_reason,
-            f"int8 copy of the LM head for up to {head_rows} rows "
+            f"int8 copy of the LM head for up to {kernel_rows} rows "
             "(4.7x less CPU time than its fp32 GEMV at one row)",
         ],
     )
@@ -137,6 +139,6 @@ def apply_plan(loaded: LoadedModel, plan: AutoPlan) -> None:
         if plan.keep_dense_weights:
             for name, module in model.named_modules():
                 if isinstance(module, QuantizedLinear):
-                    module.keep_dense_weight(float_weights[name], plan.dense_dtype)
-    if plan.quantize_lm_head and quantize_lm_head(model, plan.dense_dtype, plan.lm_head_kernel_max_rows) is None:
+                    module.keep_dense_weight(float_weights[name], plan.dense_dtype, plan.kernel_max_rows)
+    if plan.quantize_lm_head and quantize_lm_head(model, plan.dense_dtype, plan.kernel_max_rows) is None:
         logger.info("quantization=auto: the LM head's shape has no int8 kernel; it stays in the run dtype")

@@ -12,7 +12,8 @@ attention reads each layer's cached context through `DecodeContext` and returns 
 keys/values, written into the cache after the graph (an in-graph cache write makes inductor
 copy the cache). Batch size and context length are dynamic; batch 1 gets a graph of its own
 (0/1 specialization: traced size-obliviously, inductor still specialized the size-1 batch),
-so there are two compiles, both done at start-up by `warm_up`.
+and so does each band of batch sizes on one side of a quantized layer's kernel/dense row
+threshold (a guard of the graph): two or three compiles, all done at start-up by `warm_up`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvserve.attention.torch_ref import (
     decode_context,
     write_kv_cache,
 )
-from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
+from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS, QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -84,22 +85,30 @@ class CompiledDecode:
             write_kv_cache(key, value, kv_cache, metadata.slot_mapping, layer.self_attn.kv_scales)
         return hidden
 
+    def graph_batch_sizes(self) -> list[int]:
+        """The smallest batch of each graph: 1, 2, and one past each row threshold at which
+        the model's quantized layers switch from their kernel to their dense copy."""
+        thresholds = {m.cpu_kernel_max_rows for m in self.model.modules() if isinstance(m, QuantizedLinear)}
+        return [1, 2, *sorted(t + 1 for t in thresholds if 2 <= t < MAX_ROWS)]
+
     def warm_up(self) -> None:
-        """Compile both graphs (batch 1 and batch 2+) now rather than in the first requests,
-        in inference mode as the model runner's steps (the graphs guard on it). The new keys
-        and values are not written: the cache is left as it was."""
-        logger.info("compiling the CPU decode step: 2 graphs, ~80 s on 2 cores with a cold "
-                    "inductor cache, ~12 s warm")
+        """Compile every graph now rather than in the first requests, in inference mode as
+        the model runner's steps (the graphs guard on it). The new keys and values are not
+        written: the cache is left as it was."""
+        batch_sizes = self.graph_batch_sizes()
+        bands = [f"batch {a}" if b == a + 1 else f"batch {a}-{b - 1}"
+                 for a, b in zip(batch_sizes, [*batch_sizes[1:], MAX_ROWS + 1])]
+        logger.info("compiling the CPU decode step: %d graphs (%s), ~40 s each on 2 cores with a "
+                    "cold inductor cache, ~6 s warm", len(bands), ", ".join(bands))
         start = time.perf_counter()
         with torch.inference_mode():
-            for index, num_seqs in enumerate((1, 2)):
+            for index, (num_seqs, band) in enumerate(zip(batch_sizes, bands)):
                 graph_start = time.perf_counter()
                 context = DecodeContext(slots=torch.zeros(num_seqs, MIN_CONTEXT, dtype=torch.long),
                                         valid=torch.ones(num_seqs, MIN_CONTEXT, dtype=torch.bool))
                 self._run(torch.zeros(num_seqs, dtype=torch.long),
                           torch.full((num_seqs,), MIN_CONTEXT, dtype=torch.long), context)
-                logger.info("decode graph %d/2 (%s) compiled in %.1f s", index + 1,
-                            "batch 1" if num_seqs == 1 else f"batch 2-{MAX_ROWS}",
+                logger.info("decode graph %d/%d (%s) compiled in %.1f s", index + 1, len(bands), band,
                             time.perf_counter() - graph_start)
         logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - start)
 

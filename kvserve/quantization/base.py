@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.quantization.cpu_dense import dense_linear, pack_dense_weight
+from kvserve.quantization.cpu_dense import DenseWeight
 
 # Measured on SmolLM2's linears (2-core AVX512 CPU, torch 2.13): torch's weight-only
 # kernels with bf16 activations beat fp32 up to about 8 rows, break even near 16, and are
@@ -74,6 +74,9 @@ class QuantizedLinear(nn.Module, ABC):
 
     # Rows up to which CPU inputs take the fused kernel (keep_dense_weight may lower it).
     cpu_kernel_max_rows = CPU_KERNEL_MAX_ROWS
+    # A float copy of the weight for the dense path (keep_dense_weight); a plain attribute,
+    # not a buffer: a packed weight is opaque to .to(), state_dict and torch.compile.
+    dense_weight: DenseWeight | None = None
 
     def decode_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         """x @ W^T through the fused kernel for decode-sized CPU inputs or the method's
@@ -92,17 +95,15 @@ class QuantizedLinear(nn.Module, ABC):
         per call. Memory for speed; the CPU serving default (bf16 where the CPU's bf16 GEMMs
         are the fast ones, cpu_defaults.py)."""
         weight = self.dequantize(torch.float32) if weight is None else weight.detach()
-        weight = pack_dense_weight(weight, dtype) if pack else weight.to(dtype)
-        self.register_buffer("dense_weight", weight, persistent=False)
+        self.dense_weight = DenseWeight(weight, dtype, pack)
         self.cpu_kernel_max_rows = kernel_max_rows
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         y = self.decode_matmul(x)
         if y is None:
-            dense_weight = getattr(self, "dense_weight", None)
-            if dense_weight is not None:
+            if self.dense_weight is not None:
                 # The activations are cast, not the weight: a bf16 dense weight computes in bf16.
-                y = dense_linear(x, dense_weight)
+                y = self.dense_weight.linear(x)
             else:
                 y = self.dense_matmul(x)
         return y if self.bias is None else y + self.bias

@@ -14,7 +14,6 @@ from kvserve.engine.engine_args import CPU_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from kvserve.entrypoints.openai.cli_args import add_cli_args as add_serve_args
 from kvserve.model_executor.loader import load_model
 from kvserve.quantization.base import QuantizedLinear
-from kvserve.quantization.cpu_dense import plain_weight
 
 CPU = torch.device("cpu")
 
@@ -40,7 +39,7 @@ def test_plan_for_the_q4_1_gguf_and_elsewhere(auto_loaded):
     assert (plan.quantization, plan.quantization_config) == ("int4", {"group_size": 32})
     assert plan.keep_dense_weights and plan.quantize_lm_head and plan.reasons
     bf16 = plan.dense_dtype == torch.bfloat16
-    assert plan.lm_head_kernel_max_rows == (cpu_defaults.LM_HEAD_BF16_FROM_ROWS if bf16 else 16)
+    assert plan.kernel_max_rows == (cpu_defaults.BF16_FROM_ROWS if bf16 else 16)
     assert resolve_auto_quantization(loaded, torch.device("cuda")).quantization is None
     dummy = load_model(None, load_format="dummy", model_shape="smollm2-135m", dtype=torch.float32)
     assert resolve_auto_quantization(dummy, CPU).quantization is None
@@ -55,7 +54,7 @@ def test_int4_group32_keeps_the_gguf_grid_exactly(auto_loaded, smollm2_loaded):
     for name, module in quantized:
         # Reference: the GGUF's Q4_1 blocks dequantized to fp32 by the gguf package (a
         # separate load): the int4 grid must hold them exactly.
-        dense = plain_weight(module.dense_weight)
+        dense = module.dense_weight.plain()
         assert torch.equal(dense, reference[name].weight.to(auto_loaded[0].dense_dtype)), name
         assert torch.allclose(module.dequantize(), reference[name].weight, rtol=0, atol=1e-6), name
 
@@ -68,7 +67,7 @@ def test_int8_lm_head_tracks_the_fp32_logits(auto_loaded, smollm2_loaded):
     hidden = smollm2_loaded.model.model.norm(embed[torch.randint(0, embed.shape[0], (8,))] * 30)
     reference = torch.nn.functional.linear(hidden, embed)
     assert loaded.model.quantized_lm_head is not None
-    for rows in (1, plan.lm_head_kernel_max_rows, 8):
+    for rows in (1, plan.kernel_max_rows, 8):
         logits = loaded.model.compute_logits(hidden[:rows])
         scale = reference[:rows].abs().amax(dim=-1, keepdim=True)
         assert ((logits - reference[:rows]).abs() / scale).max() < 0.03, rows

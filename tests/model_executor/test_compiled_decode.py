@@ -119,3 +119,20 @@ def test_serve_default_compiles_where_it_applies(save_hf_model, monkeypatch) -> 
     assert isinstance(on.engine.runner.compiled_decode, CompiledDecode) and len(warmed) == 1
     off = LLM(model=path, compile_decode=None, kv_cache_dtype="fp8", kv_cache_memory="16MiB")
     assert off.engine.runner.compiled_decode is None and len(warmed) == 1
+
+
+def test_a_graph_per_band_of_the_kernel_row_threshold(save_hf_model) -> None:
+    """Layers that leave their kernel for a dense copy above 4 rows split the batch-2+
+    graph at 5 (a guard of the traced dispatch); the default threshold is the graphs' own
+    limit, so no split."""
+    from kvserve.quantization import get_quantization_method, quantize_model
+    from kvserve.quantization.base import QuantizedLinear
+
+    loaded = load_model(save_hf_model(ARCHITECTURES["qwen3-qk-norm"]()))
+    quantize_model(loaded.model, get_quantization_method("int8"))
+    compiled = CompiledDecode(loaded.model, [], None)
+    assert compiled.graph_batch_sizes() == [1, 2]
+    for module in loaded.model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.keep_dense_weight(dtype=torch.bfloat16, kernel_max_rows=4)
+    assert compiled.graph_batch_sizes() == [1, 2, 5]

@@ -1,4 +1,5 @@
-"""Dense CPU weights packed in oneDNN's layout against F.linear on the plain weight."""
+"""Dense CPU weights packed in oneDNN's layout against F.linear on the plain weight, eager
+and inside a torch.compile'd graph (the compiled CPU decode step calls them)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.quantization.cpu_dense import dense_linear, pack_dense_weight, plain_weight
+from kvserve.quantization.cpu_dense import DenseWeight
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -14,10 +15,11 @@ from kvserve.quantization.cpu_dense import dense_linear, pack_dense_weight, plai
 def test_packed_weight_computes_the_plain_matmul(dtype, rows):
     torch.manual_seed(rows)
     weight = torch.randn(37, 51)  # odd shapes: no block multiple
-    packed = pack_dense_weight(weight, dtype)
-    assert torch.equal(plain_weight(packed), weight.to(dtype))
+    dense = DenseWeight(weight, dtype)
+    assert dense.handle is not None and dense.tensor.is_mkldnn
+    assert torch.equal(dense.plain(), weight.to(dtype))
     x = torch.randn(2, rows, 51)  # fp32 activations, a leading batch dimension
-    y = dense_linear(x, packed)
+    y = dense.linear(x)
     reference = F.linear(x.to(dtype), weight.to(dtype)).float()  # the same op, plain layout
     assert y.dtype == torch.float32 and y.shape == (2, rows, 37)
     if dtype == torch.float32:
@@ -25,3 +27,24 @@ def test_packed_weight_computes_the_plain_matmul(dtype, rows):
     else:  # both bf16 GEMMs accumulate in fp32; only the order of the sums may differ
         torch.testing.assert_close(y, reference, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(y, x @ weight.t(), rtol=0.05, atol=0.1)
+
+
+def test_unpacked_weight_is_the_callers_tensor():
+    weight = torch.randn(8, 16)
+    dense = DenseWeight(weight, torch.float32, pack=False)
+    assert dense.handle is None and dense.tensor.data_ptr() == weight.data_ptr()
+    x = torch.randn(3, 16)
+    assert torch.equal(dense.linear(x), F.linear(x, weight))
+
+
+def test_packed_weight_inside_a_compiled_graph():
+    torch.manual_seed(0)
+    first, second = DenseWeight(torch.randn(48, 32), torch.bfloat16), DenseWeight(torch.randn(32, 48), torch.bfloat16)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return second.linear(torch.relu(first.linear(x)))
+
+    compiled = torch.compile(forward, fullgraph=True)
+    for rows in (3, 9):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(compiled(x), forward(x), rtol=0, atol=0)
