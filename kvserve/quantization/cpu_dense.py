@@ -8,7 +8,9 @@ identical to F.linear.
 
 A packed weight is an opaque tensor that torch.compile cannot trace, so layers call it
 through the `kvserve::packed_linear` op by an integer handle: the compiled CPU decode graph
-calls the op like any kernel, and only the op looks the weight up.
+calls the op like any kernel, and only the op looks the weight up. The op is registered with
+`torch.library.Library` rather than `custom_op` (~5 instead of ~14 us per call: 120 calls a
+SmolLM2 step), and the dtype casts stay outside it, where inductor fuses them.
 """
 
 from __future__ import annotations
@@ -44,22 +46,28 @@ class DenseWeight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight^T computed in the weight's dtype, returned in x's dtype."""
+        inputs = x.to(self.tensor.dtype)
         if self.handle is None:
-            return F.linear(x.to(self.tensor.dtype), self.tensor).to(x.dtype)
-        return torch.ops.kvserve.packed_linear(x, self.handle, self.out_features)
+            return F.linear(inputs, self.tensor).to(x.dtype)
+        return torch.ops.kvserve.packed_linear(inputs, self.handle, self.out_features).to(x.dtype)
 
     def plain(self) -> torch.Tensor:
         """The weight in the plain [out, in] layout (for checks and dequantizing)."""
         return self.tensor.to_dense() if self.tensor.is_mkldnn else self.tensor
 
 
-@torch.library.custom_op("kvserve::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    weight = _PACKED[handle]
-    y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, None, "none", [], "")
-    return y.to(x.dtype)
+_LIBRARY = torch.library.Library("kvserve", "DEF")
+_LIBRARY.define("packed_linear(Tensor x, int handle, int out_features) -> Tensor")
 
 
-@packed_linear.register_fake
+def _packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """x (in the weight's dtype) @ the packed weight^T."""
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED[handle], None, "none", [], "")
+
+
 def _packed_linear_shape(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+_LIBRARY.impl("packed_linear", _packed_linear, "CPU")
+torch.library.register_fake("kvserve::packed_linear", _packed_linear_shape, lib=_LIBRARY)
