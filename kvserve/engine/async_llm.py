@@ -76,20 +76,27 @@ class AsyncLLM:
             except Exception as error:  # a broken step fails its requests, not the server
                 self._fail_all(error)
                 continue
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            self._deliver([(output.request_id, output) for output in outputs])
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        loop, out_queue = stream
-        loop.call_soon_threadsafe(out_queue.put_nowait, item)
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand a step's outputs to their streams with one wake-up of each event loop: a
+        wake-up is a write to the loop's self-pipe, a system call that costs ~0.1 ms on a
+        VM, and a CPU step has 16 outputs (measured with py-spy in `kvserve serve`)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                loop, out_queue = stream
+                by_loop.setdefault(loop, []).append((out_queue, item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def _fail_all(self, error: Exception) -> None:
+        failed = []
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
-            self._deliver(request_id, RuntimeError(f"engine step failed: {error!r}"))
+            failed.append((request_id, RuntimeError(f"engine step failed: {error!r}")))
+        self._deliver(failed)
 
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
@@ -153,3 +160,8 @@ class AsyncLLM:
         self._stopped = True
         self._wakeup.set()
         self._worker.join(timeout=10)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for out_queue, item in puts:
+        out_queue.put_nowait(item)
