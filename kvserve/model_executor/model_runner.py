@@ -115,7 +115,7 @@ class ModelRunner:
             compile_decode = CompiledDecode.supports(model, self.kv_caches, device)
             if compile_decode:
                 logger.info("compile-decode: on by default for CPU serving (--no-compile-decode "
-                            "skips the compile; decode steps then run eager, ~30%% slower at batch 1)")
+                            "skips the compile; decode steps then run eager, ~30% slower at batch 1)")
         if compile_decode:
             if not CompiledDecode.supports(model, self.kv_caches, device):
                 raise ValueError(
