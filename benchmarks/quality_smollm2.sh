@@ -22,3 +22,4 @@ run gguf-packed --quantization gguf
 run fp8 --quantization fp8
 run fp8-kv --kv-cache-dtype fp8
 run fp8_e5m2-kv --kv-cache-dtype fp8_e5m2
+run serve-auto --quantization auto  # what `kvserve serve` runs: bf16 prefill where AMX makes it fast
