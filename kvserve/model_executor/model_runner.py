@@ -110,20 +110,32 @@ class ModelRunner:
                 -(-max_len // self.block_size), device, max_width=1 + max_draft_tokens,
             )
             self.cuda_graphs.capture_all()
-        self.compiled_decode = None
+        self.compiled_decode = self._compiled_decode(compile_decode)
+
+    def _compiled_decode(self, compile_decode: bool | None) -> CompiledDecode | None:
+        """The compiled CPU decode step, compiled now. None (the serve default) compiles it
+        where it applies and falls back to eager steps if compiling fails (e.g. no C++
+        compiler for inductor); an explicit True raises instead."""
+        supported = CompiledDecode.supports(self.model, self.kv_caches, self.device)
+        if compile_decode is False or (compile_decode is None and not supported):
+            return None
+        if not supported:
+            raise ValueError(
+                "--compile-decode needs the CPU, the torch attention backend and a KV cache "
+                "that is not float8"
+            )
         if compile_decode is None:
-            compile_decode = CompiledDecode.supports(model, self.kv_caches, device)
+            logger.info("compile-decode: on by default for CPU serving (--no-compile-decode "
+                        "skips the compile; decode steps then run eager, ~30% slower at batch 1)")
+        compiled = CompiledDecode(self.model, self.kv_caches, self.model_config.sliding_window)
+        try:
+            compiled.warm_up()
+        except Exception as error:
             if compile_decode:
-                logger.info("compile-decode: on by default for CPU serving (--no-compile-decode "
-                            "skips the compile; decode steps then run eager, ~30% slower at batch 1)")
-        if compile_decode:
-            if not CompiledDecode.supports(model, self.kv_caches, device):
-                raise ValueError(
-                    "--compile-decode needs the CPU, the torch attention backend and a KV cache "
-                    "that is not float8"
-                )
-            self.compiled_decode = CompiledDecode(model, self.kv_caches, model_config.sliding_window)
-            self.compiled_decode.warm_up()
+                raise
+            logger.warning("compile-decode: compiling failed, decode steps run eager: %s", error)
+            return None
+        return compiled
 
     def _can_use_cuda_graphs(self, enforce_eager: bool) -> bool:
         """Only the Triton backend launches from device-side metadata alone; the torch

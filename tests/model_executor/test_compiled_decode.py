@@ -136,3 +136,23 @@ def test_a_graph_per_band_of_the_kernel_row_threshold(save_hf_model) -> None:
         if isinstance(module, QuantizedLinear):
             module.keep_dense_weight(dtype=torch.bfloat16, kernel_max_rows=4)
     assert compiled.graph_batch_sizes() == [1, 2, 5]
+
+
+def test_serve_default_falls_back_to_eager_when_compiling_fails(save_hf_model, monkeypatch) -> None:
+    """No C++ compiler, say: serve's default still serves (eager steps, same outputs); an
+    explicit --compile-decode reports the failure."""
+    path = save_hf_model(ARCHITECTURES["mistral-sliding-window"]())
+
+    def fail(self):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(CompiledDecode, "warm_up", fail)
+    llm = LLM(model=path, compile_decode=None, kv_cache_memory="16MiB")
+    assert llm.engine.runner.compiled_decode is None
+    reference = LLM(model=path, compile_decode=False, kv_cache_memory="16MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8]}]
+    assert (llm.generate(prompt, params)[0].outputs[0].token_ids
+            == reference.generate(prompt, params)[0].outputs[0].token_ids)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        LLM(model=path, compile_decode=True, kv_cache_memory="16MiB")
