@@ -195,9 +195,17 @@ async def load_prompts(client: OpenAIClient, args: argparse.Namespace) -> list[B
                                   args.seed, client.count_tokens)
 
 
+def client_session() -> aiohttp.ClientSession:
+    """One new connection per request (as vLLM's benchmark, which opens a session per
+    request): reusing keep-alive connections raced llama-server closing them, and 3-4 of 32
+    requests failed with "Can not write request body" at 16 streams (BENCHMARKS.md). The
+    pool does not limit concurrency: the benchmark does."""
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+
+
 async def benchmark_from_args(args: argparse.Namespace, rates: list[float]) -> list[dict]:
-    connector = aiohttp.TCPConnector(limit=0)  # concurrency is ours to limit, not the pool's
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+    async with client_session() as session:
         client = OpenAIClient(session, args.base_url, args.api_key, args.endpoint)
         client.model = args.model or await client.first_model()
         ignore_eos = args.dataset == "random" if args.ignore_eos is None else args.ignore_eos

@@ -113,6 +113,51 @@ def test_sharegpt_takes_first_exchange_and_skips_short_ones(tmp_path):
         asyncio.run(sharegpt_prompts(str(path), 4, 0, count_words))
 
 
+# ---- the client against a minimal streaming server ----
+
+def test_each_request_gets_its_own_connection():
+    """No keep-alive reuse: a server closing idle connections (llama-server does) must not
+    fail requests that raced the close. Checked by the connection each request came on."""
+    from aiohttp import web
+
+    from kvserve.benchmarks.serve import OpenAIClient, client_session
+    from kvserve.benchmarks.serve_datasets import BenchPrompt
+
+    peers = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for text in ("a", "b"):
+            await response.write(f"data: {json.dumps({'choices': [{'text': text}]})}\n\n".encode())
+        usage = {"choices": [], "usage": {"completion_tokens": 2}}
+        await response.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    async def run() -> list[RequestRecord]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        records = [RequestRecord(3, 2) for _ in range(5)]
+        try:
+            async with client_session() as session:
+                client = OpenAIClient(session, f"http://127.0.0.1:{port}", None, "completions")
+                for record in records:  # one after another: each could have reused the last
+                    await client.stream(BenchPrompt([1, 2, 3], 3, 2), record)
+        finally:
+            await runner.cleanup()
+        return records
+
+    records = asyncio.run(run())
+    assert [r.error for r in records] == [None] * 5 and all(r.output_tokens == 2 for r in records)
+    assert len(set(peers)) == 5
+
+
 # ---- end to end against a real `kvserve serve` ----
 
 def _free_port() -> int:
