@@ -62,9 +62,13 @@ class AutoPlan:
     quantization_config: dict[str, Any] | None = None
     keep_dense_weights: bool = False
     dense_dtype: torch.dtype = torch.float32
-    kernel_max_rows: int = CPU_KERNEL_MAX_ROWS  # more rows take the dense copies
     quantize_lm_head: bool = False
     reasons: list[str] = field(default_factory=list)
+
+    @property
+    def kernel_max_rows(self) -> int:
+        """Rows up to which the weight-only kernels run; more take the dense copies."""
+        return BF16_FROM_ROWS if self.dense_dtype == torch.bfloat16 else CPU_KERNEL_MAX_ROWS
 
 
 def bf16_gemm_speedup(in_features: int, out_features: int, rows: int = _PROBE_ROWS) -> float:
@@ -100,8 +104,11 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
     config = loaded.config
     speedup = bf16_gemm_speedup(config.hidden_size, config.intermediate_size)
     fast_bf16 = speedup >= BF16_MIN_SPEEDUP
-    dense_dtype = torch.bfloat16 if fast_bf16 else torch.float32
-    kernel_rows = BF16_FROM_ROWS if fast_bf16 else CPU_KERNEL_MAX_ROWS
+    plan = AutoPlan(
+        quantization="int4", quantization_config={"group_size": 32}, keep_dense_weights=True,
+        dense_dtype=torch.bfloat16 if fast_bf16 else torch.float32, quantize_lm_head=True,
+    )
+    kernel_rows = plan.kernel_max_rows
     probe = (f"a {_PROBE_ROWS}x{config.hidden_size}x{config.intermediate_size} bf16 GEMM measured "
              f"{speedup:.2f}x the fp32 one on this CPU")
     dense_reason = (
@@ -109,18 +116,14 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
         f"{kernel_rows} rows ({probe}: AMX-class bf16)" if fast_bf16 else
         f"packed fp32 linears kept for prefill-sized inputs ({probe}: fp32 GEMMs are the fast path)"
     )
-    return AutoPlan(
-        quantization="int4", quantization_config={"group_size": 32},
-        keep_dense_weights=True, dense_dtype=dense_dtype, kernel_max_rows=kernel_rows,
-        quantize_lm_head=True,
-        reasons=[
-            f"CPU + GGUF {'/'.join(sorted(types))} linears: int4 group 32 reproduces the file's grid "
-            f"exactly and reads 4x fewer bytes per decode step (torch int4 kernel for <= {kernel_rows} rows)",
-            dense_reason,
-            f"int8 copy of the LM head for up to {kernel_rows} rows "
-            "(4.7x less CPU time than its fp32 GEMV at one row)",
-        ],
-    )
+    plan.reasons = [
+        f"CPU + GGUF {'/'.join(sorted(types))} linears: int4 group 32 reproduces the file's grid "
+        f"exactly and reads 4x fewer bytes per decode step (torch int4 kernel for <= {kernel_rows} rows)",
+        dense_reason,
+        f"int8 copy of the LM head for up to {kernel_rows} rows "
+        "(4.7x less CPU time than its fp32 GEMV at one row)",
+    ]
+    return plan
 
 
 @torch.no_grad()
