@@ -191,10 +191,9 @@ def _case_id(case: tuple, dtype: torch.dtype) -> str:
     return f"{kind}-m{m}-n{n}-k{k}-split{split}-{product}-{str(dtype).removeprefix('torch.')}"
 
 
-def words_case_error(case: WordsCase, dtype: torch.dtype) -> float:
-    layer = _float_linear(case.n, case.k, seed=case.rows)
-    q, scale, minimum = quantize_int4(layer.weight.detach(), case.group_size)
-    offset = None if case.variant == "no_offset" else minimum
+def _words_inputs(case: WordsCase, dtype: torch.dtype) -> tuple[torch.Tensor, LaunchConfig | None]:
+    """A word-kernel case's activations (strided by one element for "unaligned") and its
+    launch config (None: the kernel's default table)."""
     generator = torch.Generator().manual_seed(case.k)
     x = torch.randn(case.rows, case.k + 1, generator=generator).to(dtype)
     x = x[:, 1:] if case.variant == "unaligned" else x[:, :-1].contiguous()
@@ -202,6 +201,14 @@ def words_case_error(case: WordsCase, dtype: torch.dtype) -> float:
     if case.config is not None:
         block_m, block_n, block_k, split = case.config
         config = LaunchConfig(block_m, block_n, block_k, split_k=split, words=case.kernel)
+    return x, config
+
+
+def words_case_error(case: WordsCase, dtype: torch.dtype) -> float:
+    layer = _float_linear(case.n, case.k, seed=case.rows)
+    q, scale, minimum = quantize_int4(layer.weight.detach(), case.group_size)
+    offset = None if case.variant == "no_offset" else minimum
+    x, config = _words_inputs(case, dtype)
     packed = Int4Linear(q, scale, minimum, case.group_size, None)
     assert not packed.kernel_layout
     qweight = packed.qweight.view(case.n, case.k // 2)
@@ -217,13 +224,7 @@ def fp8_words_case_error(case: Fp8WordsCase, dtype: torch.dtype) -> float:
     if case.group_size is not None:
         generator = torch.Generator().manual_seed(case.n)
         scale = torch.rand(case.n, case.k // case.group_size, generator=generator) / 100
-    generator = torch.Generator().manual_seed(case.k)
-    x = torch.randn(case.rows, case.k + 1, generator=generator).to(dtype)
-    x = x[:, 1:] if case.variant == "unaligned" else x[:, :-1].contiguous()
-    config = None
-    if case.config is not None:
-        block_m, block_n, block_k, split = case.config
-        config = LaunchConfig(block_m, block_n, block_k, split_k=split, words=case.kernel)
+    x, config = _words_inputs(case, dtype)
     y = weight_only_matmul(x, layer.qweight, scale, None, case.group_size or case.k, config=config)
     assert y.dtype == dtype and y.shape == (case.rows, case.n)
     groups = layer.qweight.double().reshape(case.n, scale.shape[1], -1) * scale.double()[..., None]
