@@ -11,15 +11,7 @@ from __future__ import annotations
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
-
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "List three primary colors:",
-    "Once upon a time, in a small village,",
-    "The best way to learn a language is",
-]
+from tests.quantization.prompts import CONTINUATIONS as PROMPTS
 
 
 def _params() -> list[SamplingParams]:

@@ -8,3 +8,13 @@ PROMPTS = [
     "def fibonacci(n):",
     "The capital of France is",
 ]
+
+# Sentence starts that SmolLM2 continues at length (engine-level comparisons of whole outputs).
+CONTINUATIONS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three primary colors:",
+    "Once upon a time, in a small village,",
+    "The best way to learn a language is",
+]

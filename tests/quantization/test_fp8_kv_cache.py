@@ -13,14 +13,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from tests.quantization.prompts import CONTINUATIONS
 
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "List three primary colors:",
-    "Once upon a time, in a small village,",
-]
+PROMPTS = CONTINUATIONS[:5]
 NEW_TOKENS = 24
 
 
