@@ -206,6 +206,43 @@ def _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, strid
 
 
 @triton.jit
+def _program_block(M, N, num_tiles, tiles_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows of x and output columns (grid: column blocks, row blocks,
+    splits of K) with their masks, and its K tiles first..last."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(2) * tiles_per_split
+    return rows, cols, rows < M, cols < N, first, tl.minimum(first + tiles_per_split, num_tiles)
+
+
+@triton.jit
+def _dot_tile_pointers(x_ptr, w_ptr, rows, cols, row_mask, col_mask, first, stride_xm, stride_wn,
+                       WORDS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tensor-core kernels' first tile: [BLOCK_N, WORDS] weight words and the
+    transposed [BLOCK_K, BLOCK_M] x, with their masks."""
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (first * WORDS + tl.arange(0, WORDS)[None, :])
+    x_ptrs = x_ptr + rows[None, :] * stride_xm + (first * BLOCK_K + tl.arange(0, BLOCK_K)[:, None])
+    return w_ptrs, col_mask[:, None], x_ptrs, row_mask[None, :]
+
+
+@triton.jit
+def _store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
+                 SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Write the program's block of y ([cols, rows] when TRANSPOSED), or with split K its
+    partial, summed by the last split to finish."""
+    if TRANSPOSED:
+        offs = rows[None, :] * stride_om + cols[:, None]
+        mask = row_mask[None, :] & col_mask[:, None]
+    else:
+        offs = rows[:, None] * stride_om + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT:
+        _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr,
     M, N, num_tiles, tiles_per_split, tiles_per_group, one_bits,
@@ -217,18 +254,12 @@ def _int4_gemv_kernel(
     1 + q / 128 and multiplied on the CUDA cores against up to BLOCK_M rows of x; the group
     scale and offset apply once per tile (a tile lies within one group):
     sum(W x) = 128 scale sum(f x) + (offset - 128 scale) sum(x)."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(2)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    rows, cols, row_mask, col_mask, first, last = _program_block(M, N, num_tiles, tiles_per_split,
+                                                                 BLOCK_M, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
     words = tl.arange(0, WORDS)
     # [rows, cols, words] throughout: the weight load fixes the layout (4 words a thread,
     # every row of x in each thread), so nothing moves between threads inside the loop.
-    first = split * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, num_tiles)
     w_ptrs = w_ptr + cols[None, :, None].to(tl.int64) * stride_wn + (first * WORDS + words[None, None, :])
     w_mask = col_mask[None, :, None]
     x_ptrs = x_ptr + rows[:, None, None] * stride_xm + (first * BLOCK_K + 8 * words[None, None, :])
@@ -255,12 +286,8 @@ def _int4_gemv_kernel(
         w = w_next
         w_ptrs += WORDS
         x_ptrs += BLOCK_K
-    offs = rows[:, None] * stride_om + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
-    if SPLIT:
-        _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
-    else:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
+                 SPLIT, TRANSPOSED=False)
 
 
 @triton.jit
@@ -287,19 +314,11 @@ def _int4_dot_kernel(
     the weight tile is the dot's M side, so on sm_90 it is a wgmma of BLOCK_N rows with
     BLOCK_M >= 16 padded rows of x as its N side). The values 1 + q / 128 are exact in
     bf16 and fp16."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(2)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    rows, cols, row_mask, col_mask, first, last = _program_block(M, N, num_tiles, tiles_per_split,
+                                                                 BLOCK_M, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
-    first = split * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, num_tiles)
-    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (first * WORDS + tl.arange(0, WORDS)[None, :])
-    w_mask = col_mask[:, None]
-    x_ptrs = x_ptr + rows[None, :] * stride_xm + (first * BLOCK_K + tl.arange(0, BLOCK_K)[:, None])
-    x_mask = row_mask[None, :]
+    w_ptrs, w_mask, x_ptrs, x_mask = _dot_tile_pointers(x_ptr, w_ptr, rows, cols, row_mask, col_mask, first,
+                                                        stride_xm, stride_wn, WORDS, BLOCK_K)
     act = x_ptr.dtype.element_ty
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -318,12 +337,8 @@ def _int4_dot_kernel(
         w = w_next
         w_ptrs += WORDS
         x_ptrs += BLOCK_K
-    offs = rows[None, :] * stride_om + cols[:, None]
-    mask = row_mask[None, :] & col_mask[:, None]
-    if SPLIT:
-        _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
-    else:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
+                 SPLIT, TRANSPOSED=True)
 
 
 @triton.jit
@@ -345,16 +360,10 @@ def _fp8_gemv_kernel(
     BLOCK_M rows of x (the int4 "fma" kernel's layout). Per-channel scales apply once at the
     end, to products summed over all tiles (one reduction across threads per program);
     group scales once per tile (a tile lies within one group)."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(2)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    rows, cols, row_mask, col_mask, first, last = _program_block(M, N, num_tiles, tiles_per_split,
+                                                                 BLOCK_M, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 4
     words = tl.arange(0, WORDS)
-    first = split * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, num_tiles)
     w_ptrs = w_ptr + cols[None, :, None].to(tl.int64) * stride_wn + (first * WORDS + words[None, None, :])
     w_mask = col_mask[None, :, None]
     x_ptrs = x_ptr + rows[:, None, None] * stride_xm + (first * BLOCK_K + 4 * words[None, None, :])
@@ -381,12 +390,8 @@ def _fp8_gemv_kernel(
         x_ptrs += BLOCK_K
     if not GROUPED:
         acc = tl.sum(w_x, axis=2) * tl.load(scale_ptr + cols * stride_sn, mask=col_mask, other=0.0)[None, :]
-    offs = rows[:, None] * stride_om + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
-    if SPLIT:
-        _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
-    else:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
+                 SPLIT, TRANSPOSED=False)
 
 
 @triton.jit
@@ -410,19 +415,11 @@ def _fp8_dot_kernel(
     """The e4m3 words upcast to x's dtype and multiplied on tensor cores, transposed as in
     _int4_dot_kernel (W x^T: on sm_90 a wgmma of BLOCK_N weight rows against BLOCK_M >= 16
     padded rows of x)."""
-    pid_n = tl.program_id(0)
-    split = tl.program_id(2)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    rows, cols, row_mask, col_mask, first, last = _program_block(M, N, num_tiles, tiles_per_split,
+                                                                 BLOCK_M, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 4
-    first = split * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, num_tiles)
-    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (first * WORDS + tl.arange(0, WORDS)[None, :])
-    w_mask = col_mask[:, None]
-    x_ptrs = x_ptr + rows[None, :] * stride_xm + (first * BLOCK_K + tl.arange(0, BLOCK_K)[:, None])
-    x_mask = row_mask[None, :]
+    w_ptrs, w_mask, x_ptrs, x_mask = _dot_tile_pointers(x_ptr, w_ptr, rows, cols, row_mask, col_mask, first,
+                                                        stride_xm, stride_wn, WORDS, BLOCK_K)
     act = x_ptr.dtype.element_ty
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -442,12 +439,8 @@ def _fp8_dot_kernel(
         x_ptrs += BLOCK_K
     if not GROUPED:
         acc *= tl.load(scale_ptr + cols * stride_sn, mask=col_mask, other=0.0)[:, None]
-    offs = rows[None, :] * stride_om + cols[:, None]
-    mask = row_mask[None, :] & col_mask[:, None]
-    if SPLIT:
-        _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
-    else:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
+                 SPLIT, TRANSPOSED=True)
 
 
 @dataclass(frozen=True)
