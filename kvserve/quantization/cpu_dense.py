@@ -15,6 +15,7 @@ SmolLM2 step), and the dtype casts stay outside it, where inductor fuses them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 
@@ -28,16 +29,28 @@ _PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDicti
 _handles = itertools.count()
 
 
+@functools.cache
+def packing_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU: fp32 anywhere mkldnn is built, bf16
+    only with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; an AVX2-only CPU refuses the reorder."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), _PACK_ROWS_HINT)
+    except RuntimeError:
+        return False
+    return True
+
+
 class DenseWeight:
     """A float weight for the dense path: in oneDNN's layout with its op handle where
-    packing applies (`pack`, CPU, fp32/bf16), else the plain tensor (the caller's own when
-    it already has `dtype`: no copy)."""
+    packing applies (`pack`, CPU, a dtype this CPU packs), else the plain tensor (the
+    caller's own when it already has `dtype`: no copy)."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, pack: bool = True) -> None:
         weight = weight.detach().to(dtype)
         self.handle: int | None = None
-        if (pack and weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                and torch.backends.mkldnn.is_available()):
+        if pack and weight.device.type == "cpu" and packing_supported(dtype):
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
             self.handle = next(_handles)
             _PACKED[self.handle] = weight

@@ -10,6 +10,8 @@ so it takes z = minimum + 8 * s.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -17,7 +19,9 @@ from kvserve.quantization.base import QuantizationMethod, QuantizedLinear
 
 DEFAULT_GROUP_SIZES = (128, 64, 32)
 _KERNEL_GROUP_SIZES = (32, 64, 128, 256)
-_KERNEL_BLOCK_N = 64  # the CPU kernel's packed layout interleaves 64-row blocks
+# The CPU kernel's packed layout interleaves blocks of rows: 64 where torch runs its AVX-512
+# code, 32 under AVX2.
+_KERNEL_BLOCK_SIZES = (64, 32)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,11 +52,23 @@ def _unpack_nibbles(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).flatten()[: n * k].reshape(n, k)
 
 
-def _unpack_kernel_layout(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    # Byte j of a 64-row block at column c holds row j (low nibble) and row j + 32 (high).
-    blocks = packed.reshape(n // _KERNEL_BLOCK_N, k, _KERNEL_BLOCK_N // 2)
+def _unpack_kernel_layout(packed: torch.Tensor, n: int, k: int, block_n: int) -> torch.Tensor:
+    # Byte j of a block of B rows at column c holds row j (low nibble) and row j + B/2 (high).
+    blocks = packed.reshape(n // block_n, k, block_n // 2)
     rows = torch.cat([blocks & 15, blocks >> 4], dim=-1)
     return rows.permute(0, 2, 1).reshape(n, k)
+
+
+@functools.cache
+def kernel_block_rows() -> int | None:
+    """Rows per block of the CPU kernel's packed layout on this CPU; None where the layout
+    is none we can read back (the layout is torch-internal: only a verified one is used)."""
+    q = torch.randint(0, 16, (64, 32), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    for block_n in _KERNEL_BLOCK_SIZES:
+        if torch.equal(_unpack_kernel_layout(packed, 64, 32, block_n), q.to(torch.uint8)):
+            return block_n
+    return None
 
 
 class Int4Linear(QuantizedLinear):
@@ -75,12 +91,15 @@ class Int4Linear(QuantizedLinear):
 
     def _try_kernel_layout(self, q: torch.Tensor) -> bool:
         n, k = q.shape
-        if self.group_size not in _KERNEL_GROUP_SIZES or n % _KERNEL_BLOCK_N or q.device.type != "cpu":
+        block_n = kernel_block_rows()
+        if (self.group_size not in _KERNEL_GROUP_SIZES or block_n is None or n % block_n
+                or q.device.type != "cpu"):
             return False
         packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # The layout is torch-internal: keep it only if we can read it back exactly.
-        if not torch.equal(_unpack_kernel_layout(packed, n, k), q):
+        if not torch.equal(_unpack_kernel_layout(packed, n, k, block_n), q):
             return False
+        self.kernel_block_n = block_n
         self.register_buffer("qweight", packed)
         zero = self.minimum + 8 * self.scale
         scales_and_zeros = torch.stack([self.scale, zero], dim=-1).transpose(0, 1).contiguous()
@@ -92,15 +111,17 @@ class Int4Linear(QuantizedLinear):
         if self.kernel_layout and self.qweight.device.type != "cpu":
             # torch's CPU kernel layout means nothing elsewhere (a checkpoint's layers are
             # built on the CPU, then moved): plain nibble pairs are what the GPU kernel reads.
-            q = _unpack_kernel_layout(self.qweight, self.out_features, self.in_features)
+            q = self.unpacked()
             self.qweight = _pack_nibbles(q)
             del self.kernel_scales_and_zeros
             self.kernel_layout = False
         return self
 
     def unpacked(self) -> torch.Tensor:
-        unpack = _unpack_kernel_layout if self.kernel_layout else _unpack_nibbles
-        return unpack(self.qweight, self.out_features, self.in_features)
+        if self.kernel_layout:
+            return _unpack_kernel_layout(self.qweight, self.out_features, self.in_features,
+                                         self.kernel_block_n)
+        return _unpack_nibbles(self.qweight, self.out_features, self.in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int4(self.unpacked(), self.scale, self.minimum).to(dtype)
