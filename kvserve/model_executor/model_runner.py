@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.attention.key_rotation import key_rotation
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.selector import get_attn_backend
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, as_storage
@@ -161,8 +162,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _calibrate_kv_scales(self) -> None:
         """Per-layer scales of a float8 cache: a forward of random tokens into a cache of
-        the model's dtype, each layer's largest |K| and |V| (times the headroom) mapped to
-        the float8 maximum."""
+        the model's dtype, each layer's largest |K| (in the rotated basis the float8 cache
+        stores keys in) and |V|, times the headroom, mapped to the float8 maximum."""
         config = self.model_config
         num_tokens = min(KV_CALIBRATION_TOKENS, self.scheduler_config.max_num_batched_tokens)
         num_blocks = -(-num_tokens // self.block_size)
@@ -176,10 +177,12 @@ class ModelRunner:
                                   [list(range(num_blocks))])
         self.model(input_ids.to(self.device), positions, caches, metadata)
         fp8_max = torch.finfo(self.kv_cache_dtype).max
+        rotation = key_rotation(config.head_dim, self.device, torch.float32)
         scales = []
         for layer, cache in zip(self.model.model.layers, caches, strict=True):
-            amax = cache.abs().amax(dim=(1, 2, 3, 4)).float().clamp_min(1e-6)
-            k_scale, v_scale = (amax * KV_SCALE_HEADROOM / fp8_max).tolist()
+            keys, values = cache.float()
+            amax = torch.stack([(keys @ rotation).abs().amax(), values.abs().amax()])
+            k_scale, v_scale = (amax.clamp_min(1e-6) * KV_SCALE_HEADROOM / fp8_max).tolist()
             layer.self_attn.kv_scales = (k_scale, v_scale)
             scales += [k_scale, v_scale]
         logger.info(

@@ -1,10 +1,11 @@
 """float8 KV cache on CPU: four times the fp32 blocks, and close to the fp32 cache's output.
 
 Measured on SmolLM2 (24 greedy tokens, these prompts): a bf16 cache decodes all 5 prompts
-exactly as the fp32 cache; e4m3 with calibrated per-layer scales 1 of 5 (the others diverge
-after 0, 13, 16 and 21 tokens) with 94% teacher-forced top-1 agreement — e4m3's 3 mantissa bits,
-not its range, are the limit on this model. The thresholds below catch a broken cache
-(wrong scale, wrong slot: agreement collapses) without claiming more than was measured.
+exactly as the fp32 cache. e4m3 with calibrated per-layer scales and keys stored unrotated:
+1 of 5 (the others diverge after 0, 13, 16 and 21 tokens), 94-95% teacher-forced top-1
+agreement; with keys in the Hadamard basis (key_rotation.py): 2 of 5 (diverging after 15, 19
+and 21 tokens, at near-ties whose margins e4m3's rounding noise exceeds), 115 of 120 (95.8%).
+The issue asks for 3 of 5, which is not reached; the top-1 threshold is the issue's 95%.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def test_fp8_cache_greedy_and_top1_close_to_fp32_cache(smollm2_loaded):
     reference = _greedy(LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB"))
     fp8 = LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", kv_cache_dtype="fp8")
     same = sum(a == b for a, b in zip(_greedy(fp8), reference))
-    assert same >= 1, f"only {same} of 5 prompts decode identically with an fp8 cache"
+    assert same >= 2, f"only {same} of 5 prompts decode identically with an fp8 cache"
 
     # Teacher-forced top-1 agreement: feed each prompt plus the fp32 cache's greedy tokens
     # to the fp8 engine and check its argmax at every generated position.
@@ -59,7 +60,7 @@ def test_fp8_cache_greedy_and_top1_close_to_fp32_cache(smollm2_loaded):
             entry = out.prompt_logprobs[len(ids) + position]
             agree += max(entry, key=entry.get) == token
             total += 1
-    assert agree / total > 0.93, f"top-1 agreement {agree}/{total}"
+    assert agree / total > 0.95, f"top-1 agreement {agree}/{total}"
 
 
 def test_unknown_kv_cache_dtype_is_rejected(smollm2_loaded):

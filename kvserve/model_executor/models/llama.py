@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.key_rotation import rotate_queries_and_keys
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.torch_ref import TorchReferenceBackend
+from kvserve.attention.torch_ref import FLOAT8_DTYPES, TorchReferenceBackend
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.activation import SiluAndMul
 from kvserve.model_executor.layers.layernorm import RMSNorm
@@ -57,6 +58,8 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache.dtype in FLOAT8_DTYPES:
+            q, k = rotate_queries_and_keys(q, k)
         out = self.attn_backend.forward(
             q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales
         )
