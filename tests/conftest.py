@@ -11,8 +11,10 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-# Two cores: keep torch from oversubscribing them alongside pytest.
-torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+# Keep torch from oversubscribing the cores: pytest-xdist's workers (scripts/test.sh runs one
+# per core) share them.
+torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)
+                          // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture(autouse=True)
