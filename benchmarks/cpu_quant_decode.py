@@ -2,7 +2,9 @@
 step (what `kvserve serve` runs), at batch 1 and 16: medians of 3 rounds of 64-token prompts
 and 64 greedy tokens. One quantization per process (each compiles its own graphs):
 
-    for q in none int8 gguf auto; do python benchmarks/cpu_quant_decode.py $q; done
+    for q in none int8 int8-head gguf auto; do python benchmarks/cpu_quant_decode.py $q; done
+
+`int8-head` is int8 with its LM head option (`quantization_config={"lm_head": true}`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ from kvserve.benchmarks.cpu_decode import DecodeStepTimer, run_round
 from kvserve.llm import LLM
 
 
+# Names that are a quantization plus its config.
+VARIANTS = {"none": (None, None), "int8-head": ("int8", {"lm_head": True})}
+
+
 def main(name: str) -> None:
+    quantization, config = VARIANTS.get(name, (name, None))
     start = time.perf_counter()
-    llm = LLM(model=None, quantization=None if name == "none" else name, compile_decode=True,
+    llm = LLM(model=None, quantization=quantization, quantization_config=config, compile_decode=True,
               max_num_seqs=16, enable_prefix_caching=False, max_num_batched_tokens=512)
     load_s = time.perf_counter() - start
     timer = DecodeStepTimer(llm)

@@ -143,6 +143,10 @@ class QuantizationMethod(ABC):
     def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
         """Build the quantized replacement of a loaded float layer."""
 
+    def quantize_lm_head(self, model: nn.Module) -> None:
+        """Add a quantized copy of the LM head where the method's config asks for it (by
+        default the head stays in the run dtype)."""
+
 
 @dataclass
 class QuantizationReport:
@@ -154,8 +158,9 @@ class QuantizationReport:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: QuantizationMethod) -> QuantizationReport:
-    """Swap every nn.Linear except the LM head for the method's quantized layer; every
-    layer is checked before any is converted, so a bad config leaves the model intact."""
+    """Swap every nn.Linear except the LM head for the method's quantized layer (the head
+    only where the method says so); every layer is checked before any is converted, so a
+    bad config leaves the model intact."""
     targets = [
         (name, module) for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in _SKIPPED_LAYERS
@@ -169,4 +174,5 @@ def quantize_model(model: nn.Module, method: QuantizationMethod) -> Quantization
         setattr(model.get_submodule(parent_name), attr, quantized)
         bytes_before += layer.weight.numel() * layer.weight.element_size()
         bytes_after += quantized.weight_bytes()
+    method.quantize_lm_head(model)
     return QuantizationReport(method.name, len(targets), bytes_before, bytes_after)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS, QuantizationMethod, QuantizedLinear
+from kvserve.quantization.cpu_kernels import int8_matmul_op
+
+logger = logging.getLogger(__name__)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,14 +31,20 @@ class Int8Linear(QuantizedLinear):
         # torch's CPU kernel wants bf16 scales and crashes on some odd K (seen at K=51).
         self.register_buffer("kernel_scale", scale.to(torch.bfloat16), persistent=False)
         self.has_kernel = self.in_features % 16 == 0
+        # kvserve's own kernel for fp32 activations (cpu_kernels.py), built here rather than
+        # in the first (possibly compiled) call; not on GPU machines, which run Triton.
+        self.own_kernel = None if torch.cuda.is_available() else int8_matmul_op()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.qweight.to(torch.float32) * self.scale[:, None]).to(dtype)
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.own_kernel is not None and x.dtype == torch.float32:
+            y = self.own_kernel(x.reshape(-1, self.in_features), self.qweight, self.scale)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if not self.has_kernel:
             return None
-        # With fp32 activations the op is slower than a fp32 matmul; bf16 is its fast path.
+        # With fp32 activations torch's op is slower than a fp32 matmul; bf16 is its fast path.
         y = torch._weight_int8pack_mm(
             x.reshape(-1, self.in_features).to(torch.bfloat16), self.qweight, self.kernel_scale
         )
@@ -104,10 +115,37 @@ class GroupInt8Linear(QuantizedLinear):
 
 
 class Int8Method(QuantizationMethod):
+    """Per-channel int8 linears; `quantization_config={"lm_head": true}` adds an int8 copy
+    of the LM head for decode-sized CPU inputs (the float head stays for the embedding
+    lookup and for larger inputs): on CPU the head is a fifth of SmolLM2's weight bytes."""
+
     name = "int8"
+
+    def __init__(self, config: dict | None = None) -> None:
+        super().__init__(config)
+        self.lm_head = self.config.get("lm_head", False)
+        if not isinstance(self.lm_head, bool):
+            raise ValueError(f"quantization='int8': lm_head must be true or false, got {self.lm_head!r}")
+
+    def config_keys(self) -> tuple[str, ...]:
+        return ("lm_head",)
 
     def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
         return Int8Linear(layer)
+
+    def quantize_lm_head(self, model: nn.Module) -> None:
+        if not self.lm_head:
+            return
+        device = next(model.parameters()).device
+        if device.type != "cpu":
+            raise ValueError(f"quantization='int8' with lm_head: the int8 LM head is for CPU "
+                             f"decode; the model is on {device}")
+        head = quantize_lm_head(model)
+        if head is None:
+            raise ValueError("quantization='int8' with lm_head: the LM head's input size is not "
+                             "a multiple of 16, which torch's int8 kernel needs")
+        logger.info("quantization=int8: an int8 copy of the LM head for decode (%.1f MB)",
+                    head.weight_bytes() / 1e6)
 
 
 @torch.no_grad()

@@ -1,0 +1,36 @@
+"""`quantization="int8"` with `quantization_config={"lm_head": true}`: an int8 copy of the
+LM head for decode rows, checked against the fp32 head of the same GGUF weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.model_executor.loader import load_model
+from kvserve.quantization.int8 import Int8Linear
+
+
+def test_int8_lm_head_tracks_the_fp32_head(smollm2_path, smollm2_loaded):
+    loaded = load_model(smollm2_path, dtype=torch.float32, quantization="int8",
+                        quantization_config={"lm_head": True})
+    head = loaded.model.quantized_lm_head
+    assert isinstance(head, Int8Linear)
+    embed = smollm2_loaded.model.model.embed_tokens.weight
+    torch.manual_seed(0)
+    hidden = smollm2_loaded.model.model.norm(embed[torch.randint(0, embed.shape[0], (6,))] * 30)
+    reference = torch.nn.functional.linear(hidden, embed)
+    for rows in (1, 6):
+        logits = loaded.model.compute_logits(hidden[:rows])
+        scale = reference[:rows].abs().amax(dim=-1, keepdim=True)
+        assert ((logits - reference[:rows]).abs() / scale).max() < 0.03, rows
+        assert torch.equal(logits.argmax(-1), reference[:rows].argmax(-1)), rows
+    # The float embedding is untouched (token lookups), and without the option no copy.
+    assert torch.equal(loaded.model.model.embed_tokens.weight, embed)
+    plain = load_model(smollm2_path, dtype=torch.float32, quantization="int8")
+    assert plain.model.quantized_lm_head is None
+
+
+def test_int8_lm_head_option_must_be_a_bool(smollm2_path):
+    with pytest.raises(ValueError, match="lm_head must be true or false, got 'yes'"):
+        load_model(smollm2_path, dtype=torch.float32, quantization="int8",
+                   quantization_config={"lm_head": "yes"})
