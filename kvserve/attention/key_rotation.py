@@ -33,9 +33,14 @@ def key_rotation(head_dim: int, device: torch.device, dtype: torch.dtype) -> tor
     return basis.to(device=device, dtype=dtype)
 
 
+def to_key_basis(heads: torch.Tensor) -> torch.Tensor:
+    """[T, heads, head_dim] queries or keys (or both, stacked along heads) in the float8
+    cache's key basis."""
+    return heads @ key_rotation(heads.shape[-1], heads.device, heads.dtype)
+
+
 def rotate_queries_and_keys(
     query: torch.Tensor, key: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, heads, head_dim] queries and keys in the float8 cache's key basis."""
-    rotation = key_rotation(query.shape[-1], query.device, query.dtype)
-    return query @ rotation, key @ rotation
+    return to_key_basis(query), to_key_basis(key)

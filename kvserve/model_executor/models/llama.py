@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
-from kvserve.attention.key_rotation import rotate_queries_and_keys
+from kvserve.attention.key_rotation import rotate_queries_and_keys, to_key_basis
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, TorchReferenceBackend
 from kvserve.config import ModelConfig
@@ -49,17 +49,24 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        q_and_k, v = self.qkv_proj(hidden_states).split(
+            [self.q_size + self.kv_size, self.kv_size], dim=-1
         )
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        heads = q_and_k.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
+            q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if kv_cache.dtype in FLOAT8_DTYPES:
-            q, k = rotate_queries_and_keys(q, k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if kv_cache.dtype in FLOAT8_DTYPES:
+                q, k = rotate_queries_and_keys(q, k)
+        else:
+            # q and k are adjacent heads of the fused projection: one rotary launch (and one
+            # basis change for a float8 cache) covers both.
+            heads = apply_rotary(heads, cos, sin)
+            if kv_cache.dtype in FLOAT8_DTYPES:
+                heads = to_key_basis(heads)
+            q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn_backend.forward(
             q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales
         )
