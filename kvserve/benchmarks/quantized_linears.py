@@ -55,7 +55,8 @@ _OLD_SWEEP = {
 }
 _INT4_FMA = [LaunchConfig(1, bn, bk, num_warps=nw, num_stages=1, waves=waves, words="fma")
              for bn, bk, nw, waves in ((256, 128, 4, 4), (256, 128, 4, 8), (128, 128, 4, 4), (128, 128, 4, 8),
-                                       (128, 128, 2, 8), (64, 256, 4, 4), (128, 256, 4, 4))]
+                                       (128, 128, 2, 8), (64, 256, 4, 4), (128, 256, 4, 4), (128, 128, 4, 2),
+                                       (32, 256, 4, 4), (64, 256, 4, 2), (128, 256, 4, 2), (64, 256, 8, 4))]
 _INT4_DOT = [LaunchConfig(16, bn, bk, num_warps=nw, num_stages=stages, waves=waves, words="dot")
              for bn, bk, nw, stages, waves in ((128, 128, 4, 1, 2), (128, 128, 4, 1, 4), (64, 128, 4, 1, 4),
                                                (256, 128, 8, 1, 2), (128, 128, 4, 3, 2))]
@@ -203,12 +204,15 @@ def _sweep_cell(config: LaunchConfig, t: LinearTime, error: float) -> str:
     return f"[{config_label(config)}] {t.us:.1f} ({t.of_floor:.0%}){wrong}"
 
 
-def sweep(bandwidth: float, formats: list[str]) -> list[dict]:
-    """Every sweep config of each format on the engine's linears, bf16 beside them; prints
-    each (format, rows) ranking per step's linears, fastest first."""
+def sweep(bandwidth: float, formats: list[str], row_counts: list[int]) -> list[dict]:
+    """Every sweep config of each format at the given row counts (those the sweep has
+    configs for) on the engine's linears, bf16 beside them; prints each (format, rows)
+    ranking per step's linears, fastest first."""
     results = []
     for fmt in formats:
         for rows, configs in SWEEP_CONFIGS[fmt].items():
+            if rows not in row_counts:
+                continue
             step_us = {"bf16 cuBLAS": 0.0} | {config_label(c): 0.0 for c in configs}
             floor_us = 0.0
             for name, n, k in LLAMA3_8B_ENGINE_LINEARS:
@@ -232,7 +236,9 @@ def sweep(bandwidth: float, formats: list[str]) -> list[dict]:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="1,16", help="Comma-separated row counts (batch of tokens).")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"Comma-separated, of {', '.join(FORMATS)}.")
-    parser.add_argument("--sweep", action="store_true", help="Also time some of the Triton kernels' launch configs.")
+    parser.add_argument("--sweep", action="store_true",
+                        help="Also time some of the Triton kernels' launch configs (at the --rows counts it has "
+                             "configs for).")
     parser.add_argument("--sweep-formats", default=",".join(SWEEP_FORMATS),
                         help=f"Comma-separated formats --sweep times, of {', '.join(SWEEP_FORMATS)}.")
     parser.add_argument("--output-json", default=None, help="Write the results to this file.")
@@ -267,7 +273,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                 for fmt in formats}
         print(f"rows {rows}: linears of one llama3-8b step (ms): "
               + ", ".join(f"{fmt} {ms:.2f}" for fmt, ms in step.items()))
-    sweep_results = sweep(bandwidth, sweep_formats) if args.sweep else []
+    sweep_results = sweep(bandwidth, sweep_formats, rows_list) if args.sweep else []
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "bandwidth_bytes_per_s": bandwidth,

@@ -15,7 +15,8 @@ tiles of K, always take these kernels.
 (FP8_DECODE_CONFIGS) take the int32-word kernels instead, multiplied on the CUDA cores
 ("fma", few rows) or on tensor cores ("dot": W x^T, a wgmma on sm_90). 4-bit: 8 nibbles a
 load, each put into the mantissa of 1.0f by a shift and one LOP3 (f = 1 + q / 128, no
-int-to-float conversion); 128 scale and (offset - 128 scale) * sum(x) apply once per tile.
+int-to-float conversion); 128 scale and (offset - 128 scale) * sum(x) apply per group, and
+a tile may hold two groups (longer runs of each weight row per load).
 fp8: 4 e4m3 values a load, each byte converted by the hardware (exact); per-channel scales
 apply once at the end, group scales once per tile. Their split-K partials are summed
 inside the kernel, in split order, by the last split to finish: one launch per linear.
@@ -188,6 +189,42 @@ def _load_x_pair(x_ptrs, pair: tl.constexpr, mask, X_BF16: tl.constexpr):
 
 
 @triton.jit
+def _load_x_words(x_ptrs, mask, X_BF16: tl.constexpr):
+    """The 8 values of x at x_ptrs[0..7] as stored, in 4 pairs: a bf16 pair as one int32,
+    other dtypes as (even, odd) tensors. Widened by _widen_x_pair where they are used, so
+    a load issued a tile ahead is not waited for at once."""
+    if X_BF16:
+        bits = x_ptrs.to(tl.pointer_type(tl.int32))
+        return (tl.load(bits, mask=mask, other=0), tl.load(bits + 1, mask=mask, other=0),
+                tl.load(bits + 2, mask=mask, other=0), tl.load(bits + 3, mask=mask, other=0))
+    else:
+        return ((tl.load(x_ptrs, mask=mask, other=0.0), tl.load(x_ptrs + 1, mask=mask, other=0.0)),
+                (tl.load(x_ptrs + 2, mask=mask, other=0.0), tl.load(x_ptrs + 3, mask=mask, other=0.0)),
+                (tl.load(x_ptrs + 4, mask=mask, other=0.0), tl.load(x_ptrs + 5, mask=mask, other=0.0)),
+                (tl.load(x_ptrs + 6, mask=mask, other=0.0), tl.load(x_ptrs + 7, mask=mask, other=0.0)))
+
+
+@triton.jit
+def _widen_x_pair(pair, X_BF16: tl.constexpr):
+    """One pair of _load_x_words as fp32 (even, odd); bf16 widens by moving bits."""
+    if X_BF16:
+        return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
+    else:
+        return pair[0].to(tl.float32), pair[1].to(tl.float32)
+
+
+@triton.jit
+def _group_scale_offset(scale_ptrs, offset_ptrs, group, mask, HAS_OFFSET: tl.constexpr):
+    """128 scale and offset - 128 scale of the groups at scale_ptrs + group (the values
+    are f = 1 + q / 128)."""
+    scale = 128.0 * tl.load(scale_ptrs + group, mask=mask, other=0.0)
+    if HAS_OFFSET:
+        return scale, tl.load(offset_ptrs + group, mask=mask, other=0.0) - scale
+    else:
+        return scale, -scale
+
+
+@triton.jit
 def _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps):
     """Split-K without a second kernel: every split leaves its fp32 partial, and the last of
     an output tile's splits to arrive (an acq_rel counter) sums them all in split order
@@ -248,46 +285,66 @@ def _int4_gemv_kernel(
     M, N, num_tiles, tiles_per_split, tiles_per_group, one_bits,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
     X_BF16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO_GROUPS: tl.constexpr,
 ):
     """4-bit weights as int32 words of 8 nibbles, unpacked with shifts and masks into fp32
-    1 + q / 128 and multiplied on the CUDA cores against up to BLOCK_M rows of x; the group
-    scale and offset apply once per tile (a tile lies within one group):
-    sum(W x) = 128 scale sum(f x) + (offset - 128 scale) sum(x)."""
+    1 + q / 128 and multiplied on the CUDA cores against up to BLOCK_M rows of x:
+    sum(W x) = 128 scale sum(f x) + (offset - 128 scale) sum(x) within each group.
+
+    A tile lies within one group, or (TWO_GROUPS) holds two whole groups, its halves: a
+    weight row is then read in runs of two groups' bytes (128 for 128-wide groups), which
+    the DRAM serves faster than one group's 64. Everything a tile needs (its words, x,
+    the groups' scales and offsets) is loaded one tile ahead; each thread keeps per-word
+    partial sums, the scale applied lane by lane (one cross-thread reduction, at the end);
+    the tiles advance scalar base pointers under fixed 32-bit offsets."""
     rows, cols, row_mask, col_mask, first, last = _program_block(M, N, num_tiles, tiles_per_split,
                                                                  BLOCK_M, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
+    TILE_GROUPS: tl.constexpr = 2 if TWO_GROUPS else 1
     words = tl.arange(0, WORDS)
     # [rows, cols, words] throughout: the weight load fixes the layout (4 words a thread,
     # every row of x in each thread), so nothing moves between threads inside the loop.
-    w_ptrs = w_ptr + cols[None, :, None].to(tl.int64) * stride_wn + (first * WORDS + words[None, None, :])
+    w_offsets = cols[None, :, None] * stride_wn + words[None, None, :]
+    w_tile = w_ptr + first * WORDS
     w_mask = col_mask[None, :, None]
-    x_ptrs = x_ptr + rows[:, None, None] * stride_xm + (first * BLOCK_K + 8 * words[None, None, :])
+    x_tile = x_ptr + rows[:, None, None] * stride_xm + (first * BLOCK_K + 8 * words[None, None, :])
     x_mask = row_mask[:, None, None]
+    scale_ptrs = scale_ptr + cols * stride_sn
+    offset_ptrs = offset_ptr + cols * stride_sn
+    second_half = (words >= WORDS // 2)[None, None, :]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w = tl.load(w_ptrs, mask=w_mask, other=0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)
+    w = tl.load(w_tile + w_offsets, mask=w_mask, other=0)
+    x01, x23, x45, x67 = _load_x_words(x_tile, x_mask, X_BF16)
+    group = first * TILE_GROUPS // tiles_per_group
+    scale, offset = _group_scale_offset(scale_ptrs, offset_ptrs, group, col_mask, HAS_OFFSET)
+    scale2, offset2 = _group_scale_offset(scale_ptrs, offset_ptrs, group + 1, col_mask & TWO_GROUPS, HAS_OFFSET)
     for tile in range(first, last):
-        # The next tile's words are in flight while this one is multiplied.
-        w_next = tl.load(w_ptrs + WORDS, mask=w_mask & (tile + 1 < last), other=0)
+        more = tile + 1 < last
+        w_next = tl.load(w_tile + WORDS + w_offsets, mask=w_mask & more, other=0)
+        x_next = _load_x_words(x_tile + BLOCK_K, x_mask & more, X_BF16)
+        group = (tile + 1) * TILE_GROUPS // tiles_per_group
+        scale_next, offset_next = _group_scale_offset(scale_ptrs, offset_ptrs, group, col_mask & more, HAS_OFFSET)
+        scale2_next, offset2_next = _group_scale_offset(scale_ptrs, offset_ptrs, group + 1,
+                                                        col_mask & more & TWO_GROUPS, HAS_OFFSET)
         f_x = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)
         x_sum = tl.zeros((BLOCK_M, 1, WORDS), dtype=tl.float32)
         for pair in tl.static_range(4):
-            x_even, x_odd = _load_x_pair(x_ptrs, pair, x_mask, X_BF16)
+            x_even, x_odd = _widen_x_pair((x01, x23, x45, x67)[pair], X_BF16)
             f_x += _nibble(w, 2 * pair, one_bits) * x_even
             f_x += _nibble(w, 2 * pair + 1, one_bits) * x_odd
             x_sum += x_even + x_odd
-        group = tile // tiles_per_group
-        scale = 128.0 * tl.load(scale_ptr + cols * stride_sn + group, mask=col_mask, other=0.0)
-        offset = -scale
-        if HAS_OFFSET:
-            offset += tl.load(offset_ptr + cols * stride_sn + group, mask=col_mask, other=0.0)
-        acc += tl.sum(f_x, axis=2) * scale[None, :] + tl.sum(x_sum, axis=2) * offset[None, :]
-        w = w_next
-        w_ptrs += WORDS
-        x_ptrs += BLOCK_K
-    _store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
-                 SPLIT, TRANSPOSED=False)
+        if TWO_GROUPS:
+            acc += (f_x * tl.where(second_half, scale2[None, :, None], scale[None, :, None])
+                    + x_sum * tl.where(second_half, offset2[None, :, None], offset[None, :, None]))
+        else:
+            acc += f_x * scale[None, :, None] + x_sum * offset[None, :, None]
+        w, scale, offset, scale2, offset2 = w_next, scale_next, offset_next, scale2_next, offset2_next
+        x01, x23, x45, x67 = x_next
+        w_tile += WORDS
+        x_tile += BLOCK_K
+    _store_block(tl.sum(acc, axis=2), rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr,
+                 stride_om, stride_ps, SPLIT, TRANSPOSED=False)
 
 
 @triton.jit
@@ -460,10 +517,11 @@ class LaunchConfig:
 
 # 4-bit weights, (most rows, config): the first entry that covers the row count. The fastest
 # per step's linears of `kvserve bench quantized-linears --sweep --sweep-formats int4` on an
-# H100 (llama3-8b, BENCHMARKS.md): 1 row 2.53 ms (bf16 cuBLAS 5.17), 4 rows 4.05, 16 rows
-# 4.20, 64 rows 8.49 (bf16 5.38: above 16 rows 4-bit weights cost time, they save memory).
+# H100 (llama3-8b, BENCHMARKS.md): 1 row 2.36 ms (tiles of two 128-wide groups; bf16 cuBLAS
+# 5.17), 4 rows 4.05, 16 rows 4.20, 64 rows 8.49 (bf16 5.38: above 16 rows 4-bit weights
+# cost time, they save memory).
 INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
-    (1, LaunchConfig(1, 64, 256, num_stages=1, waves=4, words="fma")),
+    (1, LaunchConfig(1, 128, 256, num_stages=1, waves=2, words="fma")),
     (SMALL_ROWS, LaunchConfig(16, 64, 128, num_stages=1, waves=4, words="dot")),
     (64, LaunchConfig(64, 64, 128, num_stages=1, waves=2, words="dot")),
 )
@@ -566,6 +624,8 @@ def _words_matmul(
     else:
         kernel = _int4_dot_kernel if dot else _int4_gemv_kernel
         pointers, flags["HAS_OFFSET"] = (scale, offset if offset is not None else scale), offset is not None
+        if not dot:
+            flags["TWO_GROUPS"] = block_k == 2 * group_size
     # 1.0f as a run-time value: ptxas then merges mask and OR into one LOP3.
     one_bits = () if fp8 else (0x3F800000,)
     kernel[(grid_n, grid_m, split)](
@@ -598,6 +658,9 @@ def weight_only_matmul(
     m = rows.shape[0]
     config = config or default_config(m, four_bit, fp8)
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
+    two_groups = config.block_k == 2 * group_size and group_size % 32 == 0 and in_features % config.block_k == 0
+    if four_bit and config.words == "fma" and two_groups:
+        block_k = config.block_k  # the 4-bit CUDA-core kernel's tiles may hold two groups
     if block_k is None or (four_bit and in_features % block_k):
         return None
     if config.words and _words_apply(qweight, in_features, block_k, four_bit, fp8):

@@ -126,10 +126,17 @@ class WordsCase(NamedTuple):
         return f"words-{self.kernel}-m{self.rows}-n{self.n}-k{self.k}-g{self.group_size}-{config}-{self.variant}"
 
 
-# Odd N, group sizes 32 / 64 / 128 (block_k is halved down to the group), groups of one
-# and of two tiles, rows 1..40 with several row blocks, split-K with uneven splits (summed
-# in the kernel), the defaults.
+# Odd N, group sizes 32 / 64 / 128 (block_k is halved down to the group, or for "fma" is
+# kept where it is two groups), groups of one and of two tiles and tiles of two groups,
+# rows 1..40 with several row blocks, split-K with uneven splits (summed in the kernel),
+# the defaults.
 WORDS_CASES = [
+    WordsCase("fma", 1, 37, 256, 32, (1, 16, 64, 3)),
+    WordsCase("fma", 3, 33, 512, 64, (2, 16, 128, 2)),
+    WordsCase("fma", 2, 19, 256, 128, (1, 16, 256, None)),
+    WordsCase("fma", 1, 37, 512, 128, (1, 32, 256, 2), "unaligned"),
+    WordsCase("fma", 2, 21, 512, 128, (1, 16, 256, 2), "no_offset"),
+    WordsCase("fma", 1, 37, 384, 128, (1, 16, 256, 2)),  # K is not whole two-group tiles
     WordsCase("fma", 1, 37, 128, 32, (1, 16, 128, None)),
     WordsCase("fma", 1, 45, 256, 64, (1, 32, 64, 3)),
     WordsCase("fma", 2, 33, 256, 128, (2, 16, 64, 2)),
