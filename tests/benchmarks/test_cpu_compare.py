@@ -61,6 +61,11 @@ def test_llama_cpp_build_names_the_cpu_isas_instead_of_native():
     assert isa_cmake_flags(None) == ["-DGGML_NATIVE=ON"]
 
 
+# Three Python processes (server, warm-up and measured client): ~50 s alone, ~100 s beside
+# another test worker. The server and `bench serve` it drives have their own tests
+# (tests/entrypoints, tests/benchmarks/test_bench_serve.py), and this file checks the
+# table and summary by hand; run it with `pytest -m slow tests/benchmarks`.
+@pytest.mark.slow
 def test_quick_mode_runs_kvserve_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(
