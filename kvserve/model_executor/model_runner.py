@@ -18,6 +18,7 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
+from kvserve.quantization.cpu_kernels import float_matmul_op
 from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class ModelRunner:
             device, attention_backend, model_config.sliding_window
         )
         model.set_attn_backend(self.attn_backend)
+        if device.type == "cpu":
+            float_matmul_op()  # the LM head's kernel: built (once per machine) before the first request
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
@@ -16,6 +15,7 @@ from kvserve.attention.torch_ref import FLOAT8_DTYPES, TorchReferenceBackend
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.activation import SiluAndMul
 from kvserve.model_executor.layers.layernorm import RMSNorm
+from kvserve.model_executor.layers.lm_head import lm_head_logits
 from kvserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -185,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
             if self.config.tie_word_embeddings
             else self.lm_head.weight
         )
-        return F.linear(hidden_states, weight).float()
+        return lm_head_logits(hidden_states, weight)
 
     def _shard_sizes(self, fused_part: str) -> list[int]:
         c = self.config
