@@ -101,6 +101,26 @@ void dot_rows(const int16_t* xq, const int8_t* q, int64_t k, float* out) {
   for (int64_t r = 0; r < R; ++r) out[r] = total[r];
 }
 
+// y[i, row + r] = partial[r] for every row i of x [m, ...] and every tile of kRowsPerTile
+// weight rows (the last may hold fewer), tiles split over threads: `dots(i, row, count,
+// partial)` fills partial[0..count). A tile is read from memory for the first row of x and
+// from the cache for the others.
+template <typename Dots>
+void over_row_tiles(int64_t m, int64_t n, float* y, const Dots& dots) {
+  const int64_t tiles = (n + kRowsPerTile - 1) / kRowsPerTile;
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    float partial[kRowsPerTile];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t row = tile * kRowsPerTile;
+      const int64_t count = std::min(kRowsPerTile, n - row);
+      for (int64_t i = 0; i < m; ++i) {
+        dots(i, row, count, partial);
+        for (int64_t r = 0; r < count; ++r) y[i * n + row + r] = partial[r];
+      }
+    }
+  });
+}
+
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_matmul: x must be 2-D fp32");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
@@ -115,23 +135,14 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const QuantizedRows rows = quantize_rows(xc.data_ptr<float>(), m, k);
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t tiles = (n + kRowsPerTile - 1) / kRowsPerTile;
-  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
-    float partial[kRowsPerTile];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t row = tile * kRowsPerTile;
-      const int64_t count = std::min(kRowsPerTile, n - row);
-      for (int64_t i = 0; i < m; ++i) {
-        const int16_t* xq = rows.values.data() + i * rows.padded;
-        if (count == kRowsPerTile) {
-          dot_rows<kRowsPerTile>(xq, qp + row * k, k, partial);
-        } else {
-          for (int64_t r = 0; r < count; ++r) dot_rows<1>(xq, qp + (row + r) * k, k, partial + r);
-        }
-        for (int64_t r = 0; r < count; ++r) yp[i * n + row + r] = partial[r] * rows.scales[i] * sp[row + r];
-      }
+  over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t row, int64_t count, float* partial) {
+    const int16_t* xq = rows.values.data() + i * rows.padded;
+    if (count == kRowsPerTile) {
+      dot_rows<kRowsPerTile>(xq, qp + row * k, k, partial);
+    } else {
+      for (int64_t r = 0; r < count; ++r) dot_rows<1>(xq, qp + (row + r) * k, k, partial + r);
     }
+    for (int64_t r = 0; r < count; ++r) partial[r] = partial[r] * rows.scales[i] * sp[row + r];
   });
   return y;
 }
@@ -173,21 +184,11 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& w) {
   at::Tensor y = at::empty({m, n}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t tiles = (n + kRowsPerTile - 1) / kRowsPerTile;
-  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
-    float partial[kRowsPerTile];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t row = tile * kRowsPerTile;
-      const int64_t count = std::min(kRowsPerTile, n - row);
-      for (int64_t i = 0; i < m; ++i) {
-        if (count == kRowsPerTile) {
-          float_dot_rows<kRowsPerTile>(xp + i * k, wp + row * k, k, partial);
-        } else {
-          for (int64_t r = 0; r < count; ++r) float_dot_rows<1>(xp + i * k, wp + (row + r) * k, k, partial + r);
-        }
-        for (int64_t r = 0; r < count; ++r) yp[i * n + row + r] = partial[r];
-      }
+  over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t row, int64_t count, float* partial) {
+    if (count == kRowsPerTile) {
+      float_dot_rows<kRowsPerTile>(xp + i * k, wp + row * k, k, partial);
+    } else {
+      for (int64_t r = 0; r < count; ++r) float_dot_rows<1>(xp + i * k, wp + (row + r) * k, k, partial + r);
     }
   });
   return y;
