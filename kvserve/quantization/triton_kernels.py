@@ -177,40 +177,36 @@ def _nibble(w, i: tl.constexpr, one_bits):
 
 
 @triton.jit
-def _load_x_pair(x_ptrs, pair: tl.constexpr, mask, X_BF16: tl.constexpr):
-    """x_ptrs[2 pair] and x_ptrs[2 pair + 1] in fp32; a bf16 pair comes in one 32-bit load
-    and widens by moving bits."""
+def _load_x_pair_raw(x_ptrs, pair: tl.constexpr, mask, X_BF16: tl.constexpr):
+    """x_ptrs[2 pair] and x_ptrs[2 pair + 1] as stored: a bf16 pair as one int32 load, other
+    dtypes as an (even, odd) tuple. _widen_x_pair makes them fp32 where they are used, so a
+    load issued a tile ahead is not waited for at once."""
     if X_BF16:
-        bits = tl.load(x_ptrs.to(tl.pointer_type(tl.int32)) + pair, mask=mask, other=0)
-        return (bits << 16).to(tl.float32, bitcast=True), (bits & -65536).to(tl.float32, bitcast=True)
+        return tl.load(x_ptrs.to(tl.pointer_type(tl.int32)) + pair, mask=mask, other=0)
     else:
-        x_even = tl.load(x_ptrs + 2 * pair, mask=mask, other=0.0).to(tl.float32)
-        return x_even, tl.load(x_ptrs + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _load_x_words(x_ptrs, mask, X_BF16: tl.constexpr):
-    """The 8 values of x at x_ptrs[0..7] as stored, in 4 pairs: a bf16 pair as one int32,
-    other dtypes as (even, odd) tensors. Widened by _widen_x_pair where they are used, so
-    a load issued a tile ahead is not waited for at once."""
-    if X_BF16:
-        bits = x_ptrs.to(tl.pointer_type(tl.int32))
-        return (tl.load(bits, mask=mask, other=0), tl.load(bits + 1, mask=mask, other=0),
-                tl.load(bits + 2, mask=mask, other=0), tl.load(bits + 3, mask=mask, other=0))
-    else:
-        return ((tl.load(x_ptrs, mask=mask, other=0.0), tl.load(x_ptrs + 1, mask=mask, other=0.0)),
-                (tl.load(x_ptrs + 2, mask=mask, other=0.0), tl.load(x_ptrs + 3, mask=mask, other=0.0)),
-                (tl.load(x_ptrs + 4, mask=mask, other=0.0), tl.load(x_ptrs + 5, mask=mask, other=0.0)),
-                (tl.load(x_ptrs + 6, mask=mask, other=0.0), tl.load(x_ptrs + 7, mask=mask, other=0.0)))
+        return (tl.load(x_ptrs + 2 * pair, mask=mask, other=0.0), tl.load(x_ptrs + 2 * pair + 1, mask=mask, other=0.0))
 
 
 @triton.jit
 def _widen_x_pair(pair, X_BF16: tl.constexpr):
-    """One pair of _load_x_words as fp32 (even, odd); bf16 widens by moving bits."""
+    """A pair of _load_x_pair_raw as fp32 (even, odd); bf16 widens by moving bits."""
     if X_BF16:
         return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
     else:
         return pair[0].to(tl.float32), pair[1].to(tl.float32)
+
+
+@triton.jit
+def _load_x_pair(x_ptrs, pair: tl.constexpr, mask, X_BF16: tl.constexpr):
+    """x_ptrs[2 pair] and x_ptrs[2 pair + 1] in fp32."""
+    return _widen_x_pair(_load_x_pair_raw(x_ptrs, pair, mask, X_BF16), X_BF16)
+
+
+@triton.jit
+def _load_x_words(x_ptrs, mask, X_BF16: tl.constexpr):
+    """The 8 values of x at x_ptrs[0..7] as 4 pairs of _load_x_pair_raw."""
+    return (_load_x_pair_raw(x_ptrs, 0, mask, X_BF16), _load_x_pair_raw(x_ptrs, 1, mask, X_BF16),
+            _load_x_pair_raw(x_ptrs, 2, mask, X_BF16), _load_x_pair_raw(x_ptrs, 3, mask, X_BF16))
 
 
 @triton.jit
@@ -563,8 +559,12 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 
 def _block_k(config: LaunchConfig, in_features: int, group_size: int, grouped: bool, four_bit: bool) -> int | None:
     """The K tile: within one group when grouped (halved until it divides the group size),
+    or two whole groups for the 4-bit CUDA-core kernel (longer runs of each weight row);
     at least 16 stored elements (tl.dot's minimum); None when no tile fits."""
     block_k = config.block_k
+    if (four_bit and config.words == "fma" and block_k == 2 * group_size and group_size % 32 == 0
+            and in_features % block_k == 0):
+        return block_k
     if grouped:
         while block_k > 16 and group_size % block_k:
             block_k //= 2
@@ -658,9 +658,6 @@ def weight_only_matmul(
     m = rows.shape[0]
     config = config or default_config(m, four_bit, fp8)
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
-    two_groups = config.block_k == 2 * group_size and group_size % 32 == 0 and in_features % config.block_k == 0
-    if four_bit and config.words == "fma" and two_groups:
-        block_k = config.block_k  # the 4-bit CUDA-core kernel's tiles may hold two groups
     if block_k is None or (four_bit and in_features % block_k):
         return None
     if config.words and _words_apply(qweight, in_features, block_k, four_bit, fp8):
