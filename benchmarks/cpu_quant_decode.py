@@ -1,38 +1,66 @@
 """CPU decode step time of the embedded SmolLM2 per quantization, with the compiled decode
-step (what `kvserve serve` runs), at batch 1 and 16: medians of 3 rounds of 64-token prompts
-and 64 greedy tokens. One quantization per process (each compiles its own graphs):
+step (what `kvserve serve` runs), at batch 1 and 16: 64-token prompts and 64 greedy tokens a
+round. Every variant named is loaded in this one process and the rounds alternate between
+them (the machine is shared and noisy: runs minutes apart are not comparable), so the ratios
+printed compare steps timed side by side:
 
-    for q in none int8 int8-head gguf auto; do python benchmarks/cpu_quant_decode.py $q; done
+    python benchmarks/cpu_quant_decode.py none int8 int8-head --rounds 5
 
 `int8-head` is int8 with its LM head option (`quantization_config={"lm_head": true}`).
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
-import sys
 import time
 
 from kvserve.benchmarks.cpu_decode import DecodeStepTimer, run_round
 from kvserve.llm import LLM
 
-
 # Names that are a quantization plus its config.
 VARIANTS = {"none": (None, None), "int8-head": ("int8", {"lm_head": True})}
+BATCH_SIZES = (1, 16)
 
 
-def main(name: str) -> None:
+def load(name: str) -> tuple[LLM, DecodeStepTimer]:
     quantization, config = VARIANTS.get(name, (name, None))
     start = time.perf_counter()
     llm = LLM(model=None, quantization=quantization, quantization_config=config, compile_decode=True,
               max_num_seqs=16, enable_prefix_caching=False, max_num_batched_tokens=512)
-    load_s = time.perf_counter() - start
-    timer = DecodeStepTimer(llm)
-    ms = {batch: statistics.median(run_round(llm, timer, batch, 64, 64, seed=r)[0] for r in range(3))
-          for batch in (1, 16)}
-    print(f"RESULT {name}: load+compile {load_s:.0f} s, batch 1 {ms[1]:.2f} ms/step "
-          f"({1000 / ms[1]:.1f} tok/s), batch 16 {ms[16]:.2f} ms/step ({16000 / ms[16]:.0f} tok/s)")
+    print(f"{name}: load + compile {time.perf_counter() - start:.0f} s", flush=True)
+    return llm, DecodeStepTimer(llm)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("variants", nargs="+", help="quantizations: none, int8, int8-head, int4, gguf, auto")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per variant and batch size")
+    args = parser.parse_args()
+    engines = {name: load(name) for name in args.variants}
+    ms: dict[tuple[str, int], list[float]] = {}
+    for round_index in range(args.rounds):
+        # Alternate which variant goes first, so drifting load hits all alike.
+        order = args.variants if round_index % 2 == 0 else args.variants[::-1]
+        for batch in BATCH_SIZES:
+            for name in order:
+                llm, timer = engines[name]
+                ms.setdefault((name, batch), []).append(run_round(llm, timer, batch, 64, 64, seed=round_index)[0])
+        print(f"round {round_index}: " + ", ".join(
+            f"{name} b{batch} {ms[name, batch][-1]:.2f}" for batch in BATCH_SIZES for name in args.variants),
+            flush=True)
+    base = args.variants[0]
+    print(f"\nmedian ms per decode step over {args.rounds} interleaved rounds "
+          f"(load average {os.getloadavg()[0]:.2f}); ratios against {base}:")
+    for name in args.variants:
+        cells = []
+        for batch in BATCH_SIZES:
+            median = statistics.median(ms[name, batch])
+            ratio = statistics.median(ms[base, batch]) / median
+            cells.append(f"batch {batch} {median:7.2f} ms ({batch * 1000 / median:6.1f} tok/s, {ratio:.2f}x)")
+        print(f"RESULT {name:10s} " + "  ".join(cells))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

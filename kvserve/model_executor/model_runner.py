@@ -88,7 +88,7 @@ class ModelRunner:
         )
         model.set_attn_backend(self.attn_backend)
         if device.type == "cpu":
-            float_matmul_op()  # the LM head's kernel: built (once per machine) before the first request
+            float_matmul_op()  # the fp32 linears' and LM head's kernel: built (once per machine) before the first request
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config

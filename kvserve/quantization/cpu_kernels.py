@@ -5,8 +5,9 @@ CPU at hand, for the few rows of a decode step:
   wants bf16 activations (a cast in and one out per call) and streams the weight at well
   under the memory bandwidth; BENCHMARKS.md ("CPU: an int8 kernel of our own") has the
   measurements that made this worth its build.
-* `float_matmul`: y = x @ w^T in fp32, for the LM head (MKL's sgemv reads it at well under
-  the bandwidth: BENCHMARKS.md, "CPU: the fp32 LM head").
+* `float_matmul`: y = x @ w^T in fp32, for the model's dense linears and the LM head (MKL's
+  sgemv reads them at well under the bandwidth: BENCHMARKS.md, "CPU: the fp32 LM head" and
+  "CPU: fp32 decode linears on kvserve's kernel").
 
 The build (torch's cpp_extension, ~50 s once, cached under ~/.cache/torch_extensions) uses
 -march=native, so the cache key includes the CPU's flags: a cache shared between machines

@@ -24,6 +24,7 @@ from torch import nn
 
 from kvserve import LLM, SamplingParams
 from kvserve.model_executor.errors import ModelLoadError
+from kvserve.model_executor.layers.linear import Linear
 from kvserve.model_executor.loader import LoadedModel, load_model
 from kvserve.quantization import QuantizedLinear
 from kvserve.quantization.fp8 import Fp8Linear
@@ -33,7 +34,7 @@ from kvserve.quantization.int8 import GroupInt8Linear
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "quantized")
 TOOL_FIXTURES = {
     "gptq-w4-g32": Int4Linear,
-    "gptq-w4-g32-actorder-sym": nn.Linear,  # act-order: exact fp32 weights
+    "gptq-w4-g32-actorder-sym": Linear,  # act-order: exact fp32 weights in the model's own dense linears
     "gptq-w8-channel-sym": GroupInt8Linear,
     "awq-w4-g32": Int4Linear,
 }

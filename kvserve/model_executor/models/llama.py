@@ -15,7 +15,7 @@ from kvserve.attention.torch_ref import FLOAT8_DTYPES, TorchReferenceBackend
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.activation import SiluAndMul
 from kvserve.model_executor.layers.layernorm import RMSNorm
-from kvserve.model_executor.layers.lm_head import lm_head_logits
+from kvserve.model_executor.layers.linear import Linear, lm_head_logits
 from kvserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -28,10 +28,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -76,8 +76,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
             config, attn_backend or TorchReferenceBackend(config.sliding_window)
         )
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # Set by quantize_lm_head: a weight-only copy of the LM head for decode-sized rows.
         self.quantized_lm_head: nn.Module | None = None
 

@@ -21,8 +21,15 @@
 
 namespace {
 
-constexpr int64_t kRowsPerTile = 4;  // weight rows that share each load of x
+constexpr int64_t kRowsPerTile = 4;   // weight rows that share each load of x
+constexpr int64_t kXRowsPerPass = 2;  // rows of x that share each load of a weight tile
 constexpr int64_t kLanes = 16;        // int16 activations per vector
+// Tiles ahead whose weight rows the first row of x prefetches, a cache line per vector step.
+// The hardware prefetcher alone streams a tile's rows poorly when they are short (SmolLM2's
+// 576 columns: nine cache lines a row, four rows at once): measured on the 2-core EPYC, one
+// row of x, int8 3072x576 9 -> 15 GB/s and 57344x576 9-11 -> 20-22; fp32 960x576 11-16 ->
+// 19; 1, 2, 4 and 8 tiles ahead were tried, 4 is kept.
+constexpr int64_t kPrefetchTiles = 4;
 // An int32 lane adds one vpmaddwd result (two products, |q * xq| <= 128 * 32767 each) per
 // kLanes columns: 255 of them stay below 2^31 (kFlushColumns, a multiple of kLanes).
 constexpr int64_t kFlushColumns = 255 * kLanes;
@@ -52,73 +59,96 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
   return out;
 }
 
-// Sums of q[r, c] * xq[c] over c in [begin, end) for R rows of q. The int32 lanes of the
-// vector loop stay in range (kFlushColumns) and go to fp32 before they are added together:
-// the sum of all eight lanes would not fit an int32. Columns past the last whole vector
-// (zero in xq, but not readable in q) are done one by one.
-template <int64_t R>
-void dot_chunk(const int16_t* xq, const int8_t* q, int64_t k, int64_t begin, int64_t end,
-               float* sums) {
+// Sums of q[r, c] * xq[j][c] over c in [begin, end) for R rows of q and X rows of x (rows of
+// xq `x_stride` apart), into sums[j * R + r]: each weight vector is widened once and serves X
+// rows of x, and X * R independent accumulators hide the multiply-add latency. The int32
+// lanes of the vector loop stay in range (kFlushColumns) and go to fp32 before they are
+// added together: the sum of all eight lanes would not fit an int32. Columns past the last
+// whole vector (zero in xq, but not readable in q) are done one by one.
+template <int64_t X, int64_t R>
+void dot_chunk(const int16_t* xq, int64_t x_stride, const int8_t* q, int64_t k, int64_t begin, int64_t end,
+               float* sums, const int8_t* prefetch) {
   const int64_t vector_end = begin + (end - begin) / kLanes * kLanes;
 #if defined(__AVX2__)
-  __m256i acc[R];
-  for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+  __m256i acc[X][R];
+  for (int64_t j = 0; j < X; ++j)
+    for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_si256();
   for (int64_t c = begin; c < vector_end; c += kLanes) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c));
-    for (int64_t r = 0; r < R; ++r) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * k + c));
-      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_cvtepi8_epi16(bytes), xv));
+    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * R), _MM_HINT_T0);
+    __m256i weights[R];
+    for (int64_t r = 0; r < R; ++r)
+      weights[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * k + c)));
+    for (int64_t j = 0; j < X; ++j) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * x_stride + c));
+      for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_add_epi32(acc[j][r], _mm256_madd_epi16(weights[r], xv));
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const __m256 lanes = _mm256_cvtepi32_ps(acc[r]);
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
-    const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    sums[r] = _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
+  for (int64_t j = 0; j < X; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 lanes = _mm256_cvtepi32_ps(acc[j][r]);
+      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+      const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+      sums[j * R + r] = _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
+    }
   }
 #else
-  for (int64_t r = 0; r < R; ++r) {
-    int64_t sum = 0;
-    for (int64_t c = begin; c < vector_end; ++c) sum += static_cast<int64_t>(q[r * k + c]) * xq[c];
-    sums[r] = static_cast<float>(sum);
+  for (int64_t j = 0; j < X; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      int64_t sum = 0;
+      for (int64_t c = begin; c < vector_end; ++c) sum += static_cast<int64_t>(q[r * k + c]) * xq[j * x_stride + c];
+      sums[j * R + r] = static_cast<float>(sum);
+    }
   }
 #endif
-  for (int64_t r = 0; r < R; ++r) {
-    int64_t tail = 0;
-    for (int64_t c = vector_end; c < end; ++c) tail += static_cast<int64_t>(q[r * k + c]) * xq[c];
-    sums[r] += static_cast<float>(tail);
+  for (int64_t j = 0; j < X; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      int64_t tail = 0;
+      for (int64_t c = vector_end; c < end; ++c) tail += static_cast<int64_t>(q[r * k + c]) * xq[j * x_stride + c];
+      sums[j * R + r] += static_cast<float>(tail);
+    }
   }
 }
 
-template <int64_t R>
-void dot_rows(const int16_t* xq, const int8_t* q, int64_t k, float* out) {
-  float total[R] = {};
-  float sums[R];
+template <int64_t X, int64_t R>
+void dot_rows(const int16_t* xq, int64_t x_stride, const int8_t* q, int64_t k, float* out,
+              const int8_t* prefetch) {
+  float total[X * R] = {};
+  float sums[X * R];
   for (int64_t begin = 0; begin < k; begin += kFlushColumns) {
-    dot_chunk<R>(xq, q, k, begin, std::min(begin + kFlushColumns, k), sums);
-    for (int64_t r = 0; r < R; ++r) total[r] += sums[r];
+    dot_chunk<X, R>(xq, x_stride, q, k, begin, std::min(begin + kFlushColumns, k), sums, prefetch);
+    for (int64_t e = 0; e < X * R; ++e) total[e] += sums[e];
   }
-  for (int64_t r = 0; r < R; ++r) out[r] = total[r];
+  for (int64_t e = 0; e < X * R; ++e) out[e] = total[e];
 }
 
-// y[i, row + r] = partial[r] for every row i of x [m, ...] and every tile of kRowsPerTile
-// weight rows (the last may hold fewer), tiles split over threads: `dots(i, row, count,
-// partial)` fills partial[0..count). A tile is read from memory for the first row of x and
-// from the cache for the others.
+// y[i + j, row + r] = partial[j * kRowsPerTile + r] for every pass over up to kXRowsPerPass rows
+// of x [m, ...] and every tile of kRowsPerTile weight rows (the last may hold fewer), tiles
+// split over threads: `dots(i, x_rows, row, count, partial)` fills it for j < x_rows and
+// r < count. A tile is read from memory in the first pass and from the cache in the others.
 template <typename Dots>
 void over_row_tiles(int64_t m, int64_t n, float* y, const Dots& dots) {
   const int64_t tiles = (n + kRowsPerTile - 1) / kRowsPerTile;
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
-    float partial[kRowsPerTile];
+    float partial[kXRowsPerPass * kRowsPerTile];
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t row = tile * kRowsPerTile;
       const int64_t count = std::min(kRowsPerTile, n - row);
-      for (int64_t i = 0; i < m; ++i) {
-        dots(i, row, count, partial);
-        for (int64_t r = 0; r < count; ++r) y[i * n + row + r] = partial[r];
+      for (int64_t i = 0; i < m; i += kXRowsPerPass) {
+        const int64_t x_rows = std::min(kXRowsPerPass, m - i);
+        dots(i, x_rows, row, count, partial);
+        for (int64_t j = 0; j < x_rows; ++j)
+          for (int64_t r = 0; r < count; ++r) y[(i + j) * n + row + r] = partial[j * kRowsPerTile + r];
       }
     }
   });
+}
+
+// The weight rows `ahead` tiles past `row` for the first pass over x to prefetch, or nullptr
+// (other passes, or past the end).
+template <typename T>
+const T* prefetch_target(const T* w, int64_t i, int64_t row, int64_t n, int64_t k) {
+  const int64_t ahead = row + kPrefetchTiles * kRowsPerTile;
+  return i == 0 && ahead + kRowsPerTile <= n ? w + ahead * k : nullptr;
 }
 
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
@@ -135,14 +165,21 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const QuantizedRows rows = quantize_rows(xc.data_ptr<float>(), m, k);
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
-  over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t row, int64_t count, float* partial) {
+  over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t x_rows, int64_t row, int64_t count, float* partial) {
     const int16_t* xq = rows.values.data() + i * rows.padded;
-    if (count == kRowsPerTile) {
-      dot_rows<kRowsPerTile>(xq, qp + row * k, k, partial);
+    const int8_t* tile = qp + row * k;
+    const int8_t* prefetch = prefetch_target(qp, i, row, n, k);
+    if (count == kRowsPerTile && x_rows == 2) {
+      dot_rows<2, kRowsPerTile>(xq, rows.padded, tile, k, partial, prefetch);
+    } else if (count == kRowsPerTile) {
+      dot_rows<1, kRowsPerTile>(xq, rows.padded, tile, k, partial, prefetch);
     } else {
-      for (int64_t r = 0; r < count; ++r) dot_rows<1>(xq, qp + (row + r) * k, k, partial + r);
+      for (int64_t j = 0; j < x_rows; ++j)
+        for (int64_t r = 0; r < count; ++r)
+          dot_rows<1, 1>(xq + j * rows.padded, rows.padded, tile + r * k, k, partial + j * kRowsPerTile + r, nullptr);
     }
-    for (int64_t r = 0; r < count; ++r) partial[r] = partial[r] * rows.scales[i] * sp[row + r];
+    for (int64_t j = 0; j < x_rows; ++j)
+      for (int64_t r = 0; r < count; ++r) partial[j * kRowsPerTile + r] *= rows.scales[i + j] * sp[row + r];
   });
   return y;
 }
@@ -151,26 +188,39 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // tile of kRowsPerTile weight rows is read from memory once, with FMAs into fp32 lanes, and
 // serves every row of x from the cache. MKL's sgemv read SmolLM2's 113 MB head at ~8 GB/s
 // of the 18.5 a plain sum reaches on the 2-core EPYC (BENCHMARKS.md).
-template <int64_t R>
-void float_dot_rows(const float* x, const float* w, int64_t k, float* out) {
+template <int64_t X, int64_t R>
+void float_dot_rows(const float* x, int64_t x_stride, const float* w, int64_t k, float* out, const float* prefetch) {
   int64_t c = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[R];
-  for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[X][R];
+  for (int64_t j = 0; j < X; ++j)
+    for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
   for (; c + 8 <= k; c += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + c);
-    for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * k + c), xv, acc[r]);
+    if (prefetch != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * R), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * R + 16), _MM_HINT_T0);
+    }
+    __m256 weights[R];
+    for (int64_t r = 0; r < R; ++r) weights[r] = _mm256_loadu_ps(w + r * k + c);
+    for (int64_t j = 0; j < X; ++j) {
+      const __m256 xv = _mm256_loadu_ps(x + j * x_stride + c);
+      for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_fmadd_ps(weights[r], xv, acc[j][r]);
+    }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    out[r] = _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
+  for (int64_t j = 0; j < X; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[j][r]), _mm256_extractf128_ps(acc[j][r], 1));
+      const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+      out[j * R + r] = _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
+    }
   }
 #else
-  for (int64_t r = 0; r < R; ++r) out[r] = 0.f;
+  for (int64_t e = 0; e < X * R; ++e) out[e] = 0.f;
 #endif
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t t = c; t < k; ++t) out[r] += w[r * k + t] * x[t];
+  for (int64_t j = 0; j < X; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t t = c; t < k; ++t) out[j * R + r] += w[r * k + t] * x[j * x_stride + t];
+    }
   }
 }
 
@@ -184,11 +234,18 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& w) {
   at::Tensor y = at::empty({m, n}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t row, int64_t count, float* partial) {
-    if (count == kRowsPerTile) {
-      float_dot_rows<kRowsPerTile>(xp + i * k, wp + row * k, k, partial);
+  over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t x_rows, int64_t row, int64_t count, float* partial) {
+    const float* xi = xp + i * k;
+    const float* tile = wp + row * k;
+    const float* prefetch = prefetch_target(wp, i, row, n, k);
+    if (count == kRowsPerTile && x_rows == 2) {
+      float_dot_rows<2, kRowsPerTile>(xi, k, tile, k, partial, prefetch);
+    } else if (count == kRowsPerTile) {
+      float_dot_rows<1, kRowsPerTile>(xi, k, tile, k, partial, prefetch);
     } else {
-      for (int64_t r = 0; r < count; ++r) float_dot_rows<1>(xp + i * k, wp + (row + r) * k, k, partial + r);
+      for (int64_t j = 0; j < x_rows; ++j)
+        for (int64_t r = 0; r < count; ++r)
+          float_dot_rows<1, 1>(xi + j * k, k, tile + r * k, k, partial + j * kRowsPerTile + r, nullptr);
     }
   });
   return y;

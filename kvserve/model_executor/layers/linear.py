@@ -1,0 +1,47 @@
+"""The model's dense linears (the fp32/bf16 ones no quantization method replaced) and the LM
+head. On CPU, the few fp32 rows of a decode step go through kvserve's own kernel: MKL's
+sgemv read SmolLM2's weights at ~8-9 GB/s of the ~18.5 a plain read reaches on a 2-core EPYC
+(BENCHMARKS.md, "CPU: the fp32 LM head" and "CPU: fp32 decode linears on kvserve's kernel")."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.quantization import cpu_kernels
+
+# Rows up to this take the kernel. SmolLM2's 120 decoder linears (425 MB), one step: 23.8 ms
+# at 1 row against MKL's 45.9, 36 vs 121 at 4, 66 vs 111 at 16 (2-core EPYC, one run).
+KERNEL_MAX_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias), x [..., K], weight [N, K]."""
+    if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
+            and x.numel() <= KERNEL_MAX_ROWS * weight.shape[1]):
+        if _kernel_built():
+            y = torch.ops.kvserve_cpu.float_matmul(x.reshape(-1, weight.shape[1]), weight)
+            y = y.view(*x.shape[:-1], weight.shape[0])
+            return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+@torch.compiler.assume_constant_result
+def _kernel_built() -> bool:
+    """Called, not traced, by torch.compile (it may build the kernel: file reads Dynamo
+    cannot trace): the compiled CPU decode graph calls the op like eager steps do."""
+    return cpu_kernels.float_matmul_op() is not None
+
+
+class Linear(nn.Linear):
+    """nn.Linear computed by `linear`: the model code's layers, which quantization methods
+    swap for their own (quantize_model) and loaders fill like any nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def lm_head_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of hidden_states [T, H] against the head's weight [V, H]."""
+    return linear(hidden_states, weight).float()
