@@ -9,8 +9,9 @@ what else was tried are in benchmarks/results/cpu_profile.md).
 
 The graph covers steps where every sequence feeds one token, up to MAX_ROWS of them: the
 attention reads each layer's cached context through `DecodeContext` and returns the new
-keys/values, written into the cache after the graph (an in-graph cache write makes inductor
-copy the cache). Batch size and context length are dynamic; batch 1 gets a graph of its own
+keys/values of all layers as one tensor, written into the cache (the layers' caches are views
+of one tensor) in one copy after the graph (an in-graph cache write makes inductor copy the
+cache). Batch size and context length are dynamic; batch 1 gets a graph of its own
 (0/1 specialization: traced size-obliviously, inductor still specialized the size-1 batch),
 and so does each band of batch sizes on one side of a quantized layer's kernel/dense row
 threshold (a guard of the graph): two or three compiles, all done at start-up by `warm_up`.
@@ -30,7 +31,6 @@ from kvserve.attention.torch_ref import (
     DecodeContext,
     TorchReferenceBackend,
     decode_context,
-    write_kv_cache,
 )
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS, QuantizedLinear
 
@@ -50,7 +50,23 @@ def _decode_forward(
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     context = DecodeContext(slots, valid)
     hidden = model(input_ids, positions, kv_caches, context)
-    return hidden, context.new_kv
+    # [layers, 2, T, kv_heads, head_dim]: written to the cache in one copy after the graph.
+    new_kv = torch.stack([torch.stack(key_value) for key_value in context.new_kv]).to(kv_caches[0].dtype)
+    return hidden, new_kv
+
+
+def layer_stack(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """The per-layer caches as one [layers, ...] view when they are equally spaced views of
+    one buffer (as the model runner allocates them), else None."""
+    if not kv_caches or any(c.shape != kv_caches[0].shape or c.stride() != kv_caches[0].stride()
+                            or not c.is_contiguous() for c in kv_caches):
+        return None
+    first = kv_caches[0]
+    step = (kv_caches[1].data_ptr() - first.data_ptr()) // first.element_size() if len(kv_caches) > 1 else first.numel()
+    if step < first.numel() or any(c.data_ptr() != first.data_ptr() + i * step * first.element_size()
+                                   for i, c in enumerate(kv_caches)):
+        return None
+    return first.as_strided((len(kv_caches), *first.shape), (step, *first.stride()))
 
 
 class CompiledDecode:
@@ -59,6 +75,9 @@ class CompiledDecode:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], sliding_window: int | None) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        stack = layer_stack(kv_caches)
+        # [layers, 2, slots, kv_heads, head_dim]: where a step's new keys and values go.
+        self._slots_view = None if stack is None else stack.flatten(2, 3)
         self.sliding_window = sliding_window
         # Freezing: the weights are constants of the graph (no copies; they do not change
         # while serving), which lets inductor fold and fuse around them: batch-1 SmolLM2 step
@@ -66,21 +85,25 @@ class CompiledDecode:
         # Per-call overhead, measured as one batch-1 SmolLM2 int8 forward (2-core EPYC, two
         # alternating runs each): 16.5 / 13.7 ms as compiled by default, 12.2 / 12.2 without
         # these two checks. Dynamo's guards on the model's attributes protect nothing here:
-        # the model is not changed after start-up and freezing has baked its weights into the
-        # graph; the guards on the inputs' shapes (which pick the batch band's graph) stay.
-        # The size asserts re-check, in Python, ~490 input and output layouts a call that
-        # those guards and the ops' registered shapes already fix.
-        self._forward = torch.compile(_decode_forward, dynamic=False, fullgraph=True, options={
-            "freezing": True, "size_asserts": False, "alignment_asserts": False,
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        # each instance keeps graphs of its own (isolate_recompiles: another model's graphs,
+        # e.g. a draft model's, are never looked up), its model is not changed after start-up
+        # and freezing has baked its weights into the graph; the guards on the inputs' shapes
+        # (which pick the batch band's graph) stay. The size asserts re-check, in Python, ~490
+        # input and output layouts a call that those guards and the ops' registered shapes
+        # already fix.
+        self._forward = torch.compile(
+            _decode_forward, dynamic=False, fullgraph=True, isolate_recompiles=True, options={
+                "freezing": True, "size_asserts": False, "alignment_asserts": False,
+                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     @staticmethod
     def supports(model: nn.Module, kv_caches: list[torch.Tensor], device: torch.device) -> bool:
         """CPU, the torch reference attention (the only one that reads a DecodeContext),
-        a cache that stores keys/values as computed (not float8)."""
+        a cache that stores keys/values as computed (not float8), the layers' caches views of
+        one tensor."""
         backend = model.model.layers[0].self_attn.attn_backend
         return (device.type == "cpu" and isinstance(backend, TorchReferenceBackend)
-                and kv_caches[0].dtype not in FLOAT8_DTYPES)
+                and kv_caches[0].dtype not in FLOAT8_DTYPES and layer_stack(kv_caches) is not None)
 
     @staticmethod
     def applies(metadata: AttentionMetadata) -> bool:
@@ -93,8 +116,7 @@ class CompiledDecode:
                 metadata: AttentionMetadata) -> torch.Tensor:
         context = decode_context(metadata, self.sliding_window)
         hidden, new_kv = self._run(input_ids, positions, context)
-        for layer, kv_cache, (key, value) in zip(self.model.model.layers, self.kv_caches, new_kv, strict=True):
-            write_kv_cache(key, value, kv_cache, metadata.slot_mapping, layer.self_attn.kv_scales)
+        self._slots_view.index_copy_(2, metadata.slot_mapping, new_kv)
         return hidden
 
     def graph_batch_sizes(self) -> list[int]:

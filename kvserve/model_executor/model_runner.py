@@ -196,14 +196,16 @@ class ModelRunner:
     # -- memory ----------------------------------------------------------------------------
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """A [2, blocks, block_size, kv_heads, head_dim] cache per layer, all views of one
+        tensor: the compiled CPU decode writes every layer's new keys and values in one copy."""
         config = self.model_config
-        shape = (2, num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
+        shape = (config.num_hidden_layers, 2, num_blocks, self.block_size, config.num_key_value_heads,
+                 config.head_dim)
         if self.device.type == "cpu":
-            return [_lazy_zeros(shape, self.kv_cache_dtype) for _ in range(config.num_hidden_layers)]
-        return [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            for _ in range(config.num_hidden_layers)
-        ]
+            stack = _lazy_zeros(shape, self.kv_cache_dtype)
+        else:
+            stack = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        return list(stack.unbind(0))
 
     def _determine_num_blocks(self) -> int:
         bytes_per_block = (

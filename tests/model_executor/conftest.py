@@ -21,11 +21,9 @@ class PagedRunner:
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, num_blocks: int = 96,
                  block_size: int = 4, seed: int = 0) -> None:
         self.model, self.block_size = model, block_size
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
-                        dtype=config.dtype)
-            for _ in range(config.num_hidden_layers)
-        ]
+        # Views of one tensor, as the model runner allocates them (the compiled decode needs it).
+        self.kv_caches = list(torch.zeros(config.num_hidden_layers, 2, num_blocks, block_size,
+                                          config.num_key_value_heads, config.head_dim, dtype=config.dtype))
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.block_tables: dict[int, list[int]] = {}
         self.seq_lens: dict[int, int] = {}

@@ -157,3 +157,32 @@ def test_serve_default_falls_back_to_eager_when_compiling_fails(save_hf_model, m
             == reference.generate(prompt, params)[0].outputs[0].token_ids)
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         LLM(model=path, compile_decode=True, kv_cache_memory="16MiB")
+
+
+def test_two_models_keep_their_own_graphs(save_hf_model, paged_runner) -> None:
+    """Two models of one architecture, one of them int8, compiled in one process (as a
+    server's model and its draft model may be): the graphs skip Dynamo's guards on the model,
+    so each instance must keep graphs of its own: a lookup of the other's graph would run it
+    on modules it was not traced for."""
+    from kvserve.quantization import get_quantization_method, quantize_model
+
+    torch._dynamo.reset()
+    models = []
+    for quantization in (None, "int8"):
+        loaded = load_model(save_hf_model(ARCHITECTURES["qwen3-qk-norm"]()))
+        if quantization:
+            quantize_model(loaded.model, get_quantization_method(quantization))
+        runners = paged_runner(loaded.model, loaded.config), paged_runner(loaded.model, loaded.config)
+        models.append((runners, CompiledDecode(loaded.model, runners[1].kv_caches, None),
+                       1e-3 if quantization else 1e-5))  # int8: activations rounded to int16 per row
+    gen = torch.Generator().manual_seed(5)
+    prompts = {i: torch.randint(3, VOCAB, (n,), generator=gen).tolist() for i, n in enumerate(PROMPT_LENS)}
+    for (eager, compiled_runner), _, _ in models:
+        for runner in (eager, compiled_runner):
+            runner.step(list(prompts.items()))
+    for step in range(2):
+        for (eager, compiled_runner), compiled, tolerance in models:
+            batch = [(i, [step + 3]) for i in prompts]
+            expected = eager.step(batch)
+            ours = compiled_runner.step(batch, forward=compiled.forward)
+            torch.testing.assert_close(torch.cat(ours), torch.cat(expected), atol=tolerance, rtol=tolerance)
