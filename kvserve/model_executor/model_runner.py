@@ -196,16 +196,19 @@ class ModelRunner:
     # -- memory ----------------------------------------------------------------------------
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """A [2, blocks, block_size, kv_heads, head_dim] cache per layer, all views of one
-        tensor: the compiled CPU decode writes every layer's new keys and values in one copy."""
+        """A [2, blocks, block_size, kv_heads, head_dim] cache per layer. On CPU all are views
+        of one tensor: the compiled decode writes every layer's new keys and values in one
+        copy. On GPUs each layer has its own: one tensor of the whole budget could not reuse
+        the allocator's segments freed after the memory profile (an H100 llama3-8b run then
+        ran out of memory with 7 GiB reserved and unused)."""
         config = self.model_config
-        shape = (config.num_hidden_layers, 2, num_blocks, self.block_size, config.num_key_value_heads,
-                 config.head_dim)
+        shape = (2, num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
         if self.device.type == "cpu":
-            stack = _lazy_zeros(shape, self.kv_cache_dtype)
-        else:
-            stack = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-        return list(stack.unbind(0))
+            return list(_lazy_zeros((config.num_hidden_layers, *shape), self.kv_cache_dtype).unbind(0))
+        return [
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            for _ in range(config.num_hidden_layers)
+        ]
 
     def _determine_num_blocks(self) -> int:
         bytes_per_block = (
