@@ -56,17 +56,16 @@ def _decode_forward(
 
 
 def layer_stack(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
-    """The per-layer caches as one [layers, ...] view when they are equally spaced views of
-    one buffer (as the model runner allocates them), else None."""
-    if not kv_caches or any(c.shape != kv_caches[0].shape or c.stride() != kv_caches[0].stride()
-                            or not c.is_contiguous() for c in kv_caches):
+    """The per-layer caches as one [layers, ...] view when they are the consecutive slices of
+    one contiguous tensor (as the model runner allocates them on CPU), else None."""
+    if not kv_caches:
         return None
     first = kv_caches[0]
-    step = (kv_caches[1].data_ptr() - first.data_ptr()) // first.element_size() if len(kv_caches) > 1 else first.numel()
-    if step < first.numel() or any(c.data_ptr() != first.data_ptr() + i * step * first.element_size()
-                                   for i, c in enumerate(kv_caches)):
+    layer_bytes = first.numel() * first.element_size()
+    if any(c.shape != first.shape or not c.is_contiguous() or c.data_ptr() != first.data_ptr() + i * layer_bytes
+           for i, c in enumerate(kv_caches)):
         return None
-    return first.as_strided((len(kv_caches), *first.shape), (step, *first.stride()))
+    return first.as_strided((len(kv_caches), *first.shape), (first.numel(), *first.stride()))
 
 
 class CompiledDecode:

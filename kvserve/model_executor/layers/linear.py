@@ -10,10 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.quantization import cpu_kernels
+from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
 
-# Rows up to this take the kernel. SmolLM2's 120 decoder linears (425 MB), one step: 23.8 ms
-# at 1 row against MKL's 45.9, 36 vs 121 at 4, 66 vs 111 at 16 (2-core EPYC, one run).
-KERNEL_MAX_ROWS = 16
+# Rows up to this take the kernel: the quantized layers' threshold, which the compiled decode
+# graphs cover (another threshold would be one more guard, one more graph). SmolLM2's 120
+# decoder linears (425 MB), one step: 23.8 ms at 1 row against MKL's 45.9, 36 vs 121 at 4,
+# 66 vs 111 at 16 (2-core EPYC, one run).
+KERNEL_MAX_ROWS = CPU_KERNEL_MAX_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

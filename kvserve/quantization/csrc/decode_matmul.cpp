@@ -169,10 +169,11 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     const int16_t* xq = rows.values.data() + i * rows.padded;
     const int8_t* tile = qp + row * k;
     const int8_t* prefetch = prefetch_target(qp, i, row, n, k);
-    if (count == kRowsPerTile && x_rows == 2) {
-      dot_rows<2, kRowsPerTile>(xq, rows.padded, tile, k, partial, prefetch);
-    } else if (count == kRowsPerTile) {
-      dot_rows<1, kRowsPerTile>(xq, rows.padded, tile, k, partial, prefetch);
+    if (count == kRowsPerTile && x_rows == kXRowsPerPass) {
+      dot_rows<kXRowsPerPass, kRowsPerTile>(xq, rows.padded, tile, k, partial, prefetch);
+    } else if (count == kRowsPerTile) {  // the last, partial pass over x
+      for (int64_t j = 0; j < x_rows; ++j)
+        dot_rows<1, kRowsPerTile>(xq + j * rows.padded, rows.padded, tile, k, partial + j * kRowsPerTile, prefetch);
     } else {
       for (int64_t j = 0; j < x_rows; ++j)
         for (int64_t r = 0; r < count; ++r)
@@ -238,10 +239,11 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& w) {
     const float* xi = xp + i * k;
     const float* tile = wp + row * k;
     const float* prefetch = prefetch_target(wp, i, row, n, k);
-    if (count == kRowsPerTile && x_rows == 2) {
-      float_dot_rows<2, kRowsPerTile>(xi, k, tile, k, partial, prefetch);
-    } else if (count == kRowsPerTile) {
-      float_dot_rows<1, kRowsPerTile>(xi, k, tile, k, partial, prefetch);
+    if (count == kRowsPerTile && x_rows == kXRowsPerPass) {
+      float_dot_rows<kXRowsPerPass, kRowsPerTile>(xi, k, tile, k, partial, prefetch);
+    } else if (count == kRowsPerTile) {  // the last, partial pass over x
+      for (int64_t j = 0; j < x_rows; ++j)
+        float_dot_rows<1, kRowsPerTile>(xi + j * k, k, tile, k, partial + j * kRowsPerTile, prefetch);
     } else {
       for (int64_t j = 0; j < x_rows; ++j)
         for (int64_t r = 0; r < count; ++r)
