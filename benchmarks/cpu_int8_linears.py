@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.quantization.cpu_kernels import int8_matmul_op
+from kvserve.cpu_kernels import int8_matmul_op
 from kvserve.quantization.int8 import quantize_int8
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of SmolLM2's linears

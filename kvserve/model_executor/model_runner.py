@@ -18,7 +18,7 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
-from kvserve.quantization.cpu_kernels import float_matmul_op
+from kvserve.cpu_kernels import float_matmul_op
 from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
 logger = logging.getLogger(__name__)
