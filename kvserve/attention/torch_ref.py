@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve import cpu_kernels
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -56,20 +57,31 @@ def context_slots(block_tables: torch.Tensor, num_positions: int, block_size: in
     return blocks * block_size + positions % block_size
 
 
+def attends_in_place(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether kvserve's CPU decode attention kernel takes these decodes: it reads an fp32
+    cache in place, where the torch path gathers a padded copy of the context for SDPA."""
+    return (query.device.type == "cpu" and query.dtype == kv_cache.dtype == torch.float32
+            and kv_cache.is_contiguous() and cpu_kernels.available())
+
+
 # Most context positions (sequences x padded length) gathered at once by the decode path:
 # bounds its transient memory, which the KV-cache sizing does not profile.
 MAX_DECODE_GATHER_POSITIONS = 1 << 18
 
 
 class TorchReferenceBackend:
-    """Prefill chunks are attended one sequence at a time; single-token decodes in groups,
-    each one padded gather and one masked batched attention. The slots and masks are the
+    """Prefill chunks are attended one sequence at a time; single-token decodes in groups:
+    over an fp32 CPU cache, by kvserve's kernel reading the cache in place, otherwise by one
+    padded gather and one masked batched attention per group. The slots and masks are the
     same for every layer of a step: the first layer plans them (per metadata), the others
     reuse the plan, which takes ~10 small ops per layer off a CPU decode step. Given a
     DecodeContext instead (the compiled CPU decode), it attends without writing the cache."""
 
-    def __init__(self, sliding_window: int | None = None) -> None:
+    def __init__(self, sliding_window: int | None = None, decode_kernel: bool = True) -> None:
         self.sliding_window = sliding_window
+        # Decodes over an fp32 CPU cache go through kvserve's kernel where it is built
+        # (attends_in_place); False keeps the gathered copy and SDPA (side-by-side timing).
+        self.decode_kernel = decode_kernel
 
     def forward(
         self,
@@ -81,8 +93,9 @@ class TorchReferenceBackend:
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
+        in_place = self.decode_kernel and attends_in_place(query, kv_cache)
         if isinstance(metadata, DecodeContext):
-            return decode_context_attention(query, key, value, kv_cache, metadata, scale)
+            return decode_context_attention(query, key, value, kv_cache, metadata, scale, in_place)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)
@@ -92,12 +105,16 @@ class TorchReferenceBackend:
         if plan is None:
             plan = metadata.backend_plans["torch_ref"] = _plan(metadata, self.sliding_window)
         for group in plan.decode_groups:
+            if in_place:
+                output[group.token_index] = torch.ops.kvserve_cpu.decode_attention(
+                    query[group.token_index], kv_cache, group.slots, group.valid, None, None, scale)
+                continue
             q = query[group.token_index].float().view(group.size, num_kv_heads, -1, head_dim)
             # [B, KVH, H/KVH, D] queries against [B, KVH, max_len, D]: each KV head is read
             # once for its whole group, with no expanded copy of K/V.
             k = gather_cache(flat_k, group.slots, kv_scales[0]).transpose(1, 2)
             v = gather_cache(flat_v, group.slots, kv_scales[1]).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.valid[:, None, None, :], scale=scale)
             output[group.token_index] = out.reshape(group.size, -1, head_dim).to(output.dtype)
         for chunk in plan.prefill_chunks:
             # 4-D inputs ([1, H, q_len, D] against [1, KVH, len, D]): on CPU, SDPA then takes
@@ -142,12 +159,15 @@ def decode_context(metadata: AttentionMetadata, sliding_window: int | None) -> D
 
 def decode_context_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-    context: DecodeContext, scale: float,
+    context: DecodeContext, scale: float, in_place: bool,
 ) -> torch.Tensor:
-    """[B, H, D] attention of B single-token decodes over [cached context, new token]."""
+    """[B, H, D] attention of B single-token decodes over [cached context, new token], read
+    in place by kvserve's CPU kernel or gathered for SDPA."""
     num_seqs = query.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     context.new_kv.append((key, value))
+    if in_place:
+        return torch.ops.kvserve_cpu.decode_attention(query, kv_cache, context.slots, context.valid, key, value, scale)
     flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)
     flat_v = kv_cache[1].view(-1, num_kv_heads, head_dim)
     # The new key/value round-trip through the cache dtype, as the eager path reads them.
@@ -168,7 +188,7 @@ class _DecodeGroup:
 
     token_index: torch.Tensor  # [B] the decodes' rows in the flat batch
     slots: torch.Tensor  # [B, max_len] cache slot of each context position
-    mask: torch.Tensor  # [B, 1, 1, max_len] positions each decode sees
+    valid: torch.Tensor  # [B, max_len] positions each decode sees
 
     @property
     def size(self) -> int:
@@ -208,7 +228,7 @@ def _plan(metadata: AttentionMetadata, sliding_window: int | None) -> _Plan:
         groups.append(_DecodeGroup(
             token_index=torch.tensor([starts[i] for i in seqs], device=device),
             slots=context_slots(metadata.block_tables[seq_index], max_len, metadata.block_size),
-            mask=valid[:, None, None, :],
+            valid=valid,
         ))
     chunks = []
     for i in range(metadata.num_seqs):

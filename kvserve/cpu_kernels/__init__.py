@@ -1,5 +1,5 @@
-"""kvserve's own CPU kernels (C++ in csrc/decode_matmul.cpp), built on first use for the
-CPU at hand, for the few rows of a decode step:
+"""kvserve's own CPU kernels (C++ in csrc/), built on first use for the CPU at hand, for the
+few rows of a decode step:
 
 * `int8_matmul`: y = x @ (q * scale)^T with fp32 activations. torch's `_weight_int8pack_mm`
   wants bf16 activations (a cast in and one out per call) and streams the weight at well
@@ -8,6 +8,8 @@ CPU at hand, for the few rows of a decode step:
 * `float_matmul`: y = x @ w^T in fp32, for the model's dense linears and the LM head (MKL's
   sgemv reads them at well under the bandwidth: BENCHMARKS.md, "CPU: the fp32 LM head" and
   "CPU: fp32 decode linears on kvserve's kernel").
+* `decode_attention`: single-token decodes attending to a paged fp32 KV cache in place,
+  instead of gathering each layer's context into a padded copy for SDPA.
 
 The build (torch's cpp_extension, ~50 s once, cached under ~/.cache/torch_extensions) uses
 -march=native, so the cache key includes the CPU's flags: a cache shared between machines
@@ -28,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "decode_matmul.cpp"
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 
 
 def _cpu_flags() -> str:
@@ -50,8 +52,8 @@ def _built() -> bool:
     logger.info("loading kvserve's CPU kernels (built once per CPU and torch version: ~50 s "
                 "the first time)")
     try:
-        cpp_extension.load_inline(
-            name=f"kvserve_decode_matmul_{key}", cpp_sources=[_SOURCE.read_text()],
+        cpp_extension.load(
+            name=f"kvserve_cpu_kernels_{key}", sources=[str(path) for path in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
         )
     except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja
@@ -60,7 +62,16 @@ def _built() -> bool:
     # Shapes for torch.compile: the compiled CPU decode graph calls the ops like any kernel.
     torch.library.register_fake("kvserve_cpu::int8_matmul", _matmul_shape)
     torch.library.register_fake("kvserve_cpu::float_matmul", _float_matmul_shape)
+    torch.library.register_fake("kvserve_cpu::decode_attention", _decode_attention_shape)
     return True
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the kernels are built (building them if needed). torch.compile calls it rather
+    than tracing it (file reads Dynamo cannot trace), so compiled graphs call the ops like
+    eager steps do."""
+    return _built()
 
 
 def int8_matmul_op() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -73,9 +84,18 @@ def float_matmul_op() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
     return torch.ops.kvserve_cpu.float_matmul if _built() else None
 
 
+def decode_attention_op() -> Callable[..., torch.Tensor] | None:
+    """torch.ops.kvserve_cpu.decode_attention, built if needed; None where it cannot be built."""
+    return torch.ops.kvserve_cpu.decode_attention if _built() else None
+
+
 def _matmul_shape(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0])
 
 
 def _float_matmul_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _decode_attention_shape(query: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)

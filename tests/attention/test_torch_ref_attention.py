@@ -15,6 +15,14 @@ BLOCK_SIZE = 5  # lengths below are deliberately not multiples of it
 NUM_BLOCKS = 40
 
 
+@pytest.fixture(params=[True, False], ids=["kernel", "torch"])
+def decode_kernel(request) -> bool:
+    """Decodes through kvserve's CPU attention kernel or through the gathered copy and SDPA."""
+    if request.param:
+        assert torch_ref.attends_in_place(torch.zeros(1), torch.zeros(1)), "the CPU kernels did not build"
+    return request.param
+
+
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [q_len, H, D] for the last q_len of the L context positions; k, v: [L, KVH, D]."""
     q_len, num_heads, _ = q.shape
@@ -30,7 +38,7 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 @pytest.mark.parametrize("max_gather", [None, 40])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
-def test_mixed_batch_matches_dense(num_heads: int, num_kv_heads: int, max_gather, monkeypatch) -> None:
+def test_mixed_batch_matches_dense(num_heads: int, num_kv_heads: int, max_gather, monkeypatch, decode_kernel) -> None:
     if max_gather is not None:  # force the decodes into several gather groups
         monkeypatch.setattr(torch_ref, "MAX_DECODE_GATHER_POSITIONS", max_gather)
     torch.manual_seed(0)
@@ -72,7 +80,8 @@ def test_mixed_batch_matches_dense(num_heads: int, num_kv_heads: int, max_gather
         seq_lens_cpu=seq_lens,
     )
     key, value = torch.cat(keys), torch.cat(values)
-    out = TorchReferenceBackend().forward(torch.cat(queries), key, value, kv_cache, metadata, scale)
+    out = TorchReferenceBackend(decode_kernel=decode_kernel).forward(
+        torch.cat(queries), key, value, kv_cache, metadata, scale)
 
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
     flat = kv_cache.view(2, -1, num_kv_heads, HEAD_DIM)
@@ -81,9 +90,10 @@ def test_mixed_batch_matches_dense(num_heads: int, num_kv_heads: int, max_gather
 
 
 @pytest.mark.parametrize("sliding_window", [None, 7])
-def test_decode_context_matches_the_paged_decode(sliding_window) -> None:
-    """The compiled decode's attention (cached context gathered, the new key/value appended
-    rather than written) against the backend's own decode path on the same step."""
+def test_decode_context_matches_the_paged_decode(sliding_window, decode_kernel) -> None:
+    """The compiled decode's attention (cached context read, the new key/value appended rather
+    than written), through the CPU kernel or gathered for SDPA, against the backend's decode
+    path on the same step with the gathered copy and SDPA."""
     torch.manual_seed(1)
     num_heads, num_kv_heads = 6, 2
     seq_lens = [9, 1, 31, 17, 2, 10]  # uneven: padding and, with the window, cut contexts
@@ -106,13 +116,14 @@ def test_decode_context_matches_the_paged_decode(sliding_window) -> None:
     query = torch.randn(len(seq_lens), num_heads, HEAD_DIM)
     key = torch.randn(len(seq_lens), num_kv_heads, HEAD_DIM)
     value = torch.randn(len(seq_lens), num_kv_heads, HEAD_DIM)
-    backend = TorchReferenceBackend(sliding_window)
     scale = HEAD_DIM**-0.5
 
     context_cache = kv_cache.clone()
     context = torch_ref.decode_context(metadata, sliding_window)
+    backend = TorchReferenceBackend(sliding_window, decode_kernel=decode_kernel)
     out = backend.forward(query, key, value, context_cache, context, scale)
     assert torch.equal(context_cache, kv_cache)  # nothing written: the caller writes new_kv
     assert len(context.new_kv) == 1 and context.new_kv[0][0] is key and context.new_kv[0][1] is value
-    expected = backend.forward(query, key, value, kv_cache, metadata, scale)
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    gathered = TorchReferenceBackend(sliding_window, decode_kernel=False)
+    expected = gathered.forward(query, key, value, kv_cache, metadata, scale)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)

@@ -23,18 +23,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight^T (+ bias), x [..., K], weight [N, K]."""
     if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
             and x.numel() <= KERNEL_MAX_ROWS * weight.shape[1]):
-        if _kernel_built():
+        if cpu_kernels.available():
             y = torch.ops.kvserve_cpu.float_matmul(x.reshape(-1, weight.shape[1]), weight)
             y = y.view(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
     return F.linear(x, weight, bias)
-
-
-@torch.compiler.assume_constant_result
-def _kernel_built() -> bool:
-    """Called, not traced, by torch.compile (it may build the kernel: file reads Dynamo
-    cannot trace): the compiled CPU decode graph calls the op like eager steps do."""
-    return cpu_kernels.float_matmul_op() is not None
 
 
 class Linear(nn.Linear):
