@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve import dependent_launch
+
 # Row counts up to this run the decode configuration (one padded 16-row tile).
 SMALL_ROWS = 16
 
@@ -282,6 +284,7 @@ def _int4_gemv_kernel(
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
     X_BF16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO_GROUPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """4-bit weights as int32 words of 8 nibbles, unpacked with shifts and masks into fp32
     1 + q / 128 and multiplied on the CUDA cores against up to BLOCK_M rows of x:
@@ -292,7 +295,8 @@ def _int4_gemv_kernel(
     the DRAM serves faster than one group's 64. Everything a tile needs (its words, x,
     the groups' scales and offsets) is loaded one tile ahead; each thread keeps per-word
     partial sums, the scale applied lane by lane (one cross-thread reduction, at the end);
-    the tiles advance scalar base pointers under fixed 32-bit offsets."""
+    the tiles advance scalar base pointers under fixed 32-bit offsets. With PDL the first
+    tile's words and scales load before the wait for the previous kernel (dependent_launch)."""
     rows, cols, row_mask, col_mask, first, last = _program_block(M, N, num_tiles, tiles_per_split,
                                                                  BLOCK_M, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
@@ -311,10 +315,12 @@ def _int4_gemv_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)
     w = tl.load(w_tile + w_offsets, mask=w_mask, other=0)
-    x01, x23, x45, x67 = _load_x_words(x_tile, x_mask, X_BF16)
     group = first * TILE_GROUPS // tiles_per_group
     scale, offset = _group_scale_offset(scale_ptrs, offset_ptrs, group, col_mask, HAS_OFFSET)
     scale2, offset2 = _group_scale_offset(scale_ptrs, offset_ptrs, group + 1, col_mask & TWO_GROUPS, HAS_OFFSET)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+    x01, x23, x45, x67 = _load_x_words(x_tile, x_mask, X_BF16)
     for tile in range(first, last):
         more = tile + 1 < last
         w_next = tl.load(w_tile + WORDS + w_offsets, mask=w_mask & more, other=0)
@@ -407,12 +413,13 @@ def _fp8_gemv_kernel(
     M, N, num_tiles, tiles_per_split, tiles_per_group,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
     X_BF16: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """e4m3 weights as int32 words of 4 values, multiplied on the CUDA cores against up to
     BLOCK_M rows of x (the int4 "fma" kernel's layout). Per-channel scales apply once at the
     end, to products summed over all tiles (one reduction across threads per program);
-    group scales once per tile (a tile lies within one group)."""
+    group scales once per tile (a tile lies within one group). With PDL the first tile's
+    words load before the wait for the previous kernel (dependent_launch)."""
     rows, cols, row_mask, col_mask, first, last = _program_block(M, N, num_tiles, tiles_per_split,
                                                                  BLOCK_M, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 4
@@ -425,6 +432,8 @@ def _fp8_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_x = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)
     w = tl.load(w_ptrs, mask=w_mask, other=0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
     for tile in range(first, last):
         # The next tile's words are in flight while this one is multiplied.
         w_next = tl.load(w_ptrs + WORDS, mask=w_mask & (tile + 1 < last), other=0)
@@ -613,11 +622,14 @@ def _words_matmul(
     partial = torch.empty((split, m, n), dtype=torch.float32, device=rows.device) if split > 1 else out
     words = qweight.view(torch.int32)
     fp8 = qweight.dtype == torch.float8_e4m3fn
-    flags = {}
+    flags, launch = {}, {}
     if not dot:
         # bf16 pairs load as one int32 where aligned.
         aligned = rows.data_ptr() % 4 == 0 and rows.stride(0) % 2 == 0
         flags["X_BF16"] = rows.dtype == torch.bfloat16 and aligned
+        # The one-row kernels, whose launch latency matters most (dependent_launch).
+        launch = dependent_launch.launch_options(rows.device)
+        flags["PDL"] = bool(launch)
     if fp8:
         kernel = _fp8_dot_kernel if dot else _fp8_gemv_kernel
         pointers, flags["GROUPED"] = (scale,), scale.shape[1] > 1
@@ -633,7 +645,7 @@ def _words_matmul(
         m, n, num_tiles, tiles_per_split, max(1, group_size // block_k), *one_bits,
         rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
         SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **flags,
+        num_warps=config.num_warps, num_stages=config.num_stages, **flags, **launch,
     )
     return out
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve import dependent_launch
 from kvserve.attention.metadata import AttentionMetadata
 
 LOG2_E = 1.4426950408889634
@@ -76,7 +77,10 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:  # the next kernel (the output projection) may load its weights
+        tl.extra.cuda.gdc_launch_dependents()
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -160,7 +164,10 @@ def _merge_splits_kernel(
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     head = tl.program_id(1)
     first_part = (token * num_heads + head) * num_kv_splits
@@ -286,6 +293,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        LAUNCH_DEPENDENTS=dependent_launch.enabled(query.device),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -298,4 +306,5 @@ def paged_attention(
             output.stride(0),
             output.stride(1),
             HEAD_DIM=head_dim,
+            LAUNCH_DEPENDENTS=dependent_launch.enabled(query.device),
         )

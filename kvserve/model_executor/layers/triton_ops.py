@@ -12,12 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve import dependent_launch
+
 
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, num_cols, stride_x, stride_r, stride_o, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:  # the next kernel (a GEMV) may start loading its weights
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -51,6 +55,7 @@ def add_rms_norm(
         x, residual if residual is not None else x, weight, out, num_cols, x.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+        LAUNCH_DEPENDENTS=dependent_launch.enabled(x.device),
     )
     return out
 
@@ -90,7 +95,10 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr,
+                         LAUNCH_DEPENDENTS: tl.constexpr):
+    if LAUNCH_DEPENDENTS:  # the next kernel (a GEMV) may start loading its weights
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -110,6 +118,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_rows:
         block = 1024
         _silu_and_mul_kernel[(num_rows, triton.cdiv(width, block))](
-            x, out, width, x.stride(0), out.stride(0), BLOCK=block
+            x, out, width, x.stride(0), out.stride(0), BLOCK=block,
+            LAUNCH_DEPENDENTS=dependent_launch.enabled(x.device),
         )
     return out
