@@ -8,6 +8,8 @@ before it still runs: they load their first weight tiles (which nothing in the s
 and only then wait (`gdc_wait`) for the previous kernel's output. The kernels that precede
 GEMVs (RMSNorm, SiLU-and-mul, attention) let their dependents launch from their first
 instruction (`gdc_launch_dependents`); that is all it does, so it is safe before any kernel.
+Only the one-row ("fma") word kernels wait this way: with the tensor-core word kernels (2-64
+rows) launched under PDL as well, an H100 run of the int4 latency benchmark never finished.
 
 `KVSERVE_PDL=0` turns it off (for side-by-side timing).
 """
