@@ -47,7 +47,8 @@ MIN_CONTEXT = 2
 def _decode_forward(
     model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
     kv_caches: list[torch.Tensor], slots: torch.Tensor, valid: torch.Tensor,
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states, every layer's new keys and values as one [layers, 2, T, ...] tensor)."""
     context = DecodeContext(slots, valid)
     hidden = model(input_ids, positions, kv_caches, context)
     # [layers, 2, T, kv_heads, head_dim]: written to the cache in one copy after the graph.
@@ -146,7 +147,7 @@ class CompiledDecode:
         logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - start)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: DecodeContext
-             ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         for tensor, dims in ((input_ids, (0,)), (positions, (0,)), (context.slots, (0, 1)),
                              (context.valid, (0, 1))):
             for dim in dims:
