@@ -60,14 +60,16 @@ def test_large_scores_and_strided_query(decode_attention) -> None:
     """Scores far from zero (the softmax subtracts the largest) and a query that is a view of
     the fused q/k projection, as the model passes it."""
     cache, slots, valid, query, key, value = random_step(2, 37, 6, 2, 64, seed=5)
-    fused = torch.randn(2, 8, 64) * 30
+    fused = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(5)) * 30
     query = fused[:, :6]
     out = decode_attention(query, cache, slots, valid, key, value, 0.125)
     flat = cache.view(2, -1, 2, 64)
     for b in range(2):
         keys, values = torch.cat([flat[0, slots[b]], key[b : b + 1]]), torch.cat([flat[1, slots[b]], value[b : b + 1]])
         seen = torch.cat([valid[b], torch.tensor([True])])
-        torch.testing.assert_close(out[b], dense(query[b], keys, values, seen, 0.125), atol=1e-5, rtol=1e-5)
+        # Scores reach a few hundred: their fp32 rounding (~1e-5 relative) moves the softmax by
+        # up to ~4e-5 over 300 random queries, so the bound is 1e-4, not the 2e-6 of unit scores.
+        torch.testing.assert_close(out[b], dense(query[b], keys, values, seen, 0.125), atol=1e-4, rtol=1e-4)
 
 
 def test_nothing_seen_gives_zeros(decode_attention) -> None:
