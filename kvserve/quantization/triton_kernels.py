@@ -281,10 +281,10 @@ def _store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, coun
 def _int4_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr,
     M, N, num_tiles, tiles_per_split, tiles_per_group, one_bits,
-    stride_xm, stride_wn, stride_sn, stride_ps, stride_om, stride_wt,
+    stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
     X_BF16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO_GROUPS: tl.constexpr,
-    PDL: tl.constexpr, SLAB_ROWS: tl.constexpr = 1, EVICT: tl.constexpr = "",
+    PDL: tl.constexpr,
 ):
     """4-bit weights as int32 words of 8 nibbles, unpacked with shifts and masks into fp32
     1 + q / 128 and multiplied on the CUDA cores against up to BLOCK_M rows of x:
@@ -304,11 +304,8 @@ def _int4_gemv_kernel(
     words = tl.arange(0, WORDS)
     # [rows, cols, words] throughout: the weight load fixes the layout (4 words a thread,
     # every row of x in each thread), so nothing moves between threads inside the loop.
-    if SLAB_ROWS == 1:
-        w_offsets = cols[None, :, None] * stride_wn + words[None, None, :]
-    else:
-        w_offsets = ((cols // SLAB_ROWS) * stride_wn + (cols % SLAB_ROWS) * WORDS)[None, :, None] + words[None, None, :]
-    w_tile = w_ptr + first * stride_wt
+    w_offsets = cols[None, :, None] * stride_wn + words[None, None, :]
+    w_tile = w_ptr + first * WORDS
     w_mask = col_mask[None, :, None]
     x_tile = x_ptr + rows[:, None, None] * stride_xm + (first * BLOCK_K + 8 * words[None, None, :])
     x_mask = row_mask[:, None, None]
@@ -317,7 +314,8 @@ def _int4_gemv_kernel(
     second_half = (words >= WORDS // 2)[None, None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)
-    w = tl.load(w_tile + w_offsets, mask=w_mask, other=0, eviction_policy=EVICT)
+    # Weights are read once a step: evict_first keeps x, scales and partials in L2.
+    w = tl.load(w_tile + w_offsets, mask=w_mask, other=0, eviction_policy="evict_first")
     group = first * TILE_GROUPS // tiles_per_group
     scale, offset = _group_scale_offset(scale_ptrs, offset_ptrs, group, col_mask, HAS_OFFSET)
     scale2, offset2 = _group_scale_offset(scale_ptrs, offset_ptrs, group + 1, col_mask & TWO_GROUPS, HAS_OFFSET)
@@ -326,7 +324,7 @@ def _int4_gemv_kernel(
     x01, x23, x45, x67 = _load_x_words(x_tile, x_mask, X_BF16)
     for tile in range(first, last):
         more = tile + 1 < last
-        w_next = tl.load(w_tile + stride_wt + w_offsets, mask=w_mask & more, other=0, eviction_policy=EVICT)
+        w_next = tl.load(w_tile + WORDS + w_offsets, mask=w_mask & more, other=0, eviction_policy="evict_first")
         x_next = _load_x_words(x_tile + BLOCK_K, x_mask & more, X_BF16)
         group = (tile + 1) * TILE_GROUPS // tiles_per_group
         scale_next, offset_next = _group_scale_offset(scale_ptrs, offset_ptrs, group, col_mask & more, HAS_OFFSET)
@@ -346,7 +344,7 @@ def _int4_gemv_kernel(
             acc += f_x * scale[None, :, None] + x_sum * offset[None, :, None]
         w, scale, offset, scale2, offset2 = w_next, scale_next, offset_next, scale2_next, offset2_next
         x01, x23, x45, x67 = x_next
-        w_tile += stride_wt
+        w_tile += WORDS
         x_tile += BLOCK_K
     _store_block(tl.sum(acc, axis=2), rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr,
                  stride_om, stride_ps, SPLIT, TRANSPOSED=False)
@@ -641,13 +639,12 @@ def _words_matmul(
         pointers, flags["HAS_OFFSET"] = (scale, offset if offset is not None else scale), offset is not None
         if not dot:
             flags["TWO_GROUPS"] = block_k == 2 * group_size
-    tile_stride = (block_k // 8,) if kernel is _int4_gemv_kernel else ()  # words from one K tile to the next
     # 1.0f as a run-time value: ptxas then merges mask and OR into one LOP3.
     one_bits = () if fp8 else (0x3F800000,)
     kernel[(grid_n, grid_m, split)](
         rows, words, *pointers, partial, out, _split_counters(rows.device),
         m, n, num_tiles, tiles_per_split, max(1, group_size // block_k), *one_bits,
-        rows.stride(0), words.stride(0), scale.stride(0), m * n, n, *tile_stride,
+        rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
         SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **flags, **launch,
     )
