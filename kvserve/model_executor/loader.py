@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,9 +167,11 @@ def _load_into(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tenso
         raise ModelLoadError(f"{source}: {e}") from e
 
 
-def _load_tokenizer(source: str, **kwargs: Any) -> PreTrainedTokenizerBase:
+def _load_tokenizer(
+    source: str, load: Callable[[str], PreTrainedTokenizerBase] = AutoTokenizer.from_pretrained,
+) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(source, **kwargs)
+        return load(source)
     except Exception as e:
         raise ModelLoadError(f"{source}: cannot load the tokenizer ({e})") from e
 
@@ -232,6 +234,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed
         iter_gguf_weights,
         open_gguf,
     )
+    from kvserve.model_executor.gguf_tokenizer import load_gguf_tokenizer
 
     reader = open_gguf(path)
     config = gguf_model_config(reader, path, dtype)
@@ -246,7 +249,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed
     else:
         model, consumed = _empty_model(config, device), set()
     _load_into(model, iter_gguf_weights(reader, path, config, arch, skip=consumed), path)
-    tokenizer = _load_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    tokenizer = _load_tokenizer(path, load=load_gguf_tokenizer)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     return LoadedModel(model, config, tokenizer, gguf_tensor_types=types)
 

