@@ -7,7 +7,8 @@ few rows of a decode step:
   measurements that made this worth its build.
 * `int4_matmul`: the same for 4-bit nibble pairs with group scales and minimums (float zero
   points), read in the GPU kernel's row-major layout; torch's `_weight_int4pack_mm_for_cpu`
-  wants bf16 activations and its own layout, and scaled poorly past a few rows.
+  wants bf16 activations and its own layout, and took twice the time at one row
+  (BENCHMARKS.md, "CPU: kvserve's int4 kernel").
 * `float_matmul`: y = x @ w^T in fp32, for the model's dense linears and the LM head (MKL's
   sgemv reads them at well under the bandwidth: BENCHMARKS.md, "CPU: the fp32 LM head" and
   "CPU: fp32 decode linears on kvserve's kernel").

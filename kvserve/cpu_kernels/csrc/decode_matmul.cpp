@@ -240,12 +240,16 @@ inline void widen_nibbles(const uint8_t* bytes, __m256i& even, __m256i& odd) {
 }
 #endif
 
-// The nibbles of `rows` rows of q (`row_bytes` apart) as int16 in x's order, into w [rows, k].
-void unpack_int4_rows(const uint8_t* q, int64_t row_bytes, int64_t rows, int64_t k, int16_t* w) {
+// The nibbles of `rows` rows of q (`row_bytes` apart) as int16 in x's order, into w [rows, k];
+// `prefetch` (or nullptr): the same rows of a later tile, one cache line per 64 bytes read.
+void unpack_int4_rows(const uint8_t* q, int64_t row_bytes, int64_t rows, int64_t k, int16_t* w,
+                      const uint8_t* prefetch) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < k; c += kInt4Chunk) {
       const uint8_t* bytes = q + r * row_bytes + c / 2;
       int16_t* dst = w + r * k + c;
+      if (prefetch != nullptr && (c / 2) % 64 == 0)
+        __builtin_prefetch(prefetch + r * row_bytes + c / 2);
 #if defined(__AVX2__)
       __m256i even, odd;
       widen_nibbles(bytes, even, odd);
@@ -369,7 +373,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     } else if (count == kRowsPerTile) {
       if (i == 0) {
         unpacked.resize(kRowsPerTile * k);
-        unpack_int4_rows(tile, row_bytes, kRowsPerTile, k, unpacked.data());
+        unpack_int4_rows(tile, row_bytes, kRowsPerTile, k, unpacked.data(), prefetch_target(qp, i, row, n, row_bytes));
       }
       float half[kXRowsPerPass * kHalf];
       for (int64_t h = 0; h < kRowsPerTile; h += kHalf) {
