@@ -5,6 +5,10 @@ few rows of a decode step:
   wants bf16 activations (a cast in and one out per call) and streams the weight at well
   under the memory bandwidth; BENCHMARKS.md ("CPU: an int8 kernel of our own") has the
   measurements that made this worth its build.
+* `int4_matmul`: the same for 4-bit nibble pairs with group scales and minimums (float zero
+  points), read in the GPU kernel's row-major layout; torch's `_weight_int4pack_mm_for_cpu`
+  wants bf16 activations and its own layout, and took twice the time at one row
+  (BENCHMARKS.md, "CPU: kvserve's int4 kernel").
 * `float_matmul`: y = x @ w^T in fp32, for the model's dense linears and the LM head (MKL's
   sgemv reads them at well under the bandwidth: BENCHMARKS.md, "CPU: the fp32 LM head" and
   "CPU: fp32 decode linears on kvserve's kernel").
@@ -62,6 +66,7 @@ def _built() -> bool:
     # Shapes for torch.compile: the compiled CPU decode graph calls the ops like any kernel.
     torch.library.register_fake("kvserve_cpu::int8_matmul", _matmul_shape)
     torch.library.register_fake("kvserve_cpu::float_matmul", _float_matmul_shape)
+    torch.library.register_fake("kvserve_cpu::int4_matmul", _int4_matmul_shape)
     torch.library.register_fake("kvserve_cpu::decode_attention", _decode_attention_shape)
     return True
 
@@ -79,6 +84,11 @@ def int8_matmul_op() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tor
     return torch.ops.kvserve_cpu.int8_matmul if _built() else None
 
 
+def int4_matmul_op() -> Callable[..., torch.Tensor] | None:
+    """torch.ops.kvserve_cpu.int4_matmul, built if needed; None where it cannot be built."""
+    return torch.ops.kvserve_cpu.int4_matmul if _built() else None
+
+
 def float_matmul_op() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """torch.ops.kvserve_cpu.float_matmul, built if needed; None where it cannot be built."""
     return torch.ops.kvserve_cpu.float_matmul if _built() else None
@@ -90,6 +100,10 @@ def decode_attention_op() -> Callable[..., torch.Tensor] | None:
 
 
 def _matmul_shape(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+def _int4_matmul_shape(x: torch.Tensor, q: torch.Tensor, *args: object) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0])
 
 

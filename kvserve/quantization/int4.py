@@ -15,6 +15,7 @@ import functools
 import torch
 from torch import nn
 
+from kvserve.cpu_kernels import int4_matmul_op
 from kvserve.quantization.base import QuantizationMethod, QuantizedLinear
 
 DEFAULT_GROUP_SIZES = (128, 64, 32)
@@ -72,9 +73,12 @@ def kernel_block_rows() -> int | None:
 
 
 class Int4Linear(QuantizedLinear):
-    """Stores only the CPU kernel's packed layout where the kernel applies (dense calls
-    unpack it), else plain nibble pairs (row-major, even k in the low nibble: the GPU
-    kernel's layout); 0.5 byte per weight either way."""
+    """Plain nibble pairs (row-major, even k in the low nibble): the layout kvserve's CPU
+    kernel and the GPU kernel read. Where kvserve's CPU kernel is not built (or the groups are
+    not multiples of 32), torch's CPU kernel layout instead, if it applies (dense calls unpack
+    it). 0.5 byte per weight either way. One SmolLM2 step's linears on the 2-core EPYC,
+    kvserve's kernel against torch's, ms: 1 row 8.4 / 15.4, 2 rows 14.9 / 19.0, 4 rows 15.1 /
+    15.7, 8 rows 42 / 41, 16 rows 70 / 76 (BENCHMARKS.md)."""
 
     def __init__(
         self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int,
@@ -85,7 +89,11 @@ class Int4Linear(QuantizedLinear):
         self.group_size = group_size
         self.register_buffer("scale", scale.float())
         self.register_buffer("minimum", minimum.float())
-        self.kernel_layout = self._try_kernel_layout(q)
+        # kvserve's own kernel (kvserve.cpu_kernels), built here rather than in the first
+        # (possibly compiled) call; not on GPU machines, which run Triton.
+        own = None if torch.cuda.is_available() or q.device.type != "cpu" else int4_matmul_op()
+        self.own_kernel = own if own is not None and group_size % 32 == 0 else None
+        self.kernel_layout = self.own_kernel is None and self._try_kernel_layout(q)
         if not self.kernel_layout:
             self.register_buffer("qweight", _pack_nibbles(q))
 
@@ -106,8 +114,15 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("kernel_scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
         return True
 
+    @property
+    def cpu_kernel(self) -> str | None:
+        """Which fused CPU kernel takes decode rows: "kvserve", "torch" or None (dense)."""
+        return "kvserve" if self.own_kernel is not None else "torch" if self.kernel_layout else None
+
     def _apply(self, fn, recurse: bool = True):  # every .to() / .cuda() of the module
         super()._apply(fn, recurse)
+        if self.qweight.device.type != "cpu":
+            self.own_kernel = None
         if self.kernel_layout and self.qweight.device.type != "cpu":
             # torch's CPU kernel layout means nothing elsewhere (a checkpoint's layers are
             # built on the CPU, then moved): plain nibble pairs are what the GPU kernel reads.
@@ -127,6 +142,11 @@ class Int4Linear(QuantizedLinear):
         return dequantize_int4(self.unpacked(), self.scale, self.minimum).to(dtype)
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.own_kernel is not None:
+            y = self.own_kernel(x.reshape(-1, self.in_features).float(),
+                                self.qweight.view(self.out_features, self.in_features // 2),
+                                self.scale, self.minimum, self.group_size)
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if not self.kernel_layout:
             return None
         # bf16 activations are the op's fast path; its scales and zeros are bf16 too.

@@ -247,7 +247,7 @@ def test_compressed_tensors_smollm2(smollm2_hf, smollm2_loaded, tmp_path):
     smollm2_loaded.tokenizer.save_pretrained(directory)
     loaded = load_model(directory)
     packed = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(packed) == 120 and all(isinstance(m, Int4Linear) and m.kernel_layout for m in packed)
+    assert len(packed) == 120 and all(isinstance(m, Int4Linear) and m.cpu_kernel for m in packed)
     reference = decompressed_reference(directory)
     reference_state = reference.state_dict()
     for layer, weight in layer_weights(loaded).items():

@@ -74,7 +74,7 @@ def _check_layer(layer: QuantizedLinear, weight: torch.Tensor) -> None:
 def test_four_bit_shards_stack_into_the_int4_kernel_layout(qtype):
     shards = [random_blocks(qtype, rows, 512, seed) for seed, rows in enumerate((128, 64, 64))]
     layer = grid_linear([unpack_blocks(raw, qtype, (raw.shape[0], 512), "w") for raw in shards], None)
-    assert isinstance(layer, Int4Linear) and layer.kernel_layout and layer.group_size == 32
+    assert isinstance(layer, Int4Linear) and layer.cpu_kernel and layer.group_size == 32
     _check_layer(layer, torch.cat([reference(raw, qtype) for raw in shards]))
 
 
@@ -146,7 +146,7 @@ def test_smollm2_packed_layers_are_the_file_blocks(smollm2_packed, smollm2_loade
     embedding (Q8_0) stays an fp32 table."""
     reference_modules = dict(smollm2_loaded.model.named_modules())
     packed = {n: m for n, m in smollm2_packed.model.named_modules() if isinstance(m, QuantizedLinear)}
-    assert len(packed) == 120 and all(isinstance(m, Int4Linear) and m.kernel_layout for m in packed.values())
+    assert len(packed) == 120 and all(isinstance(m, Int4Linear) and m.cpu_kernel for m in packed.values())
     for name, layer in packed.items():
         assert torch.equal(layer.dequantize(), reference_modules[name].weight), name
     embed = smollm2_packed.model.model.embed_tokens.weight

@@ -79,17 +79,27 @@ def _int4_reference(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
         ((128, 576), {}, 64, True),  # SmolLM2's 576 takes 64
         ((64, 256), {}, 128, True),
         ((192, 576), {"group_size": 32}, 32, True),
-        ((37, 96), {}, 32, False),  # 37 rows: the CPU kernel's layout needs 64-row blocks
+        ((37, 96), {}, 32, True),  # 37 rows: kvserve's kernel takes any row count
         ((45, 130), {"group_size": 10}, 10, False),
     ],
 )
 def test_int4_round_trip_and_matmul(shape, config, group_size, uses_kernel):
     layer = _linear(*shape, seed=2)
     quantized = _quantize("int4", layer, **config)
-    assert quantized.group_size == group_size and quantized.kernel_layout == uses_kernel
+    assert quantized.group_size == group_size and (quantized.cpu_kernel is not None) == uses_kernel
     weight = layer.weight.detach()
     reference, bound = _int4_reference(weight, group_size)
     assert ((quantized.dequantize() - weight).abs() <= bound + 1e-6).all()
+    torch.testing.assert_close(quantized.dequantize(), reference, rtol=0, atol=1e-5)
+    _check_matmul(quantized, reference, layer.bias.detach())
+
+
+def test_int4_takes_torchs_kernel_where_kvserves_is_not_built(monkeypatch):
+    monkeypatch.setattr("kvserve.quantization.int4.int4_matmul_op", lambda: None)
+    layer = _linear(128, 576, seed=3)
+    quantized = _quantize("int4", layer, group_size=32)
+    assert quantized.cpu_kernel == "torch"
+    reference, _ = _int4_reference(layer.weight.detach(), 32)
     torch.testing.assert_close(quantized.dequantize(), reference, rtol=0, atol=1e-5)
     _check_matmul(quantized, reference, layer.bias.detach())
 

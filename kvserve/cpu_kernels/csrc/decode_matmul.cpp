@@ -185,6 +185,229 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return y;
 }
 
+// y = x @ W^T for a few fp32 rows x [M, K] and 4-bit weights W[n, k] = q[n, k] * scale[n, g] +
+// minimum[n, g] (g = k / group, group a multiple of 32), q stored as nibble pairs (byte j of a
+// row: k = 2j in the low nibble, 2j + 1 in the high one; the GPU kernel's layout). As the int8
+// kernel, x goes to int16 per row; its columns are deinterleaved per 32 (the 16 even ones,
+// then the 16 odd ones), so a 16-byte load of q widens into two int16 vectors, low and high
+// nibbles, that meet their x lanes with one vpmaddwd each. A group's int32 sums take its
+// scale in fp32; the minimums meet per-group sums of x.
+constexpr int64_t kInt4Chunk = 32;  // columns a 16-byte load holds
+
+// Rows of x as int16, each 32-column chunk deinterleaved (even columns, then odd), with
+// per-row scales, and each row's per-group sums of x (fp32, unrounded).
+struct Int4Rows {
+  std::vector<int16_t> values;
+  std::vector<float> scales;
+  std::vector<float> group_sums;  // [M, K / group]
+};
+
+Int4Rows int4_rows(const float* x, int64_t m, int64_t k, int64_t group) {
+  Int4Rows out;
+  out.values.resize(m * k);
+  out.scales.resize(m);
+  const int64_t groups = k / group;
+  out.group_sums.assign(m * groups, 0.f);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = x + i * k;
+    float amax = 0.f;
+    for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(row[c]));
+    const float scale = amax > 0.f ? amax / 32767.f : 1.f;
+    const float inverse = 1.f / scale;
+    int16_t* dst = out.values.data() + i * k;
+    for (int64_t c = 0; c < k; c += 2) {
+      const int64_t chunk = c - c % kInt4Chunk, lane = (c % kInt4Chunk) / 2;
+      dst[chunk + lane] = static_cast<int16_t>(std::nearbyint(row[c] * inverse));
+      dst[chunk + kInt4Chunk / 2 + lane] = static_cast<int16_t>(std::nearbyint(row[c + 1] * inverse));
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f;
+      for (int64_t c = g * group; c < (g + 1) * group; ++c) sum += row[c];
+      out.group_sums[i * groups + g] = sum;
+    }
+    out.scales[i] = scale;
+  }
+  return out;
+}
+
+// The nibbles of 32 columns (16 bytes) as int16 in x's deinterleaved order: even, odd. Each
+// byte widens to an int16 first, so the high nibble is one shift and the low one a mask.
+#if defined(__AVX2__)
+inline void widen_nibbles(const uint8_t* bytes, __m256i& even, __m256i& odd) {
+  const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  even = _mm256_and_si256(words, _mm256_set1_epi16(0x0F));
+  odd = _mm256_srli_epi16(words, 4);
+}
+#endif
+
+// The nibbles of `rows` rows of q (`row_bytes` apart) as int16 in x's order, into w [rows, k];
+// `prefetch` (or nullptr): the same rows of a later tile, one cache line per 64 bytes read.
+void unpack_int4_rows(const uint8_t* q, int64_t row_bytes, int64_t rows, int64_t k, int16_t* w,
+                      const uint8_t* prefetch) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < k; c += kInt4Chunk) {
+      const uint8_t* bytes = q + r * row_bytes + c / 2;
+      int16_t* dst = w + r * k + c;
+      if (prefetch != nullptr && (c / 2) % 64 == 0)
+        __builtin_prefetch(prefetch + r * row_bytes + c / 2);
+#if defined(__AVX2__)
+      __m256i even, odd;
+      widen_nibbles(bytes, even, odd);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), even);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kInt4Chunk / 2), odd);
+#else
+      for (int64_t b = 0; b < kInt4Chunk / 2; ++b) {
+        dst[b] = bytes[b] & 15;
+        dst[kInt4Chunk / 2 + b] = bytes[b] >> 4;
+      }
+#endif
+    }
+  }
+}
+
+// sums[j * R + r] = sum over groups g of scale[r, g] * (w[r, group g] . xq[j, group g]) for R
+// rows of weights and X rows of xq (both `k` apart), int32 within a group, fp32 across. The
+// weights are read as 4-bit (PACKED: q's nibble pairs, rows `row_bytes` apart) or as int16
+// (unpacked once by unpack_int4_rows for several passes of x). Few accumulators on purpose:
+// X * R int32 and X * R fp32 vectors must stay in the 16 registers.
+template <int64_t X, int64_t R, bool PACKED>
+void int4_dot(const int16_t* xq, int64_t k, const void* weights, int64_t row_bytes, const float* scale,
+              int64_t groups, int64_t group, float* sums, const uint8_t* prefetch) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const uint8_t* q = static_cast<const uint8_t*>(weights);
+  const int16_t* w = static_cast<const int16_t*>(weights);
+  __m256 acc[X][R];
+  for (int64_t j = 0; j < X; ++j)
+    for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i isum[X][R];
+    for (int64_t j = 0; j < X; ++j)
+      for (int64_t r = 0; r < R; ++r) isum[j][r] = _mm256_setzero_si256();
+    for (int64_t c = g * group; c < (g + 1) * group; c += kInt4Chunk) {
+      if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + c / 2 * R), _MM_HINT_T0);
+      __m256i xe[X], xo[X];
+      for (int64_t j = 0; j < X; ++j) {
+        xe[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * k + c));
+        xo[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * k + c + 16));
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        __m256i even, odd;
+        if constexpr (PACKED) {
+          widen_nibbles(q + r * row_bytes + c / 2, even, odd);
+        } else {
+          even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * k + c));
+          odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * k + c + 16));
+        }
+        for (int64_t j = 0; j < X; ++j)
+          isum[j][r] = _mm256_add_epi32(isum[j][r], _mm256_add_epi32(_mm256_madd_epi16(even, xe[j]),
+                                                                     _mm256_madd_epi16(odd, xo[j])));
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 s = _mm256_set1_ps(scale[r * groups + g]);
+      for (int64_t j = 0; j < X; ++j) acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j][r]), s, acc[j][r]);
+    }
+  }
+  for (int64_t j = 0; j < X; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[j][r]), _mm256_extractf128_ps(acc[j][r], 1));
+      const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+      sums[j * R + r] = _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
+    }
+  }
+#else
+  for (int64_t j = 0; j < X; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int64_t dot = 0;
+        for (int64_t c = g * group; c < (g + 1) * group; ++c) {
+          const int64_t lane = c % kInt4Chunk;
+          int64_t value;
+          if constexpr (PACKED) {
+            const uint8_t byte = static_cast<const uint8_t*>(weights)[r * row_bytes + (c - lane) / 2 + lane % 16];
+            value = lane < 16 ? (byte & 15) : (byte >> 4);
+          } else {
+            value = static_cast<const int16_t*>(weights)[r * k + c];
+          }
+          dot += value * xq[j * k + c];
+        }
+        total += scale[r * groups + g] * static_cast<float>(dot);
+      }
+      sums[j * R + r] = total;
+    }
+  }
+#endif
+}
+
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
+                       int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_matmul: x must be 2-D fp32");
+  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
+  TORCH_CHECK(group > 0 && group % kInt4Chunk == 0 && k % group == 0, "int4_matmul: group size ", group,
+              " must be a multiple of 32 that divides the ", k, " input columns");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) == k / 2,
+              "int4_matmul: q must be contiguous uint8 nibble pairs [N, K / 2]");
+  const int64_t groups = k / group;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && minimum.scalar_type() == at::kFloat &&
+              scale.numel() == n * groups && minimum.numel() == n * groups,
+              "int4_matmul: scale and minimum must be fp32 [N, K / group]");
+  const at::Tensor xc = x.contiguous(), sc = scale.contiguous(), mc = minimum.contiguous();
+  at::Tensor y = at::empty({m, n}, xc.options());
+  const Int4Rows rows = int4_rows(xc.data_ptr<float>(), m, k, group);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = sc.data_ptr<float>();
+  const float* mp = mc.data_ptr<float>();
+  const int64_t row_bytes = k / 2;
+  constexpr int64_t kHalf = kRowsPerTile / 2;
+  over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t x_rows, int64_t row, int64_t count, float* partial) {
+    const int16_t* xq = rows.values.data() + i * k;
+    const uint8_t* tile = qp + row * row_bytes;
+    const float* tile_scale = sp + row * groups;
+    // One row of x reads the nibbles directly; more unpack each tile once, in the first
+    // pass, for all passes, and take the tile in halves (the registers hold 2 x 2 sums).
+    thread_local std::vector<int16_t> unpacked;
+    if (count == kRowsPerTile && m == 1) {
+      int4_dot<1, kRowsPerTile, true>(xq, k, tile, row_bytes, tile_scale, groups, group, partial,
+                                      prefetch_target(qp, i, row, n, row_bytes));
+    } else if (count == kRowsPerTile) {
+      if (i == 0) {
+        unpacked.resize(kRowsPerTile * k);
+        unpack_int4_rows(tile, row_bytes, kRowsPerTile, k, unpacked.data(), prefetch_target(qp, i, row, n, row_bytes));
+      }
+      float half[kXRowsPerPass * kHalf];
+      for (int64_t h = 0; h < kRowsPerTile; h += kHalf) {
+        const int16_t* w = unpacked.data() + h * k;
+        if (x_rows == kXRowsPerPass) {
+          int4_dot<kXRowsPerPass, kHalf, false>(xq, k, w, 0, tile_scale + h * groups, groups, group, half, nullptr);
+        } else {
+          for (int64_t j = 0; j < x_rows; ++j)
+            int4_dot<1, kHalf, false>(xq + j * k, k, w, 0, tile_scale + h * groups, groups, group, half + j * kHalf,
+                                      nullptr);
+        }
+        for (int64_t j = 0; j < x_rows; ++j)
+          for (int64_t r = 0; r < kHalf; ++r) partial[j * kRowsPerTile + h + r] = half[j * kHalf + r];
+      }
+    } else {
+      for (int64_t j = 0; j < x_rows; ++j)
+        for (int64_t r = 0; r < count; ++r)
+          int4_dot<1, 1, true>(xq + j * k, k, tile + r * row_bytes, row_bytes, tile_scale + r * groups, groups, group,
+                               partial + j * kRowsPerTile + r, nullptr);
+    }
+    for (int64_t j = 0; j < x_rows; ++j) {
+      const float* sums = rows.group_sums.data() + (i + j) * groups;
+      for (int64_t r = 0; r < count; ++r) {
+        const float* mins = mp + (row + r) * groups;
+        float offset = 0.f;
+#pragma omp simd reduction(+ : offset)
+        for (int64_t g = 0; g < groups; ++g) offset += mins[g] * sums[g];
+        partial[j * kRowsPerTile + r] = partial[j * kRowsPerTile + r] * rows.scales[i + j] + offset;
+      }
+    }
+  });
+  return y;
+}
+
 // y = x @ w^T for a few fp32 rows x [M, K] and fp32 w [N, K] (an LM head at decode): each
 // tile of kRowsPerTile weight rows is read from memory once, with FMAs into fp32 lanes, and
 // serves every row of x from the cache. MKL's sgemv read SmolLM2's 113 MB head at ~8 GB/s
@@ -258,9 +481,11 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& w) {
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("int8_matmul(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("float_matmul(Tensor x, Tensor w) -> Tensor");
+  m.def("int4_matmul(Tensor x, Tensor q, Tensor scale, Tensor minimum, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("int8_matmul", int8_matmul);
   m.impl("float_matmul", float_matmul);
+  m.impl("int4_matmul", int4_matmul);
 }
