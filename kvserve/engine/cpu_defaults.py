@@ -8,7 +8,8 @@ CPUs without AMX, see WORKLOADS.md). Measured on the 2-core development machine
 * A GGUF whose linear weights are all Q4_0/Q4_1 (the embedded SmolLM2 is Q4_1) is re-packed
   as int4 with group 32 and float zero points: that reproduces the file's grid exactly
   (perplexity identical to the dequantized fp32 weights, BENCHMARKS.md) and cuts the bytes
-  of a 1-row step 4x; torch's int4 kernel runs decode-sized batches (<= 16 rows).
+  of a 1-row step 4x; kvserve's int4 kernel (kvserve.cpu_kernels) runs decode batches of up
+  to INT4_FP32_FROM_ROWS rows (torch's where ours is not built), larger ones the fp32 copy.
 * A dequantized fp32 copy of those weights is kept for prefill-sized inputs, where
   dequantizing per call would cost more than the GEMM.
 * The LM head (SmolLM2's tied embedding: 113 MB in fp32) gets an int8 per-channel copy for
@@ -54,6 +55,11 @@ _PROBE_ROWS = 64
 # 16 rows, packed bf16 13.3 / 11.8 / 11.7 / 12.2; the head: int8 1.6 vs bf16 2.1 ms at 4 rows,
 # 3.2 vs 2.3 at 8.
 BF16_FROM_ROWS = 4
+# Without fast bf16: decode inputs of up to this many rows take the int4 linears' kernel, more
+# rows the kept fp32 weights. One SmolLM2 step's linears from memory on the 2-core EPYC of
+# BENCHMARKS.md ("CPU: kvserve's int4 kernel decides by rows"), kvserve's int4 kernel / torch's
+# / fp32, ms: 1 row 6.4 / 12.6 / 23.9, 8 rows 38.1 / 40.2 / 44.7, 16 rows 69.4 / 83.0 / 59.0.
+INT4_FP32_FROM_ROWS = 8
 
 
 @dataclass
@@ -66,8 +72,13 @@ class AutoPlan:
     reasons: list[str] = field(default_factory=list)
 
     @property
-    def kernel_max_rows(self) -> int:
-        """Rows up to which the weight-only kernels run; more take the dense copies."""
+    def linear_kernel_max_rows(self) -> int:
+        """Rows up to which the int4 linears' kernel runs; more take the dense copies."""
+        return BF16_FROM_ROWS if self.dense_dtype == torch.bfloat16 else INT4_FP32_FROM_ROWS
+
+    @property
+    def head_kernel_max_rows(self) -> int:
+        """Rows up to which the int8 LM head runs (int8 stays ahead of fp32 up to 16 rows)."""
         return BF16_FROM_ROWS if self.dense_dtype == torch.bfloat16 else CPU_KERNEL_MAX_ROWS
 
 
@@ -108,19 +119,20 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
         quantization="int4", quantization_config={"group_size": 32}, keep_dense_weights=True,
         dense_dtype=torch.bfloat16 if fast_bf16 else torch.float32, quantize_lm_head=True,
     )
-    kernel_rows = plan.kernel_max_rows
+    linear_rows, head_rows = plan.linear_kernel_max_rows, plan.head_kernel_max_rows
     probe = (f"a {_PROBE_ROWS}x{config.hidden_size}x{config.intermediate_size} bf16 GEMM measured "
              f"{speedup:.2f}x the fp32 one on this CPU")
     dense_reason = (
         f"packed bf16 copies of the linears and the LM head for inputs of more than "
-        f"{kernel_rows} rows ({probe}: AMX-class bf16)" if fast_bf16 else
-        f"packed fp32 linears kept for prefill-sized inputs ({probe}: fp32 GEMMs are the fast path)"
+        f"{linear_rows} rows ({probe}: AMX-class bf16)" if fast_bf16 else
+        f"packed fp32 linears kept for inputs of more than {linear_rows} rows ({probe}: fp32 "
+        "GEMMs are the fast path)"
     )
     plan.reasons = [
         f"CPU + GGUF {'/'.join(sorted(types))} linears: int4 group 32 reproduces the file's grid "
-        f"exactly and reads 4x fewer bytes per decode step (torch int4 kernel for <= {kernel_rows} rows)",
+        f"exactly and reads 4x fewer bytes per decode step (int4 kernel for <= {linear_rows} rows)",
         dense_reason,
-        f"int8 copy of the LM head for up to {kernel_rows} rows "
+        f"int8 copy of the LM head for up to {head_rows} rows "
         "(4.7x less CPU time than its fp32 GEMV at one row)",
     ]
     return plan
@@ -142,6 +154,6 @@ def apply_plan(loaded: LoadedModel, plan: AutoPlan) -> None:
         if plan.keep_dense_weights:
             for name, module in model.named_modules():
                 if isinstance(module, QuantizedLinear):
-                    module.keep_dense_weight(float_weights[name], plan.dense_dtype, plan.kernel_max_rows)
-    if plan.quantize_lm_head and quantize_lm_head(model, plan.dense_dtype, plan.kernel_max_rows) is None:
+                    module.keep_dense_weight(float_weights[name], plan.dense_dtype, plan.linear_kernel_max_rows)
+    if plan.quantize_lm_head and quantize_lm_head(model, plan.dense_dtype, plan.head_kernel_max_rows) is None:
         logger.info("quantization=auto: the LM head's shape has no int8 kernel; it stays in the run dtype")

@@ -76,9 +76,9 @@ class Int4Linear(QuantizedLinear):
     """Plain nibble pairs (row-major, even k in the low nibble): the layout kvserve's CPU
     kernel and the GPU kernel read. Where kvserve's CPU kernel is not built (or the groups are
     not multiples of 32), torch's CPU kernel layout instead, if it applies (dense calls unpack
-    it). 0.5 byte per weight either way. One SmolLM2 step's linears on the 2-core EPYC,
-    kvserve's kernel against torch's, ms: 1 row 8.4 / 15.4, 2 rows 14.9 / 19.0, 4 rows 15.1 /
-    15.7, 8 rows 42 / 41, 16 rows 70 / 76 (BENCHMARKS.md)."""
+    it). 0.5 byte per weight either way. One SmolLM2 step's linears from memory on the 2-core
+    EPYC, kvserve's kernel against torch's, ms: 1 row 6.4 / 12.6, 4 rows 21.6 / 23.4, 16 rows
+    69.4 / 83.0 (BENCHMARKS.md, "CPU: kvserve's int4 kernel decides by rows")."""
 
     def __init__(
         self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int,

@@ -39,7 +39,8 @@ def test_plan_for_the_q4_1_gguf_and_elsewhere(auto_loaded):
     assert (plan.quantization, plan.quantization_config) == ("int4", {"group_size": 32})
     assert plan.keep_dense_weights and plan.quantize_lm_head and plan.reasons
     bf16 = plan.dense_dtype == torch.bfloat16
-    assert plan.kernel_max_rows == (cpu_defaults.BF16_FROM_ROWS if bf16 else 16)
+    assert plan.linear_kernel_max_rows == (cpu_defaults.BF16_FROM_ROWS if bf16 else cpu_defaults.INT4_FP32_FROM_ROWS)
+    assert plan.head_kernel_max_rows == (cpu_defaults.BF16_FROM_ROWS if bf16 else 16)
     assert resolve_auto_quantization(loaded, torch.device("cuda")).quantization is None
     dummy = load_model(None, load_format="dummy", model_shape="smollm2-135m", dtype=torch.float32)
     assert resolve_auto_quantization(dummy, CPU).quantization is None
@@ -67,7 +68,7 @@ def test_int8_lm_head_tracks_the_fp32_logits(auto_loaded, smollm2_loaded):
     hidden = smollm2_loaded.model.model.norm(embed[torch.randint(0, embed.shape[0], (8,))] * 30)
     reference = torch.nn.functional.linear(hidden, embed)
     assert loaded.model.quantized_lm_head is not None
-    for rows in (1, plan.kernel_max_rows, 8):
+    for rows in (1, plan.head_kernel_max_rows, 8):
         logits = loaded.model.compute_logits(hidden[:rows])
         scale = reference[:rows].abs().amax(dim=-1, keepdim=True)
         assert ((logits - reference[:rows]).abs() / scale).max() < 0.03, rows
@@ -76,6 +77,17 @@ def test_int8_lm_head_tracks_the_fp32_logits(auto_loaded, smollm2_loaded):
     many = hidden.repeat(4, 1)
     dense = torch.nn.functional.linear(many.to(plan.dense_dtype), embed.to(plan.dense_dtype)).float()
     assert torch.equal(loaded.model.compute_logits(many), dense)
+
+
+def test_rows_up_to_the_plans_limit_take_the_int4_kernel_more_the_dense_copy(auto_loaded):
+    plan, loaded = auto_loaded
+    limit = plan.linear_kernel_max_rows
+    torch.manual_seed(2)
+    for module in (loaded.model.model.layers[0].mlp.gate_up_proj, loaded.model.model.layers[3].self_attn.o_proj):
+        assert module.cpu_kernel_max_rows == limit
+        x = torch.randn(limit + 1, module.in_features)
+        assert torch.equal(module(x[:limit]), module.kernel_matmul(x[:limit]))
+        assert torch.equal(module(x), module.dense_weight.linear(x))
 
 
 def test_prefill_with_the_plans_dense_weights_tracks_fp32(auto_loaded, smollm2_loaded):
