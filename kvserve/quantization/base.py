@@ -148,6 +148,16 @@ class QuantizationMethod(ABC):
         default the head stays in the run dtype)."""
 
 
+def lm_head_as_linear(model: nn.Module) -> nn.Linear:
+    """The model's LM head (its tied embedding where it has no separate head) as an
+    nn.Linear sharing that weight tensor, for a method to quantize a copy of."""
+    head = getattr(model, "lm_head", None)
+    weight = head.weight if head is not None else model.model.embed_tokens.weight
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return layer
+
+
 @dataclass
 class QuantizationReport:
     method: str

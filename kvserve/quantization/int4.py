@@ -11,12 +11,15 @@ so it takes z = minimum + 8 * s.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch import nn
 
 from kvserve.cpu_kernels import int4_matmul_op
-from kvserve.quantization.base import QuantizationMethod, QuantizedLinear
+from kvserve.quantization.base import QuantizationMethod, QuantizedLinear, lm_head_as_linear
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP_SIZES = (128, 64, 32)
 _KERNEL_GROUP_SIZES = (32, 64, 128, 256)
@@ -169,10 +172,21 @@ class Int4Linear(QuantizedLinear):
 
 
 class Int4Method(QuantizationMethod):
+    """Group-wise int4 linears; `quantization_config={"lm_head": true}` adds an int4 copy of
+    the LM head (same group size rule) for decode-sized inputs on either device: on a GPU the
+    bf16 head is ~7% of a llama3-8b bf16 step's bytes but ~22% of an int4 step's. The float head
+    stays for the embedding lookup and for larger inputs (prefill's logits)."""
+
     name = "int4"
 
+    def __init__(self, config: dict | None = None) -> None:
+        super().__init__(config)
+        self.lm_head = self.config.get("lm_head", False)
+        if not isinstance(self.lm_head, bool):
+            raise ValueError(f"quantization='int4': lm_head must be true or false, got {self.lm_head!r}")
+
     def config_keys(self) -> tuple[str, ...]:
-        return ("group_size",)
+        return ("group_size", "lm_head")
 
     def group_size(self, name: str, in_features: int) -> int:
         if "group_size" in self.config:
@@ -197,3 +211,13 @@ class Int4Method(QuantizationMethod):
     def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
         group_size = self.group_size(name, layer.in_features)
         return Int4Linear(*quantize_int4(layer.weight, group_size), group_size, layer.bias)
+
+    def quantize_lm_head(self, model: nn.Module) -> None:
+        if not self.lm_head:
+            return
+        layer = lm_head_as_linear(model)
+        head = self.quantize_linear("lm_head", layer)
+        head.keep_dense_weight(layer.weight, layer.weight.dtype, pack=False)  # the head itself: no copy
+        model.quantized_lm_head = head
+        logger.info("quantization=int4: an int4 copy of the LM head for decode (%.1f MB, group %d)",
+                    head.weight_bytes() / 1e6, head.group_size)

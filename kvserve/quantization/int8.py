@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS, QuantizationMethod, QuantizedLinear
+from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS, QuantizationMethod, QuantizedLinear, lm_head_as_linear
 from kvserve.cpu_kernels import int8_matmul_op
 
 logger = logging.getLogger(__name__)
@@ -155,10 +155,8 @@ def quantize_lm_head(model: nn.Module, dense_dtype: torch.dtype = torch.float32,
     head) for inputs of up to `kernel_max_rows` rows on CPU; larger inputs run the float
     weight in `dense_dtype` (the head's own tensor where that is its dtype, else a copy). Returns it, or None where
     the kernel does not apply."""
-    head = getattr(model, "lm_head", None)
-    weight = head.weight if head is not None else model.model.embed_tokens.weight
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    layer = lm_head_as_linear(model)
+    weight = layer.weight
     quantized = Int8Linear(layer)
     if not quantized.has_kernel:
         return None

@@ -31,6 +31,18 @@ def test_step_bytes_match_the_published_shapes(shape, weights_gb, kv_kib):
     assert kv_bytes_per_token(config) / 1024 == kv_kib
 
 
+@pytest.mark.parametrize("shape", ["llama3-8b", "smollm2-135m"])
+def test_a_quantized_lm_head_replaces_the_float_one_in_the_step_bytes(shape):
+    """Untied (llama3-8b) and tied (SmolLM2): decode reads the int4 head, not the float one."""
+    config = dummy_model_config(shape, torch.float32)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    float_step = weight_bytes_per_step(model, config)
+    model.quantized_lm_head = torch.nn.Linear(config.hidden_size, 7, bias=False, device="meta")
+    head = config.vocab_size * config.hidden_size * 4
+    assert weight_bytes_per_step(model, config) == float_step - head + 7 * config.hidden_size * 4
+
+
 def test_latency_result_is_consistent():
     llm = LLM(load_format="dummy", model_shape="smollm2-135m", kv_cache_memory="64MiB")
     bandwidth = 20e9

@@ -1,0 +1,78 @@
+"""`quantization="int4"` with `quantization_config={"lm_head": true}`: an int4 copy of the LM
+head for decode rows, checked against the same grid dequantized in fp32 and against the
+float head, which keeps the embedding lookups and larger inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.model_executor.dummy import dummy_model_config, init_dummy_weights
+from kvserve.model_executor.loader import load_model
+from kvserve.model_executor.models.llama import LlamaForCausalLM
+from kvserve.quantization import quantize_model
+from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
+from kvserve.quantization.int4 import Int4Linear, Int4Method
+
+
+@pytest.fixture(scope="module")
+def with_int4_head():
+    return load_model(None, load_format="dummy", model_shape="smollm2-135m", dtype=torch.float32,
+                      quantization="int4", quantization_config={"lm_head": True})
+
+
+def test_int4_head_computes_on_its_grid_and_larger_inputs_on_the_float_head(with_int4_head):
+    model = with_int4_head.model
+    head = model.quantized_lm_head
+    assert isinstance(head, Int4Linear) and head.group_size == 64  # 576 = 9 x 64
+    embed = model.model.embed_tokens.weight  # SmolLM2 ties the head to the embedding
+    torch.manual_seed(0)
+    hidden = torch.randn(CPU_KERNEL_MAX_ROWS + 1, embed.shape[1])
+    grid = head.dequantize(torch.float32)
+    assert (grid - embed).abs().max() <= 0.5 * head.scale.max() + 1e-6  # half a step of a group
+    for rows in (1, 5, CPU_KERNEL_MAX_ROWS):
+        x = hidden[:rows].double()
+        reference = F.linear(x, grid.double())
+        # kvserve's CPU kernel rounds each row of x to int16 (half a step of |x|max / 32767).
+        bound = x.abs().amax(dim=1, keepdim=True) / 32767 / 2 * grid.double().abs().sum(dim=1) + 1e-5
+        assert ((model.compute_logits(hidden[:rows]).double() - reference).abs() <= bound).all(), rows
+    assert torch.equal(model.compute_logits(hidden), F.linear(hidden, embed))
+    assert head.dense_weight.tensor.data_ptr() == embed.data_ptr()  # the head itself, no copy
+
+
+def test_without_the_option_no_copy():
+    loaded = load_model(None, load_format="dummy", model_shape="smollm2-135m", dtype=torch.float32,
+                        quantization="int4")
+    assert loaded.model.quantized_lm_head is None
+
+
+def test_int4_lm_head_option_must_be_a_bool():
+    with pytest.raises(ValueError, match="quantization='int4': lm_head must be true or false, got 1"):
+        load_model(None, load_format="dummy", model_shape="smollm2-135m", quantization="int4",
+                   quantization_config={"lm_head": 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_int4_head_runs_the_triton_kernel_for_decode_rows():
+    """llama3-8b's untied head shape on a 2-layer dummy: decode rows through the Triton int4
+    kernel against the same grid in fp64, prefill-sized inputs on the bf16 head itself."""
+    config = dataclasses.replace(dummy_model_config("llama3-8b", torch.bfloat16), num_hidden_layers=2)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    init_dummy_weights(model, seed=0)
+    quantize_model(model, Int4Method({"lm_head": True}))
+    head = model.quantized_lm_head
+    assert isinstance(head, Int4Linear) and head.group_size == 128 and head.qweight.is_cuda
+    grid = head.dequantize(torch.float64)
+    torch.manual_seed(0)
+    hidden = torch.randn(200, 4096, device="cuda", dtype=torch.bfloat16)
+    for rows in (1, 16, 64):
+        logits = model.compute_logits(hidden[:rows]).double()
+        reference = hidden[:rows].double() @ grid.T
+        error = ((logits - reference).abs().amax(-1) / reference.abs().amax(-1)).max().item()
+        assert error < 1e-2, (rows, error)  # bf16 output rounding
+    assert torch.equal(model.compute_logits(hidden), F.linear(hidden, model.lm_head.weight).float())
