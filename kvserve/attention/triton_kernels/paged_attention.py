@@ -195,8 +195,14 @@ class TileConfig(NamedTuple):
     num_stages: int
 
 
-# Decode tiles hold a single token's head group: 16 rows is the matrix units' minimum.
-DECODE_TILE = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+# Decode tiles hold a single token's head group: 16 rows is the matrix units' minimum. 256 keys
+# a tile over 8 warps: a quarter of the serial K/V round trips of 64 for short contexts (H100,
+# llama3-8b heads, a step's 32 layers in one CUDA graph, 64 -> 256 keys: batch 1 at 192 keys
+# 265 -> 217 us, at 1024 keys 722 -> 430, batch 8 at 192 keys 330 -> 281;
+# benchmarks/gpu_decode_tile_sweep.py).
+DECODE_TILE = TileConfig(block_m=16, block_n=256, num_warps=8, num_stages=2)
+# fp32 models: 256 fp32 keys and values a tile would not fit in shared memory.
+FP32_DECODE_TILE = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 PREFILL_TILE = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 MAX_KV_SPLITS = 64
 KV_SPLIT_WAVES = 4
@@ -248,7 +254,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     if tile is None:
-        tile = DECODE_TILE if metadata.max_query_len == 1 else PREFILL_TILE
+        decode_tile = DECODE_TILE if query.element_size() <= 2 else FP32_DECODE_TILE
+        tile = decode_tile if metadata.max_query_len == 1 else PREFILL_TILE
     block_m = max(tile.block_m, group_pad)
     num_q_blocks = num_tokens // (block_m // group_pad) + metadata.num_seqs
     split = num_kv_splits > 1

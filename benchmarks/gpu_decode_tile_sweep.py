@@ -1,0 +1,78 @@
+"""Decode attention tile configs at W2-like shapes: llama3-8b's heads, one layer's cache per
+call, 32 calls (a step's layers, each on its own cache) captured in one CUDA graph, so the
+time is what a decode step pays, launch latency included. Every config's output is checked
+against the default tile's.
+
+    python benchmarks/gpu_decode_tile_sweep.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+
+from kvserve.attention.triton_kernels.bench_decode import make_batch
+from kvserve.attention.triton_kernels.paged_attention import (
+    DECODE_TILE,
+    TileConfig,
+    choose_num_kv_splits,
+    paged_attention,
+)
+
+LAYERS = 32
+BLOCK_N = tuple(int(n) for n in os.environ.get("BLOCK_N", "32,64,128").split(","))
+
+
+def step_us(calls) -> float:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 20 * 1e3
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    configs = [TileConfig(16, n, w, s) for n, w, s in itertools.product(BLOCK_N, (2, 4, 8), (1, 2, 3))]
+    for num_seqs, context in ((1, 192), (1, 1024), (8, 192)):
+        layers = [make_batch(num_seqs, context, 1) for _ in range(LAYERS)]
+        outputs = [torch.empty_like(q) for q, *_ in layers]
+        scale = layers[0][0].shape[-1] ** -0.5
+        splits = choose_num_kv_splits(layers[0][4], layers[0][3].shape[3], torch.device("cuda"))  # as the engine
+        reference = []
+        for (q, _, _, cache, metadata), out in zip(layers, outputs):
+            paged_attention(q, cache, metadata, scale, out, splits, tile=DECODE_TILE)
+            reference.append(out.clone())
+        results = []
+        for tile in configs:
+            def calls(tile=tile):
+                for (q, _, _, cache, metadata), out in zip(layers, outputs):
+                    paged_attention(q, cache, metadata, scale, out, splits, tile=tile)
+            try:
+                calls()
+                torch.cuda.synchronize()
+            except Exception as error:  # a tile that does not fit shared memory
+                print(f"  {tile}: {type(error).__name__}", flush=True)
+                continue
+            worst = max((out.float() - ref.float()).abs().max().item() for out, ref in zip(outputs, reference))
+            results.append((step_us(calls), tile, worst))
+        results.sort(key=lambda r: r[0])
+        default = next(us for us, tile, _ in results if tile == DECODE_TILE)
+        print(f"batch {num_seqs}, context {context}, {splits} KV splits: default {DECODE_TILE} {default:.1f} us a step "
+              f"({default / LAYERS:.2f} us a layer)", flush=True)
+        for us, tile, worst in results[:6]:
+            print(f"  {us:7.1f} us  block_n {tile.block_n:3d} warps {tile.num_warps} stages {tile.num_stages}"
+                  f"  max |diff| vs default {worst:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
