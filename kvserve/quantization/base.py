@@ -136,6 +136,13 @@ class QuantizationMethod(ABC):
     def config_keys(self) -> tuple[str, ...]:
         return ()
 
+    def bool_option(self, key: str) -> bool:
+        """quantization_config[key] (default false), which must be a JSON boolean."""
+        value = self.config.get(key, False)
+        if not isinstance(value, bool):
+            raise ValueError(f"quantization={self.name!r}: {key} must be true or false, got {value!r}")
+        return value
+
     def check_layer(self, name: str, layer: nn.Linear) -> None:
         """Raise ValueError naming the layer if this method cannot quantize it."""
 

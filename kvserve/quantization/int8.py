@@ -123,9 +123,7 @@ class Int8Method(QuantizationMethod):
 
     def __init__(self, config: dict | None = None) -> None:
         super().__init__(config)
-        self.lm_head = self.config.get("lm_head", False)
-        if not isinstance(self.lm_head, bool):
-            raise ValueError(f"quantization='int8': lm_head must be true or false, got {self.lm_head!r}")
+        self.lm_head = self.bool_option("lm_head")
 
     def config_keys(self) -> tuple[str, ...]:
         return ("lm_head",)
