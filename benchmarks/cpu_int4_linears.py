@@ -8,28 +8,16 @@ torch's int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations), kvserve's
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
+from kvserve.benchmarks.cpu_linears import SMOLLM2_LAYERS, SMOLLM2_LINEARS, step_ms
 from kvserve.cpu_kernels import float_matmul_op, int4_matmul_op, int8_matmul_op
 from kvserve.quantization import int4
 from kvserve.quantization.int8 import quantize_int8
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of SmolLM2's linears
-LAYERS = 30
-GROUP = 32
-
-
-def _time_ms(calls: list[Callable[[], torch.Tensor]], rounds: int = 10) -> float:
-    for call in calls:
-        call()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        for call in calls:
-            call()
-    return (time.perf_counter() - start) / rounds * 1e3
+GROUP = 32  # as the embedded Q4_1 model
 
 
 def main() -> None:
@@ -41,9 +29,9 @@ def main() -> None:
         for rows in (1, 2, 4, 8, 16):
             calls: dict[str, list[Callable[[], torch.Tensor]]] = {
                 "fp32": [], "torch int4": [], "kvserve int4": [], "kvserve int8": []}
-            for n, k in SHAPES:
+            for n, k in SMOLLM2_LINEARS:
                 x = torch.randn(rows, k)
-                for _ in range(LAYERS):
+                for _ in range(SMOLLM2_LAYERS):
                     weight = torch.randn(n, k)
                     q, scale, minimum = int4.quantize_int4(weight, GROUP)
                     torch_layer = int4.Int4Linear(q, scale, minimum, GROUP, None)
@@ -53,7 +41,7 @@ def main() -> None:
                     calls["torch int4"].append(lambda x=x, layer=torch_layer: layer.kernel_matmul(x))
                     calls["kvserve int4"].append(lambda x=x, p=pairs, s=scale, m=minimum: own_int4(x, p, s, m, GROUP))
                     calls["kvserve int8"].append(lambda x=x, q=q8, s=scale8: own_int8(x, q, s))
-            print(f"{rows:2d} rows: " + ", ".join(f"{name} {_time_ms(c):.2f}" for name, c in calls.items()), flush=True)
+            print(f"{rows:2d} rows: " + ", ".join(f"{name} {step_ms(c):.2f}" for name, c in calls.items()), flush=True)
     finally:
         int4.int4_matmul_op = op
 

@@ -7,26 +7,13 @@ torch's `_weight_int8pack_mm` (bf16 activations) and kvserve's int8 kernel.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
+from kvserve.benchmarks.cpu_linears import SMOLLM2_LAYERS, SMOLLM2_LINEARS, step_ms
 from kvserve.cpu_kernels import int8_matmul_op
 from kvserve.quantization.int8 import quantize_int8
-
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of SmolLM2's linears
-LAYERS = 30
-
-
-def _time_ms(calls: list[Callable[[], torch.Tensor]], rounds: int = 20) -> float:
-    for call in calls:
-        call()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        for call in calls:
-            call()
-    return (time.perf_counter() - start) / rounds * 1e3
 
 
 def main() -> None:
@@ -34,9 +21,9 @@ def main() -> None:
     torch.manual_seed(0)
     for rows in (1, 4, 16):
         calls: dict[str, list[Callable[[], torch.Tensor]]] = {"fp32": [], "torch int8": [], "kvserve int8": []}
-        for n, k in SHAPES:
+        for n, k in SMOLLM2_LINEARS:
             x = torch.randn(rows, k)
-            for _ in range(LAYERS):
+            for _ in range(SMOLLM2_LAYERS):
                 weight = torch.randn(n, k)
                 q, scale = quantize_int8(weight)
                 bf16_scale = scale.to(torch.bfloat16)
@@ -45,7 +32,7 @@ def main() -> None:
                     lambda x=x, q=q, s=bf16_scale: torch._weight_int8pack_mm(x.to(torch.bfloat16), q, s).float())
                 if own is not None:
                     calls["kvserve int8"].append(lambda x=x, q=q, s=scale: own(x, q, s))
-        times = {name: f"{_time_ms(c):.2f} ms" for name, c in calls.items() if c}
+        times = {name: f"{step_ms(c, rounds=20):.2f} ms" for name, c in calls.items() if c}
         print(f"{rows} rows, one step's linears: {times}")
 
 

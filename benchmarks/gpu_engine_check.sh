@@ -2,12 +2,7 @@
 # One device call: the GPU tests, then W2 (batch 1) and W1 (offline-mixed, WORKLOADS.md) on
 # dummy weights through the engine. ATTN=torch|triton|auto picks the attention backend.
 # Results land in $OUT.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/kvserve-gpu}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/device_common.sh"
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 git rev-parse --short HEAD 2>/dev/null || true
 python -m pytest -q -m gpu tests/gpu tests/attention -p no:cacheprovider 2>&1 | tail -5

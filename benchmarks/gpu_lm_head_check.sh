@@ -2,12 +2,7 @@
 # One device call: the int4 LM head's GPU test, W2 batch 1 on llama3-8b dummy weights with
 # int4 linears and the bf16 head, then with the int4 head (quantization_config lm_head), then
 # the int4 GPU kernel tests (the one-row kernel's weight loads are evict_first).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/kvserve-gpu}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/device_common.sh"
 timeout 120 python -m pytest -q -m gpu tests/quantization/test_int4_lm_head.py -p no:cacheprovider 2>&1 | tail -3
 for head in false true; do
   echo "== W2 llama3-8b quantization=int4 lm_head=$head"

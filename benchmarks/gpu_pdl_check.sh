@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU kernel tests with programmatic dependent launch, then W2 batch 1
 # on llama3-8b dummy weights with KVSERVE_PDL=0 and 1 alternated, for bf16, int4 and fp8.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/kvserve-gpu}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/device_common.sh"
 git rev-parse --short HEAD 2>/dev/null || true
 timeout 300 python -m pytest -q -m gpu tests/gpu/test_dependent_launch.py ${TESTS:-tests/quantization/test_triton_kernels.py tests/attention} \
   -p no:cacheprovider -x 2>&1 | tail -4

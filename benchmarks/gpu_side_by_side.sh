@@ -6,14 +6,9 @@
 #   takes ~4.5 min for llama3-8b alone)  TESTS=1  HF=1  EAGER=0 (1: --enforce-eager)
 #   W2_BATCH_SIZES=1,16,64  VARIANT="no-overlap --no-overlap-scheduling" (a name and flags:
 #   kvserve runs once more with those flags, reported as SHAPE__name)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/kvserve-gpu}
-mkdir -p "$OUT"
+source "$(dirname "$0")/device_common.sh"
 SHAPES=${SHAPES:-"llama3-8b qwen2.5-0.5b"}
 EAGER_FLAG=$([ "${EAGER:-0}" = 1 ] && echo --enforce-eager || true)
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, transformers, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 if [ "${TESTS:-1}" = 1 ]; then
   python -m pytest -q -m gpu tests/gpu tests/attention -p no:cacheprovider 2>&1 | tail -4
