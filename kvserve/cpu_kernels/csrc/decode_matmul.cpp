@@ -21,6 +21,15 @@
 
 namespace {
 
+#if defined(__AVX2__)
+// The sum of a vector's eight lanes.
+inline float horizontal_sum(__m256 lanes) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+  const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
+}
+#endif
+
 constexpr int64_t kRowsPerTile = 4;   // weight rows that share each load of x
 constexpr int64_t kXRowsPerPass = 2;  // rows of x that share each load of a weight tile
 constexpr int64_t kLanes = 16;        // int16 activations per vector
@@ -85,10 +94,7 @@ void dot_chunk(const int16_t* xq, int64_t x_stride, const int8_t* q, int64_t k, 
   }
   for (int64_t j = 0; j < X; ++j) {
     for (int64_t r = 0; r < R; ++r) {
-      const __m256 lanes = _mm256_cvtepi32_ps(acc[j][r]);
-      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
-      const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-      sums[j * R + r] = _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
+      sums[j * R + r] = horizontal_sum(_mm256_cvtepi32_ps(acc[j][r]));
     }
   }
 #else
@@ -310,9 +316,7 @@ void int4_dot(const int16_t* xq, int64_t k, const void* weights, int64_t row_byt
   }
   for (int64_t j = 0; j < X; ++j) {
     for (int64_t r = 0; r < R; ++r) {
-      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[j][r]), _mm256_extractf128_ps(acc[j][r], 1));
-      const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-      sums[j * R + r] = _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
+      sums[j * R + r] = horizontal_sum(acc[j][r]);
     }
   }
 #else
@@ -433,9 +437,7 @@ void float_dot_rows(const float* x, int64_t x_stride, const float* w, int64_t k,
   }
   for (int64_t j = 0; j < X; ++j) {
     for (int64_t r = 0; r < R; ++r) {
-      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[j][r]), _mm256_extractf128_ps(acc[j][r], 1));
-      const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
-      out[j * R + r] = _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
+      out[j * R + r] = horizontal_sum(acc[j][r]);
     }
   }
 #else
