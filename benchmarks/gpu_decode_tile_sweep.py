@@ -3,7 +3,7 @@ call, 32 calls (a step's layers, each on its own cache) captured in one CUDA gra
 time is what a decode step pays, launch latency included. Every config's output is checked
 against the default tile's.
 
-    python benchmarks/gpu_decode_tile_sweep.py
+    python benchmarks/gpu_decode_tile_sweep.py        # BLOCK_N=128,256 picks the key counts
 """
 
 from __future__ import annotations
