@@ -43,6 +43,13 @@ constexpr int64_t kPrefetchTiles = 4;
 // kLanes columns: 255 of them stay below 2^31 (kFlushColumns, a multiple of kLanes).
 constexpr int64_t kFlushColumns = 255 * kLanes;
 
+// The fp32 scale that maps a row of x onto int16: its largest magnitude to 32767.
+inline float int16_scale(const float* row, int64_t k) {
+  float amax = 0.f;
+  for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(row[c]));
+  return amax > 0.f ? amax / 32767.f : 1.f;
+}
+
 // Rows of x as int16 with one fp32 scale each, padded with zeros to a multiple of kLanes.
 struct QuantizedRows {
   std::vector<int16_t> values;
@@ -57,9 +64,7 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
   out.scales.resize(m);
   for (int64_t i = 0; i < m; ++i) {
     const float* row = x + i * k;
-    float amax = 0.f;
-    for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(row[c]));
-    const float scale = amax > 0.f ? amax / 32767.f : 1.f;
+    const float scale = int16_scale(row, k);
     const float inverse = 1.f / scale;
     int16_t* dst = out.values.data() + i * out.padded;
     for (int64_t c = 0; c < k; ++c) dst[c] = static_cast<int16_t>(std::nearbyint(row[c] * inverse));
@@ -216,9 +221,7 @@ Int4Rows int4_rows(const float* x, int64_t m, int64_t k, int64_t group) {
   out.group_sums.assign(m * groups, 0.f);
   for (int64_t i = 0; i < m; ++i) {
     const float* row = x + i * k;
-    float amax = 0.f;
-    for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(row[c]));
-    const float scale = amax > 0.f ? amax / 32767.f : 1.f;
+    const float scale = int16_scale(row, k);
     const float inverse = 1.f / scale;
     int16_t* dst = out.values.data() + i * k;
     for (int64_t c = 0; c < k; c += 2) {
