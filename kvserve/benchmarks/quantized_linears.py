@@ -60,6 +60,9 @@ _INT4_FMA = [LaunchConfig(1, bn, bk, num_warps=nw, num_stages=1, waves=waves, wo
 _INT4_DOT = [LaunchConfig(16, bn, bk, num_warps=nw, num_stages=stages, waves=waves, words="dot")
              for bn, bk, nw, stages, waves in ((128, 128, 4, 1, 2), (128, 128, 4, 1, 4), (64, 128, 4, 1, 4),
                                                (256, 128, 8, 1, 2), (128, 128, 4, 3, 2))]
+# The mma.sync kernel (2-8 rows): block_n = 16 x row tiles x num_warps.
+_INT4_MMA = [LaunchConfig(8, bn, 256, num_warps=nw, num_stages=1, waves=waves, words="mma")
+             for bn, nw, waves in ((128, 4, 2), (128, 4, 4), (64, 2, 4), (64, 4, 2), (256, 8, 2))]
 _INT4_DOT_64 = [LaunchConfig(64, bn, bk, num_warps=nw, num_stages=1, waves=2, words="dot")
                 for bn, bk, nw in ((128, 128, 8), (256, 64, 8), (128, 64, 4), (64, 128, 4))]
 _FP8_FMA = [LaunchConfig(1, bn, bk, num_warps=nw, num_stages=1, waves=waves, words="fma")
@@ -77,9 +80,10 @@ SWEEP_CONFIGS = {
         16: [LaunchConfig(16, 64, 128), *_FP8_DOT],
     },
     "int4": {
-        1: [LaunchConfig(16, 128, 128), LaunchConfig(1, 32, 256), *_INT4_FMA, *_INT4_DOT],
+        1: [LaunchConfig(16, 128, 128), LaunchConfig(1, 32, 256), *_INT4_FMA, *_INT4_DOT, *_INT4_MMA[:3]],
         4: [LaunchConfig(16, 128, 128), _INT4_FMA[0], LaunchConfig(4, 64, 128, num_stages=1, waves=4, words="fma"),
-            *_INT4_DOT],
+            *_INT4_DOT, *_INT4_MMA],
+        8: [LaunchConfig(16, 128, 128), *_INT4_DOT[:3], *_INT4_MMA],
         16: [LaunchConfig(16, 128, 128), *_INT4_DOT],
         64: [LaunchConfig(64, 128, 64), *_INT4_DOT_64],
     },

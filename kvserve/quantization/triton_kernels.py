@@ -16,7 +16,11 @@ tiles of K, always take these kernels.
 ("fma", few rows) or on tensor cores ("dot": W x^T, a wgmma on sm_90). 4-bit: 8 nibbles a
 load, each put into the mantissa of 1.0f by a shift and one LOP3 (f = 1 + q / 128, no
 int-to-float conversion); 128 scale and (offset - 128 scale) * sum(x) apply per group, and
-a tile may hold two groups (longer runs of each weight row per load).
+a tile may hold two groups (longer runs of each weight row per load). At 2-8 rows on CUDA,
+4-bit weights go through mma.sync instead ("mma"): each thread builds its own tensor-core
+A fragment from the words it loaded (two nibbles a LOP3, as bf16/fp16 magic + q), which
+halves the instructions a weight against the CUDA-core loop and serves 8 rows of x for the
+price of one (_int4_mma_kernel).
 fp8: 4 e4m3 values a load, each byte converted by the hardware (exact); per-channel scales
 apply once at the end, group scales once per tile. Their split-K partials are summed
 inside the kernel, in split order, by the last split to finish: one launch per linear.
@@ -402,6 +406,154 @@ def _int4_dot_kernel(
 
 
 @triton.jit
+def _mma_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FP16: tl.constexpr):
+    """One warp-wide mma.sync m16n8k16 with fp32 accumulators: each thread passes its own
+    fragment registers (A row-major, B column-major, as the PTX ISA lays them out), so the
+    caller's per-thread tensors must hold element i in thread i."""
+    if FP16:
+        return tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+            "{$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+            "{$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _prmt(a, b, selector: tl.constexpr):
+    """The bytes of (a, b) picked by `selector` (PTX prmt): two 16-bit halves into one word."""
+    return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {selector};", "=r,r,r", [a, b],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _nibble_pairs(w, i: tl.constexpr, magic):
+    """Nibbles i and i + 4 of int32 words as a pair of 16-bit floats magic + q: the nibble
+    in the low mantissa bits of 128 (bf16) or 1024 (fp16), exact. `magic` is a run-time
+    value so that ptxas merges the mask and the OR into one LOP3."""
+    return ((w >> (4 * i)) & 0x000F000F) | magic
+
+
+@triton.jit
+def _unstack4(t):
+    """[..., 4] per-thread values as four [...] tensors, in order (register renames)."""
+    a, b = tl.split(t.reshape(t.shape[:-1] + [2, 2]))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _stack4(a, b, c, d):
+    return tl.join(tl.join(a, b), tl.join(c, d)).reshape(a.shape + [4])
+
+
+@triton.jit
+def _int4_mma_kernel(
+    x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr,
+    M, N, num_tiles, tiles_per_split, group_size, magic,
+    stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
+    FP16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr,
+    NUM_WARPS: tl.constexpr,
+):
+    """Up to 8 rows of x against ROW_TILES x 16 weight rows a warp on tensor cores, through
+    mma.sync m16n8k16 (B's 8 columns are x's rows). Thread (g, t) of a warp (lane 4 g + t)
+    unpacks its own A fragment from the stored words, one LOP3 a register (nibbles i and
+    i + 4 of a word as magic + q), so the MMA's k order is a fixed permutation of K that x's
+    B fragment follows (two PRMTs); magic * sum(x) comes back out with the offsets, whose
+    sum(x) is the same MMA with a ones fragment. A tile is 256 k, two groups of 128: one
+    16-byte load a weight row and group a thread, the next tile's in flight while this one
+    is multiplied. Per-thread values are [threads, ROW_TILES] tensors (thread i holds row i),
+    so Triton keeps them in registers with no layout conversions."""
+    THREADS: tl.constexpr = 32 * NUM_WARPS
+    ONES: tl.constexpr = 0x3C003C00 if FP16 else 0x3F803F80
+    BIAS: tl.constexpr = 1024.0 if FP16 else 128.0
+    thread = tl.arange(0, THREADS)
+    g = thread % 32 // 4
+    t = thread % 4
+    w_row = (tl.program_id(0) * (16 * ROW_TILES * NUM_WARPS) + (thread // 32 * (16 * ROW_TILES) + g)[:, None]
+             + 16 * tl.arange(0, ROW_TILES)[None, :])
+    w_row8 = w_row + 8
+    first = tl.program_id(2) * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, num_tiles)
+    quad = tl.arange(0, 4)[None, None, :]
+    # Thread (g, t) loads words 16 h + 4 t .. + 3 of weight rows g and g + 8 (of each row
+    # tile) in half h of a tile, and x row g's bf16 pairs of the same words.
+    w_g = w_ptr + w_row[:, :, None].to(tl.int64) * stride_wn + (4 * t)[:, None, None] + quad
+    w_g8 = w_g + 8 * stride_wn
+    w_mask = (w_row < N)[:, :, None]
+    w_mask8 = (w_row8 < N)[:, :, None]
+    x_pairs = (x_ptr.to(tl.pointer_type(tl.int32)) + (g * (stride_xm // 2) + 16 * t)[:, None]
+               + tl.arange(0, 4)[None, :])
+    x_mask = (g < M)[:, None]
+    s_mask = w_row < N
+    s_mask8 = w_row8 < N
+    ones = tl.full((THREADS,), ONES, dtype=tl.int32)
+    zero = tl.zeros((THREADS, ROW_TILES), dtype=tl.float32)
+    zero1 = tl.zeros((THREADS,), dtype=tl.float32)
+
+    y_g0, y_g1, y_g80, y_g81 = zero, zero, zero, zero
+    w_tile = first * 32
+    evict: tl.constexpr = "evict_first"  # weights are read once a step: x and scales stay in L2
+    w_a = tl.load(w_g + w_tile, mask=w_mask, other=0, eviction_policy=evict)
+    w_a8 = tl.load(w_g8 + w_tile, mask=w_mask8, other=0, eviction_policy=evict)
+    w_b = tl.load(w_g + w_tile + 16, mask=w_mask, other=0, eviction_policy=evict)
+    w_b8 = tl.load(w_g8 + w_tile + 16, mask=w_mask8, other=0, eviction_policy=evict)
+    for tile in range(first, last):
+        step = tl.where(tile + 1 < last, 32, 0)  # the last tile loads itself again: no masks
+        next_a = tl.load(w_g + w_tile + step, mask=w_mask, other=0, eviction_policy=evict)
+        next_a8 = tl.load(w_g8 + w_tile + step, mask=w_mask8, other=0, eviction_policy=evict)
+        next_b = tl.load(w_g + w_tile + step + 16, mask=w_mask, other=0, eviction_policy=evict)
+        next_b8 = tl.load(w_g8 + w_tile + step + 16, mask=w_mask8, other=0, eviction_policy=evict)
+        for h in tl.static_range(2):
+            words = _unstack4(w_a if h == 0 else w_b)
+            words8 = _unstack4(w_a8 if h == 0 else w_b8)
+            c0, c1, c2, c3 = zero, zero, zero, zero
+            s0, s1, s2, s3 = zero1, zero1, zero1, zero1
+            for word in tl.static_range(4):
+                pairs = _unstack4(tl.load(x_pairs + tile * 128 + h * 64 + 4 * word, mask=x_mask, other=0))
+                for half in tl.static_range(2):
+                    # (x[8 w + 2 half], x[8 w + 2 half + 4]) and the next two, as the nibbles pair up.
+                    xb0 = _prmt(pairs[half], pairs[half + 2], 0x5410)
+                    xb1 = _prmt(pairs[half], pairs[half + 2], 0x7632)
+                    c0, c1, c2, c3 = _mma_m16n8k16(
+                        _nibble_pairs(words[word], 2 * half, magic), _nibble_pairs(words8[word], 2 * half, magic),
+                        _nibble_pairs(words[word], 2 * half + 1, magic),
+                        _nibble_pairs(words8[word], 2 * half + 1, magic),
+                        xb0[:, None], xb1[:, None], c0, c1, c2, c3, FP16)
+                    s0, s1, s2, s3 = _mma_m16n8k16(ones, ones, ones, ones, xb0, xb1, s0, s1, s2, s3, FP16)
+            group = (tile * 256 + h * 128) // group_size
+            scale = tl.load(scale_ptr + w_row * stride_sn + group, mask=s_mask, other=0.0)
+            scale8 = tl.load(scale_ptr + w_row8 * stride_sn + group, mask=s_mask8, other=0.0)
+            offset, offset8 = -BIAS * scale, -BIAS * scale8
+            if HAS_OFFSET:
+                offset += tl.load(offset_ptr + w_row * stride_sn + group, mask=s_mask, other=0.0)
+                offset8 += tl.load(offset_ptr + w_row8 * stride_sn + group, mask=s_mask8, other=0.0)
+            # c0, c1: weight row g against x rows 2 t, 2 t + 1 (c2, c3: row g + 8); s0, s1:
+            # the sums of x rows 2 t, 2 t + 1 over the group.
+            y_g0 += c0 * scale + s0[:, None] * offset
+            y_g1 += c1 * scale + s1[:, None] * offset
+            y_g80 += c2 * scale8 + s0[:, None] * offset8
+            y_g81 += c3 * scale8 + s1[:, None] * offset8
+        w_a, w_a8, w_b, w_b8 = next_a, next_a8, next_b, next_b8
+        w_tile += 32
+    x_row = (2 * t)[:, None]
+    offs = _stack4(x_row * stride_om + w_row, (x_row + 1) * stride_om + w_row,
+                   x_row * stride_om + w_row8, (x_row + 1) * stride_om + w_row8)
+    mask = _stack4((x_row < M) & s_mask, (x_row + 1 < M) & s_mask, (x_row < M) & s_mask8, (x_row + 1 < M) & s_mask8)
+    y = _stack4(y_g0, y_g1, y_g80, y_g81)
+    if SPLIT:
+        _store_summed_splits(y, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
+    else:
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _e4m3(w, i: tl.constexpr):
     """Byte i of int32 words (k = 4 j + i) as the e4m3 value it holds, in fp32: exact,
     subnormals included (the hardware conversion, through fp16 on sm_90)."""
@@ -516,21 +668,27 @@ class LaunchConfig:
     waves: int = 2  # split K until about this many programs per SM
     split_k: int | None = None  # fixed split (tests); None: from `waves` on CUDA, else 1
     # 4-bit and fp8 weights: the int32-word kernel, "fma" (CUDA cores) or "dot" (tensor
-    # cores, block_m >= 16), block_m rows per program. None (and int8 weights): block_m 1 is
-    # the CUDA-core kernel, one row per program (reads W once per row), else tl.dot tiles.
+    # cores, block_m >= 16), block_m rows per program; 4-bit also "mma" (up to 8 rows on
+    # tensor cores through mma.sync, block_n = 16 x row tiles x num_warps, 256-wide K tiles).
+    # None (and int8 weights): block_m 1 is the CUDA-core kernel, one row per program (reads
+    # W once per row), else tl.dot tiles.
     words: str | None = None
 
 
 # 4-bit weights, (most rows, config): the first entry that covers the row count. The fastest
 # per step's linears of `kvserve bench quantized-linears --sweep --sweep-formats int4` on an
 # H100 (llama3-8b, BENCHMARKS.md): 1 row 2.36 ms (tiles of two 128-wide groups; bf16 cuBLAS
-# 5.17), 4 rows 4.05, 16 rows 4.20, 64 rows 8.49 (bf16 5.38: above 16 rows 4-bit weights
-# cost time, they save memory).
+# 5.17), 4 and 8 rows 3.02 and 3.14 (mma.sync; the tl.dot tiles took 4.52 and 4.59), 16 rows
+# 4.20, 64 rows 8.49 (bf16 5.38: above 16 rows 4-bit weights cost time, they save memory).
 INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (1, LaunchConfig(1, 128, 256, num_stages=1, waves=2, words="fma")),
+    (8, LaunchConfig(8, 128, 256, num_warps=4, num_stages=1, waves=2, words="mma")),
     (SMALL_ROWS, LaunchConfig(16, 64, 128, num_stages=1, waves=4, words="dot")),
     (64, LaunchConfig(64, 64, 128, num_stages=1, waves=2, words="dot")),
 )
+# What takes the mma config's rows where it does not apply (no CUDA, as under the
+# interpreter; groups narrower than 128; K not a multiple of 256).
+INT4_MMA_FALLBACK = INT4_DECODE_CONFIGS[2][1]
 # fp8 weights, the same form, from `--sweep --sweep-formats fp8-triton` on the H100: one row
 # 3.06 ms per llama3-8b step's linears (the byte kernel 1x32x256: 3.13; bf16 5.20); at 4 and
 # 16 rows the byte tl.dot tiles stay ahead (3.63 / 3.70 ms, word kernels 3.93 / 4.08).
@@ -557,6 +715,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 # One counter per output tile for the in-kernel split-K sum; each launch leaves them at 0.
 # Shared by every launch on the device: launches must not overlap (one stream at a time).
 _MAX_SPLIT_COUNTERS = 16384
@@ -572,6 +735,8 @@ def _block_k(config: LaunchConfig, in_features: int, group_size: int, grouped: b
     or two whole groups for the 4-bit CUDA-core kernel (longer runs of each weight row);
     at least 16 stored elements (tl.dot's minimum); None when no tile fits."""
     block_k = config.block_k
+    if config.words == "mma":
+        return block_k  # 256, checked with the rest of its conditions by _mma_applies
     if (four_bit and config.words == "fma" and block_k == 2 * group_size and group_size % 32 == 0
             and in_features % block_k == 0):
         return block_k
@@ -593,6 +758,16 @@ def _split_k(config: LaunchConfig, num_tiles: int, programs: int, device: torch.
         split = max(1, min(num_tiles, triton.cdiv(config.waves * _num_sms(device.index or 0), programs)))
     tiles_per_split = triton.cdiv(num_tiles, split)
     return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
+
+
+def _mma_applies(rows: torch.Tensor, group_size: int, grouped: bool) -> bool:
+    """The mma.sync kernel: CUDA (sm_80 on), up to 8 rows of bf16/fp16 x that load as
+    aligned pairs, K in 256-wide tiles and groups of whole 128-wide halves (or one a row)."""
+    in_features = rows.shape[1]
+    return (rows.is_cuda and rows.shape[0] <= 8 and rows.dtype in (torch.bfloat16, torch.float16)
+            and rows.stride(0) % 2 == 0 and rows.data_ptr() % 4 == 0 and in_features % 256 == 0
+            and (not grouped or group_size % 128 == 0)
+            and _capability(rows.device.index or 0) >= (8, 0))
 
 
 def _words_apply(qweight: torch.Tensor, in_features: int, block_k: int, four_bit: bool, fp8: bool) -> bool:
@@ -622,6 +797,17 @@ def _words_matmul(
         split, tiles_per_split = 1, num_tiles
     partial = torch.empty((split, m, n), dtype=torch.float32, device=rows.device) if split > 1 else out
     words = qweight.view(torch.int32)
+    if config.words == "mma":
+        fp16 = rows.dtype == torch.float16
+        _int4_mma_kernel[(grid_n, 1, split)](
+            rows, words, scale, offset if offset is not None else scale, partial, out, _split_counters(rows.device),
+            m, n, num_tiles, tiles_per_split, group_size, 0x64006400 if fp16 else 0x43004300,
+            rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
+            FP16=fp16, HAS_OFFSET=offset is not None, SPLIT=split > 1,
+            ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps,
+            num_warps=config.num_warps, num_stages=1,
+        )
+        return out
     fp8 = qweight.dtype == torch.float8_e4m3fn
     flags, launch = {}, {}
     if not dot:
@@ -670,6 +856,8 @@ def weight_only_matmul(
         rows = rows.contiguous()
     m = rows.shape[0]
     config = config or default_config(m, four_bit, fp8)
+    if config.words == "mma" and not _mma_applies(rows, group_size, grouped):
+        config = INT4_MMA_FALLBACK
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
     if block_k is None or (four_bit and in_features % block_k):
         return None

@@ -337,7 +337,7 @@ GPU_KINDS = ("int8", "group_int8", "int4", "fp8", "fp8_group")
 # llama3-8b's linears (gate/up fused as kvserve runs them), and odd ones (K % 128 != 0).
 GPU_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096), (14336, 4096),
               (4000, 4160), (37, 96)]
-GPU_ROWS = (1, 3, 16, 33, 64, 65, 200)
+GPU_ROWS = (1, 3, 8, 16, 33, 64, 65, 200)
 
 
 @pytest.mark.gpu
@@ -373,7 +373,7 @@ def _sweep_layers(fmt: str, n: int, k: int) -> list:
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize(("fmt", "rows"), [("int4", 1), ("int4", 4), ("int4", 16), ("int4", 64),
+@pytest.mark.parametrize(("fmt", "rows"), [("int4", 1), ("int4", 4), ("int4", 8), ("int4", 16), ("int4", 64),
                                            ("fp8-triton", 1), ("fp8-triton", 4), ("fp8-triton", 16)])
 def test_gpu_sweep_configs_match_reference(fmt, rows) -> None:
     """Every config `bench quantized-linears --sweep` times is right on llama3-8b's shapes
@@ -392,6 +392,35 @@ def test_gpu_sweep_configs_match_reference(fmt, rows) -> None:
                     error = relative_error(y, x, weight)
                     assert error <= TOLERANCE[dtype], f"{config} {(rows, n, k)} {dtype}: relative error {error:.2e}"
                     assert torch.equal(y, weight_only_matmul(x, *kernel_args(layer), config=config)), config
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_gpu_int4_mma_kernel_matches_reference(dtype) -> None:
+    """The mma.sync kernel at every row count it takes, with and without offsets, 128- and
+    256-wide groups and one group a row, weight rows that are not whole warp tiles, one
+    split and several: against the fp64 dequantized weight, and deterministic."""
+    cases = [(m, 200, 512, 128, True, 128, 4) for m in range(1, 9)] + [
+        (8, 96, 1024, 256, False, 128, 4), (5, 1000, 2048, 2048, True, 256, 8), (2, 37, 256, 128, True, 64, 2),
+        (1, 4096, 4096, 128, True, 64, 4), (4, 14336, 4096, 128, True, 128, 4),
+    ]
+    for m, n, k, group, has_offset, block_n, warps in cases:
+        weight = _float_linear(n, k, 0, "cuda").weight.detach()
+        q, scale, offset = quantize_int4(weight, group)
+        if not has_offset:
+            offset = torch.zeros_like(scale)
+        reference = dequantize_int4(q, scale, offset)
+        qweight = q[:, 0::2] | (q[:, 1::2] << 4)  # low nibble: even k
+        offset = offset if has_offset else None
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        for split in (1, None):
+            config = LaunchConfig(8, block_n, 256, num_warps=warps, num_stages=1, split_k=split, words="mma")
+            y = weight_only_matmul(x, qweight, scale, offset, group, four_bit=True, config=config)
+            error = relative_error(y, x, reference)
+            assert error <= TOLERANCE[dtype], f"{(m, n, k, group, has_offset, block_n, split)}: {error:.2e}"
+            again = weight_only_matmul(x, qweight, scale, offset, group, four_bit=True, config=config)
+            assert torch.equal(y, again)
 
 
 @pytest.mark.gpu

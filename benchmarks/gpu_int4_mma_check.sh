@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call for the mma.sync int4 kernel (2-8 rows): the GPU kernel tests, the int4
+# sweep at 1, 4 and 8 rows (llama3-8b's linears), then W2 at batch 1, 4 and 8 with int4
+# weights, with the new row table and, back to back, the table before it (tl.dot tiles for
+# 2-16 rows) swapped in at start-up.
+source "$(dirname "$0")/device_common.sh"
+timeout 240 python -m pytest -q -m gpu tests/quantization/test_triton_kernels.py -p no:cacheprovider 2>&1 | tail -3
+timeout 300 python -m kvserve.entrypoints.cli --log-level WARNING bench quantized-linears --rows 1,4,8 \
+  --formats bf16,int4 --sweep --sweep-formats int4 --output-json "$OUT/int4_mma_sweep.json" 2>&1 \
+  | grep -v "^sweep int4 [a-z_]*proj" | tail -80
+for table in new before; do
+  echo "== W2 llama3-8b int4, row table: $table"
+  timeout 150 python - "$table" <<'PY' 2>&1 | grep -v "Generating" | tail -4
+import os, sys
+import kvserve.quantization.triton_kernels as tk
+if sys.argv[1] == "before":
+    tk.INT4_DECODE_CONFIGS = tuple(entry for entry in tk.INT4_DECODE_CONFIGS if entry[1].words != "mma")
+from kvserve.entrypoints.cli import main
+main(["--log-level", "WARNING", "bench", "latency", "--load-format", "dummy", "--model-shape", "llama3-8b",
+      "--batch-sizes", "1,4,8", "--input-len", "128", "--output-len", "128", "--quantization", "int4",
+      "--output-json", os.path.join(os.environ["OUT"], f"w2-int4-{sys.argv[1]}.json")])
+PY
+done
