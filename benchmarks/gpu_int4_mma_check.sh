@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# One device call for the mma.sync int4 kernel (2-8 rows): the GPU kernel tests, the int4
-# sweep at 1, 4 and 8 rows (llama3-8b's linears), then W2 at batch 1, 4 and 8 with int4
-# weights, with the new row table and, back to back, the table before it (tl.dot tiles for
-# 2-16 rows) swapped in at start-up.
+# One device call for the mma.sync int4 kernel (2-8 rows, and one row of wide linears): the
+# GPU tests of the quantization methods and the engine (log in $OUT), the int4 sweep at 1, 4
+# and 8 rows on llama3-8b's linears (SKIP_SWEEP=1 leaves it out), then W2 at batch 1, 4 and 8
+# with int4 weights, with the new row rules and, back to back, the ones before them (tl.dot
+# tiles for 2-16 rows, the CUDA-core kernel for every one-row linear) swapped in at start-up.
 source "$(dirname "$0")/device_common.sh"
-timeout 240 python -m pytest -q -m gpu tests/quantization/test_triton_kernels.py -p no:cacheprovider 2>&1 | tail -3
-timeout 300 python -m kvserve.entrypoints.cli --log-level WARNING bench quantized-linears --rows 1,4,8 \
-  --formats bf16,int4 --sweep --sweep-formats int4 --output-json "$OUT/int4_mma_sweep.json" 2>&1 \
-  | grep -v "^sweep int4 [a-z_]*proj" | tail -80
+# (test_gguf_packed needs the gguf package, which the device image lacks; it has no GPU tests.)
+timeout 420 python -m pytest -q -m gpu tests/quantization tests/gpu --ignore tests/quantization/test_gguf_packed.py \
+  -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+tail -3 "$OUT/gpu_tests.log"
+if [ -z "${SKIP_SWEEP:-}" ]; then
+  timeout 300 python -m kvserve.entrypoints.cli --log-level WARNING bench quantized-linears --rows 1,4,8 \
+    --formats bf16,int4 --sweep --sweep-formats int4 --output-json "$OUT/int4_mma_sweep.json" 2>&1 \
+    | grep -v "^sweep int4 [a-z_]*proj" | tail -80
+fi
 for table in new before; do
   echo "== W2 llama3-8b int4, row table: $table"
   timeout 150 python - "$table" <<'PY' 2>&1 | grep -v "Generating" | tail -4
@@ -15,6 +21,7 @@ import os, sys
 import kvserve.quantization.triton_kernels as tk
 if sys.argv[1] == "before":
     tk.INT4_DECODE_CONFIGS = tuple(entry for entry in tk.INT4_DECODE_CONFIGS if entry[1].words != "mma")
+    tk.INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW = 1 << 30
 from kvserve.entrypoints.cli import main
 main(["--log-level", "WARNING", "bench", "latency", "--load-format", "dummy", "--model-shape", "llama3-8b",
       "--batch-sizes", "1,4,8", "--input-len", "128", "--output-len", "128", "--quantization", "int4",

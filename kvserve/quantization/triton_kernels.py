@@ -680,12 +680,17 @@ class LaunchConfig:
 # H100 (llama3-8b, BENCHMARKS.md): 1 row 2.36 ms (tiles of two 128-wide groups; bf16 cuBLAS
 # 5.17), 4 and 8 rows 3.02 and 3.14 (mma.sync; the tl.dot tiles took 4.52 and 4.59), 16 rows
 # 4.20, 64 rows 8.49 (bf16 5.38: above 16 rows 4-bit weights cost time, they save memory).
+INT4_MMA_CONFIG = LaunchConfig(8, 128, 256, num_warps=4, num_stages=1, waves=2, words="mma")
 INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (1, LaunchConfig(1, 128, 256, num_stages=1, waves=2, words="fma")),
-    (8, LaunchConfig(8, 128, 256, num_warps=4, num_stages=1, waves=2, words="mma")),
+    (8, INT4_MMA_CONFIG),
     (SMALL_ROWS, LaunchConfig(16, 64, 128, num_stages=1, waves=4, words="dot")),
     (64, LaunchConfig(64, 64, 128, num_stages=1, waves=2, words="dot")),
 )
+# One row of x against at least this many weight rows (llama3-8b's fused gate/up, 28672) also
+# takes the mma config: 28.6 against 32.6 us on the H100, where the narrower linears stayed
+# faster on the CUDA cores (qkv 10.1 against 11.4, o 8.3 / 9.1, down 17.4 / 19.2).
+INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW = 16384
 # What takes the mma config's rows where it does not apply (no CUDA, as under the
 # interpreter; groups narrower than 128; K not a multiple of 256).
 INT4_MMA_FALLBACK = INT4_DECODE_CONFIGS[2][1]
@@ -698,10 +703,12 @@ FP8_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
 )
 
 
-def default_config(rows: int, four_bit: bool, fp8: bool) -> LaunchConfig:
+def default_config(rows: int, four_bit: bool, fp8: bool, out_features: int = 0) -> LaunchConfig:
     """int8 picked from llama3-8b's linears on an H200 (BENCHMARKS.md): at one row tl.dot
     tiles beat the CUDA-core kernel (3.47 against 3.88 ms per step's linears); 4-bit and
     fp8 weights: INT4_DECODE_CONFIGS and FP8_DECODE_CONFIGS."""
+    if four_bit and rows == 1 and out_features >= INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW:
+        return INT4_MMA_CONFIG
     table = INT4_DECODE_CONFIGS if four_bit else FP8_DECODE_CONFIGS if fp8 else ()
     if table and rows <= table[-1][0]:
         return next(config for most_rows, config in table if rows <= most_rows)
@@ -855,7 +862,7 @@ def weight_only_matmul(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    config = config or default_config(m, four_bit, fp8)
+    config = config or default_config(m, four_bit, fp8, n)
     if config.words == "mma" and not _mma_applies(rows, group_size, grouped):
         config = INT4_MMA_FALLBACK
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
