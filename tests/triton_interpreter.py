@@ -16,9 +16,9 @@ def patch_interpreter() -> None:
     it turns its (1,)-shaped scalars into loop bounds with int(), which numpy >= 2.4
     rejects (triton-lang/triton#9171); its tl.dot multiplies bf16 operands' raw uint16
     bits; it casts integers to bf16 by storing the integer as the raw bits; and it rounds
-    fp32 to e4m3 wrongly (ties away from zero, some values an exponent off). Upcasting bf16
-    operands to fp32 for the dot, integers to fp32 before bf16, and rounding to e4m3 with
-    torch's cast (to nearest even, as the GPU does) keeps exact values."""
+    fp32 to e4m3 and e5m2 wrongly (ties away from zero, some values an exponent off).
+    Upcasting bf16 operands to fp32 for the dot, integers to fp32 before bf16, and rounding
+    to float8 with torch's cast (to nearest even, as the GPU does) keeps exact values."""
     import numpy as np
     import torch
     import triton.language as tl
@@ -52,11 +52,13 @@ def patch_interpreter() -> None:
 
     fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
 
+    float8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+
     def patched_fp_to_fp(self, src, dst_type, rounding_mode):
-        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar != tl.float32:
+        if dst_type.scalar not in float8 or src.dtype.scalar != tl.float32:
             return fp_to_fp(self, src, dst_type, rounding_mode)
-        bits = torch.from_numpy(src.data).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        return interpreter.TensorHandle(bits, tl.float8e4nv)
+        bits = torch.from_numpy(src.data).to(float8[dst_type.scalar]).view(torch.uint8).numpy()
+        return interpreter.TensorHandle(bits, dst_type.scalar)
 
     interpreter._patch_lang_tensor = patched_tensor
     interpreter.InterpreterBuilder.create_fp_to_fp = patched_fp_to_fp

@@ -31,15 +31,21 @@ class Case:
     dtype: torch.dtype
     block_size: int = 16
     num_kv_splits: int | None = None  # None: the backend's own choice
+    cache_dtype: torch.dtype | None = None  # None: the query's; float8 caches store K/V / KV_SCALES
 
     @property
     def id(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         splits = "" if self.num_kv_splits is None else f"-splits{self.num_kv_splits}"
+        cache = "" if self.cache_dtype is None else "-cache_" + str(self.cache_dtype).removeprefix("torch.")
         return (
             f"{self.scenario}-{dtype}-d{self.head_dim}-h{self.num_heads}kv{self.num_kv_heads}"
-            f"-bs{self.block_size}{splits}"
+            f"-bs{self.block_size}{splits}{cache}"
         )
+
+
+# Per-tensor scales of the float8 caches: random normal K/V over them stay inside e4m3's 448.
+KV_SCALES = (0.02, 0.03)
 
 
 def make_batch(case: Case, device: str, seed: int = 0):
@@ -80,7 +86,12 @@ def make_batch(case: Case, device: str, seed: int = 0):
         seq_lens_cpu=seq_lens,
     )
     to = dict(device=device, dtype=case.dtype)
-    return query.to(**to), torch.cat(keys).to(**to), torch.cat(values).to(**to), kv_cache.to(**to), metadata
+    if case.cache_dtype is not None:
+        scales = torch.tensor(KV_SCALES).view(2, 1, 1, 1, 1)
+        kv_cache = (kv_cache / scales).to(case.cache_dtype)
+    else:
+        kv_cache = kv_cache.to(case.dtype)
+    return query.to(**to), torch.cat(keys).to(**to), torch.cat(values).to(**to), kv_cache.to(device), metadata
 
 
 def check_case(case: Case, device: str) -> None:
@@ -88,19 +99,25 @@ def check_case(case: Case, device: str) -> None:
 
     query, key, value, kv_cache, metadata = make_batch(case, device)
     scale = case.head_dim**-0.5
-    ref_cache = kv_cache.float()
+    float8 = case.cache_dtype is not None
+    kv_scales = KV_SCALES if float8 else (1.0, 1.0)
+    # A float8 reference cache stays float8 (the reference writes and reads it scaled).
+    ref_cache = kv_cache.clone() if float8 else kv_cache.float()
     expected = TorchReferenceBackend().forward(
-        query.float(), key.float(), value.float(), ref_cache, metadata, scale
+        query.float(), key.float(), value.float(), ref_cache, metadata, scale, kv_scales=kv_scales
     )
     out = TritonAttentionBackend(case.num_kv_splits).forward(
-        query, key, value, kv_cache, metadata, scale
+        query, key, value, kv_cache, metadata, scale, kv_scales=kv_scales
     )
     assert out.shape == query.shape and out.dtype == query.dtype
     assert torch.isfinite(out).all(), "non-finite output"
     error = ((out.float() - expected).norm(dim=(1, 2)) / expected.norm(dim=(1, 2))).max().item()
     assert error <= TOLERANCE[case.dtype], f"relative error {error:.2e}"
     # The cache equals the reference's: new slots written, every other slot untouched.
-    assert torch.equal(kv_cache.float(), ref_cache), "KV cache differs from the reference's"
+    if float8:
+        assert torch.equal(kv_cache.view(torch.uint8), ref_cache.view(torch.uint8)), "KV cache differs"
+    else:
+        assert torch.equal(kv_cache.float(), ref_cache), "KV cache differs from the reference's"
 
 
 # -- small cases for the interpreter --------------------------------------------------------
@@ -128,6 +145,13 @@ SMALL_CASES = [
     Case("verify", VERIFY_SEQS, 8, 2, 64, torch.float32, num_kv_splits=4),
     Case("mixed", SMALL_SCENARIOS["mixed"], 8, 2, 64, torch.float32, block_size=5),
     Case("mixed", SMALL_SCENARIOS["mixed"], 7, 1, 64, torch.float16),
+    # float8 caches under bf16 queries (the dots run in fp16); 16 sequences take the wide tile.
+    Case("decode", SMALL_SCENARIOS["decode"], 8, 2, 64, torch.bfloat16, cache_dtype=torch.float8_e4m3fn),
+    Case("decode_wide", tuple((5 + 3 * i, 1) for i in range(16)), 4, 1, 64, torch.bfloat16,
+         cache_dtype=torch.float8_e4m3fn),
+    Case("mixed", SMALL_SCENARIOS["mixed"], 8, 2, 64, torch.bfloat16, cache_dtype=torch.float8_e5m2),
+    Case("prefill_prefix", SMALL_SCENARIOS["prefill_prefix"], 8, 2, 64, torch.float16,
+         cache_dtype=torch.float8_e4m3fn),
 ]
 
 
@@ -182,6 +206,11 @@ GPU_CASES = [
     for dtype in (torch.bfloat16, torch.float16)
     for dim in (64, 128)
     for h, kvh in ((8, 8), (32, 8), (28, 4), (64, 8))
+] + [
+    Case(scenario, seqs, 32, 8, 128, dtype, block_size, splits, cache_dtype)
+    for scenario, (seqs, block_size, splits) in GPU_SCENARIOS.items()
+    for dtype, cache_dtype in ((torch.bfloat16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2),
+                               (torch.float16, torch.float8_e4m3fn))
 ]
 
 
