@@ -68,15 +68,19 @@ _INT4_DOT_64 = [LaunchConfig(64, bn, bk, num_warps=nw, num_stages=1, waves=2, wo
 _FP8_FMA = [LaunchConfig(1, bn, bk, num_warps=nw, num_stages=1, waves=waves, words="fma")
             for bn, bk, nw, waves in ((128, 256, 4, 4), (128, 256, 4, 8), (64, 256, 4, 4), (256, 256, 8, 4),
                                       (128, 128, 4, 4), (64, 512, 4, 4))]
+# The fp8 mma.sync kernel (2-8 rows): block_n = 16 x row tiles x num_warps, 128-wide K tiles.
+_FP8_MMA = [LaunchConfig(8, bn, 128, num_warps=nw, num_stages=1, waves=waves, words="mma")
+            for bn, nw, waves in ((128, 4, 2), (128, 4, 4), (64, 2, 4), (64, 4, 2), (256, 8, 2))]
 _FP8_DOT = [LaunchConfig(16, bn, bk, num_warps=nw, num_stages=stages, waves=waves, words="dot")
             for bn, bk, nw, stages, waves in ((128, 128, 4, 1, 2), (128, 128, 4, 1, 4), (64, 128, 4, 1, 4),
                                               (128, 256, 8, 1, 2), (128, 128, 4, 3, 2))]
 SWEEP_CONFIGS = {
     "int8": _OLD_SWEEP,
     "fp8-triton": {
-        1: [LaunchConfig(1, 32, 256), LaunchConfig(16, 64, 128), *_FP8_FMA, _FP8_DOT[0]],
+        1: [LaunchConfig(1, 32, 256), LaunchConfig(16, 64, 128), *_FP8_FMA, _FP8_DOT[0], *_FP8_MMA[:3]],
         4: [LaunchConfig(1, 32, 256), LaunchConfig(16, 64, 128), _FP8_FMA[0],
-            LaunchConfig(4, 64, 256, num_stages=1, waves=4, words="fma"), *_FP8_DOT[:3]],
+            LaunchConfig(4, 64, 256, num_stages=1, waves=4, words="fma"), *_FP8_DOT[:3], *_FP8_MMA],
+        8: [LaunchConfig(16, 64, 128), *_FP8_DOT[:3], *_FP8_MMA],
         16: [LaunchConfig(16, 64, 128), *_FP8_DOT],
     },
     "int4": {

@@ -20,7 +20,8 @@ a tile may hold two groups (longer runs of each weight row per load). At 2-8 row
 4-bit weights go through mma.sync instead ("mma"): each thread builds its own tensor-core
 A fragment from the words it loaded (two nibbles a LOP3, as bf16/fp16 magic + q), which
 halves the instructions a weight against the CUDA-core loop and serves 8 rows of x for the
-price of one (_int4_mma_kernel).
+price of one (_int4_mma_kernel); fp8 weights likewise at 2-8 rows (_fp8_mma_kernel: e4m3 to
+fp16 by the hardware, x's bf16 pairs to fp16, fp16 MMAs).
 fp8: 4 e4m3 values a load, each byte converted by the hardware (exact); per-channel scales
 apply once at the end, group scales once per tile. Their split-K partials are summed
 inside the kernel, in split order, by the last split to finish: one launch per linear.
@@ -554,6 +555,110 @@ def _int4_mma_kernel(
 
 
 @triton.jit
+def _e4m3_pairs_to_f16x2(w):
+    """An int32 word of four e4m3 values as two f16x2 registers, (bytes 0, 1) and (2, 3):
+    the hardware conversion, exact (sm_89 on)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16x2_to_f16x2(pair):
+    """A bf16 pair as an fp16 pair, saturated to fp16's range (bf16's 8-bit mantissa fits
+    fp16's 11 bits: exact down to fp16's smallest normal, 6e-5)."""
+    low = tl.clamp((pair << 16).to(tl.float32, bitcast=True), -65504.0, 65504.0)
+    high = tl.clamp((pair & -65536).to(tl.float32, bitcast=True), -65504.0, 65504.0)
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [high, low],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _fp8_mma_kernel(
+    x_ptr, w_ptr, scale_ptr, partial_ptr, out_ptr, count_ptr,
+    M, N, num_tiles, tiles_per_split, group_size,
+    stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
+    X_BF16: tl.constexpr, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr,
+):
+    """Up to 8 rows of x against e4m3 weights on tensor cores, as _int4_mma_kernel lays them
+    out: each thread converts its own words into its A fragment (a word is four e4m3 values,
+    two f16x2 registers by the hardware conversion), x's bf16 pairs become fp16 pairs for
+    the B fragment (fp16 MMAs, fp32 accumulators), and the MMA's k order is a permutation of
+    K within 64-k segments (thread t's words 4 t .. 4 t + 3, one an MMA). A tile is 128 k,
+    within one scale group (or one scale a row)."""
+    THREADS: tl.constexpr = 32 * NUM_WARPS
+    thread = tl.arange(0, THREADS)
+    g = thread % 32 // 4
+    t = thread % 4
+    w_row = (tl.program_id(0) * (16 * ROW_TILES * NUM_WARPS) + (thread // 32 * (16 * ROW_TILES) + g)[:, None]
+             + 16 * tl.arange(0, ROW_TILES)[None, :])
+    w_row8 = w_row + 8
+    first = tl.program_id(2) * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, num_tiles)
+    quad = tl.arange(0, 4)[None, None, :]
+    # Thread (g, t): words 16 h + 4 t .. + 3 of weight rows g and g + 8 in half h of a tile,
+    # and x row g's pairs 32 h + 8 t .. + 7 (the same 16 k).
+    w_g = w_ptr + w_row[:, :, None].to(tl.int64) * stride_wn + (4 * t)[:, None, None] + quad
+    w_g8 = w_g + 8 * stride_wn
+    w_mask = (w_row < N)[:, :, None]
+    w_mask8 = (w_row8 < N)[:, :, None]
+    x_pairs = (x_ptr.to(tl.pointer_type(tl.int32)) + (g * (stride_xm // 2) + 8 * t)[:, None]
+               + tl.arange(0, 4)[None, :])
+    x_mask = (g < M)[:, None]
+    s_mask = w_row < N
+    s_mask8 = w_row8 < N
+    zero = tl.zeros((THREADS, ROW_TILES), dtype=tl.float32)
+
+    y_g0, y_g1, y_g80, y_g81 = zero, zero, zero, zero
+    w_tile = first * 32
+    evict: tl.constexpr = "evict_first"
+    w_a = tl.load(w_g + w_tile, mask=w_mask, other=0, eviction_policy=evict)
+    w_a8 = tl.load(w_g8 + w_tile, mask=w_mask8, other=0, eviction_policy=evict)
+    w_b = tl.load(w_g + w_tile + 16, mask=w_mask, other=0, eviction_policy=evict)
+    w_b8 = tl.load(w_g8 + w_tile + 16, mask=w_mask8, other=0, eviction_policy=evict)
+    for tile in range(first, last):
+        step = tl.where(tile + 1 < last, 32, 0)  # the last tile loads itself again: no masks
+        next_a = tl.load(w_g + w_tile + step, mask=w_mask, other=0, eviction_policy=evict)
+        next_a8 = tl.load(w_g8 + w_tile + step, mask=w_mask8, other=0, eviction_policy=evict)
+        next_b = tl.load(w_g + w_tile + step + 16, mask=w_mask, other=0, eviction_policy=evict)
+        next_b8 = tl.load(w_g8 + w_tile + step + 16, mask=w_mask8, other=0, eviction_policy=evict)
+        c0, c1, c2, c3 = zero, zero, zero, zero
+        for h in tl.static_range(2):
+            words = _unstack4(w_a if h == 0 else w_b)
+            words8 = _unstack4(w_a8 if h == 0 else w_b8)
+            x_lo = _unstack4(tl.load(x_pairs + tile * 64 + h * 32, mask=x_mask, other=0))
+            x_hi = _unstack4(tl.load(x_pairs + tile * 64 + h * 32 + 4, mask=x_mask, other=0))
+            for word in tl.static_range(4):
+                a0, a2 = _e4m3_pairs_to_f16x2(words[word])
+                a1, a3 = _e4m3_pairs_to_f16x2(words8[word])
+                pair0 = (x_lo + x_hi)[2 * word]
+                pair1 = (x_lo + x_hi)[2 * word + 1]
+                if X_BF16:
+                    pair0 = _bf16x2_to_f16x2(pair0)
+                    pair1 = _bf16x2_to_f16x2(pair1)
+                c0, c1, c2, c3 = _mma_m16n8k16(a0, a1, a2, a3, pair0[:, None], pair1[:, None], c0, c1, c2, c3, True)
+        group = tile * 128 // group_size
+        scale = tl.load(scale_ptr + w_row * stride_sn + group, mask=s_mask, other=0.0)
+        scale8 = tl.load(scale_ptr + w_row8 * stride_sn + group, mask=s_mask8, other=0.0)
+        # c0, c1: weight row g against x rows 2 t, 2 t + 1; c2, c3: row g + 8.
+        y_g0 += c0 * scale
+        y_g1 += c1 * scale
+        y_g80 += c2 * scale8
+        y_g81 += c3 * scale8
+        w_a, w_a8, w_b, w_b8 = next_a, next_a8, next_b, next_b8
+        w_tile += 32
+    x_row = (2 * t)[:, None]
+    offs = _stack4(x_row * stride_om + w_row, (x_row + 1) * stride_om + w_row,
+                   x_row * stride_om + w_row8, (x_row + 1) * stride_om + w_row8)
+    mask = _stack4((x_row < M) & s_mask, (x_row + 1 < M) & s_mask, (x_row < M) & s_mask8, (x_row + 1 < M) & s_mask8)
+    y = _stack4(y_g0, y_g1, y_g80, y_g81)
+    if SPLIT:
+        _store_summed_splits(y, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
+    else:
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _e4m3(w, i: tl.constexpr):
     """Byte i of int32 words (k = 4 j + i) as the e4m3 value it holds, in fp32: exact,
     subnormals included (the hardware conversion, through fp16 on sm_90)."""
@@ -692,13 +797,16 @@ INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
 # faster on the CUDA cores (qkv 10.1 against 11.4, o 8.3 / 9.1, down 17.4 / 19.2).
 INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW = 16384
 # What takes the mma config's rows where it does not apply (no CUDA, as under the
-# interpreter; groups narrower than 128; K not a multiple of 256).
+# interpreter; groups narrower than 128; K not a multiple of the mma tile).
 INT4_MMA_FALLBACK = INT4_DECODE_CONFIGS[2][1]
 # fp8 weights, the same form, from `--sweep --sweep-formats fp8-triton` on the H100: one row
-# 3.06 ms per llama3-8b step's linears (the byte kernel 1x32x256: 3.13; bf16 5.20); at 4 and
-# 16 rows the byte tl.dot tiles stay ahead (3.63 / 3.70 ms, word kernels 3.93 / 4.08).
+# 3.06 ms per llama3-8b step's linears (the byte kernel 1x32x256: 3.13; bf16 5.20); 4 and 8
+# rows 3.41 and 3.49 on mma.sync (the byte tl.dot tiles: 3.60, 3.58); at 16 rows those tiles
+# (3.70 ms; word kernels 4.08).
+FP8_MMA_CONFIG = LaunchConfig(8, 128, 128, num_warps=4, num_stages=1, waves=2, words="mma")
 FP8_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (1, LaunchConfig(1, 64, 256, num_stages=1, waves=4, words="fma")),
+    (8, FP8_MMA_CONFIG),
     (SMALL_ROWS, LaunchConfig(16, 64, 128)),
 )
 
@@ -743,7 +851,7 @@ def _block_k(config: LaunchConfig, in_features: int, group_size: int, grouped: b
     at least 16 stored elements (tl.dot's minimum); None when no tile fits."""
     block_k = config.block_k
     if config.words == "mma":
-        return block_k  # 256, checked with the rest of its conditions by _mma_applies
+        return block_k  # checked with the rest of its conditions by _mma_applies
     if (four_bit and config.words == "fma" and block_k == 2 * group_size and group_size % 32 == 0
             and in_features % block_k == 0):
         return block_k
@@ -767,12 +875,12 @@ def _split_k(config: LaunchConfig, num_tiles: int, programs: int, device: torch.
     return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
 
 
-def _mma_applies(rows: torch.Tensor, group_size: int, grouped: bool) -> bool:
-    """The mma.sync kernel: CUDA (sm_80 on), up to 8 rows of bf16/fp16 x that load as
-    aligned pairs, K in 256-wide tiles and groups of whole 128-wide halves (or one a row)."""
+def _mma_applies(rows: torch.Tensor, group_size: int, grouped: bool, block_k: int) -> bool:
+    """The mma.sync kernels: CUDA (sm_80 on), up to 8 rows of bf16/fp16 x that load as
+    aligned pairs, K in whole tiles and groups of whole 128-wide halves (or one a row)."""
     in_features = rows.shape[1]
     return (rows.is_cuda and rows.shape[0] <= 8 and rows.dtype in (torch.bfloat16, torch.float16)
-            and rows.stride(0) % 2 == 0 and rows.data_ptr() % 4 == 0 and in_features % 256 == 0
+            and rows.stride(0) % 2 == 0 and rows.data_ptr() % 4 == 0 and in_features % block_k == 0
             and (not grouped or group_size % 128 == 0)
             and _capability(rows.device.index or 0) >= (8, 0))
 
@@ -804,6 +912,16 @@ def _words_matmul(
         split, tiles_per_split = 1, num_tiles
     partial = torch.empty((split, m, n), dtype=torch.float32, device=rows.device) if split > 1 else out
     words = qweight.view(torch.int32)
+    if config.words == "mma" and qweight.dtype == torch.float8_e4m3fn:
+        _fp8_mma_kernel[(grid_n, 1, split)](
+            rows, words, scale, partial, out, _split_counters(rows.device),
+            m, n, num_tiles, tiles_per_split, group_size,
+            rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
+            X_BF16=rows.dtype == torch.bfloat16, SPLIT=split > 1,
+            ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps,
+            num_warps=config.num_warps, num_stages=1,
+        )
+        return out
     if config.words == "mma":
         fp16 = rows.dtype == torch.float16
         _int4_mma_kernel[(grid_n, 1, split)](
@@ -863,8 +981,8 @@ def weight_only_matmul(
         rows = rows.contiguous()
     m = rows.shape[0]
     config = config or default_config(m, four_bit, fp8, n)
-    if config.words == "mma" and not _mma_applies(rows, group_size, grouped):
-        config = INT4_MMA_FALLBACK
+    if config.words == "mma" and not _mma_applies(rows, group_size, grouped, config.block_k):
+        config = INT4_MMA_FALLBACK if four_bit else FP8_DECODE_CONFIGS[-1][1]
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
     if block_k is None or (four_bit and in_features % block_k):
         return None

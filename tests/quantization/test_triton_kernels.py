@@ -374,7 +374,8 @@ def _sweep_layers(fmt: str, n: int, k: int) -> list:
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize(("fmt", "rows"), [("int4", 1), ("int4", 4), ("int4", 8), ("int4", 16), ("int4", 64),
-                                           ("fp8-triton", 1), ("fp8-triton", 4), ("fp8-triton", 16)])
+                                           ("fp8-triton", 1), ("fp8-triton", 4), ("fp8-triton", 8),
+                                           ("fp8-triton", 16)])
 def test_gpu_sweep_configs_match_reference(fmt, rows) -> None:
     """Every config `bench quantized-linears --sweep` times is right on llama3-8b's shapes
     and an odd one, and the in-kernel split-K sum is deterministic."""
@@ -421,6 +422,41 @@ def test_gpu_int4_mma_kernel_matches_reference(dtype) -> None:
             assert error <= TOLERANCE[dtype], f"{(m, n, k, group, has_offset, block_n, split)}: {error:.2e}"
             again = weight_only_matmul(x, qweight, scale, offset, group, four_bit=True, config=config)
             assert torch.equal(y, again)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_gpu_fp8_mma_kernel_matches_reference(dtype) -> None:
+    """The fp8 mma.sync kernel at every row count it takes, per-channel and 128-wide group
+    scales, weight rows that are not whole warp tiles, one split and several: against the
+    fp64 dequantized weight, and deterministic; every finite e4m3 code read exactly."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 kernels need compute capability 8.9")
+    cases = [(m, 200, 512, 0, 128, 4) for m in range(1, 9)] + [
+        (8, 96, 1024, 128, 128, 4), (5, 1000, 2048, 128, 256, 8), (2, 37, 128, 0, 64, 2), (4, 14336, 4096, 0, 128, 4),
+    ]
+    for m, n, k, group, block_n, warps in cases:
+        weight = _float_linear(n, k, 0, "cuda").weight.detach()
+        q, scale = quantize_fp8(weight)
+        scale = scale[:, None] if group == 0 else torch.rand(n, k // group, device="cuda") / 100
+        layer = Fp8Linear(q, scale, None)
+        reference = layer.dequantize(torch.float64)
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        for split in (1, None):
+            config = LaunchConfig(8, block_n, 128, num_warps=warps, num_stages=1, split_k=split, words="mma")
+            y = weight_only_matmul(x, *kernel_args(layer)[:4], config=config)
+            error = relative_error(y, x, reference)
+            assert error <= TOLERANCE[dtype], f"{(m, n, k, group, block_n, split)}: {error:.2e}"
+            assert torch.equal(y, weight_only_matmul(x, *kernel_args(layer)[:4], config=config))
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    codes[(codes & 0x7F) == 0x7F] = 0  # e4m3fn's NaNs
+    qweight = codes[:, None].expand(256, 128).contiguous().view(torch.float8_e4m3fn)
+    x = torch.zeros(8, 128, device="cuda", dtype=dtype)
+    x[torch.arange(8), torch.arange(8) * 16] = 1.0
+    y = weight_only_matmul(x, qweight, torch.ones(256, 1, device="cuda"), None, 128,
+                           config=LaunchConfig(8, 128, 128, num_warps=4, num_stages=1, words="mma"))
+    assert torch.equal(y.float(), qweight.float().T[:8].expand(8, 256).to(dtype).float())
 
 
 @pytest.mark.gpu
