@@ -266,6 +266,15 @@ def _dot_tile_pointers(x_ptr, w_ptr, rows, cols, row_mask, col_mask, first, stri
 
 
 @triton.jit
+def _store_output(acc, offs, mask, partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT: tl.constexpr):
+    """acc into out at offs, or with split K its partial, summed by the last split to finish."""
+    if SPLIT:
+        _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
                  SPLIT: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Write the program's block of y ([cols, rows] when TRANSPOSED), or with split K its
@@ -276,10 +285,7 @@ def _store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, coun
     else:
         offs = rows[:, None] * stride_om + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
-    if SPLIT:
-        _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
-    else:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_output(acc, offs, mask, partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT)
 
 
 @triton.jit
@@ -455,6 +461,60 @@ def _stack4(a, b, c, d):
 
 
 @triton.jit
+def _mma_weight_rows(N, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr):
+    """Thread (g, t) of each warp (lane 4 g + t) as [threads] tensors, and its weight rows g
+    and g + 8 of each of the warp's ROW_TILES 16-row tiles as [threads, ROW_TILES] tensors
+    (thread i holds row i: Triton keeps such tensors in registers, no layout conversions)."""
+    thread = tl.arange(0, 32 * NUM_WARPS)
+    g = thread % 32 // 4
+    w_row = (tl.program_id(0) * (16 * ROW_TILES * NUM_WARPS) + (thread // 32 * (16 * ROW_TILES) + g)[:, None]
+             + 16 * tl.arange(0, ROW_TILES)[None, :])
+    return g, thread % 4, w_row, w_row + 8
+
+
+@triton.jit
+def _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N):
+    """Thread (g, t)'s 16-byte loads of weight rows g and g + 8: words 4 t .. 4 t + 3 of a
+    tile's first half (its second half is 16 words on), with their masks."""
+    w_g = (w_ptr + w_row[:, :, None].to(tl.int64) * stride_wn + (4 * t)[:, None, None]
+           + tl.arange(0, 4)[None, None, :])
+    return w_g, w_g + 8 * stride_wn, (w_row < N)[:, :, None], (w_row + 8 < N)[:, :, None]
+
+
+@triton.jit
+def _mma_x_pairs(x_ptr, g, first_pair, stride_xm, M):
+    """Thread (g, t)'s 16-byte loads of x row g (B's column g) as bf16/fp16 pairs, from pair
+    `first_pair` of a tile on, masked past x's M rows."""
+    pairs = (x_ptr.to(tl.pointer_type(tl.int32)) + (g * (stride_xm // 2) + first_pair)[:, None]
+             + tl.arange(0, 4)[None, :])
+    return pairs, (g < M)[:, None]
+
+
+@triton.jit
+def _mma_weight_tile(w_g, w_g8, w_mask, w_mask8, words):
+    """The two halves of a tile (first half, rows g and g + 8; then the second), `words` in:
+    read once a step, so evict_first keeps x and the scales in L2."""
+    return (tl.load(w_g + words, mask=w_mask, other=0, eviction_policy="evict_first"),
+            tl.load(w_g8 + words, mask=w_mask8, other=0, eviction_policy="evict_first"),
+            tl.load(w_g + words + 16, mask=w_mask, other=0, eviction_policy="evict_first"),
+            tl.load(w_g8 + words + 16, mask=w_mask8, other=0, eviction_policy="evict_first"))
+
+
+@triton.jit
+def _mma_store(y_g0, y_g1, y_g80, y_g81, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
+               SPLIT: tl.constexpr):
+    """Write thread (g, t)'s outputs: weight rows g (y_g0, y_g1) and g + 8 (y_g80, y_g81)
+    against x rows 2 t and 2 t + 1, the accumulators' layout of m16n8k16."""
+    x_row = (2 * t)[:, None]
+    w_row8 = w_row + 8
+    offs = _stack4(x_row * stride_om + w_row, (x_row + 1) * stride_om + w_row,
+                   x_row * stride_om + w_row8, (x_row + 1) * stride_om + w_row8)
+    mask = _stack4((x_row < M) & (w_row < N), (x_row + 1 < M) & (w_row < N),
+                   (x_row < M) & (w_row8 < N), (x_row + 1 < M) & (w_row8 < N))
+    _store_output(_stack4(y_g0, y_g1, y_g80, y_g81), offs, mask, partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT)
+
+
+@triton.jit
 def _int4_mma_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr,
     M, N, num_tiles, tiles_per_split, group_size, magic,
@@ -474,24 +534,13 @@ def _int4_mma_kernel(
     THREADS: tl.constexpr = 32 * NUM_WARPS
     ONES: tl.constexpr = 0x3C003C00 if FP16 else 0x3F803F80
     BIAS: tl.constexpr = 1024.0 if FP16 else 128.0
-    thread = tl.arange(0, THREADS)
-    g = thread % 32 // 4
-    t = thread % 4
-    w_row = (tl.program_id(0) * (16 * ROW_TILES * NUM_WARPS) + (thread // 32 * (16 * ROW_TILES) + g)[:, None]
-             + 16 * tl.arange(0, ROW_TILES)[None, :])
-    w_row8 = w_row + 8
+    g, t, w_row, w_row8 = _mma_weight_rows(N, ROW_TILES, NUM_WARPS)
     first = tl.program_id(2) * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
-    quad = tl.arange(0, 4)[None, None, :]
     # Thread (g, t) loads words 16 h + 4 t .. + 3 of weight rows g and g + 8 (of each row
     # tile) in half h of a tile, and x row g's bf16 pairs of the same words.
-    w_g = w_ptr + w_row[:, :, None].to(tl.int64) * stride_wn + (4 * t)[:, None, None] + quad
-    w_g8 = w_g + 8 * stride_wn
-    w_mask = (w_row < N)[:, :, None]
-    w_mask8 = (w_row8 < N)[:, :, None]
-    x_pairs = (x_ptr.to(tl.pointer_type(tl.int32)) + (g * (stride_xm // 2) + 16 * t)[:, None]
-               + tl.arange(0, 4)[None, :])
-    x_mask = (g < M)[:, None]
+    w_g, w_g8, w_mask, w_mask8 = _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N)
+    x_pairs, x_mask = _mma_x_pairs(x_ptr, g, 16 * t, stride_xm, M)
     s_mask = w_row < N
     s_mask8 = w_row8 < N
     ones = tl.full((THREADS,), ONES, dtype=tl.int32)
@@ -500,17 +549,11 @@ def _int4_mma_kernel(
 
     y_g0, y_g1, y_g80, y_g81 = zero, zero, zero, zero
     w_tile = first * 32
-    evict: tl.constexpr = "evict_first"  # weights are read once a step: x and scales stay in L2
-    w_a = tl.load(w_g + w_tile, mask=w_mask, other=0, eviction_policy=evict)
-    w_a8 = tl.load(w_g8 + w_tile, mask=w_mask8, other=0, eviction_policy=evict)
-    w_b = tl.load(w_g + w_tile + 16, mask=w_mask, other=0, eviction_policy=evict)
-    w_b8 = tl.load(w_g8 + w_tile + 16, mask=w_mask8, other=0, eviction_policy=evict)
+    w_a, w_a8, w_b, w_b8 = _mma_weight_tile(w_g, w_g8, w_mask, w_mask8, w_tile)
     for tile in range(first, last):
-        step = tl.where(tile + 1 < last, 32, 0)  # the last tile loads itself again: no masks
-        next_a = tl.load(w_g + w_tile + step, mask=w_mask, other=0, eviction_policy=evict)
-        next_a8 = tl.load(w_g8 + w_tile + step, mask=w_mask8, other=0, eviction_policy=evict)
-        next_b = tl.load(w_g + w_tile + step + 16, mask=w_mask, other=0, eviction_policy=evict)
-        next_b8 = tl.load(w_g8 + w_tile + step + 16, mask=w_mask8, other=0, eviction_policy=evict)
+        # The next tile in flight while this one is multiplied; the last loads itself again.
+        next_a, next_a8, next_b, next_b8 = _mma_weight_tile(w_g, w_g8, w_mask, w_mask8,
+                                                             w_tile + tl.where(tile + 1 < last, 32, 0))
         for h in tl.static_range(2):
             words = _unstack4(w_a if h == 0 else w_b)
             words8 = _unstack4(w_a8 if h == 0 else w_b8)
@@ -543,15 +586,7 @@ def _int4_mma_kernel(
             y_g81 += c3 * scale8 + s1[:, None] * offset8
         w_a, w_a8, w_b, w_b8 = next_a, next_a8, next_b, next_b8
         w_tile += 32
-    x_row = (2 * t)[:, None]
-    offs = _stack4(x_row * stride_om + w_row, (x_row + 1) * stride_om + w_row,
-                   x_row * stride_om + w_row8, (x_row + 1) * stride_om + w_row8)
-    mask = _stack4((x_row < M) & s_mask, (x_row + 1 < M) & s_mask, (x_row < M) & s_mask8, (x_row + 1 < M) & s_mask8)
-    y = _stack4(y_g0, y_g1, y_g80, y_g81)
-    if SPLIT:
-        _store_summed_splits(y, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
-    else:
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _mma_store(y_g0, y_g1, y_g80, y_g81, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, SPLIT)
 
 
 @triton.jit
@@ -586,42 +621,24 @@ def _fp8_mma_kernel(
     the B fragment (fp16 MMAs, fp32 accumulators), and the MMA's k order is a permutation of
     K within 64-k segments (thread t's words 4 t .. 4 t + 3, one an MMA). A tile is 128 k,
     within one scale group (or one scale a row)."""
-    THREADS: tl.constexpr = 32 * NUM_WARPS
-    thread = tl.arange(0, THREADS)
-    g = thread % 32 // 4
-    t = thread % 4
-    w_row = (tl.program_id(0) * (16 * ROW_TILES * NUM_WARPS) + (thread // 32 * (16 * ROW_TILES) + g)[:, None]
-             + 16 * tl.arange(0, ROW_TILES)[None, :])
-    w_row8 = w_row + 8
+    g, t, w_row, w_row8 = _mma_weight_rows(N, ROW_TILES, NUM_WARPS)
     first = tl.program_id(2) * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
-    quad = tl.arange(0, 4)[None, None, :]
     # Thread (g, t): words 16 h + 4 t .. + 3 of weight rows g and g + 8 in half h of a tile,
     # and x row g's pairs 32 h + 8 t .. + 7 (the same 16 k).
-    w_g = w_ptr + w_row[:, :, None].to(tl.int64) * stride_wn + (4 * t)[:, None, None] + quad
-    w_g8 = w_g + 8 * stride_wn
-    w_mask = (w_row < N)[:, :, None]
-    w_mask8 = (w_row8 < N)[:, :, None]
-    x_pairs = (x_ptr.to(tl.pointer_type(tl.int32)) + (g * (stride_xm // 2) + 8 * t)[:, None]
-               + tl.arange(0, 4)[None, :])
-    x_mask = (g < M)[:, None]
+    w_g, w_g8, w_mask, w_mask8 = _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N)
+    x_pairs, x_mask = _mma_x_pairs(x_ptr, g, 8 * t, stride_xm, M)
     s_mask = w_row < N
     s_mask8 = w_row8 < N
-    zero = tl.zeros((THREADS, ROW_TILES), dtype=tl.float32)
+    zero = tl.zeros((32 * NUM_WARPS, ROW_TILES), dtype=tl.float32)
 
     y_g0, y_g1, y_g80, y_g81 = zero, zero, zero, zero
     w_tile = first * 32
-    evict: tl.constexpr = "evict_first"
-    w_a = tl.load(w_g + w_tile, mask=w_mask, other=0, eviction_policy=evict)
-    w_a8 = tl.load(w_g8 + w_tile, mask=w_mask8, other=0, eviction_policy=evict)
-    w_b = tl.load(w_g + w_tile + 16, mask=w_mask, other=0, eviction_policy=evict)
-    w_b8 = tl.load(w_g8 + w_tile + 16, mask=w_mask8, other=0, eviction_policy=evict)
+    w_a, w_a8, w_b, w_b8 = _mma_weight_tile(w_g, w_g8, w_mask, w_mask8, w_tile)
     for tile in range(first, last):
-        step = tl.where(tile + 1 < last, 32, 0)  # the last tile loads itself again: no masks
-        next_a = tl.load(w_g + w_tile + step, mask=w_mask, other=0, eviction_policy=evict)
-        next_a8 = tl.load(w_g8 + w_tile + step, mask=w_mask8, other=0, eviction_policy=evict)
-        next_b = tl.load(w_g + w_tile + step + 16, mask=w_mask, other=0, eviction_policy=evict)
-        next_b8 = tl.load(w_g8 + w_tile + step + 16, mask=w_mask8, other=0, eviction_policy=evict)
+        # The next tile in flight while this one is multiplied; the last loads itself again.
+        next_a, next_a8, next_b, next_b8 = _mma_weight_tile(w_g, w_g8, w_mask, w_mask8,
+                                                             w_tile + tl.where(tile + 1 < last, 32, 0))
         c0, c1, c2, c3 = zero, zero, zero, zero
         for h in tl.static_range(2):
             words = _unstack4(w_a if h == 0 else w_b)
@@ -647,15 +664,7 @@ def _fp8_mma_kernel(
         y_g81 += c3 * scale8
         w_a, w_a8, w_b, w_b8 = next_a, next_a8, next_b, next_b8
         w_tile += 32
-    x_row = (2 * t)[:, None]
-    offs = _stack4(x_row * stride_om + w_row, (x_row + 1) * stride_om + w_row,
-                   x_row * stride_om + w_row8, (x_row + 1) * stride_om + w_row8)
-    mask = _stack4((x_row < M) & s_mask, (x_row + 1 < M) & s_mask, (x_row < M) & s_mask8, (x_row + 1 < M) & s_mask8)
-    y = _stack4(y_g0, y_g1, y_g80, y_g81)
-    if SPLIT:
-        _store_summed_splits(y, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
-    else:
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _mma_store(y_g0, y_g1, y_g80, y_g81, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, SPLIT)
 
 
 @triton.jit
