@@ -330,6 +330,29 @@ def test_kernel_declines_what_it_cannot_tile() -> None:
                               torch.ones(16, 1), None, 63, four_bit=True) is None
 
 
+def test_row_counts_pick_the_kernels_the_sweeps_chose() -> None:
+    """default_config's routing (BENCHMARKS.md): 4-bit weights on the CUDA cores at one row
+    but on mma.sync for wide linears and for 2-8 rows, tl.dot tiles above; fp8 likewise
+    without the wide one-row rule; and the mma kernels only where they apply (CUDA, groups
+    of whole 128s), else the tiles their rows fall back to."""
+    from kvserve.quantization import triton_kernels as tk
+
+    words = {(rows, n): tk.default_config(rows, True, False, n).words for rows in (1, 2, 8, 9, 16, 64)
+             for n in (4096, 28672)}
+    assert words == {(1, 4096): "fma", (1, 28672): "mma", (2, 4096): "mma", (2, 28672): "mma", (8, 4096): "mma",
+                     (8, 28672): "mma", (9, 4096): "dot", (9, 28672): "dot", (16, 4096): "dot",
+                     (16, 28672): "dot", (64, 4096): "dot", (64, 28672): "dot"}
+    assert [tk.default_config(rows, False, True, 28672).words for rows in (1, 4, 8, 16)] == ["fma", "mma", "mma", None]
+    x = torch.randn(4, 512, dtype=torch.bfloat16)
+    assert not tk._mma_applies(x, 128, True, 256)  # not CUDA
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
+        x = x.cuda()
+        assert tk._mma_applies(x, 128, True, 256) and tk._mma_applies(x, 512, False, 256)
+        assert not tk._mma_applies(x, 64, True, 256)  # 64-wide groups (GGUF, GPTQ/AWQ files)
+        assert not tk._mma_applies(x[:, :500], 128, True, 256)  # K not whole tiles
+        assert not tk._mma_applies(torch.randn(9, 512, device="cuda", dtype=torch.bfloat16), 128, True, 256)
+
+
 # -- real shapes on the GPU -----------------------------------------------------------------
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
