@@ -461,7 +461,7 @@ def _stack4(a, b, c, d):
 
 
 @triton.jit
-def _mma_weight_rows(N, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr):
+def _mma_weight_rows(ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr):
     """Thread (g, t) of each warp (lane 4 g + t) as [threads] tensors, and its weight rows g
     and g + 8 of each of the warp's ROW_TILES 16-row tiles as [threads, ROW_TILES] tensors
     (thread i holds row i: Triton keeps such tensors in registers, no layout conversions)."""
@@ -534,7 +534,7 @@ def _int4_mma_kernel(
     THREADS: tl.constexpr = 32 * NUM_WARPS
     ONES: tl.constexpr = 0x3C003C00 if FP16 else 0x3F803F80
     BIAS: tl.constexpr = 1024.0 if FP16 else 128.0
-    g, t, w_row, w_row8 = _mma_weight_rows(N, ROW_TILES, NUM_WARPS)
+    g, t, w_row, w_row8 = _mma_weight_rows(ROW_TILES, NUM_WARPS)
     first = tl.program_id(2) * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
     # Thread (g, t) loads words 16 h + 4 t .. + 3 of weight rows g and g + 8 (of each row
@@ -621,7 +621,7 @@ def _fp8_mma_kernel(
     the B fragment (fp16 MMAs, fp32 accumulators), and the MMA's k order is a permutation of
     K within 64-k segments (thread t's words 4 t .. 4 t + 3, one an MMA). A tile is 128 k,
     within one scale group (or one scale a row)."""
-    g, t, w_row, w_row8 = _mma_weight_rows(N, ROW_TILES, NUM_WARPS)
+    g, t, w_row, w_row8 = _mma_weight_rows(ROW_TILES, NUM_WARPS)
     first = tl.program_id(2) * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
     # Thread (g, t): words 16 h + 4 t .. + 3 of weight rows g and g + 8 in half h of a tile,
@@ -643,13 +643,13 @@ def _fp8_mma_kernel(
         for h in tl.static_range(2):
             words = _unstack4(w_a if h == 0 else w_b)
             words8 = _unstack4(w_a8 if h == 0 else w_b8)
-            x_lo = _unstack4(tl.load(x_pairs + tile * 64 + h * 32, mask=x_mask, other=0))
-            x_hi = _unstack4(tl.load(x_pairs + tile * 64 + h * 32 + 4, mask=x_mask, other=0))
+            x_words = (_unstack4(tl.load(x_pairs + tile * 64 + h * 32, mask=x_mask, other=0))
+                       + _unstack4(tl.load(x_pairs + tile * 64 + h * 32 + 4, mask=x_mask, other=0)))
             for word in tl.static_range(4):
                 a0, a2 = _e4m3_pairs_to_f16x2(words[word])
                 a1, a3 = _e4m3_pairs_to_f16x2(words8[word])
-                pair0 = (x_lo + x_hi)[2 * word]
-                pair1 = (x_lo + x_hi)[2 * word + 1]
+                pair0 = x_words[2 * word]  # x[4 w], x[4 w + 1] for the word's bytes 0, 1
+                pair1 = x_words[2 * word + 1]
                 if X_BF16:
                     pair0 = _bf16x2_to_f16x2(pair0)
                     pair1 = _bf16x2_to_f16x2(pair1)
@@ -782,8 +782,9 @@ class LaunchConfig:
     waves: int = 2  # split K until about this many programs per SM
     split_k: int | None = None  # fixed split (tests); None: from `waves` on CUDA, else 1
     # 4-bit and fp8 weights: the int32-word kernel, "fma" (CUDA cores) or "dot" (tensor
-    # cores, block_m >= 16), block_m rows per program; 4-bit also "mma" (up to 8 rows on
-    # tensor cores through mma.sync, block_n = 16 x row tiles x num_warps, 256-wide K tiles).
+    # cores, block_m >= 16), block_m rows per program; or "mma" (up to 8 rows on tensor
+    # cores through mma.sync, block_n = 16 x row tiles x num_warps; K tiles of 256 for 4-bit
+    # weights, 128 for fp8).
     # None (and int8 weights): block_m 1 is the CUDA-core kernel, one row per program (reads
     # W once per row), else tl.dot tiles.
     words: str | None = None
