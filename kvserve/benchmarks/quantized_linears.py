@@ -46,7 +46,7 @@ L2_BYTES = 256 * 2**20  # cycle over at least this many weight bytes (H200 L2: 6
 # Launch configs compared by --sweep, per format and row count. int8: the one-row CUDA-core
 # kernel (block_m 1) against 16-row tl.dot tiles. int4 and fp8: those byte kernels (the
 # defaults before the int32-word kernels) against the word kernels' tile shapes, num_warps
-# and waves (programs per SM that split-K aims for).
+# and waves (programs per SM that split-K aims for), and the mma.sync kernels' (1-8 rows).
 SWEEP_MAX_ERROR = 2e-2  # bf16 output rounding alone is ~4e-3
 _OLD_SWEEP = {
     1: [LaunchConfig(1, bn, bk) for bn, bk in ((16, 256), (32, 256), (64, 128), (32, 512), (16, 512))]
