@@ -51,3 +51,49 @@ def test_logits_match_transformers(ours: LoadedModel, reference, paged_runner) -
     with torch.no_grad():
         expected = reference(torch.tensor([tokens])).logits[0, -1].float()
     torch.testing.assert_close(logits[-1], expected, atol=1e-3, rtol=0)
+
+
+def _reader_view(reader) -> tuple[dict, list]:
+    from gguf import GGUFValueType
+
+    scalars = {name: field.contents() for name, field in reader.fields.items()
+               if field.types[0] != GGUFValueType.ARRAY}
+    tensors = [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.data.tobytes()) for t in reader.tensors]
+    return scalars, tensors
+
+
+def test_scalar_fields_reader_matches_gguf_py_on_smollm2() -> None:
+    """kvserve's reader steps over array values (the vocabulary) instead of viewing each
+    string: every scalar field and tensor as gguf-py reads them, the arrays absent."""
+    from gguf import GGUFReader
+
+    from kvserve.model_executor.gguf_loader import open_gguf
+
+    ours, reference = open_gguf(default_model_path()), GGUFReader(default_model_path())
+    assert _reader_view(ours) == _reader_view(reference)
+    assert "tokenizer.ggml.tokens" in reference.fields and "tokenizer.ggml.tokens" not in ours.fields
+
+
+def test_scalar_fields_reader_steps_over_every_kind_of_array(tmp_path) -> None:
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+
+    from kvserve.model_executor.gguf_loader import open_gguf
+
+    path = str(tmp_path / "arrays.gguf")
+    writer = GGUFWriter(path, "llama")
+    writer.add_array("test.strings", ["", "a", "long string " * 50, "ü"])
+    writer.add_uint32("test.between", 7)
+    writer.add_array("test.ints", [1, -2, 3])
+    writer.add_array("test.floats", [0.5, 2.25])
+    writer.add_array("test.bools", [True, False, True])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_string("test.after", "end")
+    writer.add_tensor("t.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    ours = open_gguf(path)
+    assert _reader_view(ours) == _reader_view(GGUFReader(path))
+    assert ours.fields["test.between"].contents() == 7 and ours.fields["test.after"].contents() == "end"
+    assert not {"test.strings", "test.ints", "test.floats", "test.bools", "test.nested"} & set(ours.fields)
