@@ -60,7 +60,7 @@ _INT4_FMA = [LaunchConfig(1, bn, bk, num_warps=nw, num_stages=1, waves=waves, wo
 _INT4_DOT = [LaunchConfig(16, bn, bk, num_warps=nw, num_stages=stages, waves=waves, words="dot")
              for bn, bk, nw, stages, waves in ((128, 128, 4, 1, 2), (128, 128, 4, 1, 4), (64, 128, 4, 1, 4),
                                                (256, 128, 8, 1, 2), (128, 128, 4, 3, 2))]
-# The mma.sync kernel (2-8 rows): block_n = 16 x row tiles x num_warps.
+# The mma.sync kernel (2-8 rows, and one row of wide linears): block_n = 16 x row tiles x num_warps.
 _INT4_MMA = [LaunchConfig(8, bn, 256, num_warps=nw, num_stages=1, waves=waves, words="mma")
              for bn, nw, waves in ((128, 4, 2), (128, 4, 4), (64, 2, 4), (64, 4, 2), (256, 8, 2))]
 _INT4_DOT_64 = [LaunchConfig(64, bn, bk, num_warps=nw, num_stages=1, waves=2, words="dot")
@@ -68,7 +68,8 @@ _INT4_DOT_64 = [LaunchConfig(64, bn, bk, num_warps=nw, num_stages=1, waves=2, wo
 _FP8_FMA = [LaunchConfig(1, bn, bk, num_warps=nw, num_stages=1, waves=waves, words="fma")
             for bn, bk, nw, waves in ((128, 256, 4, 4), (128, 256, 4, 8), (64, 256, 4, 4), (256, 256, 8, 4),
                                       (128, 128, 4, 4), (64, 512, 4, 4))]
-# The fp8 mma.sync kernel (2-8 rows): block_n = 16 x row tiles x num_warps, 128-wide K tiles.
+# The fp8 mma.sync kernel (2-8 rows; timed at one row too): block_n = 16 x row tiles x num_warps,
+# 128-wide K tiles.
 _FP8_MMA = [LaunchConfig(8, bn, 128, num_warps=nw, num_stages=1, waves=waves, words="mma")
             for bn, nw, waves in ((128, 4, 2), (128, 4, 4), (64, 2, 4), (64, 4, 2), (256, 8, 2))]
 _FP8_DOT = [LaunchConfig(16, bn, bk, num_warps=nw, num_stages=stages, waves=waves, words="dot")
