@@ -202,9 +202,9 @@ class EngineArgs:
         group.add_argument(
             "--compile-decode", action=argparse.BooleanOptionalAction, default=False,
             help="CPU: run decode steps of up to 16 sequences through one torch.compile'd "
-            "graph of the model (inductor C++), compiled at startup: 2-3 graphs of ~35 s each on "
-            "2 cores with a cold inductor cache, ~7 s warm; a batch-1 SmolLM2 step takes ~30%% "
-            "less time. "
+            "graph of the model (inductor C++), compiled at startup: 2-3 graphs of ~20-50 s each "
+            "on 2 cores at every start (freezing keeps AOT autograd's cache off); a batch-1 "
+            "SmolLM2 step takes ~30%% less time. "
             "`kvserve serve` turns it on by default where it applies (CPU, torch attention, "
             "a KV cache that is not float8); --no-compile-decode starts faster.",
         )

@@ -132,8 +132,10 @@ class CompiledDecode:
         batch_sizes = self.graph_batch_sizes()
         bands = [f"batch {a}" if b == a + 1 else f"batch {a}-{b - 1}"
                  for a, b in zip(batch_sizes, [*batch_sizes[1:], MAX_ROWS + 1])]
-        logger.info("compiling the CPU decode step: %d graphs (%s), ~35 s each on 2 cores with a "
-                    "cold inductor cache, ~7 s warm", len(bands), ", ".join(bands))
+        # Inductor's generated code is cached across starts, but freezing keeps AOT autograd's
+        # cache off ("cannot cache a graph with freezing enabled"): every start traces again.
+        logger.info("compiling the CPU decode step: %d graphs (%s), ~20-50 s each on 2 cores at every "
+                    "start", len(bands), ", ".join(bands))
         start = time.perf_counter()
         with torch.inference_mode():
             for index, (num_seqs, band) in enumerate(zip(batch_sizes, bands)):
