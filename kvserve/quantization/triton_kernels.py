@@ -246,13 +246,20 @@ def _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, strid
 
 
 @triton.jit
+def _split_tiles(num_tiles, tiles_per_split):
+    """This program's K tiles first..last (grid axis 2: the splits of K)."""
+    first = tl.program_id(2) * tiles_per_split
+    return first, tl.minimum(first + tiles_per_split, num_tiles)
+
+
+@triton.jit
 def _program_block(M, N, num_tiles, tiles_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's rows of x and output columns (grid: column blocks, row blocks,
     splits of K) with their masks, and its K tiles first..last."""
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = tl.program_id(2) * tiles_per_split
-    return rows, cols, rows < M, cols < N, first, tl.minimum(first + tiles_per_split, num_tiles)
+    first, last = _split_tiles(num_tiles, tiles_per_split)
+    return rows, cols, rows < M, cols < N, first, last
 
 
 @triton.jit
@@ -535,8 +542,7 @@ def _int4_mma_kernel(
     ONES: tl.constexpr = 0x3C003C00 if FP16 else 0x3F803F80
     BIAS: tl.constexpr = 1024.0 if FP16 else 128.0
     g, t, w_row, w_row8 = _mma_weight_rows(ROW_TILES, NUM_WARPS)
-    first = tl.program_id(2) * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, num_tiles)
+    first, last = _split_tiles(num_tiles, tiles_per_split)
     # Thread (g, t) loads words 16 h + 4 t .. + 3 of weight rows g and g + 8 (of each row
     # tile) in half h of a tile, and x row g's bf16 pairs of the same words.
     w_g, w_g8, w_mask, w_mask8 = _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N)
@@ -622,8 +628,7 @@ def _fp8_mma_kernel(
     K within 64-k segments (thread t's words 4 t .. 4 t + 3, one an MMA). A tile is 128 k,
     within one scale group (or one scale a row)."""
     g, t, w_row, w_row8 = _mma_weight_rows(ROW_TILES, NUM_WARPS)
-    first = tl.program_id(2) * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, num_tiles)
+    first, last = _split_tiles(num_tiles, tiles_per_split)
     # Thread (g, t): words 16 h + 4 t .. + 3 of weight rows g and g + 8 in half h of a tile,
     # and x row g's pairs 32 h + 8 t .. + 7 (the same 16 k).
     w_g, w_g8, w_mask, w_mask8 = _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N)
@@ -806,9 +811,6 @@ INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
 # takes the mma config: 28.6 against 32.6 us on the H100, where the narrower linears stayed
 # faster on the CUDA cores (qkv 10.1 against 11.4, o 8.3 / 9.1, down 17.4 / 19.2).
 INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW = 16384
-# What takes the mma config's rows where it does not apply (no CUDA, as under the
-# interpreter; groups narrower than 128; K not a multiple of the mma tile).
-INT4_MMA_FALLBACK = INT4_DECODE_CONFIGS[2][1]
 # fp8 weights, the same form, from `--sweep --sweep-formats fp8-triton` on the H100: one row
 # 3.06 ms per llama3-8b step's linears (the byte kernel 1x32x256: 3.13; bf16 5.20); 4 and 8
 # rows 3.41 and 3.49 on mma.sync (the byte tl.dot tiles: 3.60, 3.58); at 16 rows those tiles
@@ -992,7 +994,9 @@ def weight_only_matmul(
     m = rows.shape[0]
     config = config or default_config(m, four_bit, fp8, n)
     if config.words == "mma" and not _mma_applies(rows, group_size, grouped, config.block_k):
-        config = INT4_MMA_FALLBACK if four_bit else FP8_DECODE_CONFIGS[-1][1]
+        # No CUDA (the interpreter), groups narrower than 128, K not whole mma tiles: the
+        # tiles that take the table's next rows.
+        config = default_config(SMALL_ROWS, four_bit, fp8)
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
     if block_k is None or (four_bit and in_features % block_k):
         return None

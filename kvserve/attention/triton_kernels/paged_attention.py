@@ -264,12 +264,13 @@ def paged_attention(
     assert num_heads % num_kv_heads == 0 and query.stride(-1) == 1 and output.stride(-1) == 1
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    float8_cache = kv_cache.element_size() == 1
     if tile is None:
-        decode_tile = DECODE_TILE if query.element_size() <= 2 else FP32_DECODE_TILE
-        if metadata.num_seqs >= WIDE_BATCH and query.element_size() <= 2:
-            decode_tile = WIDE_DECODE_TILE
-        tile = decode_tile if metadata.max_query_len == 1 else PREFILL_TILE
+        if metadata.max_query_len > 1:
+            tile = PREFILL_TILE
+        elif query.element_size() > 2:
+            tile = FP32_DECODE_TILE
+        else:
+            tile = WIDE_DECODE_TILE if metadata.num_seqs >= WIDE_BATCH else DECODE_TILE
     block_m = max(tile.block_m, group_pad)
     num_q_blocks = num_tokens // (block_m // group_pad) + metadata.num_seqs
     split = num_kv_splits > 1
@@ -312,7 +313,7 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=tile.block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        FP16_DOTS=float8_cache and query.dtype == torch.bfloat16,
+        FP16_DOTS=kv_cache.element_size() == 1 and query.dtype == torch.bfloat16,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         LAUNCH_DEPENDENTS=dependent_launch.enabled(query.device),
