@@ -202,8 +202,8 @@ class EngineArgs:
         group.add_argument(
             "--compile-decode", action=argparse.BooleanOptionalAction, default=False,
             help="CPU: run decode steps of up to 16 sequences through one torch.compile'd "
-            "graph of the model (inductor C++), compiled at startup: 2-3 graphs of ~20-50 s each "
-            "on 2 cores at every start (freezing keeps AOT autograd's cache off); a batch-1 "
+            "graph of the model (inductor C++), compiled at startup: 2-3 graphs of ~10-15 s each "
+            "on 2 cores (~1 min each at the first start, before the compile caches fill); a batch-1 "
             "SmolLM2 step takes ~30%% less time. "
             "`kvserve serve` turns it on by default where it applies (CPU, torch attention, "
             "a KV cache that is not float8); --no-compile-decode starts faster.",

@@ -79,21 +79,22 @@ class CompiledDecode:
         # [layers, 2, slots, kv_heads, head_dim]: where a step's new keys and values go.
         self._slots_view = None if stack is None else stack.flatten(2, 3)
         self.sliding_window = sliding_window
-        # Freezing: the weights are constants of the graph (no copies; they do not change
-        # while serving), which lets inductor fold and fuse around them: batch-1 SmolLM2 step
-        # 11.35 -> 10.28 ms, batch 4 18.5 -> 17.8 (AMX Xeon, 2 threads; the same resident set).
+        # No inductor freezing: it keeps AOT autograd's cache off ("cannot cache a graph with
+        # freezing enabled"), so every start traced the graphs again: warm start-up 97 -> 37 s
+        # without it, and a batch-1 SmolLM2 step the same within noise (2-core EPYC, 12
+        # alternating rounds: 15.3 vs 16.0 ms median, 13.6 vs 13.2 best); on an AMX Xeon it
+        # had measured 11.35 -> 10.28 ms (BENCHMARKS.md, "compiled decode without freezing").
         # Per-call overhead, measured as one batch-1 SmolLM2 int8 forward (2-core EPYC, two
         # alternating runs each): 16.5 / 13.7 ms as compiled by default, 12.2 / 12.2 without
         # these two checks. Dynamo's guards on the model's attributes protect nothing here:
         # each instance keeps graphs of its own (isolate_recompiles: another model's graphs,
-        # e.g. a draft model's, are never looked up), its model is not changed after start-up
-        # and freezing has baked its weights into the graph; the guards on the inputs' shapes
-        # (which pick the batch band's graph) stay. The size asserts re-check, in Python, ~490
-        # input and output layouts a call that those guards and the ops' registered shapes
-        # already fix.
+        # e.g. a draft model's, are never looked up) and its model is not changed after
+        # start-up; the guards on the inputs' shapes (which pick the batch band's graph) stay.
+        # The size asserts re-check, in Python, ~490 input and output layouts a call that
+        # those guards and the ops' registered shapes already fix.
         self._forward = torch.compile(
             _decode_forward, dynamic=False, fullgraph=True, isolate_recompiles=True, options={
-                "freezing": True, "size_asserts": False, "alignment_asserts": False,
+                "size_asserts": False, "alignment_asserts": False,
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     @staticmethod
@@ -132,10 +133,10 @@ class CompiledDecode:
         batch_sizes = self.graph_batch_sizes()
         bands = [f"batch {a}" if b == a + 1 else f"batch {a}-{b - 1}"
                  for a, b in zip(batch_sizes, [*batch_sizes[1:], MAX_ROWS + 1])]
-        # Inductor's generated code is cached across starts, but freezing keeps AOT autograd's
-        # cache off ("cannot cache a graph with freezing enabled"): every start traces again.
-        logger.info("compiling the CPU decode step: %d graphs (%s), ~20-50 s each on 2 cores at every "
-                    "start", len(bands), ", ".join(bands))
+        # Dynamo traces each graph at every start (~8 s each on 2 cores); inductor's code and
+        # AOT autograd's graphs come from their caches after the first start.
+        logger.info("compiling the CPU decode step: %d graphs (%s), ~10-15 s each on 2 cores "
+                    "(~1 min each the first time)", len(bands), ", ".join(bands))
         start = time.perf_counter()
         with torch.inference_mode():
             for index, (num_seqs, band) in enumerate(zip(batch_sizes, bands)):
