@@ -12,13 +12,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def patch_interpreter() -> None:
-    """Four bugs of Triton 3.6's interpreter, fixed here rather than in the kernels:
+    """Five bugs of Triton 3.6's interpreter, fixed here rather than in the kernels:
     it turns its (1,)-shaped scalars into loop bounds with int(), which numpy >= 2.4
     rejects (triton-lang/triton#9171); its tl.dot multiplies bf16 operands' raw uint16
-    bits; it casts integers to bf16 by storing the integer as the raw bits; and it rounds
-    fp32 to e4m3 and e5m2 wrongly (ties away from zero, some values an exponent off).
-    Upcasting bf16 operands to fp32 for the dot, integers to fp32 before bf16, and rounding
-    to float8 with torch's cast (to nearest even, as the GPU does) keeps exact values."""
+    bits; it casts integers to bf16 by storing the integer as the raw bits; it truncates
+    fp32 to bf16 (half of random values one ulp off); and it rounds fp32 to e4m3 and e5m2
+    wrongly (ties away from zero, some values an exponent off). Upcasting bf16 operands to
+    fp32 for the dot, integers to fp32 before bf16, and rounding to bf16 and float8 with
+    torch's casts (to nearest even, as the GPU does) keeps exact values."""
     import numpy as np
     import torch
     import triton.language as tl
@@ -44,11 +45,17 @@ def patch_interpreter() -> None:
 
     cast = interpreter.InterpreterBuilder.cast_impl
 
+    def patched_cast(self, src, dst_type):
+        if dst_type.scalar != tl.bfloat16 or src.dtype.scalar != tl.float32:
+            return cast(self, src, dst_type)
+        bits = torch.from_numpy(src.data).to(torch.bfloat16).view(torch.int16).numpy()
+        return interpreter.TensorHandle(bits.view(np.uint16), tl.bfloat16)
+
     def patched_int_to_fp(self, src, dst_type):
         if dst_type.scalar != tl.bfloat16:
             return cast(self, src, dst_type)
         as_fp32 = interpreter.TensorHandle(src.data.astype(np.float32), tl.float32)
-        return cast(self, as_fp32, dst_type)
+        return patched_cast(self, as_fp32, dst_type)
 
     fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
 
@@ -61,6 +68,7 @@ def patch_interpreter() -> None:
         return interpreter.TensorHandle(bits, dst_type.scalar)
 
     interpreter._patch_lang_tensor = patched_tensor
+    interpreter.InterpreterBuilder.cast_impl = patched_cast
     interpreter.InterpreterBuilder.create_fp_to_fp = patched_fp_to_fp
     interpreter.InterpreterBuilder.create_dot = patched_dot
     interpreter.InterpreterBuilder.create_si_to_fp = patched_int_to_fp
