@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.triton_kernels.kv_cache_write import write_kv_cache
-from kvserve.attention.triton_kernels.paged_attention import choose_num_kv_splits, paged_attention
+from kvserve.attention.triton_kernels.paged_attention import (
+    choose_num_kv_splits,
+    paged_attention,
+    warm_up as warm_up_kernels,
+)
+
+logger = logging.getLogger(__name__)
 
 
 class TritonAttentionBackend:
@@ -19,6 +28,13 @@ class TritonAttentionBackend:
         # None: chosen per decode batch; a number pins it (tests; CUDA graphs need one
         # grid per captured batch size).
         self.num_kv_splits = num_kv_splits
+
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_size: int) -> None:
+        """Compile (or load from Triton's cache) every attention kernel variant now."""
+        start = time.perf_counter()
+        launches = warm_up_kernels(kv_cache, num_heads, dtype, block_size)
+        torch.cuda.synchronize(kv_cache.device)
+        logger.info("attention kernels: %d variants ready in %.1f s", launches, time.perf_counter() - start)
 
     def forward(
         self,

@@ -106,6 +106,10 @@ class ModelRunner:
             layer.self_attn.kv_scales = (1.0, 1.0)
         if self.kv_cache_dtype in FLOAT8_DTYPES:
             self._calibrate_kv_scales()
+        if self._triton_attention():
+            # Every attention variant compiled now, not inside the first requests that need one.
+            self.attn_backend.warm_up(self.kv_caches[0], model_config.num_attention_heads, model_config.dtype,
+                                      self.block_size)
         self.cuda_graphs = None
         if self._can_use_cuda_graphs(enforce_eager):
             max_len = max_model_len or model_config.max_position_embeddings
@@ -144,7 +148,10 @@ class ModelRunner:
     def _can_use_cuda_graphs(self, enforce_eager: bool) -> bool:
         """Only the Triton backend launches from device-side metadata alone; the torch
         reference loops over host copies of it, which a replay would not update."""
-        if enforce_eager or self.device.type != "cuda":
+        return not enforce_eager and self._triton_attention()
+
+    def _triton_attention(self) -> bool:
+        if self.device.type != "cuda":
             return False
         from kvserve.attention.triton_backend import TritonAttentionBackend
 

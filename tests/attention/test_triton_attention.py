@@ -157,6 +157,8 @@ SMALL_CASES = [
 
 def run_small_cases() -> None:
     """Subprocess entry: print {case id: error or null} as JSON."""
+    from kvserve.attention.triton_kernels.paged_attention import warm_up
+
     results = {}
     for case in SMALL_CASES:
         try:
@@ -164,6 +166,10 @@ def run_small_cases() -> None:
             results[case.id] = None
         except AssertionError as error:
             results[case.id] = str(error)
+    # The start-up warm-up launches its six variants on a cache of one block and of many.
+    launches = [warm_up(torch.zeros(2, blocks, 16, 2, 64, dtype=torch.float16), 8, torch.float16, 16)
+                for blocks in (1, 5)]
+    results["warm_up"] = None if launches == [6, 6] else f"launches {launches}"
     print(json.dumps(results))
 
 
@@ -176,6 +182,10 @@ def interpreted_results() -> dict[str, str | None]:
 @pytest.mark.parametrize("case", SMALL_CASES, ids=lambda case: case.id)
 def test_interpreted_matches_reference(case: Case, interpreted_results) -> None:
     assert interpreted_results[case.id] is None, interpreted_results[case.id]
+
+
+def test_interpreted_warm_up_launches_every_variant(interpreted_results) -> None:
+    assert interpreted_results["warm_up"] is None, interpreted_results["warm_up"]
 
 
 # -- full sizes on the GPU ------------------------------------------------------------------
@@ -219,6 +229,32 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda case: case.id)
 def test_gpu_matches_reference(case: Case) -> None:
     check_case(case, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_warm_up_leaves_nothing_to_compile(dtype: torch.dtype) -> None:
+    """After the start-up warm-up, steps of every kind (decodes of 1-40 sequences, forced and
+    chosen splits, verify widths, prefills, mixed batches, block tables of any width)
+    compile no further attention kernel variant."""
+    from kvserve.attention.triton_kernels import paged_attention as kernels
+
+    jit_kernels = (kernels._paged_attention_kernel, kernels._merge_splits_kernel)
+    for kernel in jit_kernels:
+        kernel.device_caches.clear()  # what other tests compiled must not count
+    device = torch.cuda.current_device()
+    cache = torch.zeros(2, 8, 16, 8, 128, dtype=dtype, device="cuda")
+    kernels.warm_up(cache, 32, dtype, 16)
+    compiled = [len(kernel.device_caches[device][0]) for kernel in jit_kernels]
+    for scenario, (seqs, block_size, splits) in GPU_SCENARIOS.items():
+        if block_size != 16:
+            continue
+        for forced in {splits, None}:
+            check_case(Case(scenario, seqs, 32, 8, 128, dtype, block_size, forced), "cuda")
+    for width in (1, 3, 16, 40):  # decode batches of these sizes, long contexts: chosen splits
+        check_case(Case("decode", tuple((1000 + 37 * i, 1) for i in range(width)), 32, 8, 128, dtype), "cuda")
+    assert [len(kernel.device_caches[device][0]) for kernel in jit_kernels] == compiled
 
 
 @pytest.mark.gpu

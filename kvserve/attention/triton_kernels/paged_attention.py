@@ -43,9 +43,10 @@ def _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-# num_seqs == 1 would otherwise be specialised into a constant, clashing with the search's
-# loop-carried int32.
-@triton.jit(do_not_specialize=["num_seqs"])
+# Integers that vary from step to step are not specialised (Triton would compile a variant
+# for each of == 1, a multiple of 16 and neither, in the middle of serving); num_seqs == 1
+# would also clash, as a constant, with the search's loop-carried int32.
+@triton.jit(do_not_specialize=["num_seqs", "num_kv_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # [T, H, D] output, or [T, H, S, D] fp32 partial sums when split
     max_ptr,  # [T, H, S] fp32 running max (log2 domain), split only
@@ -158,7 +159,7 @@ def _paged_attention_kernel(
         tl.store(sum_ptr + part, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_kv_splits"])
 def _merge_splits_kernel(
     out_ptr,
     partial_ptr,
@@ -331,3 +332,36 @@ def paged_attention(
             HEAD_DIM=head_dim,
             LAUNCH_DEPENDENTS=dependent_launch.enabled(query.device),
         )
+
+
+def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_size: int) -> int:
+    """Launch every kernel variant a step may pick for this model's shapes and dtypes once,
+    so that Triton compiles them (or loads them from its cache) at start-up rather than
+    during the first requests that need them: decode tiles for few and for WIDE_BATCH
+    sequences, verify-width prefill tiles, each unsplit and split, and the merge. kv_cache
+    is a layer's cache [2, blocks, block_size, KVH, D] (read, not written). Returns the
+    number of launches."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    device = kv_cache.device
+    blocks = list(range(min(2, kv_cache.shape[1])))
+    seq_len = len(blocks) * block_size
+    launches = 0
+    for num_seqs, query_len in ((1, 1), (WIDE_BATCH, 1), (1, 2)):
+        num_tokens = num_seqs * query_len
+        # The query as the model hands it over: a view of the fused q/k/v projection's rows.
+        query = torch.zeros(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype,
+                            device=device)[:, :num_heads]
+        starts = [i * query_len for i in range(num_seqs + 1)]
+        metadata = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
+            block_tables=torch.tensor([blocks] * num_seqs, dtype=torch.int32, device=device),
+            block_size=block_size, max_query_len=query_len, max_seq_len=seq_len,
+            query_start_loc_cpu=starts, seq_lens_cpu=[seq_len] * num_seqs,
+        )
+        for num_kv_splits in (1, 2):
+            output = torch.empty(query.shape, dtype=dtype, device=device)
+            paged_attention(query, kv_cache, metadata, head_dim**-0.5, output, num_kv_splits)
+            launches += 1
+    return launches
