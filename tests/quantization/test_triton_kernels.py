@@ -20,7 +20,7 @@ from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from kvserve.quantization.fp8_activation import quantize_per_token
 from kvserve.quantization.int4 import Int4Linear, dequantize_int4, quantize_int4
 from kvserve.quantization.int8 import GroupInt8Linear, Int8Linear
-from kvserve.quantization.triton_kernels import LaunchConfig, weight_only_matmul
+from kvserve.quantization.triton_kernels import LaunchConfig, unpack_int4, weight_only_matmul
 from tests.triton_interpreter import run_interpreted
 
 # Worst relative error ||y - ref|| / ||ref|| per row against fp64 on the same weights.
@@ -281,7 +281,32 @@ def run_small_cases() -> None:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16) * 3
         x[0] = 0  # an all-zero row keeps a finite scale
         results[f"per_token-m{m}-k{k}"] = per_token_matches(x)
+    for n, k, group_size in UNPACK_SHAPES:
+        results[f"unpack-{n}x{k}-g{group_size}"] = unpack_int4_error(n, k, group_size, "cpu")
     print(json.dumps(results))
+
+
+# (N, K, group size): groups of 32-128, rows longer and shorter than a program's 512 bytes,
+# a last program with a partial run of groups, odd N.
+UNPACK_SHAPES = [(37, 96, 32), (5, 1536, 128), (3, 1088, 64), (8, 128, 128)]
+
+
+def unpack_int4_error(n: int, k: int, group_size: int, device: str) -> str | None:
+    """unpack_int4 against dequantize_int4 (the torch path of Int4Linear.dequantize) on the
+    same nibbles: fp32 within an fp32 rounding of each value, and the bf16 output exactly
+    that fp32 value rounded once. None if so, else what differs."""
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(device)
+    q, scale, minimum = quantize_int4(weight, group_size)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # k = 2 j low, 2 j + 1 high
+    reference = dequantize_int4(q, scale, minimum)
+    fp32 = unpack_int4(packed, scale, minimum, group_size, torch.float32)
+    bf16 = unpack_int4(packed, scale, minimum, group_size, torch.bfloat16)
+    slack = 2 * torch.finfo(torch.float32).eps * reference.abs().max()
+    if fp32.shape != (n, k) or (fp32 - reference).abs().max() > slack:
+        return f"fp32 differs by {(fp32 - reference).abs().max().item():.3e}"
+    if not torch.equal(bf16, fp32.to(torch.bfloat16)):
+        return "bf16 is not the fp32 value rounded once"
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -314,6 +339,18 @@ def test_interpreted_fp8_word_kernels_match_reference(case, dtype, interpreted_e
 def test_interpreted_fp8_word_kernels_read_every_e4m3_code_exactly(case, grouped, dtype, interpreted_errors) -> None:
     kernel, block_m, split = case
     assert interpreted_errors[f"fp8-codes-{kernel}-{block_m}-{split}-{grouped}-{str(dtype).removeprefix('torch.')}"]
+
+
+@pytest.mark.parametrize("shape", UNPACK_SHAPES, ids=lambda s: "{}x{}-g{}".format(*s))
+def test_interpreted_unpack_int4_matches_dequantize(shape, interpreted_errors) -> None:
+    n, k, group_size = shape
+    assert interpreted_errors[f"unpack-{n}x{k}-g{group_size}"] is None
+
+
+def test_unpack_int4_declines_groups_it_cannot_tile() -> None:
+    packed = torch.zeros(4, 48, dtype=torch.uint8)
+    scales = torch.ones(4, 1)
+    assert unpack_int4(packed, scales, scales, 96, torch.float32) is None  # not a power of two
 
 
 @pytest.mark.parametrize("shape", PER_TOKEN_SHAPES, ids=str)
@@ -382,6 +419,14 @@ def test_gpu_layers_match_reference(kind, dtype) -> None:
             scaled_mm = kind == "fp8" and m > base.GPU_KERNEL_MAX_ROWS and dtype == torch.bfloat16
             tolerance = 6e-2 if scaled_mm else TOLERANCE[dtype]
             assert error <= tolerance, f"{kind} {(m, n, k)} {dtype}: relative error {error:.2e}"
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("shape", [(28672, 4096, 128), (4096, 14336, 128), (4000, 4160, 64), (37, 96, 32)],
+                         ids=lambda s: "{}x{}-g{}".format(*s))
+def test_gpu_unpack_int4_matches_dequantize(shape) -> None:
+    assert unpack_int4_error(*shape, "cuda") is None
 
 
 def _sweep_layers(fmt: str, n: int, k: int) -> list:
