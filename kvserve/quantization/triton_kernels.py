@@ -482,10 +482,11 @@ def _mma_weight_rows(ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr):
 @triton.jit
 def _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N):
     """Thread (g, t)'s 16-byte loads of weight rows g and g + 8: words 4 t .. 4 t + 3 of a
-    tile's first half (its second half is 16 words on), with their masks."""
+    tile's first half (its second half is 16 words on), and which of the two rows exist
+    (masks of the weight loads and of the rows' scales)."""
     w_g = (w_ptr + w_row[:, :, None].to(tl.int64) * stride_wn + (4 * t)[:, None, None]
            + tl.arange(0, 4)[None, None, :])
-    return w_g, w_g + 8 * stride_wn, (w_row < N)[:, :, None], (w_row + 8 < N)[:, :, None]
+    return w_g, w_g + 8 * stride_wn, w_row < N, w_row + 8 < N
 
 
 @triton.jit
@@ -498,9 +499,11 @@ def _mma_x_pairs(x_ptr, g, first_pair, stride_xm, M):
 
 
 @triton.jit
-def _mma_weight_tile(w_g, w_g8, w_mask, w_mask8, words):
+def _mma_weight_tile(w_g, w_g8, row_mask, row_mask8, words):
     """The two halves of a tile (first half, rows g and g + 8; then the second), `words` in:
     read once a step, so evict_first keeps x and the scales in L2."""
+    w_mask = row_mask[:, :, None]
+    w_mask8 = row_mask8[:, :, None]
     return (tl.load(w_g + words, mask=w_mask, other=0, eviction_policy="evict_first"),
             tl.load(w_g8 + words, mask=w_mask8, other=0, eviction_policy="evict_first"),
             tl.load(w_g + words + 16, mask=w_mask, other=0, eviction_policy="evict_first"),
@@ -545,20 +548,18 @@ def _int4_mma_kernel(
     first, last = _split_tiles(num_tiles, tiles_per_split)
     # Thread (g, t) loads words 16 h + 4 t .. + 3 of weight rows g and g + 8 (of each row
     # tile) in half h of a tile, and x row g's bf16 pairs of the same words.
-    w_g, w_g8, w_mask, w_mask8 = _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N)
+    w_g, w_g8, row_mask, row_mask8 = _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N)
     x_pairs, x_mask = _mma_x_pairs(x_ptr, g, 16 * t, stride_xm, M)
-    s_mask = w_row < N
-    s_mask8 = w_row8 < N
     ones = tl.full((THREADS,), ONES, dtype=tl.int32)
     zero = tl.zeros((THREADS, ROW_TILES), dtype=tl.float32)
     zero1 = tl.zeros((THREADS,), dtype=tl.float32)
 
     y_g0, y_g1, y_g80, y_g81 = zero, zero, zero, zero
     w_tile = first * 32
-    w_a, w_a8, w_b, w_b8 = _mma_weight_tile(w_g, w_g8, w_mask, w_mask8, w_tile)
+    w_a, w_a8, w_b, w_b8 = _mma_weight_tile(w_g, w_g8, row_mask, row_mask8, w_tile)
     for tile in range(first, last):
         # The next tile in flight while this one is multiplied; the last loads itself again.
-        next_a, next_a8, next_b, next_b8 = _mma_weight_tile(w_g, w_g8, w_mask, w_mask8,
+        next_a, next_a8, next_b, next_b8 = _mma_weight_tile(w_g, w_g8, row_mask, row_mask8,
                                                              w_tile + tl.where(tile + 1 < last, 32, 0))
         for h in tl.static_range(2):
             words = _unstack4(w_a if h == 0 else w_b)
@@ -578,12 +579,12 @@ def _int4_mma_kernel(
                         xb0[:, None], xb1[:, None], c0, c1, c2, c3, FP16)
                     s0, s1, s2, s3 = _mma_m16n8k16(ones, ones, ones, ones, xb0, xb1, s0, s1, s2, s3, FP16)
             group = (tile * 256 + h * 128) // group_size
-            scale = tl.load(scale_ptr + w_row * stride_sn + group, mask=s_mask, other=0.0)
-            scale8 = tl.load(scale_ptr + w_row8 * stride_sn + group, mask=s_mask8, other=0.0)
+            scale = tl.load(scale_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0)
+            scale8 = tl.load(scale_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0)
             offset, offset8 = -BIAS * scale, -BIAS * scale8
             if HAS_OFFSET:
-                offset += tl.load(offset_ptr + w_row * stride_sn + group, mask=s_mask, other=0.0)
-                offset8 += tl.load(offset_ptr + w_row8 * stride_sn + group, mask=s_mask8, other=0.0)
+                offset += tl.load(offset_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0)
+                offset8 += tl.load(offset_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0)
             # c0, c1: weight row g against x rows 2 t, 2 t + 1 (c2, c3: row g + 8); s0, s1:
             # the sums of x rows 2 t, 2 t + 1 over the group.
             y_g0 += c0 * scale + s0[:, None] * offset
@@ -631,18 +632,16 @@ def _fp8_mma_kernel(
     first, last = _split_tiles(num_tiles, tiles_per_split)
     # Thread (g, t): words 16 h + 4 t .. + 3 of weight rows g and g + 8 in half h of a tile,
     # and x row g's pairs 32 h + 8 t .. + 7 (the same 16 k).
-    w_g, w_g8, w_mask, w_mask8 = _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N)
+    w_g, w_g8, row_mask, row_mask8 = _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N)
     x_pairs, x_mask = _mma_x_pairs(x_ptr, g, 8 * t, stride_xm, M)
-    s_mask = w_row < N
-    s_mask8 = w_row8 < N
     zero = tl.zeros((32 * NUM_WARPS, ROW_TILES), dtype=tl.float32)
 
     y_g0, y_g1, y_g80, y_g81 = zero, zero, zero, zero
     w_tile = first * 32
-    w_a, w_a8, w_b, w_b8 = _mma_weight_tile(w_g, w_g8, w_mask, w_mask8, w_tile)
+    w_a, w_a8, w_b, w_b8 = _mma_weight_tile(w_g, w_g8, row_mask, row_mask8, w_tile)
     for tile in range(first, last):
         # The next tile in flight while this one is multiplied; the last loads itself again.
-        next_a, next_a8, next_b, next_b8 = _mma_weight_tile(w_g, w_g8, w_mask, w_mask8,
+        next_a, next_a8, next_b, next_b8 = _mma_weight_tile(w_g, w_g8, row_mask, row_mask8,
                                                              w_tile + tl.where(tile + 1 < last, 32, 0))
         c0, c1, c2, c3 = zero, zero, zero, zero
         for h in tl.static_range(2):
@@ -660,8 +659,8 @@ def _fp8_mma_kernel(
                     pair1 = _bf16x2_to_f16x2(pair1)
                 c0, c1, c2, c3 = _mma_m16n8k16(a0, a1, a2, a3, pair0[:, None], pair1[:, None], c0, c1, c2, c3, True)
         group = tile * 128 // group_size
-        scale = tl.load(scale_ptr + w_row * stride_sn + group, mask=s_mask, other=0.0)
-        scale8 = tl.load(scale_ptr + w_row8 * stride_sn + group, mask=s_mask8, other=0.0)
+        scale = tl.load(scale_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0)
+        scale8 = tl.load(scale_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0)
         # c0, c1: weight row g against x rows 2 t, 2 t + 1; c2, c3: row g + 8.
         y_g0 += c0 * scale
         y_g1 += c1 * scale
