@@ -2,7 +2,7 @@
 compiled for sm_90 on any machine (Triton's own ptxas, cuobjdump and nvdisasm; no GPU): the
 instruction counts BENCHMARKS.md quotes.
 
-    python benchmarks/sass_report.py [int4-fma|int4-mma|fp8-mma] [--warps 4] [--row-tiles 2]
+    python benchmarks/sass_report.py [int4-fma|int4-mma|fp8-mma] [--warps 4] [--row-tiles 2] [--x-tiles 1]
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("kernel", nargs="?", default="int4-mma", choices=("int4-fma", "int4-mma", "fp8-mma"))
     parser.add_argument("--warps", type=int, default=4, help="num_warps.")
     parser.add_argument("--row-tiles", type=int, default=2, help="mma kernels: 16-row tiles a warp.")
+    parser.add_argument("--x-tiles", type=int, default=1, help="mma kernels: 8-row tiles of x (1, 2, 4, 8).")
     args = parser.parse_args()
     if args.kernel == "int4-fma":  # the production one-row config, 1x128x256
         compiled = _compile(tk._int4_gemv_kernel, dict(X_BF16=True, HAS_OFFSET=True, SPLIT=True, BLOCK_M=1,
@@ -82,11 +83,14 @@ def main() -> None:
                             args.warps)
     elif args.kernel == "int4-mma":
         compiled = _compile(tk._int4_mma_kernel, dict(FP16=False, HAS_OFFSET=True, SPLIT=True,
-                                                      ROW_TILES=args.row_tiles, NUM_WARPS=args.warps), args.warps)
+                                                      ROW_TILES=args.row_tiles, NUM_WARPS=args.warps, X_TILES=args.x_tiles),
+                            args.warps)
     else:
         compiled = _compile(tk._fp8_mma_kernel, dict(X_BF16=True, SPLIT=True, ROW_TILES=args.row_tiles,
-                                                     NUM_WARPS=args.warps), args.warps)
-    print(f"{args.kernel} (sm_90, {args.warps} warps): {report(compiled)}")
+                                                     NUM_WARPS=args.warps, X_TILES=args.x_tiles), args.warps)
+    tiles = f", {args.row_tiles} row tiles, {args.x_tiles} x tiles" if args.kernel != "int4-fma" else ""
+    shared = ", shared memory" if "local_alloc" in compiled.asm["ttgir"] else ""
+    print(f"{args.kernel} (sm_90, {args.warps} warps{tiles}{shared}): {report(compiled)}")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ L2_BYTES = 256 * 2**20  # cycle over at least this many weight bytes (H200 L2: 6
 # Launch configs compared by --sweep, per format and row count. int8: the one-row CUDA-core
 # kernel (block_m 1) against 16-row tl.dot tiles. int4 and fp8: those byte kernels (the
 # defaults before the int32-word kernels) against the word kernels' tile shapes, num_warps
-# and waves (programs per SM that split-K aims for), and the mma.sync kernels' (1-8 rows).
+# and waves (programs per SM that split-K aims for), and the mma.sync kernels' (1-64 rows).
 SWEEP_MAX_ERROR = 2e-2  # bf16 output rounding alone is ~4e-3
 _OLD_SWEEP = {
     1: [LaunchConfig(1, bn, bk) for bn, bk in ((16, 256), (32, 256), (64, 128), (32, 512), (16, 512))]
@@ -63,6 +63,10 @@ _INT4_DOT = [LaunchConfig(16, bn, bk, num_warps=nw, num_stages=stages, waves=wav
 # The mma.sync kernel (2-8 rows, and one row of wide linears): block_n = 16 x row tiles x num_warps.
 _INT4_MMA = [LaunchConfig(8, bn, 256, num_warps=nw, num_stages=1, waves=waves, words="mma")
              for bn, nw, waves in ((128, 4, 2), (128, 4, 4), (64, 2, 4), (64, 4, 2), (256, 8, 2))]
+# 9-32 rows on mma.sync: every A fragment meets 2-4 tiles of 8 x rows (more accumulators a
+# thread, so also one 16-row tile a warp). At 64 rows (8 x tiles) these configs took
+# 11.1-12.7 ms a step's linears against 8.5 for the tl.dot tiles (H200, BENCHMARKS.md).
+_MMA_WIDE = ((128, 4, 2), (64, 2, 4), (32, 2, 4))
 _INT4_DOT_64 = [LaunchConfig(64, bn, bk, num_warps=nw, num_stages=1, waves=2, words="dot")
                 for bn, bk, nw in ((128, 128, 8), (256, 64, 8), (128, 64, 4), (64, 128, 4))]
 _FP8_FMA = [LaunchConfig(1, bn, bk, num_warps=nw, num_stages=1, waves=waves, words="fma")
@@ -75,6 +79,13 @@ _FP8_MMA = [LaunchConfig(8, bn, 128, num_warps=nw, num_stages=1, waves=waves, wo
 _FP8_DOT = [LaunchConfig(16, bn, bk, num_warps=nw, num_stages=stages, waves=waves, words="dot")
             for bn, bk, nw, stages, waves in ((128, 128, 4, 1, 2), (128, 128, 4, 1, 4), (64, 128, 4, 1, 4),
                                               (128, 256, 8, 1, 2), (128, 128, 4, 3, 2))]
+
+
+def _mma_wide(rows: int, block_k: int) -> list[LaunchConfig]:
+    return [LaunchConfig(rows, bn, block_k, num_warps=nw, num_stages=1, waves=waves, words="mma")
+            for bn, nw, waves in _MMA_WIDE]
+
+
 SWEEP_CONFIGS = {
     "int8": _OLD_SWEEP,
     "fp8-triton": {
@@ -82,14 +93,17 @@ SWEEP_CONFIGS = {
         4: [LaunchConfig(1, 32, 256), LaunchConfig(16, 64, 128), _FP8_FMA[0],
             LaunchConfig(4, 64, 256, num_stages=1, waves=4, words="fma"), *_FP8_DOT[:3], *_FP8_MMA],
         8: [LaunchConfig(16, 64, 128), *_FP8_DOT[:3], *_FP8_MMA],
-        16: [LaunchConfig(16, 64, 128), *_FP8_DOT],
+        16: [LaunchConfig(16, 64, 128), *_FP8_DOT, *_mma_wide(16, 128)],
+        32: [LaunchConfig(64, 128, 64), LaunchConfig(64, 64, 128), *_mma_wide(32, 128)],
+        64: [LaunchConfig(64, 128, 64), LaunchConfig(64, 64, 128)],
     },
     "int4": {
         1: [LaunchConfig(16, 128, 128), LaunchConfig(1, 32, 256), *_INT4_FMA, *_INT4_DOT, *_INT4_MMA[:3]],
         4: [LaunchConfig(16, 128, 128), _INT4_FMA[0], LaunchConfig(4, 64, 128, num_stages=1, waves=4, words="fma"),
             *_INT4_DOT, *_INT4_MMA],
         8: [LaunchConfig(16, 128, 128), *_INT4_DOT[:3], *_INT4_MMA],
-        16: [LaunchConfig(16, 128, 128), *_INT4_DOT],
+        16: [LaunchConfig(16, 128, 128), *_INT4_DOT, *_mma_wide(16, 256)],
+        32: [_INT4_DOT_64[3], *_mma_wide(32, 256)],
         64: [LaunchConfig(64, 128, 64), *_INT4_DOT_64],
     },
 }

@@ -16,12 +16,13 @@ tiles of K, always take these kernels.
 ("fma", few rows) or on tensor cores ("dot": W x^T, a wgmma on sm_90). 4-bit: 8 nibbles a
 load, each put into the mantissa of 1.0f by a shift and one LOP3 (f = 1 + q / 128, no
 int-to-float conversion); 128 scale and (offset - 128 scale) * sum(x) apply per group, and
-a tile may hold two groups (longer runs of each weight row per load). At 2-8 rows on CUDA,
+a tile may hold two groups (longer runs of each weight row per load). At 2-32 rows on CUDA,
 4-bit weights go through mma.sync instead ("mma"): each thread builds its own tensor-core
 A fragment from the words it loaded (two nibbles a LOP3, as bf16/fp16 magic + q), which
 halves the instructions a weight against the CUDA-core loop and serves 8 rows of x for the
-price of one (_int4_mma_kernel); fp8 weights likewise at 2-8 rows (_fp8_mma_kernel: e4m3 to
-fp16 by the hardware, x's bf16 pairs to fp16, fp16 MMAs).
+price of one; 9-32 rows take 2-4 such tiles of x against each fragment, unpacked once
+(_int4_mma_kernel). fp8 weights likewise at 2-16 rows (_fp8_mma_kernel: e4m3 to fp16 by the
+hardware, x's bf16 pairs to fp16, fp16 MMAs).
 fp8: 4 e4m3 values a load, each byte converted by the hardware (exact); per-channel scales
 apply once at the end, group scales once per tile. Their split-K partials are summed
 inside the kernel, in split order, by the last split to finish: one launch per linear.
@@ -228,20 +229,24 @@ def _group_scale_offset(scale_ptrs, offset_ptrs, group, mask, HAS_OFFSET: tl.con
 
 
 @triton.jit
-def _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps):
-    """Split-K without a second kernel: every split leaves its fp32 partial, and the last of
-    an output tile's splits to arrive (an acq_rel counter) sums them all in split order
-    (deterministic), writes the output and re-arms the counter for the next launch."""
+def _store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, stride_ps):
+    """Split-K without a second kernel: every split leaves its fp32 partials (a tuple of
+    blocks, one counter for them all), and the last of an output tile's splits to arrive (an
+    acq_rel counter) sums them all in split order (deterministic), writes the output and
+    re-arms the counter for the next launch."""
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     counter = count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    tl.store(partial_ptr + split * stride_ps + offs, acc, mask=mask)
+    for i in tl.static_range(len(accs)):
+        tl.store(partial_ptr + split * stride_ps + offss[i], accs[i], mask=masks[i])
     tl.debug_barrier()  # every thread's partial is written before thread 0 releases them
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        total = tl.zeros_like(acc)
-        for s in range(num_splits):
-            total += tl.load(partial_ptr + s * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        for i in tl.static_range(len(accs)):
+            total = tl.zeros_like(accs[i])
+            for s in range(num_splits):
+                total += tl.load(partial_ptr + s * stride_ps + offss[i], mask=masks[i], other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptr + offss[i], total.to(out_ptr.dtype.element_ty), mask=masks[i])
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -273,12 +278,14 @@ def _dot_tile_pointers(x_ptr, w_ptr, rows, cols, row_mask, col_mask, first, stri
 
 
 @triton.jit
-def _store_output(acc, offs, mask, partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT: tl.constexpr):
-    """acc into out at offs, or with split K its partial, summed by the last split to finish."""
+def _store_output(accs, offss, masks, partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT: tl.constexpr):
+    """The program's blocks (tuples of values, offsets and masks) into out, or with split K
+    their partials, summed by the last split to finish."""
     if SPLIT:
-        _store_summed_splits(acc, partial_ptr, out_ptr, count_ptr, offs, mask, stride_ps)
+        _store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, stride_ps)
     else:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        for i in tl.static_range(len(accs)):
+            tl.store(out_ptr + offss[i], accs[i].to(out_ptr.dtype.element_ty), mask=masks[i])
 
 
 @triton.jit
@@ -292,7 +299,7 @@ def _store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, coun
     else:
         offs = rows[:, None] * stride_om + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
-    _store_output(acc, offs, mask, partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT)
+    _store_output((acc,), (offs,), (mask,), partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT)
 
 
 @triton.jit
@@ -490,12 +497,26 @@ def _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N):
 
 
 @triton.jit
-def _mma_x_pairs(x_ptr, g, first_pair, stride_xm, M):
-    """Thread (g, t)'s 16-byte loads of x row g (B's column g) as bf16/fp16 pairs, from pair
-    `first_pair` of a tile on, masked past x's M rows."""
+def _mma_x_pairs(x_ptr, g, first_pair, stride_xm, M, X_TILES: tl.constexpr):
+    """Thread (g, t)'s 16-byte loads of x row 8 j + g (B's column g of x tile j) as
+    bf16/fp16 pairs, from pair `first_pair` of a tile on, masked past x's M rows: a tuple of
+    (pointers, mask) for each of the X_TILES tiles of 8 rows."""
     pairs = (x_ptr.to(tl.pointer_type(tl.int32)) + (g * (stride_xm // 2) + first_pair)[:, None]
              + tl.arange(0, 4)[None, :])
-    return pairs, (g < M)[:, None]
+    tiles = ()
+    for j in tl.static_range(X_TILES):
+        tiles = tiles + ((pairs + j * 4 * stride_xm, (g + 8 * j < M)[:, None]),)
+    return tiles
+
+
+@triton.jit
+def _repeat(value, COUNT: tl.constexpr):
+    """A tuple of COUNT copies of value: the mma kernels' accumulators, four an x tile (x tile
+    j's are 4 j .. 4 j + 3)."""
+    copies = ()
+    for _ in tl.static_range(COUNT):
+        copies = copies + (value,)
+    return copies
 
 
 @triton.jit
@@ -511,17 +532,20 @@ def _mma_weight_tile(w_g, w_g8, row_mask, row_mask8, words):
 
 
 @triton.jit
-def _mma_store(y_g0, y_g1, y_g80, y_g81, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
-               SPLIT: tl.constexpr):
-    """Write thread (g, t)'s outputs: weight rows g (y_g0, y_g1) and g + 8 (y_g80, y_g81)
-    against x rows 2 t and 2 t + 1, the accumulators' layout of m16n8k16."""
-    x_row = (2 * t)[:, None]
+def _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
+               SPLIT: tl.constexpr, X_TILES: tl.constexpr):
+    """Write thread (g, t)'s outputs: of x tile j, ys[4 j .. 4 j + 3] are weight rows g and
+    g + 8 against x rows 8 j + 2 t and 8 j + 2 t + 1, the accumulators' layout of m16n8k16."""
     w_row8 = w_row + 8
-    offs = _stack4(x_row * stride_om + w_row, (x_row + 1) * stride_om + w_row,
-                   x_row * stride_om + w_row8, (x_row + 1) * stride_om + w_row8)
-    mask = _stack4((x_row < M) & (w_row < N), (x_row + 1 < M) & (w_row < N),
-                   (x_row < M) & (w_row8 < N), (x_row + 1 < M) & (w_row8 < N))
-    _store_output(_stack4(y_g0, y_g1, y_g80, y_g81), offs, mask, partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT)
+    accs, offss, masks = (), (), ()
+    for j in tl.static_range(X_TILES):
+        x_row = (8 * j + 2 * t)[:, None]
+        accs = accs + (_stack4(ys[4 * j], ys[4 * j + 1], ys[4 * j + 2], ys[4 * j + 3]),)
+        offss = offss + (_stack4(x_row * stride_om + w_row, (x_row + 1) * stride_om + w_row,
+                                 x_row * stride_om + w_row8, (x_row + 1) * stride_om + w_row8),)
+        masks = masks + (_stack4((x_row < M) & (w_row < N), (x_row + 1 < M) & (w_row < N),
+                                 (x_row < M) & (w_row8 < N), (x_row + 1 < M) & (w_row8 < N)),)
+    _store_output(accs, offss, masks, partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT)
 
 
 @triton.jit
@@ -530,31 +554,32 @@ def _int4_mma_kernel(
     M, N, num_tiles, tiles_per_split, group_size, magic,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
     FP16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr,
-    NUM_WARPS: tl.constexpr,
+    NUM_WARPS: tl.constexpr, X_TILES: tl.constexpr,
 ):
-    """Up to 8 rows of x against ROW_TILES x 16 weight rows a warp on tensor cores, through
-    mma.sync m16n8k16 (B's 8 columns are x's rows). Thread (g, t) of a warp (lane 4 g + t)
+    """Up to 8 X_TILES rows of x against ROW_TILES x 16 weight rows a warp on tensor cores,
+    through mma.sync m16n8k16 (B's 8 columns are 8 rows of x; each A fragment, unpacked once,
+    meets every x tile). Thread (g, t) of a warp (lane 4 g + t)
     unpacks its own A fragment from the stored words, one LOP3 a register (nibbles i and
     i + 4 of a word as magic + q), so the MMA's k order is a fixed permutation of K that x's
     B fragment follows (two PRMTs); magic * sum(x) comes back out with the offsets, whose
     sum(x) is the same MMA with a ones fragment. A tile is 256 k, two groups of 128: one
     16-byte load a weight row and group a thread, the next tile's in flight while this one
     is multiplied. Per-thread values are [threads, ROW_TILES] tensors (thread i holds row i),
-    so Triton keeps them in registers with no layout conversions."""
+    so Triton keeps them in registers with no layout conversions; an x tile's are a tuple."""
     THREADS: tl.constexpr = 32 * NUM_WARPS
     ONES: tl.constexpr = 0x3C003C00 if FP16 else 0x3F803F80
     BIAS: tl.constexpr = 1024.0 if FP16 else 128.0
     g, t, w_row, w_row8 = _mma_weight_rows(ROW_TILES, NUM_WARPS)
     first, last = _split_tiles(num_tiles, tiles_per_split)
     # Thread (g, t) loads words 16 h + 4 t .. + 3 of weight rows g and g + 8 (of each row
-    # tile) in half h of a tile, and x row g's bf16 pairs of the same words.
+    # tile) in half h of a tile, and x rows 8 j + g's bf16 pairs of the same words.
     w_g, w_g8, row_mask, row_mask8 = _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N)
-    x_pairs, x_mask = _mma_x_pairs(x_ptr, g, 16 * t, stride_xm, M)
+    x_tiles = _mma_x_pairs(x_ptr, g, 16 * t, stride_xm, M, X_TILES)
     ones = tl.full((THREADS,), ONES, dtype=tl.int32)
     zero = tl.zeros((THREADS, ROW_TILES), dtype=tl.float32)
     zero1 = tl.zeros((THREADS,), dtype=tl.float32)
 
-    y_g0, y_g1, y_g80, y_g81 = zero, zero, zero, zero
+    ys = _repeat(zero, 4 * X_TILES)
     w_tile = first * 32
     w_a, w_a8, w_b, w_b8 = _mma_weight_tile(w_g, w_g8, row_mask, row_mask8, w_tile)
     for tile in range(first, last):
@@ -564,20 +589,29 @@ def _int4_mma_kernel(
         for h in tl.static_range(2):
             words = _unstack4(w_a if h == 0 else w_b)
             words8 = _unstack4(w_a8 if h == 0 else w_b8)
-            c0, c1, c2, c3 = zero, zero, zero, zero
-            s0, s1, s2, s3 = zero1, zero1, zero1, zero1
+            cs = _repeat(zero, 4 * X_TILES)
+            ss = _repeat(zero1, 4 * X_TILES)
             for word in tl.static_range(4):
-                pairs = _unstack4(tl.load(x_pairs + tile * 128 + h * 64 + 4 * word, mask=x_mask, other=0))
+                x_words = ()
+                for j in tl.static_range(X_TILES):
+                    x_pairs, x_mask = x_tiles[j]
+                    x_words = x_words + _unstack4(tl.load(x_pairs + tile * 128 + h * 64 + 4 * word, mask=x_mask,
+                                                          other=0))
                 for half in tl.static_range(2):
-                    # (x[8 w + 2 half], x[8 w + 2 half + 4]) and the next two, as the nibbles pair up.
-                    xb0 = _prmt(pairs[half], pairs[half + 2], 0x5410)
-                    xb1 = _prmt(pairs[half], pairs[half + 2], 0x7632)
-                    c0, c1, c2, c3 = _mma_m16n8k16(
-                        _nibble_pairs(words[word], 2 * half, magic), _nibble_pairs(words8[word], 2 * half, magic),
-                        _nibble_pairs(words[word], 2 * half + 1, magic),
-                        _nibble_pairs(words8[word], 2 * half + 1, magic),
-                        xb0[:, None], xb1[:, None], c0, c1, c2, c3, FP16)
-                    s0, s1, s2, s3 = _mma_m16n8k16(ones, ones, ones, ones, xb0, xb1, s0, s1, s2, s3, FP16)
+                    a0 = _nibble_pairs(words[word], 2 * half, magic)
+                    a1 = _nibble_pairs(words8[word], 2 * half, magic)
+                    a2 = _nibble_pairs(words[word], 2 * half + 1, magic)
+                    a3 = _nibble_pairs(words8[word], 2 * half + 1, magic)
+                    new_cs, new_ss = (), ()
+                    for j in tl.static_range(X_TILES):
+                        # (x[8 w + 2 half], x[8 w + 2 half + 4]) and the next two, as the nibbles pair up.
+                        xb0 = _prmt(x_words[4 * j + half], x_words[4 * j + half + 2], 0x5410)
+                        xb1 = _prmt(x_words[4 * j + half], x_words[4 * j + half + 2], 0x7632)
+                        new_cs = new_cs + _mma_m16n8k16(a0, a1, a2, a3, xb0[:, None], xb1[:, None], cs[4 * j],
+                                                        cs[4 * j + 1], cs[4 * j + 2], cs[4 * j + 3], FP16)
+                        new_ss = new_ss + _mma_m16n8k16(ones, ones, ones, ones, xb0, xb1, ss[4 * j],
+                                                        ss[4 * j + 1], ss[4 * j + 2], ss[4 * j + 3], FP16)
+                    cs, ss = new_cs, new_ss
             group = (tile * 256 + h * 128) // group_size
             scale = tl.load(scale_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0)
             scale8 = tl.load(scale_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0)
@@ -585,15 +619,20 @@ def _int4_mma_kernel(
             if HAS_OFFSET:
                 offset += tl.load(offset_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0)
                 offset8 += tl.load(offset_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0)
-            # c0, c1: weight row g against x rows 2 t, 2 t + 1 (c2, c3: row g + 8); s0, s1:
-            # the sums of x rows 2 t, 2 t + 1 over the group.
-            y_g0 += c0 * scale + s0[:, None] * offset
-            y_g1 += c1 * scale + s1[:, None] * offset
-            y_g80 += c2 * scale8 + s0[:, None] * offset8
-            y_g81 += c3 * scale8 + s1[:, None] * offset8
+            # Of x tile j: cs[4 j], cs[4 j + 1]: weight row g against x rows 8 j + 2 t, 8 j + 2 t + 1
+            # (cs[4 j + 2], cs[4 j + 3]: row g + 8); ss[4 j], ss[4 j + 1]: the sums of those x rows over
+            # the group.
+            new_ys = ()
+            for j in tl.static_range(X_TILES):
+                s0, s1 = ss[4 * j][:, None], ss[4 * j + 1][:, None]
+                new_ys = new_ys + (ys[4 * j] + cs[4 * j] * scale + s0 * offset,
+                                   ys[4 * j + 1] + cs[4 * j + 1] * scale + s1 * offset,
+                                   ys[4 * j + 2] + cs[4 * j + 2] * scale8 + s0 * offset8,
+                                   ys[4 * j + 3] + cs[4 * j + 3] * scale8 + s1 * offset8)
+            ys = new_ys
         w_a, w_a8, w_b, w_b8 = next_a, next_a8, next_b, next_b8
         w_tile += 32
-    _mma_store(y_g0, y_g1, y_g80, y_g81, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, SPLIT)
+    _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, SPLIT, X_TILES)
 
 
 @triton.jit
@@ -621,54 +660,64 @@ def _fp8_mma_kernel(
     M, N, num_tiles, tiles_per_split, group_size,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
     X_BF16: tl.constexpr, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr,
+    X_TILES: tl.constexpr,
 ):
-    """Up to 8 rows of x against e4m3 weights on tensor cores, as _int4_mma_kernel lays them
-    out: each thread converts its own words into its A fragment (a word is four e4m3 values,
-    two f16x2 registers by the hardware conversion), x's bf16 pairs become fp16 pairs for
-    the B fragment (fp16 MMAs, fp32 accumulators), and the MMA's k order is a permutation of
-    K within 64-k segments (thread t's words 4 t .. 4 t + 3, one an MMA). A tile is 128 k,
-    within one scale group (or one scale a row)."""
+    """Up to 8 X_TILES rows of x against e4m3 weights on tensor cores, as _int4_mma_kernel
+    lays them out: each thread converts its own words into its A fragment (a word is four
+    e4m3 values, two f16x2 registers by the hardware conversion), x's bf16 pairs become fp16
+    pairs for the B fragment (fp16 MMAs, fp32 accumulators), and the MMA's k order is a
+    permutation of K within 64-k segments (thread t's words 4 t .. 4 t + 3, one an MMA). A
+    tile is 128 k, within one scale group (or one scale a row)."""
     g, t, w_row, w_row8 = _mma_weight_rows(ROW_TILES, NUM_WARPS)
     first, last = _split_tiles(num_tiles, tiles_per_split)
     # Thread (g, t): words 16 h + 4 t .. + 3 of weight rows g and g + 8 in half h of a tile,
-    # and x row g's pairs 32 h + 8 t .. + 7 (the same 16 k).
+    # and x rows 8 j + g's pairs 32 h + 8 t .. + 7 (the same 16 k).
     w_g, w_g8, row_mask, row_mask8 = _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N)
-    x_pairs, x_mask = _mma_x_pairs(x_ptr, g, 8 * t, stride_xm, M)
+    x_tiles = _mma_x_pairs(x_ptr, g, 8 * t, stride_xm, M, X_TILES)
     zero = tl.zeros((32 * NUM_WARPS, ROW_TILES), dtype=tl.float32)
 
-    y_g0, y_g1, y_g80, y_g81 = zero, zero, zero, zero
+    ys = _repeat(zero, 4 * X_TILES)
     w_tile = first * 32
     w_a, w_a8, w_b, w_b8 = _mma_weight_tile(w_g, w_g8, row_mask, row_mask8, w_tile)
     for tile in range(first, last):
         # The next tile in flight while this one is multiplied; the last loads itself again.
         next_a, next_a8, next_b, next_b8 = _mma_weight_tile(w_g, w_g8, row_mask, row_mask8,
                                                              w_tile + tl.where(tile + 1 < last, 32, 0))
-        c0, c1, c2, c3 = zero, zero, zero, zero
+        cs = _repeat(zero, 4 * X_TILES)
         for h in tl.static_range(2):
             words = _unstack4(w_a if h == 0 else w_b)
             words8 = _unstack4(w_a8 if h == 0 else w_b8)
-            x_words = (_unstack4(tl.load(x_pairs + tile * 64 + h * 32, mask=x_mask, other=0))
-                       + _unstack4(tl.load(x_pairs + tile * 64 + h * 32 + 4, mask=x_mask, other=0)))
+            x_words = ()  # x tile j's eight pairs: 8 j .. 8 j + 7
+            for j in tl.static_range(X_TILES):
+                x_pairs, x_mask = x_tiles[j]
+                x_words = (x_words + _unstack4(tl.load(x_pairs + tile * 64 + h * 32, mask=x_mask, other=0))
+                           + _unstack4(tl.load(x_pairs + tile * 64 + h * 32 + 4, mask=x_mask, other=0)))
             for word in tl.static_range(4):
                 a0, a2 = _e4m3_pairs_to_f16x2(words[word])
                 a1, a3 = _e4m3_pairs_to_f16x2(words8[word])
-                pair0 = x_words[2 * word]  # x[4 w], x[4 w + 1] for the word's bytes 0, 1
-                pair1 = x_words[2 * word + 1]
-                if X_BF16:
-                    pair0 = _bf16x2_to_f16x2(pair0)
-                    pair1 = _bf16x2_to_f16x2(pair1)
-                c0, c1, c2, c3 = _mma_m16n8k16(a0, a1, a2, a3, pair0[:, None], pair1[:, None], c0, c1, c2, c3, True)
+                new_cs = ()
+                for j in tl.static_range(X_TILES):
+                    pair0 = x_words[8 * j + 2 * word]  # x[4 w], x[4 w + 1] for the word's bytes 0, 1
+                    pair1 = x_words[8 * j + 2 * word + 1]
+                    if X_BF16:
+                        pair0 = _bf16x2_to_f16x2(pair0)
+                        pair1 = _bf16x2_to_f16x2(pair1)
+                    new_cs = new_cs + _mma_m16n8k16(a0, a1, a2, a3, pair0[:, None], pair1[:, None], cs[4 * j],
+                                                    cs[4 * j + 1], cs[4 * j + 2], cs[4 * j + 3], True)
+                cs = new_cs
         group = tile * 128 // group_size
         scale = tl.load(scale_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0)
         scale8 = tl.load(scale_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0)
-        # c0, c1: weight row g against x rows 2 t, 2 t + 1; c2, c3: row g + 8.
-        y_g0 += c0 * scale
-        y_g1 += c1 * scale
-        y_g80 += c2 * scale8
-        y_g81 += c3 * scale8
+        # Of x tile j: cs[4 j], cs[4 j + 1]: weight row g against x rows 8 j + 2 t, 8 j + 2 t + 1;
+        # cs[4 j + 2], cs[4 j + 3]: row g + 8.
+        new_ys = ()
+        for j in tl.static_range(X_TILES):
+            new_ys = new_ys + (ys[4 * j] + cs[4 * j] * scale, ys[4 * j + 1] + cs[4 * j + 1] * scale,
+                               ys[4 * j + 2] + cs[4 * j + 2] * scale8, ys[4 * j + 3] + cs[4 * j + 3] * scale8)
+        ys = new_ys
         w_a, w_a8, w_b, w_b8 = next_a, next_a8, next_b, next_b8
         w_tile += 32
-    _mma_store(y_g0, y_g1, y_g80, y_g81, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, SPLIT)
+    _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, SPLIT, X_TILES)
 
 
 @triton.jit
@@ -786,9 +835,9 @@ class LaunchConfig:
     waves: int = 2  # split K until about this many programs per SM
     split_k: int | None = None  # fixed split (tests); None: from `waves` on CUDA, else 1
     # 4-bit and fp8 weights: the int32-word kernel, "fma" (CUDA cores) or "dot" (tensor
-    # cores, block_m >= 16), block_m rows per program; or "mma" (up to 8 rows on tensor
-    # cores through mma.sync, block_n = 16 x row tiles x num_warps; K tiles of 256 for 4-bit
-    # weights, 128 for fp8).
+    # cores, block_m >= 16), block_m rows per program; or "mma" (tensor cores through
+    # mma.sync, all rows (up to MMA_MAX_ROWS) in one program, block_n = 16 x row tiles x
+    # num_warps; K tiles of 256 for 4-bit weights, 128 for fp8).
     # None (and int8 weights): block_m 1 is the CUDA-core kernel, one row per program (reads
     # W once per row), else tl.dot tiles.
     words: str | None = None
@@ -797,14 +846,22 @@ class LaunchConfig:
 # 4-bit weights, (most rows, config): the first entry that covers the row count. The fastest
 # per step's linears of `kvserve bench quantized-linears --sweep --sweep-formats int4` on an
 # H100 (llama3-8b, BENCHMARKS.md): 1 row 2.36 ms (tiles of two 128-wide groups; bf16 cuBLAS
-# 5.17), 4 and 8 rows 3.02 and 3.14 (mma.sync; the tl.dot tiles took 4.52 and 4.59), 16 rows
-# 4.20, 64 rows 8.49 (bf16 5.38: above 16 rows 4-bit weights cost time, they save memory).
+# 5.17), 4 and 8 rows 3.02 and 3.14 (mma.sync; the tl.dot tiles took 4.52 and 4.59). On an
+# H200, 16 and 32 rows on mma.sync with 2 and 4 tiles of x: 3.59 and 5.00 ms (the tl.dot tiles
+# 4.47 and 8.02; bf16 3.77 and 3.79); at 64 rows the tl.dot tiles, 8.54 (bf16 4.04): above 16
+# rows 4-bit weights cost time, they save memory.
 INT4_MMA_CONFIG = LaunchConfig(8, 128, 256, num_warps=4, num_stages=1, waves=2, words="mma")
+# Where the mma kernel does not apply (groups narrower than 128, K not whole 256-k tiles).
+INT4_TILE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
+    (SMALL_ROWS, LaunchConfig(16, 64, 128, num_stages=1, waves=4, words="dot")),
+    (64, LaunchConfig(64, 64, 128, num_stages=1, waves=2, words="dot")),
+)
 INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (1, LaunchConfig(1, 128, 256, num_stages=1, waves=2, words="fma")),
     (8, INT4_MMA_CONFIG),
-    (SMALL_ROWS, LaunchConfig(16, 64, 128, num_stages=1, waves=4, words="dot")),
-    (64, LaunchConfig(64, 64, 128, num_stages=1, waves=2, words="dot")),
+    (16, LaunchConfig(16, 32, 256, num_warps=2, num_stages=1, waves=4, words="mma")),
+    (32, LaunchConfig(32, 128, 256, num_warps=4, num_stages=1, waves=2, words="mma")),
+    INT4_TILE_CONFIGS[-1],
 )
 # One row of x against at least this many weight rows (llama3-8b's fused gate/up, 28672) also
 # takes the mma config: 28.6 against 32.6 us on the H100, where the narrower linears stayed
@@ -812,23 +869,26 @@ INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
 INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW = 16384
 # fp8 weights, the same form, from `--sweep --sweep-formats fp8-triton` on the H100: one row
 # 3.06 ms per llama3-8b step's linears (the byte kernel 1x32x256: 3.13; bf16 5.20); 4 and 8
-# rows 3.41 and 3.49 on mma.sync (the byte tl.dot tiles: 3.60, 3.58); at 16 rows those tiles
-# (3.70 ms; word kernels 4.08).
-FP8_MMA_CONFIG = LaunchConfig(8, 128, 128, num_warps=4, num_stages=1, waves=2, words="mma")
+# rows 3.41 and 3.49 on mma.sync (the byte tl.dot tiles: 3.60, 3.58). On an H200, 16 rows on
+# mma.sync with 2 tiles of x: 3.22 ms (the byte tiles 3.60, bf16 3.68); at 32 rows the byte
+# tiles (4.90; mma.sync 5.16).
+FP8_MMA_CONFIG = LaunchConfig(16, 128, 128, num_warps=4, num_stages=1, waves=2, words="mma")
 FP8_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (1, LaunchConfig(1, 64, 256, num_stages=1, waves=4, words="fma")),
-    (8, FP8_MMA_CONFIG),
-    (SMALL_ROWS, LaunchConfig(16, 64, 128)),
+    (SMALL_ROWS, FP8_MMA_CONFIG),
 )
 
 
-def default_config(rows: int, four_bit: bool, fp8: bool, out_features: int = 0) -> LaunchConfig:
+def default_config(rows: int, four_bit: bool, fp8: bool, out_features: int = 0, mma: bool = True) -> LaunchConfig:
     """int8 picked from llama3-8b's linears on an H200 (BENCHMARKS.md): at one row tl.dot
     tiles beat the CUDA-core kernel (3.47 against 3.88 ms per step's linears); 4-bit and
-    fp8 weights: INT4_DECODE_CONFIGS and FP8_DECODE_CONFIGS."""
-    if four_bit and rows == 1 and out_features >= INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW:
+    fp8 weights: INT4_DECODE_CONFIGS and FP8_DECODE_CONFIGS. mma=False: the configs for
+    weights the mma kernels do not take."""
+    if mma and four_bit and rows == 1 and out_features >= INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW:
         return INT4_MMA_CONFIG
     table = INT4_DECODE_CONFIGS if four_bit else FP8_DECODE_CONFIGS if fp8 else ()
+    if not mma:
+        table = INT4_TILE_CONFIGS if four_bit else ()
     if table and rows <= table[-1][0]:
         return next(config for most_rows, config in table if rows <= most_rows)
     if rows <= SMALL_ROWS:
@@ -845,6 +905,10 @@ def _num_sms(device_index: int) -> int:
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
+
+# Most rows of x the mma.sync kernels take: 8 X_TILES, X_TILES a power of two up to 4 (at
+# 64 rows, 8 tiles, the kernels spill and lose to tl.dot tiles: BENCHMARKS.md).
+MMA_MAX_ROWS = 32
 
 # One counter per output tile for the in-kernel split-K sum; each launch leaves them at 0.
 # Shared by every launch on the device: launches must not overlap (one stream at a time).
@@ -887,10 +951,10 @@ def _split_k(config: LaunchConfig, num_tiles: int, programs: int, device: torch.
 
 
 def _mma_applies(rows: torch.Tensor, group_size: int, grouped: bool, block_k: int) -> bool:
-    """The mma.sync kernels: CUDA (sm_80 on), up to 8 rows of bf16/fp16 x that load as
-    aligned pairs, K in whole tiles and groups of whole 128-wide halves (or one a row)."""
+    """The mma.sync kernels: CUDA (sm_80 on), up to MMA_MAX_ROWS rows of bf16/fp16 x that
+    load as aligned pairs, K in whole tiles and groups of whole 128-wide halves (or one a row)."""
     in_features = rows.shape[1]
-    return (rows.is_cuda and rows.shape[0] <= 8 and rows.dtype in (torch.bfloat16, torch.float16)
+    return (rows.is_cuda and rows.shape[0] <= MMA_MAX_ROWS and rows.dtype in (torch.bfloat16, torch.float16)
             and rows.stride(0) % 2 == 0 and rows.data_ptr() % 4 == 0 and in_features % block_k == 0
             and (not grouped or group_size % 128 == 0)
             and _capability(rows.device.index or 0) >= (8, 0))
@@ -917,19 +981,21 @@ def _words_matmul(
     dot = config.words == "dot"
     block_m = max(16, config.block_m) if dot else config.block_m  # tl.dot's minimum
     num_tiles = k // block_k
-    grid_n, grid_m = triton.cdiv(n, config.block_n), triton.cdiv(m, block_m)
+    # An mma program takes all rows (up to MMA_MAX_ROWS).
+    grid_n, grid_m = triton.cdiv(n, config.block_n), 1 if config.words == "mma" else triton.cdiv(m, block_m)
     split, tiles_per_split = _split_k(config, num_tiles, grid_n * grid_m, rows.device)
     if grid_n * grid_m > _MAX_SPLIT_COUNTERS:
         split, tiles_per_split = 1, num_tiles
     partial = torch.empty((split, m, n), dtype=torch.float32, device=rows.device) if split > 1 else out
     words = qweight.view(torch.int32)
+    x_tiles = triton.next_power_of_2(triton.cdiv(m, 8))  # mma: 8 rows of x an MMA's B
     if config.words == "mma" and qweight.dtype == torch.float8_e4m3fn:
         _fp8_mma_kernel[(grid_n, 1, split)](
             rows, words, scale, partial, out, _split_counters(rows.device),
             m, n, num_tiles, tiles_per_split, group_size,
             rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
             X_BF16=rows.dtype == torch.bfloat16, SPLIT=split > 1,
-            ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps,
+            ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
             num_warps=config.num_warps, num_stages=1,
         )
         return out
@@ -940,7 +1006,7 @@ def _words_matmul(
             m, n, num_tiles, tiles_per_split, group_size, 0x64006400 if fp16 else 0x43004300,
             rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
             FP16=fp16, HAS_OFFSET=offset is not None, SPLIT=split > 1,
-            ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps,
+            ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
             num_warps=config.num_warps, num_stages=1,
         )
         return out
@@ -993,9 +1059,8 @@ def weight_only_matmul(
     m = rows.shape[0]
     config = config or default_config(m, four_bit, fp8, n)
     if config.words == "mma" and not _mma_applies(rows, group_size, grouped, config.block_k):
-        # No CUDA (the interpreter), groups narrower than 128, K not whole mma tiles: the
-        # tiles that take the table's next rows.
-        config = default_config(SMALL_ROWS, four_bit, fp8)
+        # No CUDA (the interpreter), groups narrower than 128, K not whole mma tiles.
+        config = default_config(m, four_bit, fp8, n, mma=False)
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
     if block_k is None or (four_bit and in_features % block_k):
         return None

@@ -369,17 +369,21 @@ def test_kernel_declines_what_it_cannot_tile() -> None:
 
 def test_row_counts_pick_the_kernels_the_sweeps_chose() -> None:
     """default_config's routing (BENCHMARKS.md): 4-bit weights on the CUDA cores at one row
-    but on mma.sync for wide linears and for 2-8 rows, tl.dot tiles above; fp8 likewise
-    without the wide one-row rule; and the mma kernels only where they apply (CUDA, groups
-    of whole 128s), else the tiles their rows fall back to."""
+    but on mma.sync for wide linears and for 2-32 rows, tl.dot tiles above; fp8 likewise
+    without the wide one-row rule, up to 16 rows (the byte kernel's tiles above); and the mma
+    kernels only where they apply (CUDA, groups of whole 128s, up to 64 rows), else the tiles
+    the rows take without them."""
     from kvserve.quantization import triton_kernels as tk
 
-    words = {(rows, n): tk.default_config(rows, True, False, n).words for rows in (1, 2, 8, 9, 16, 64)
+    words = {(rows, n): tk.default_config(rows, True, False, n).words for rows in (1, 2, 8, 9, 32, 33, 64)
              for n in (4096, 28672)}
     assert words == {(1, 4096): "fma", (1, 28672): "mma", (2, 4096): "mma", (2, 28672): "mma", (8, 4096): "mma",
-                     (8, 28672): "mma", (9, 4096): "dot", (9, 28672): "dot", (16, 4096): "dot",
-                     (16, 28672): "dot", (64, 4096): "dot", (64, 28672): "dot"}
-    assert [tk.default_config(rows, False, True, 28672).words for rows in (1, 4, 8, 16)] == ["fma", "mma", "mma", None]
+                     (8, 28672): "mma", (9, 4096): "mma", (9, 28672): "mma", (32, 4096): "mma",
+                     (32, 28672): "mma", (33, 4096): "dot", (33, 28672): "dot", (64, 4096): "dot", (64, 28672): "dot"}
+    assert [tk.default_config(rows, True, False, 28672, mma=False).block_m for rows in (1, 8, 16, 17, 64)] == [
+        16, 16, 16, 64, 64]
+    assert [tk.default_config(rows, False, True, 28672).words for rows in (1, 4, 8, 16, 17)] == [
+        "fma", "mma", "mma", "mma", None]
     x = torch.randn(4, 512, dtype=torch.bfloat16)
     assert not tk._mma_applies(x, 128, True, 256)  # not CUDA
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
@@ -387,7 +391,8 @@ def test_row_counts_pick_the_kernels_the_sweeps_chose() -> None:
         assert tk._mma_applies(x, 128, True, 256) and tk._mma_applies(x, 512, False, 256)
         assert not tk._mma_applies(x, 64, True, 256)  # 64-wide groups (GGUF, GPTQ/AWQ files)
         assert not tk._mma_applies(x[:, :500], 128, True, 256)  # K not whole tiles
-        assert not tk._mma_applies(torch.randn(9, 512, device="cuda", dtype=torch.bfloat16), 128, True, 256)
+        assert tk._mma_applies(torch.randn(32, 512, device="cuda", dtype=torch.bfloat16), 128, True, 256)
+        assert not tk._mma_applies(torch.randn(33, 512, device="cuda", dtype=torch.bfloat16), 128, True, 256)
 
 
 # -- real shapes on the GPU -----------------------------------------------------------------
@@ -397,7 +402,7 @@ GPU_KINDS = ("int8", "group_int8", "int4", "fp8", "fp8_group")
 # llama3-8b's linears (gate/up fused as kvserve runs them), and odd ones (K % 128 != 0).
 GPU_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096), (14336, 4096),
               (4000, 4160), (37, 96)]
-GPU_ROWS = (1, 3, 8, 16, 33, 64, 65, 200)
+GPU_ROWS = (1, 3, 8, 16, 24, 33, 64, 65, 200)
 
 
 @pytest.mark.gpu
@@ -441,9 +446,9 @@ def _sweep_layers(fmt: str, n: int, k: int) -> list:
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize(("fmt", "rows"), [("int4", 1), ("int4", 4), ("int4", 8), ("int4", 16), ("int4", 64),
-                                           ("fp8-triton", 1), ("fp8-triton", 4), ("fp8-triton", 8),
-                                           ("fp8-triton", 16)])
+@pytest.mark.parametrize(("fmt", "rows"), [("int4", 1), ("int4", 4), ("int4", 8), ("int4", 16), ("int4", 32),
+                                           ("int4", 64), ("fp8-triton", 1), ("fp8-triton", 4), ("fp8-triton", 8),
+                                           ("fp8-triton", 16), ("fp8-triton", 32), ("fp8-triton", 64)])
 def test_gpu_sweep_configs_match_reference(fmt, rows) -> None:
     """Every config `bench quantized-linears --sweep` times is right on llama3-8b's shapes
     and an odd one, and the in-kernel split-K sum is deterministic."""
@@ -467,12 +472,14 @@ def test_gpu_sweep_configs_match_reference(fmt, rows) -> None:
 @requires_cuda
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_gpu_int4_mma_kernel_matches_reference(dtype) -> None:
-    """The mma.sync kernel at every row count it takes, with and without offsets, 128- and
-    256-wide groups and one group a row, weight rows that are not whole warp tiles, one
-    split and several: against the fp64 dequantized weight, and deterministic."""
-    cases = [(m, 200, 512, 128, True, 128, 4) for m in range(1, 9)] + [
+    """The mma.sync kernel at every row count of one x tile and across 2-4 tiles (9-32 rows),
+    with and without offsets, 128- and 256-wide groups and one group a row, weight rows that
+    are not whole warp tiles, one split and several: against the fp64 dequantized weight, and
+    deterministic."""
+    cases = [(m, 200, 512, 128, True, 128, 4) for m in (*range(1, 10), 15, 16, 17, 31, 32)] + [
         (8, 96, 1024, 256, False, 128, 4), (5, 1000, 2048, 2048, True, 256, 8), (2, 37, 256, 128, True, 64, 2),
-        (1, 4096, 4096, 128, True, 64, 4), (4, 14336, 4096, 128, True, 128, 4),
+        (1, 4096, 4096, 128, True, 64, 4), (4, 14336, 4096, 128, True, 128, 4), (24, 96, 1024, 256, False, 64, 4),
+        (28, 1000, 2048, 2048, True, 32, 2), (32, 14336, 4096, 128, True, 64, 4),
     ]
     for m, n, k, group, has_offset, block_n, warps in cases:
         weight = _float_linear(n, k, 0, "cuda").weight.detach()
@@ -496,13 +503,15 @@ def test_gpu_int4_mma_kernel_matches_reference(dtype) -> None:
 @requires_cuda
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_gpu_fp8_mma_kernel_matches_reference(dtype) -> None:
-    """The fp8 mma.sync kernel at every row count it takes, per-channel and 128-wide group
-    scales, weight rows that are not whole warp tiles, one split and several: against the
-    fp64 dequantized weight, and deterministic; every finite e4m3 code read exactly."""
+    """The fp8 mma.sync kernel at every row count of one x tile and across 2-4 tiles (9-32
+    rows), per-channel and 128-wide group scales, weight rows that are not whole warp tiles,
+    one split and several: against the fp64 dequantized weight, and deterministic; every
+    finite e4m3 code read exactly."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 kernels need compute capability 8.9")
-    cases = [(m, 200, 512, 0, 128, 4) for m in range(1, 9)] + [
+    cases = [(m, 200, 512, 0, 128, 4) for m in (*range(1, 10), 15, 16, 17, 31, 32)] + [
         (8, 96, 1024, 128, 128, 4), (5, 1000, 2048, 128, 256, 8), (2, 37, 128, 0, 64, 2), (4, 14336, 4096, 0, 128, 4),
+        (24, 96, 1024, 128, 64, 4), (28, 1000, 2048, 0, 32, 2), (32, 14336, 4096, 0, 64, 4),
     ]
     for m, n, k, group, block_n, warps in cases:
         weight = _float_linear(n, k, 0, "cuda").weight.detach()
@@ -520,11 +529,12 @@ def test_gpu_fp8_mma_kernel_matches_reference(dtype) -> None:
     codes = torch.arange(256, dtype=torch.uint8, device="cuda")
     codes[(codes & 0x7F) == 0x7F] = 0  # e4m3fn's NaNs
     qweight = codes[:, None].expand(256, 128).contiguous().view(torch.float8_e4m3fn)
-    x = torch.zeros(8, 128, device="cuda", dtype=dtype)
-    x[torch.arange(8), torch.arange(8) * 16] = 1.0
-    y = weight_only_matmul(x, qweight, torch.ones(256, 1, device="cuda"), None, 128,
-                           config=LaunchConfig(8, 128, 128, num_warps=4, num_stages=1, words="mma"))
-    assert torch.equal(y.float(), qweight.float().T[:8].expand(8, 256).to(dtype).float())
+    for rows in (8, 32):  # x row i picks weight column 2 i
+        x = torch.zeros(rows, 128, device="cuda", dtype=dtype)
+        x[torch.arange(rows), torch.arange(rows) * 2] = 1.0
+        y = weight_only_matmul(x, qweight, torch.ones(256, 1, device="cuda"), None, 128,
+                               config=LaunchConfig(rows, 128, 128, num_warps=4, num_stages=1, words="mma"))
+        assert torch.equal(y.float(), qweight.float().T[: 2 * rows : 2].to(dtype).float())
 
 
 @pytest.mark.gpu
