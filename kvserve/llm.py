@@ -26,6 +26,10 @@ class LLM:
         self, model: str | None = None, loaded: LoadedModel | None = None, **engine_kwargs: Any
     ) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs), loaded)
+        # Batches run to completion, with no idle time between them: deferred start-up work
+        # (compile_decode=None's graphs) is done now.
+        while self.engine.run_idle_work():
+            pass
 
     def get_tokenizer(self):
         return self.engine.tokenizer

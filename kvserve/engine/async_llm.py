@@ -68,6 +68,10 @@ class AsyncLLM:
             while not self._commands.empty():
                 self._commands.get()()
             if not self.engine.has_unfinished_requests():
+                # Idle: deferred start-up work (the CPU decode graphs) before waiting; a
+                # request that arrives meanwhile waits for the piece in progress.
+                if self._commands.empty() and self.engine.run_idle_work():
+                    continue
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue

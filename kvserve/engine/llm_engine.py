@@ -260,6 +260,11 @@ class LLMEngine:
         """Also true while a step is in flight, so that stepping drains it."""
         return bool(self.requests) or self._inflight is not None
 
+    def run_idle_work(self) -> bool:
+        """One piece of deferred start-up work, for when no request is waiting: a CPU decode
+        graph of serve's default compile-decode. Returns whether there was any."""
+        return not self.has_unfinished_requests() and self.runner.compile_idle()
+
     @property
     def num_requests_running(self) -> int:
         return len(self.scheduler.running)

@@ -14,11 +14,14 @@ of one tensor) in one copy after the graph (an in-graph cache write makes induct
 cache). Batch size and context length are dynamic; batch 1 gets a graph of its own
 (0/1 specialization: traced size-obliviously, inductor still specialized the size-1 batch),
 and so does each band of batch sizes on one side of a quantized layer's kernel/dense row
-threshold (a guard of the graph): two or three compiles, all done at start-up by `warm_up`.
+threshold (a guard of the graph): two or three compiles, done at start-up by `warm_up`, or
+one at a time by `compile_next` while a server is idle (a step whose band has no graph yet
+runs eager).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
@@ -79,6 +82,10 @@ class CompiledDecode:
         # [layers, 2, slots, kv_heads, head_dim]: where a step's new keys and values go.
         self._slots_view = None if stack is None else stack.flatten(2, 3)
         self.sliding_window = sliding_window
+        # The smallest batch of each graph's band, and of those not compiled yet.
+        self._band_starts = self.graph_batch_sizes()
+        self._pending = list(self._band_starts)
+        self._compile_seconds = 0.0
         # No inductor freezing: it keeps AOT autograd's cache off ("cannot cache a graph with
         # freezing enabled"), so every start traced the graphs again: warm start-up 97 -> 37 s
         # without it, and a batch-1 SmolLM2 step the same within noise (2-core EPYC, 12
@@ -107,12 +114,19 @@ class CompiledDecode:
         return (device.type == "cpu" and isinstance(backend, TorchReferenceBackend)
                 and kv_caches[0].dtype not in FLOAT8_DTYPES and layer_stack(kv_caches) is not None)
 
-    @staticmethod
-    def applies(metadata: AttentionMetadata) -> bool:
+    def applies(self, metadata: AttentionMetadata) -> bool:
         """One token per sequence, at most MAX_ROWS, with a cached context of at least
-        MIN_CONTEXT positions."""
+        MIN_CONTEXT positions, in a band of batch sizes whose graph is compiled (a step
+        never waits for a compile)."""
         return (metadata.max_query_len == 1 and metadata.num_seqs <= MAX_ROWS
-                and metadata.max_seq_len > MIN_CONTEXT and not metadata.tree_masks)
+                and metadata.max_seq_len > MIN_CONTEXT and not metadata.tree_masks
+                and self._band_starts[bisect.bisect_right(self._band_starts, metadata.num_seqs) - 1]
+                not in self._pending)
+
+    @property
+    def pending(self) -> int:
+        """Graphs not compiled yet."""
+        return len(self._pending)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -127,28 +141,40 @@ class CompiledDecode:
         thresholds = {m.cpu_kernel_max_rows for m in self.model.modules() if isinstance(m, QuantizedLinear)}
         return [1, 2, *sorted(t + 1 for t in thresholds if 2 <= t < MAX_ROWS)]
 
+    def bands(self) -> list[str]:
+        """Each graph's batch sizes, in words."""
+        sizes = self._band_starts
+        return [f"batch {a}" if b == a + 1 else f"batch {a}-{b - 1}" for a, b in zip(sizes, [*sizes[1:], MAX_ROWS + 1])]
+
     def warm_up(self) -> None:
-        """Compile every graph now rather than in the first requests, in inference mode as
-        the model runner's steps (the graphs guard on it). The new keys and values are not
-        written: the cache is left as it was."""
-        batch_sizes = self.graph_batch_sizes()
-        bands = [f"batch {a}" if b == a + 1 else f"batch {a}-{b - 1}"
-                 for a, b in zip(batch_sizes, [*batch_sizes[1:], MAX_ROWS + 1])]
-        # Dynamo traces each graph at every start (~8 s each on 2 cores); inductor's code and
-        # AOT autograd's graphs come from their caches after the first start.
-        logger.info("compiling the CPU decode step: %d graphs (%s), ~10-15 s each on 2 cores "
-                    "(~1 min each the first time)", len(bands), ", ".join(bands))
+        """Compile every graph now rather than in the first requests."""
+        while self.compile_next():
+            pass
+
+    def compile_next(self) -> bool:
+        """Compile the next pending graph, in inference mode as the model runner's steps (the
+        graphs guard on it); False when none is pending. The new keys and values are not
+        written: the cache is left as it was. Dynamo traces each graph at every start (~8 s
+        each on 2 cores); inductor's code and AOT autograd's graphs come from their on-disk
+        caches after the first start."""
+        if not self._pending:
+            return False
+        sizes, bands = self._band_starts, self.bands()
+        num_seqs = self._pending[0]
+        index = sizes.index(num_seqs)
         start = time.perf_counter()
         with torch.inference_mode():
-            for index, (num_seqs, band) in enumerate(zip(batch_sizes, bands)):
-                graph_start = time.perf_counter()
-                context = DecodeContext(slots=torch.zeros(num_seqs, MIN_CONTEXT, dtype=torch.long),
-                                        valid=torch.ones(num_seqs, MIN_CONTEXT, dtype=torch.bool))
-                self._run(torch.zeros(num_seqs, dtype=torch.long),
-                          torch.full((num_seqs,), MIN_CONTEXT, dtype=torch.long), context)
-                logger.info("decode graph %d/%d (%s) compiled in %.1f s", index + 1, len(bands), band,
-                            time.perf_counter() - graph_start)
-        logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - start)
+            context = DecodeContext(slots=torch.zeros(num_seqs, MIN_CONTEXT, dtype=torch.long),
+                                    valid=torch.ones(num_seqs, MIN_CONTEXT, dtype=torch.bool))
+            self._run(torch.zeros(num_seqs, dtype=torch.long),
+                      torch.full((num_seqs,), MIN_CONTEXT, dtype=torch.long), context)
+        self._pending.pop(0)
+        seconds = time.perf_counter() - start
+        self._compile_seconds += seconds
+        logger.info("decode graph %d/%d (%s) compiled in %.1f s", index + 1, len(sizes), bands[index], seconds)
+        if not self._pending:
+            logger.info("compiled the CPU decode step: %d graphs in %.1f s", len(sizes), self._compile_seconds)
+        return True
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: DecodeContext
              ) -> tuple[torch.Tensor, torch.Tensor]:

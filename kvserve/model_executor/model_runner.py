@@ -81,7 +81,8 @@ class ModelRunner:
         (a speculative draft model's) that the KV memory budget must also hold.
         `max_draft_tokens`: speculative drafts a sequence may verify in one step, so that
         verify steps replay CUDA graphs too. `compile_decode`: run CPU decode steps through
-        a torch.compile'd graph (compiled_decode.py), compiled here; None: where supported."""
+        a torch.compile'd graph (compiled_decode.py), compiled here; None: where supported,
+        its graphs compiled by `compile_idle` (steps run eager until theirs is ready)."""
         self.model = model
         self.attn_backend = get_attn_backend(
             device, attention_backend, model_config.sliding_window
@@ -121,9 +122,9 @@ class ModelRunner:
         self.compiled_decode = self._compiled_decode(compile_decode)
 
     def _compiled_decode(self, compile_decode: bool | None) -> CompiledDecode | None:
-        """The compiled CPU decode step, compiled now. None (the serve default) compiles it
-        where it applies and falls back to eager steps if compiling fails (e.g. no C++
-        compiler for inductor); an explicit True raises instead."""
+        """The compiled CPU decode step: compiled now for an explicit True (which raises if
+        compiling fails); for None (the serve default) where it applies, its graphs left to
+        `compile_idle`."""
         supported = CompiledDecode.supports(self.model, self.kv_caches, self.device)
         if compile_decode is False or (compile_decode is None and not supported):
             return None
@@ -132,18 +133,31 @@ class ModelRunner:
                 "--compile-decode needs the CPU, the torch attention backend and a KV cache "
                 "that is not float8"
             )
-        if compile_decode is None:
-            logger.info("compile-decode: on by default for CPU serving (--no-compile-decode "
-                        "skips the compile; decode steps then run eager, ~30% slower at batch 1)")
         compiled = CompiledDecode(self.model, self.kv_caches, self.model_config.sliding_window)
-        try:
+        if compile_decode:
+            logger.info("compile-decode: compiling %d graphs (%s), ~10-15 s each on 2 cores (~1 min "
+                        "each the first time)", compiled.pending, ", ".join(compiled.bands()))
             compiled.warm_up()
-        except Exception as error:
-            if compile_decode:
-                raise
-            logger.warning("compile-decode: compiling failed, decode steps run eager: %s", error)
-            return None
+        else:
+            logger.info("compile-decode: on by default for CPU serving: %d decode graphs (%s) compile while "
+                        "the engine is idle, ~10-15 s each on 2 cores (~1 min each the first time); until "
+                        "its graph is ready a step runs eager, and a request that arrives during a compile "
+                        "waits for it (--no-compile-decode: eager only)", compiled.pending,
+                        ", ".join(compiled.bands()))
         return compiled
+
+    def compile_idle(self) -> bool:
+        """Compile the next pending decode graph (compile_decode=None), if any: what the
+        engine does while it has no requests. A failed compile (e.g. no C++ compiler for
+        inductor) leaves decode steps eager. Returns whether a compile was attempted."""
+        if self.compiled_decode is None or not self.compiled_decode.pending:
+            return False
+        try:
+            self.compiled_decode.compile_next()
+        except Exception as error:
+            logger.warning("compile-decode: compiling failed, decode steps run eager: %s", error)
+            self.compiled_decode = None
+        return True
 
     def _can_use_cuda_graphs(self, enforce_eager: bool) -> bool:
         """Only the Triton backend launches from device-side metadata alone; the torch

@@ -10,7 +10,7 @@ import torch
 from kvserve.engine.cpu_malloc import retain_freed_memory
 
 
-def _minor_faults_per_round(num_bytes: int, rounds: int = 4) -> list[int]:
+def _minor_faults_per_round(num_bytes: int, rounds: int = 6) -> list[int]:
     """Page faults of allocating, touching and freeing one block and one of half its size."""
     faults = []
     for _ in range(rounds):
@@ -26,6 +26,8 @@ def test_freed_blocks_are_reused_without_page_faults():
     if not retain_freed_memory():
         pytest.skip("not glibc: the allocator keeps its defaults")
     # 16 + 8 MB, a 512-token MLP activation's order: with glibc's defaults each round faults
-    # in 2,000-6,000 of its 6,144 pages again; retained, only the first rounds do.
+    # in 2,000-6,000 of its 6,144 pages again; retained, only the first rounds do (one to
+    # three of them: the heap sometimes grows twice more before the blocks settle, e.g.
+    # 6150, 4096, 2048, 0 faults).
     faults = _minor_faults_per_round(16 << 20)
     assert faults[-1] < 100 and faults[-2] < 100, faults

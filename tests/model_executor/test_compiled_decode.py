@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine.async_llm import AsyncLLM
+from kvserve.engine.engine_args import EngineArgs
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.loader import load_model
 from tests.quantization.prompts import PROMPTS
@@ -112,14 +117,22 @@ def test_compile_decode_refuses_a_float8_cache(save_hf_model) -> None:
 
 def test_serve_default_compiles_where_it_applies(save_hf_model, monkeypatch) -> None:
     """compile_decode=None (`kvserve serve`'s default): on for a CPU cache of the model's
-    dtype, quietly off for a float8 one, which an explicit True refuses (above)."""
+    dtype, its graphs compiled before LLM() returns (offline batches leave no idle time),
+    quietly off for a float8 one, which an explicit True refuses (above)."""
     path = save_hf_model(ARCHITECTURES["mistral-sliding-window"]())
-    warmed = []
-    monkeypatch.setattr(CompiledDecode, "warm_up", lambda self: warmed.append(self))
+    compiled_sizes = []
+
+    def compile_next(self):
+        if not self._pending:
+            return False
+        compiled_sizes.append(self._pending.pop(0))
+        return True
+
+    monkeypatch.setattr(CompiledDecode, "compile_next", compile_next)
     on = LLM(model=path, compile_decode=None, kv_cache_memory="16MiB")
-    assert isinstance(on.engine.runner.compiled_decode, CompiledDecode) and len(warmed) == 1
+    assert isinstance(on.engine.runner.compiled_decode, CompiledDecode) and compiled_sizes == [1, 2]
     off = LLM(model=path, compile_decode=None, kv_cache_dtype="fp8", kv_cache_memory="16MiB")
-    assert off.engine.runner.compiled_decode is None and len(warmed) == 1
+    assert off.engine.runner.compiled_decode is None and compiled_sizes == [1, 2]
 
 
 def test_a_graph_per_band_of_the_kernel_row_threshold(save_hf_model) -> None:
@@ -147,7 +160,7 @@ def test_serve_default_falls_back_to_eager_when_compiling_fails(save_hf_model, m
     def fail(self):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(CompiledDecode, "warm_up", fail)
+    monkeypatch.setattr(CompiledDecode, "compile_next", fail)
     llm = LLM(model=path, compile_decode=None, kv_cache_memory="16MiB")
     assert llm.engine.runner.compiled_decode is None
     reference = LLM(model=path, compile_decode=False, kv_cache_memory="16MiB")
@@ -157,6 +170,49 @@ def test_serve_default_falls_back_to_eager_when_compiling_fails(save_hf_model, m
             == reference.generate(prompt, params)[0].outputs[0].token_ids)
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         LLM(model=path, compile_decode=True, kv_cache_memory="16MiB")
+
+
+def test_serve_default_compiles_while_idle_and_steps_eager_until_then(save_hf_model) -> None:
+    """compile_decode=None under AsyncLLM (`kvserve serve`): the engine is up before any
+    decode graph is compiled, a request that arrives then is served (eager steps, after the
+    compile in progress), the idle engine compiles both graphs, and later decode steps run
+    them; greedy tokens as eager steps give, throughout."""
+    path = save_hf_model(ARCHITECTURES["mistral-sliding-window"]())
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
+    eager = LLM(model=path, compile_decode=False, kv_cache_memory="16MiB")
+    reference = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    async_llm = AsyncLLM.from_engine_args(EngineArgs(model=path, compile_decode=None, kv_cache_memory="16MiB"))
+
+    async def generate_all() -> list[list[int]]:
+        async def one(prompt) -> list[int]:
+            async for output in async_llm.generate(prompt, params):
+                final = output
+            return final.outputs[0].token_ids
+
+        return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
+
+    async def main():
+        engine = await async_llm.started()
+        compiled = engine.runner.compiled_decode
+        pending_at_start = compiled.pending
+        early = await generate_all()
+        deadline = time.monotonic() + 600
+        while compiled.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        calls = []
+        forward = compiled.forward
+        compiled.forward = lambda *args: calls.append(1) or forward(*args)
+        late = await generate_all()
+        return pending_at_start, early, compiled.pending, late, len(calls)
+
+    try:
+        pending_at_start, early, pending_after, late, compiled_steps = asyncio.run(main())
+    finally:
+        async_llm.shutdown()
+    assert pending_at_start == 2 and pending_after == 0  # batch 1, batch 2-16
+    assert early == reference and late == reference
+    assert compiled_steps == 11  # every decode step of the pair: 12 tokens, the first from the prefill
 
 
 def test_two_models_keep_their_own_graphs(save_hf_model, paged_runner) -> None:
