@@ -2,11 +2,15 @@
 consecutive elements of the flattened weight, fp32 absmax, no double quantization; the
 first element of a pair in the high nibble).
 
-There is no fused NF4 kernel in torch for CPU, so every call dequantizes: nf4 saves
-memory (about 0.56 byte per weight) but decodes slower than fp32 on CPU.
+kvserve has no NF4 kernel, on CPU or GPU, so every call dequantizes the whole weight
+(through fp32, several times the bytes of the unquantized weight): nf4 saves memory (about
+0.56 byte per weight) but decodes slower than the unquantized model. It is here as
+bitsandbytes' format and a quality reference (BENCHMARKS.md); int4 serves faster.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,8 @@ NF4_CODE = torch.tensor([
 # Byte -> (value of its high nibble, value of its low nibble): one gather per two weights.
 _NF4_PAIRS = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=-1)
 DEFAULT_BLOCK_SIZE = 64
+
+logger = logging.getLogger(__name__)
 
 
 def quantize_nf4(weight: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +85,12 @@ class NF4Method(QuantizationMethod):
         self.block_size = self.config.get("block_size", DEFAULT_BLOCK_SIZE)
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"nf4 block_size must be a positive int, got {self.block_size!r}")
+        self._warned = False
 
     def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
+        if not self._warned:
+            logger.warning("quantization=nf4 has no kernel: every call dequantizes the whole weight, so it "
+                           "decodes slower than the unquantized model; it saves memory. For speed use int4 "
+                           "(its quality costs are in BENCHMARKS.md)")
+            self._warned = True
         return NF4Linear(layer, self.block_size)

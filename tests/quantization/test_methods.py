@@ -151,6 +151,17 @@ def test_nf4_round_trip_and_matmul(shape, block):
     _check_matmul(quantized, reference, layer.bias.detach())
 
 
+def test_nf4_warns_once_that_it_has_no_kernel(caplog):
+    """nf4 dequantizes every call: the load says so once, not once per layer."""
+    from kvserve.quantization import quantize_model
+
+    model = nn.Sequential(_linear(16, 32, seed=6), _linear(8, 16, seed=7))
+    with caplog.at_level(logging.WARNING, logger="kvserve.quantization.nf4"):
+        quantize_model(model, get_quantization_method("nf4"))
+    warnings = [r for r in caplog.records if "has no kernel" in r.getMessage()]
+    assert len(warnings) == 1 and "int4" in warnings[0].getMessage()
+
+
 def test_few_rows_use_the_cpu_kernel_and_many_rows_the_dense_path(monkeypatch):
     quantized = _quantize("int8", _linear(64, 128, seed=5))
     calls: list[int] = []
