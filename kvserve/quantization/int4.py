@@ -164,10 +164,10 @@ class Int4Linear(QuantizedLinear):
         """On CUDA the weight is unpacked by one Triton pass (7x less time than the torch ops
         of `dequantize` for llama3-8b's linears on an H200, BENCHMARKS.md), then cuBLAS."""
         if x.is_cuda and not self.kernel_layout and self.in_features % 2 == 0:
-            from kvserve.quantization.triton_kernels import unpack_int4
+            from kvserve.quantization.triton_kernels import unpack_weight
 
-            weight = unpack_int4(self.qweight.view(self.out_features, self.in_features // 2), self.scale,
-                                 self.minimum, self.group_size, x.dtype)
+            weight = unpack_weight(self.qweight.view(self.out_features, self.in_features // 2), self.scale,
+                                   self.minimum, self.group_size, x.dtype, four_bit=True)
             if weight is not None:
                 return F.linear(x, weight)
         return super().dense_matmul(x)

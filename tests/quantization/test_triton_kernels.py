@@ -20,7 +20,7 @@ from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from kvserve.quantization.fp8_activation import quantize_per_token
 from kvserve.quantization.int4 import Int4Linear, dequantize_int4, quantize_int4
 from kvserve.quantization.int8 import GroupInt8Linear, Int8Linear
-from kvserve.quantization.triton_kernels import LaunchConfig, unpack_int4, weight_only_matmul
+from kvserve.quantization.triton_kernels import LaunchConfig, unpack_weight, weight_only_matmul
 from tests.triton_interpreter import run_interpreted
 
 # Worst relative error ||y - ref|| / ||ref|| per row against fp64 on the same weights.
@@ -281,8 +281,9 @@ def run_small_cases() -> None:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16) * 3
         x[0] = 0  # an all-zero row keeps a finite scale
         results[f"per_token-m{m}-k{k}"] = per_token_matches(x)
-    for n, k, group_size in UNPACK_SHAPES:
-        results[f"unpack-{n}x{k}-g{group_size}"] = unpack_int4_error(n, k, group_size, "cpu")
+    for kind in UNPACK_KINDS:
+        for n, k, group_size in UNPACK_SHAPES:
+            results[f"unpack-{kind}-{n}x{k}-g{group_size}"] = unpack_error(kind, n, k, group_size, "cpu")
     print(json.dumps(results))
 
 
@@ -291,16 +292,29 @@ def run_small_cases() -> None:
 UNPACK_SHAPES = [(37, 96, 32), (5, 1536, 128), (3, 1088, 64), (8, 128, 128)]
 
 
-def unpack_int4_error(n: int, k: int, group_size: int, device: str) -> str | None:
-    """unpack_int4 against dequantize_int4 (the torch path of Int4Linear.dequantize) on the
-    same nibbles: fp32 within an fp32 rounding of each value, and the bf16 output exactly
-    that fp32 value rounded once. None if so, else what differs."""
-    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(device)
-    q, scale, minimum = quantize_int4(weight, group_size)
-    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # k = 2 j low, 2 j + 1 high
-    reference = dequantize_int4(q, scale, minimum)
-    fp32 = unpack_int4(packed, scale, minimum, group_size, torch.float32)
-    bf16 = unpack_int4(packed, scale, minimum, group_size, torch.bfloat16)
+# What unpack_weight reads: int4 nibble pairs with float offsets (Int4Linear), int8 bytes
+# with and without offsets (GroupInt8Linear: GGUF Q5_K/Q6_K and 8-bit GPTQ; Q8_0).
+UNPACK_KINDS = ("int4", "int8-offset", "int8")
+
+
+def unpack_error(kind: str, n: int, k: int, group_size: int, device: str) -> str | None:
+    """unpack_weight against the layer's torch dequantization (dequantize_int4, or
+    GroupInt8Linear.dequantize) of the same stored values: fp32 within an fp32 rounding of
+    each value, and the bf16 output exactly that fp32 value rounded once. None if so, else
+    what differs."""
+    generator = torch.Generator().manual_seed(n)
+    weight = torch.randn(n, k, generator=generator).to(device)
+    if kind == "int4":
+        q, scale, offset = quantize_int4(weight, group_size)
+        stored = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # k = 2 j low, 2 j + 1 high
+        reference = dequantize_int4(q, scale, offset)
+    else:
+        stored = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8).to(device)
+        scale = torch.rand(n, k // group_size, generator=generator).to(device) / 64
+        offset = -torch.rand(n, k // group_size, generator=generator).to(device) if kind == "int8-offset" else None
+        reference = GroupInt8Linear(stored, scale, offset, group_size, None).dequantize(torch.float32)
+    fp32 = unpack_weight(stored, scale, offset, group_size, torch.float32, four_bit=kind == "int4")
+    bf16 = unpack_weight(stored, scale, offset, group_size, torch.bfloat16, four_bit=kind == "int4")
     slack = 2 * torch.finfo(torch.float32).eps * reference.abs().max()
     if fp32.shape != (n, k) or (fp32 - reference).abs().max() > slack:
         return f"fp32 differs by {(fp32 - reference).abs().max().item():.3e}"
@@ -341,16 +355,18 @@ def test_interpreted_fp8_word_kernels_read_every_e4m3_code_exactly(case, grouped
     assert interpreted_errors[f"fp8-codes-{kernel}-{block_m}-{split}-{grouped}-{str(dtype).removeprefix('torch.')}"]
 
 
+@pytest.mark.parametrize("kind", UNPACK_KINDS)
 @pytest.mark.parametrize("shape", UNPACK_SHAPES, ids=lambda s: "{}x{}-g{}".format(*s))
-def test_interpreted_unpack_int4_matches_dequantize(shape, interpreted_errors) -> None:
+def test_interpreted_unpack_matches_dequantize(shape, kind, interpreted_errors) -> None:
     n, k, group_size = shape
-    assert interpreted_errors[f"unpack-{n}x{k}-g{group_size}"] is None
+    assert interpreted_errors[f"unpack-{kind}-{n}x{k}-g{group_size}"] is None
 
 
-def test_unpack_int4_declines_groups_it_cannot_tile() -> None:
-    packed = torch.zeros(4, 48, dtype=torch.uint8)
+def test_unpack_declines_groups_it_cannot_tile() -> None:
     scales = torch.ones(4, 1)
-    assert unpack_int4(packed, scales, scales, 96, torch.float32) is None  # not a power of two
+    packed = torch.zeros(4, 48, dtype=torch.uint8)
+    assert unpack_weight(packed, scales, scales, 96, torch.float32, four_bit=True) is None  # not a power of two
+    assert unpack_weight(torch.zeros(4, 96, dtype=torch.int8), scales, None, 96, torch.float32, four_bit=False) is None
 
 
 @pytest.mark.parametrize("shape", PER_TOKEN_SHAPES, ids=str)
@@ -430,8 +446,9 @@ def test_gpu_layers_match_reference(kind, dtype) -> None:
 @requires_cuda
 @pytest.mark.parametrize("shape", [(28672, 4096, 128), (4096, 14336, 128), (4000, 4160, 64), (37, 96, 32)],
                          ids=lambda s: "{}x{}-g{}".format(*s))
-def test_gpu_unpack_int4_matches_dequantize(shape) -> None:
-    assert unpack_int4_error(*shape, "cuda") is None
+@pytest.mark.parametrize("kind", UNPACK_KINDS)
+def test_gpu_unpack_matches_dequantize(shape, kind) -> None:
+    assert unpack_error(kind, *shape, "cuda") is None
 
 
 def _sweep_layers(fmt: str, n: int, k: int) -> list:
