@@ -147,6 +147,9 @@ class _EngineCollector(Collector):
                            "Sequences waiting to be scheduled.", len(scheduler.waiting))
         yield self._family(GaugeMetricFamily, "kvserve:kv_cache_usage_perc",
                            "Fraction of KV-cache blocks in use (0..1).", engine.kv_cache.usage)
+        yield self._family(GaugeMetricFamily, "kvserve:decode_graphs_pending",
+                           "CPU decode graphs still to compile; `kvserve serve` compiles them while idle, "
+                           "and steps of their batch sizes run eager until then.", engine.decode_graphs_pending)
         yield self._family(CounterMetricFamily, "kvserve:num_preemptions",
                            "Sequences preempted for lack of KV blocks.", scheduler.num_preemptions)
         yield self._family(CounterMetricFamily, "kvserve:prefix_cache_queries",

@@ -260,6 +260,12 @@ class LLMEngine:
         """Also true while a step is in flight, so that stepping drains it."""
         return bool(self.requests) or self._inflight is not None
 
+    @property
+    def decode_graphs_pending(self) -> int:
+        """CPU decode graphs of serve's default compile-decode not compiled yet."""
+        compiled = self.runner.compiled_decode
+        return 0 if compiled is None else compiled.pending
+
     def run_idle_work(self) -> bool:
         """One piece of deferred start-up work, for when no request is waiting: a CPU decode
         graph of serve's default compile-decode. Returns whether there was any."""

@@ -176,7 +176,10 @@ def test_serve_default_compiles_while_idle_and_steps_eager_until_then(save_hf_mo
     """compile_decode=None under AsyncLLM (`kvserve serve`): the engine is up before any
     decode graph is compiled, a request that arrives then is served (eager steps, after the
     compile in progress), the idle engine compiles both graphs, and later decode steps run
-    them; greedy tokens as eager steps give, throughout."""
+    them; greedy tokens as eager steps give, throughout. /metrics' gauge counts the graphs
+    still to compile (what a benchmark waits for)."""
+    from kvserve.metrics import ServerMetrics
+
     path = save_hf_model(ARCHITECTURES["mistral-sliding-window"]())
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
@@ -194,8 +197,10 @@ def test_serve_default_compiles_while_idle_and_steps_eager_until_then(save_hf_mo
 
     async def main():
         engine = await async_llm.started()
+        metrics = ServerMetrics("m")
+        metrics.attach_engine(engine)
         compiled = engine.runner.compiled_decode
-        pending_at_start = compiled.pending
+        pending_at_start = compiled.pending, metrics.exposition().decode()
         early = await generate_all()
         deadline = time.monotonic() + 600
         while compiled.pending and time.monotonic() < deadline:
@@ -204,13 +209,15 @@ def test_serve_default_compiles_while_idle_and_steps_eager_until_then(save_hf_mo
         forward = compiled.forward
         compiled.forward = lambda *args: calls.append(1) or forward(*args)
         late = await generate_all()
-        return pending_at_start, early, compiled.pending, late, len(calls)
+        return pending_at_start, early, (compiled.pending, metrics.exposition().decode()), late, len(calls)
 
     try:
         pending_at_start, early, pending_after, late, compiled_steps = asyncio.run(main())
     finally:
         async_llm.shutdown()
-    assert pending_at_start == 2 and pending_after == 0  # batch 1, batch 2-16
+    assert pending_at_start[0] == 2 and pending_after[0] == 0  # batch 1, batch 2-16
+    assert 'kvserve:decode_graphs_pending{model_name="m"} 2.0' in pending_at_start[1]
+    assert 'kvserve:decode_graphs_pending{model_name="m"} 0.0' in pending_after[1]
     assert early == reference and late == reference
     assert compiled_steps == 11  # every decode step of the pair: 12 tokens, the first from the prefill
 
