@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import platform
-import re
 import shlex
 import socket
 import subprocess
@@ -155,25 +154,7 @@ def start_kvserve(threads: int, extra_args: list[str], log_dir: str) -> ServerRu
                                    env=_kvserve_env(threads))
     run = ServerRun(process, f"http://127.0.0.1:{port}", log_path)
     _wait_healthy(run, "kvserve serve")
-    _wait_decode_graphs(run)
     return run
-
-
-def _wait_decode_graphs(run: ServerRun) -> None:
-    """Until the server's CPU decode graphs are compiled: it answers before they are, and
-    compiles them whenever it is idle, which would land inside a measured run."""
-    import httpx
-
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        text = httpx.get(f"{run.base_url}/metrics", timeout=5).text
-        pending = re.search(r"^kvserve:decode_graphs_pending\{[^}]*\} (\S+)$", text, re.MULTILINE)
-        if pending is None or float(pending.group(1)) == 0:
-            return
-        time.sleep(0.5)
-    run.stop()
-    raise RuntimeError(f"kvserve serve did not compile its decode graphs in {SERVER_START_TIMEOUT_S} s; "
-                       f"log: {run.log_path}")
 
 
 def run_bench(run: ServerRun, point: LoadPoint, seed: int, json_path: str, threads: int) -> dict:

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import random
+import re
 import sys
 import time
 from dataclasses import replace
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # token-count estimate when the server has no /tokenize
 CHECK_MAX_TOKENS = 2
+START_UP_WAIT_S = 600.0  # most time to wait for a kvserve server's CPU decode graphs
 
 
 class BenchmarkError(Exception):
@@ -58,6 +60,24 @@ class OpenAIClient:
                 return response.status, await response.json(content_type=None)
             except json.JSONDecodeError:
                 return response.status, {}
+
+    async def wait_for_decode_graphs(self, timeout_s: float = START_UP_WAIT_S, poll_s: float = 1.0) -> None:
+        """Until a kvserve server's CPU decode graphs are compiled (its /metrics gauge reads
+        0): it serves before they are and compiles them whenever it is idle, which would land
+        inside the measurement. Servers without the gauge are not waited for."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            async with self.session.get(self.base_url + "/metrics", headers=self.headers) as response:
+                text = await response.text() if response.status == 200 else ""
+            pending = re.search(r"^kvserve:decode_graphs_pending\{[^}]*\} (\S+)$", text, re.MULTILINE)
+            if pending is None or float(pending.group(1)) == 0:
+                return
+            if time.monotonic() > deadline:
+                logger.warning("the server still compiles %s decode graphs after %.0f s; measuring anyway",
+                               pending.group(1), timeout_s)
+                return
+            logger.info("waiting for the server to compile %s more decode graphs", pending.group(1))
+            await asyncio.sleep(poll_s)
 
     async def first_model(self) -> str:
         status, body = await self._get_json("GET", "/v1/models")
@@ -218,6 +238,7 @@ async def benchmark_from_args(args: argparse.Namespace, rates: list[float]) -> l
         await client.stream(check_prompt, check)
         if not check.success:
             raise BenchmarkError(f"the first test request failed: {check.error}")
+        await client.wait_for_decode_graphs()
         config = {
             "base_url": client.base_url, "model": client.model, "endpoint": args.endpoint,
             "dataset": args.dataset, "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,

@@ -115,6 +115,43 @@ def test_sharegpt_takes_first_exchange_and_skips_short_ones(tmp_path):
 
 # ---- the client against a minimal streaming server ----
 
+def test_waits_until_the_server_compiled_its_decode_graphs():
+    """A kvserve server answers before its CPU decode graphs are compiled: the benchmark
+    polls /metrics until the gauge reads 0, and does not wait on a server without it."""
+    from aiohttp import web
+
+    from kvserve.benchmarks.serve import OpenAIClient, client_session
+
+    readings = ["2.0", "1.0", "0.0"]
+    served = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        value = readings[min(len(served), len(readings) - 1)]
+        served.append(value)
+        return web.Response(text=f'# TYPE kvserve:decode_graphs_pending gauge\n'
+                                 f'kvserve:decode_graphs_pending{{model_name="m"}} {value}\n')
+
+    async def run(with_metrics: bool) -> None:
+        app = web.Application()
+        if with_metrics:
+            app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with client_session() as session:
+                client = OpenAIClient(session, f"http://127.0.0.1:{port}", None, "completions")
+                await client.wait_for_decode_graphs(timeout_s=30, poll_s=0.01)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run(with_metrics=True))
+    assert served == ["2.0", "1.0", "0.0"]
+    asyncio.run(run(with_metrics=False))  # a 404: returns at once
+
+
 def test_each_request_gets_its_own_connection():
     """No keep-alive reuse: a server closing idle connections (llama-server does) must not
     fail requests that raced the close. Checked by the connection each request came on."""
