@@ -4,6 +4,7 @@ real `kvserve serve` on a free loopback port, checking that the numbers agree wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import socket
@@ -115,12 +116,29 @@ def test_sharegpt_takes_first_exchange_and_skips_short_ones(tmp_path):
 
 # ---- the client against a minimal streaming server ----
 
+@contextlib.asynccontextmanager
+async def _bench_client(app):
+    """An OpenAIClient against `app` (an aiohttp web.Application) served on a free loopback port."""
+    from aiohttp import web
+
+    from kvserve.benchmarks.serve import OpenAIClient, client_session
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with client_session() as session:
+            yield OpenAIClient(session, f"http://127.0.0.1:{port}", None, "completions")
+    finally:
+        await runner.cleanup()
+
+
 def test_waits_until_the_server_compiled_its_decode_graphs():
     """A kvserve server answers before its CPU decode graphs are compiled: the benchmark
     polls /metrics until the gauge reads 0, and does not wait on a server without it."""
     from aiohttp import web
-
-    from kvserve.benchmarks.serve import OpenAIClient, client_session
 
     readings = ["2.0", "1.0", "0.0"]
     served = []
@@ -135,17 +153,8 @@ def test_waits_until_the_server_compiled_its_decode_graphs():
         app = web.Application()
         if with_metrics:
             app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            async with client_session() as session:
-                client = OpenAIClient(session, f"http://127.0.0.1:{port}", None, "completions")
-                await client.wait_for_decode_graphs(timeout_s=30, poll_s=0.01)
-        finally:
-            await runner.cleanup()
+        async with _bench_client(app) as client:
+            await client.wait_for_decode_graphs(timeout_s=30, poll_s=0.01)
 
     asyncio.run(run(with_metrics=True))
     assert served == ["2.0", "1.0", "0.0"]
@@ -157,7 +166,6 @@ def test_each_request_gets_its_own_connection():
     fail requests that raced the close. Checked by the connection each request came on."""
     from aiohttp import web
 
-    from kvserve.benchmarks.serve import OpenAIClient, client_session
     from kvserve.benchmarks.serve_datasets import BenchPrompt
 
     peers = []
@@ -175,19 +183,10 @@ def test_each_request_gets_its_own_connection():
     async def run() -> list[RequestRecord]:
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
         records = [RequestRecord(3, 2) for _ in range(5)]
-        try:
-            async with client_session() as session:
-                client = OpenAIClient(session, f"http://127.0.0.1:{port}", None, "completions")
-                for record in records:  # one after another: each could have reused the last
-                    await client.stream(BenchPrompt([1, 2, 3], 3, 2), record)
-        finally:
-            await runner.cleanup()
+        async with _bench_client(app) as client:
+            for record in records:  # one after another: each could have reused the last
+                await client.stream(BenchPrompt([1, 2, 3], 3, 2), record)
         return records
 
     records = asyncio.run(run())
