@@ -219,7 +219,9 @@ def test_serve_default_compiles_while_idle_and_steps_eager_until_then(save_hf_mo
     assert 'kvserve:decode_graphs_pending{model_name="m"} 2.0' in pending_at_start[1]
     assert 'kvserve:decode_graphs_pending{model_name="m"} 0.0' in pending_after[1]
     assert early == reference and late == reference
-    assert compiled_steps == 11  # every decode step of the pair: 12 tokens, the first from the prefill
+    # 12 tokens each, the first from the prefill: at least 11 decode-only steps (11 when both
+    # requests are scheduled together; more if the second one's prefill lands later).
+    assert compiled_steps >= 11
 
 
 def test_two_models_keep_their_own_graphs(save_hf_model, paged_runner) -> None:
