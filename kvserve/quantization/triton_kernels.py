@@ -848,7 +848,7 @@ class LaunchConfig:
 # H100 (llama3-8b, BENCHMARKS.md): 1 row 2.36 ms (tiles of two 128-wide groups; bf16 cuBLAS
 # 5.17), 4 and 8 rows 3.02 and 3.14 (mma.sync; the tl.dot tiles took 4.52 and 4.59). On an
 # H200, 16 and 32 rows on mma.sync with 2 and 4 tiles of x: 3.59 and 5.00 ms (the tl.dot tiles
-# 4.47 and 8.02; bf16 3.77 and 3.79); at 64 rows the tl.dot tiles, 8.54 (bf16 4.04): above 16
+# 4.47 and 8.02; bf16 3.77 and 3.79); at 64 rows the tl.dot tiles, 8.65 (bf16 4.04): above 16
 # rows 4-bit weights cost time, they save memory.
 INT4_MMA_CONFIG = LaunchConfig(8, 128, 256, num_warps=4, num_stages=1, waves=2, words="mma")
 # Where the mma kernel does not apply (groups narrower than 128, K not whole 256-k tiles).
