@@ -50,20 +50,30 @@ def decode_step_floor_s(weight_bytes: int, kv_bytes_per_tok: int, context_tokens
     return (weight_bytes + kv_bytes_per_tok * context_tokens) / bandwidth
 
 
-def matmul_peak_flops(device: torch.device, repeats: int = 10) -> float:
+def matmul_peak_flops(device: torch.device, repeats: int = 10, float8: bool = False) -> float:
     """FLOP/s of a large square matmul in the device's compute dtype (bf16 on GPU, fp32 on
-    CPU), median of repeats: the compute ceiling of a prefill-heavy step."""
+    CPU), median of repeats: the compute ceiling of a prefill-heavy step. float8: e4m3
+    operands through torch._scaled_mm (the fp8 linears' prefill path; CUDA 8.9+)."""
     cuda = device.type == "cuda"
     n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
-    a @ b  # warm up
+    if float8:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major
+
+        def matmul() -> torch.Tensor:
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    else:
+        def matmul() -> torch.Tensor:
+            return a @ b
+    matmul()  # warm up
     times = []
     for _ in range(repeats):
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        a @ b
+        matmul()
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
@@ -91,19 +101,27 @@ def offline_floor_s(
     weight_bytes: int,
     bandwidth: float,
     peak_flops: float,
+    kv_dtype: torch.dtype | None = None,
+    linear_peak_flops: float | None = None,
 ) -> float:
     """W1's floor: every request resident from the start, so one prefill pass over all
     prompts and then one decode step per output position for the requests still running;
-    each step costs max(bytes / bandwidth, flops / peak). The first output token comes from
-    the prefill pass, the rest from decode steps."""
-    kv_per_token = kv_bytes_per_token(config)
+    each step costs max(bytes / bandwidth, flops / peak). The KV bytes are the cache's
+    dtype's (kv_dtype, default the model's); the linears' FLOPs run at linear_peak_flops
+    (fp8 tensor cores for fp8 weights; default peak_flops), attention's at peak_flops.
+    The first output token comes from the prefill pass, the rest from decode steps."""
+    kv_per_token = kv_bytes_per_token(config, kv_dtype)
     linear, per_key = linear_flops_per_token(config), attention_flops_per_key(config)
-    prefill_flops = sum(linear * p + per_key * p * (p + 1) // 2 for p in prompt_lens)
-    total = max(weight_bytes / bandwidth, prefill_flops / peak_flops)
+    linear_peak = linear_peak_flops or peak_flops
+
+    def compute_s(linear_tokens: int, attention_flops: int) -> float:
+        return linear * linear_tokens / linear_peak + attention_flops / peak_flops
+
+    prefill_s = compute_s(sum(prompt_lens), sum(per_key * p * (p + 1) // 2 for p in prompt_lens))
+    total = max(weight_bytes / bandwidth, prefill_s)
     for step in range(1, max(output_lens)):
         live = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
         context = sum(live)
         step_bytes = weight_bytes + kv_per_token * context
-        step_flops = linear * len(live) + per_key * context
-        total += max(step_bytes / bandwidth, step_flops / peak_flops)
+        total += max(step_bytes / bandwidth, compute_s(len(live), per_key * context))
     return total

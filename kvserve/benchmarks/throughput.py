@@ -135,6 +135,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     # Before the engine: on a GPU its KV cache takes the memory these measurements need.
     device = engine_args.resolved_device()
     ceilings = copy_bandwidth(device), matmul_peak_flops(device)
+    # fp8 weights run prefill on the fp8 tensor cores: their floor counts that rate.
+    fp8_linears = engine_args.quantization == "fp8" and device.type == "cuda"
+    linear_peak = matmul_peak_flops(device, float8=True) if fp8_linears else None
     llm = LLM(**vars(engine_args))
     engine = llm.engine
     requests = make_requests(
@@ -145,7 +148,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     llm.generate({"prompt_token_ids": requests[0].prompt_token_ids[:16]},
                  SamplingParams(temperature=0.0, max_tokens=4))
     results = [run_kvserve_batched(llm, requests)]
-    floor = _offline_floor(llm, requests, *ceilings)
+    floor = _offline_floor(llm, requests, *ceilings, linear_peak)
     if args.sequential:
         results.append(run_kvserve_sequential(llm, requests))
     if args.transformers:
@@ -165,7 +168,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"continuous batching vs one at a time: {results[0].output_tok_s / results[1].output_tok_s:.2f}x")
     print(f"floor: {floor['floor_s']:.2f} s = {floor['floor_output_tok_s']:.0f} out tok/s at "
           f"{floor['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s and {floor['peak_flops'] / 1e9:.0f} "
-          f"GFLOP/s measured here; continuous batching reaches {floor['floor_s'] / results[0].elapsed_s:.0%} of it")
+          f"GFLOP/s ({floor['linear_peak_flops'] / 1e9:.0f} for the linears) measured here; continuous batching reaches {floor['floor_s'] / results[0].elapsed_s:.0%} of it")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"floor": floor, "results": [
@@ -175,14 +178,15 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def _offline_floor(
-    llm: LLM, requests: list[BenchRequest], bandwidth: float, peak: float
+    llm: LLM, requests: list[BenchRequest], bandwidth: float, peak: float, linear_peak: float | None
 ) -> dict[str, float]:
-    """W1's floor for these requests, from the bandwidth and matmul rate measured here."""
+    """W1's floor for these requests, from the bandwidth and matmul rates measured here, with
+    the KV cache's own dtype."""
     engine = llm.engine
     floor_s = offline_floor_s(
         [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests],
         engine.model_config, weight_bytes_per_step(engine.runner.model, engine.model_config),
-        bandwidth, peak,
+        bandwidth, peak, engine.runner.kv_cache_dtype, linear_peak,
     )
     return {"floor_s": floor_s, "floor_output_tok_s": sum(r.output_len for r in requests) / floor_s,
-            "bandwidth_bytes_per_s": bandwidth, "peak_flops": peak}
+            "bandwidth_bytes_per_s": bandwidth, "peak_flops": peak, "linear_peak_flops": linear_peak or peak}

@@ -43,8 +43,12 @@ def test_a_quantized_lm_head_replaces_the_float_one_in_the_step_bytes(shape):
     assert weight_bytes_per_step(model, config) == float_step - head + 7 * config.hidden_size * 4
 
 
-def test_latency_result_is_consistent():
-    llm = LLM(load_format="dummy", model_shape="smollm2-135m", kv_cache_memory="64MiB")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_latency_result_is_consistent(kv_cache_dtype):
+    """The floor counts the weights once and the live KV in the cache's own dtype (one
+    byte a value for fp8: 4x less than this fp32 model's)."""
+    llm = LLM(load_format="dummy", model_shape="smollm2-135m", kv_cache_memory="64MiB",
+              kv_cache_dtype=kv_cache_dtype)
     bandwidth = 20e9
     result = run_latency(llm, batch_size=3, input_len=24, output_len=8, bandwidth=bandwidth)
     assert result.ttft_ms_median > 0 and result.tpot_ms_median > 0
@@ -52,7 +56,9 @@ def test_latency_result_is_consistent():
     config = llm.engine.model_config
     weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     weights -= 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size * 4
-    live_kv = 3 * (24 + 8 / 2) * kv_bytes_per_token(config)
+    value_bytes = 1 if kv_cache_dtype == "fp8" else 4
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * value_bytes
+    live_kv = 3 * (24 + 8 / 2) * kv_per_token
     assert result.floor_ms == pytest.approx((weights + live_kv) / bandwidth * 1e3)
     assert result.fraction_of_floor == pytest.approx(result.floor_ms / result.tpot_ms_median)
 
@@ -68,8 +74,10 @@ def test_linear_flops_count_every_weight_once():
     assert linear_flops_per_token(config) == 2 * weights
 
 
-def test_offline_floor_sums_steps_by_hand():
-    """Two requests, hand-counted: prefill pass, then decode steps while each runs."""
+@pytest.mark.parametrize("float8", [False, True])
+def test_offline_floor_sums_steps_by_hand(float8):
+    """Two requests, hand-counted: prefill pass, then decode steps while each runs. float8:
+    an fp8 cache (a byte a value) and linears at twice the attention's FLOP rate."""
     from kvserve.benchmarks.roofline import (
         attention_flops_per_key,
         linear_flops_per_token,
@@ -77,14 +85,17 @@ def test_offline_floor_sums_steps_by_hand():
     )
 
     config = dummy_model_config("smollm2-135m")
-    kv = kv_bytes_per_token(config)
+    kv = kv_bytes_per_token(config) // (4 if float8 else 1)  # fp32 model: 4 bytes a value
     linear, per_key = linear_flops_per_token(config), attention_flops_per_key(config)
-    weight_bytes, bandwidth, peak = 1e8, 1e10, 1e12
+    # Sized so that compute bounds the prefill pass and bytes (KV included) the decode steps.
+    weight_bytes, bandwidth, peak = 1e6, 1e9, 1e12
+    linear_peak = 2 * peak if float8 else peak
     # Prompts 3 and 5 tokens, outputs 2 and 4: decode steps 1..3 (request A only at step 1).
-    prefill = linear * 8 + per_key * (6 + 15)
-    expected = max(weight_bytes / bandwidth, prefill / peak)
+    prefill = linear * 8 / linear_peak + per_key * (6 + 15) / peak
+    expected = max(weight_bytes / bandwidth, prefill)
     for live in ([4, 6], [7], [8]):
         expected += max((weight_bytes + kv * sum(live)) / bandwidth,
-                        (linear * len(live) + per_key * sum(live)) / peak)
-    got = offline_floor_s([3, 5], [2, 4], config, weight_bytes, bandwidth, peak)
+                        linear * len(live) / linear_peak + per_key * sum(live) / peak)
+    extra = (torch.float8_e4m3fn, linear_peak) if float8 else ()
+    got = offline_floor_s([3, 5], [2, 4], config, weight_bytes, bandwidth, peak, *extra)
     assert got == pytest.approx(expected)
