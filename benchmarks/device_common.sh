@@ -6,3 +6,19 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kvserve-gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+ROOT=$PWD
+W1_ARGS="throughput --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --no-sequential --no-transformers"
+# bench_tree TREE NAME ARGS...: one `kvserve bench ARGS` on llama3-8b dummy weights with the
+# kvserve package under TREE ("." is this tree; A/B scripts make an untracked ab_base with
+# `mkdir ab_base && git archive <commit> kvserve | tar -x -C ab_base`), JSON in
+# $OUT/NAME-TREE.json. Each tree runs from its own directory: `python -m` puts the working
+# directory first on sys.path, so PYTHONPATH alone would import the root's kvserve.
+bench_tree() {
+  local tree=$1 name=$2 label
+  shift 2
+  if [ "$tree" = . ]; then label=this; else label=$(basename "$tree"); fi
+  echo "== $name tree=$tree"
+  (cd "$ROOT/$tree" && PYTHONPATH=$PWD timeout "${BENCH_TIMEOUT:-200}" python -m kvserve.entrypoints.cli \
+     --log-level WARNING bench "$@" --load-format dummy --model-shape llama3-8b \
+     --output-json "$OUT/$name-$label.json" 2>&1 | grep -v Generating | tail -"${TAIL:-3}")
+}

@@ -7,22 +7,11 @@
 #   git archive c75faff kvserve | tar -x -C ab_base
 #   git archive 894ea46 kvserve | tar -x -C ab_fused
 source "$(dirname "$0")/device_common.sh"
-ROOT=$PWD
-# Each tree runs from its own directory: `python -m` puts the working directory first on
-# sys.path, so PYTHONPATH alone would import the repository root's kvserve.
-bench() {  # tree, name, bench args...
-  local tree=$1 name=$2; shift 2
-  echo "== $name tree=$tree"
-  (cd "$ROOT/$tree" && PYTHONPATH=$PWD timeout 170 python -c "import kvserve; print('kvserve from', kvserve.__file__)" && \
-   PYTHONPATH=$PWD timeout 170 python -m kvserve.entrypoints.cli --log-level WARNING bench "$@" \
-     --load-format dummy --model-shape llama3-8b 2>&1 | grep -v Generating | tail -3)
-}
-W1="throughput --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --no-sequential --no-transformers"
 W2="latency --batch-sizes 1 --input-len 128 --output-len 128"
-bench . w1-int4-unpack $W1 --quantization int4
-bench ab_base w1-int4-torch-dequant $W1 --quantization int4
-bench ab_base w2-int4 $W2 --quantization int4
-bench ab_fused w2-int4 $W2 --quantization int4
-bench ab_fused w1-bf16-warmup $W1
-bench ab_base w1-bf16 $W1
-bench ab_fused w1-bf16 $W1
+bench_tree . w1-int4-unpack $W1_ARGS --quantization int4
+bench_tree ab_base w1-int4-torch-dequant $W1_ARGS --quantization int4
+bench_tree ab_base w2-int4 $W2 --quantization int4
+bench_tree ab_fused w2-int4 $W2 --quantization int4
+bench_tree ab_fused w1-bf16-warmup $W1_ARGS
+bench_tree ab_base w1-bf16 $W1_ARGS
+bench_tree ab_fused w1-bf16 $W1_ARGS
