@@ -24,7 +24,6 @@ from kvserve.model_executor.models.llama import LlamaForCausalLM
 from kvserve.model_executor.models.registry import get_model_class
 from kvserve.quantization import QuantizedLinear, get_quantization_method, quantize_model
 from kvserve.quantization.checkpoint import CheckpointFormat
-from kvserve.quantization.fp8 import fuse_activation_quantization
 from kvserve.quantization.registry import get_checkpoint_format
 
 logger = logging.getLogger(__name__)
@@ -310,7 +309,6 @@ def load_model(
             "quantization=%s: linear weights %.1f MB -> %.1f MB (%d layers)",
             report.method, report.bytes_before / 1e6, report.bytes_after / 1e6, report.num_layers,
         )
-    fuse_activation_quantization(loaded.model)
     return loaded
 
 

@@ -8,9 +8,8 @@ Where the product runs:
   weight-only kernel reads the fp8 bytes once and upcasts them in the loop;
   `torch._scaled_mm` is far from the bandwidth floor there (BENCHMARKS.md).
 * CUDA (>= 8.9), more rows (prefill), bf16, per-channel scales: activations quantized to
-  fp8 per token (dynamic scales) and `torch._scaled_mm` on the fp8 tensor cores. Where the
-  input comes from a norm or SiLU-and-mul (fuse_activation_quantization), their kernel
-  quantizes it; otherwise (o_proj's input) a Triton kernel of its own does.
+  fp8 per token (dynamic scales, one Triton kernel) and `torch._scaled_mm` on the fp8
+  tensor cores.
 * Otherwise (older GPUs, fp16 prefill, block scales) the weight is dequantized to the
   activation dtype per call.
 """
@@ -84,28 +83,15 @@ class Fp8Linear(QuantizedLinear):
         return None
 
     def _scaled_mm_applies(self, x: torch.Tensor) -> bool:
-        return self._scaled_mm_takes(x.dtype)
-
-    def _scaled_mm_takes(self, dtype: torch.dtype) -> bool:
         # Row-wise scaled _scaled_mm: bf16 output, both dims multiples of 16.
-        return (base.gpu_kernels_enabled and self.per_channel and dtype == torch.bfloat16
+        return (base.gpu_kernels_enabled and self.per_channel and x.dtype == torch.bfloat16
                 and self.in_features % 16 == 0 and self.out_features % 16 == 0)
 
-    def takes_fp8_rows(self, num_rows: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether an input of num_rows rows runs _scaled_mm, the path that quantizes it per
-        token (gpu_matmul's choice, from the shape alone): its producer may do that instead."""
-        return (device.type == "cuda" and _fp8_capable(device.index or 0)
-                and num_rows > base.GPU_KERNEL_MAX_ROWS and self._scaled_mm_takes(dtype))
-
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        from kvserve.quantization.fp8_activation import attached_fp8_rows, quantize_per_token
+        from kvserve.quantization.fp8_activation import quantize_per_token
 
         rows = x.reshape(-1, self.in_features)
-        prequantized = attached_fp8_rows(x)
-        if prequantized is not None:
-            x_fp8, x_scale = prequantized
-        else:
-            x_fp8, x_scale = quantize_per_token(rows if rows.stride(-1) == 1 else rows.contiguous())
+        x_fp8, x_scale = quantize_per_token(rows if rows.stride(-1) == 1 else rows.contiguous())
         # qweight [N, K] row-major is the column-major [K, N] operand _scaled_mm wants.
         y = torch._scaled_mm(x_fp8, self.qweight.t(), scale_a=x_scale, scale_b=self.scale.view(1, -1),
                              out_dtype=x.dtype)
@@ -121,17 +107,3 @@ class Fp8Method(QuantizationMethod):
     def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
         q, scale = quantize_fp8(layer.weight)
         return Fp8Linear(q, scale[:, None], layer.bias)
-
-
-def fuse_activation_quantization(model: nn.Module) -> int:
-    """Let each norm or activation that feeds a per-channel fp8 linear quantize its output
-    per token in its own kernel, where that linear would run _scaled_mm: one launch and one
-    read of the activation fewer per linear. The model's modules name their pairs
-    (activation_consumers). Returns how many producers were linked."""
-    linked = 0
-    for module in model.modules():
-        for producer, consumer in getattr(module, "activation_consumers", lambda: ())():
-            fp8 = isinstance(consumer, Fp8Linear) and consumer.per_channel
-            producer.fp8_rows_wanted = consumer.takes_fp8_rows if fp8 else None
-            linked += fp8
-    return linked

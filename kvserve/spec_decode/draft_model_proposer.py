@@ -21,7 +21,6 @@ from kvserve.engine.sequence import Sequence
 from kvserve.model_executor.loader import LoadedModel, load_model
 from kvserve.model_executor.model_runner import ModelRunner
 from kvserve.quantization import get_quantization_method, quantize_model
-from kvserve.quantization.fp8 import fuse_activation_quantization
 from kvserve.sample.sampler import SamplingRow, final_probs
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.proposer import Draft
@@ -37,7 +36,6 @@ def load_draft_model(
             return target
         model = copy.deepcopy(target.model)
         quantize_model(model, get_quantization_method(config.quantization))
-        fuse_activation_quantization(model)  # relinks the copied producers to the new layers
         return LoadedModel(model, target.config, target.tokenizer)
     draft = load_model(config.model, dtype=dtype, device=device, quantization=config.quantization)
     if draft.config.vocab_size != target.config.vocab_size:

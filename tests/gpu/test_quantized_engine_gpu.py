@@ -57,37 +57,3 @@ def test_kernels_score_like_the_dense_path(save_hf_model, method, monkeypatch):
     # Both carry bf16 activations; the kernels keep the dequantized weights unrounded, the
     # dense path rounds them to bf16. A wrong kernel is off by far more than either.
     assert kernel_error <= 2 * dense_error + 1e-3
-
-
-def test_fp8_norms_and_activation_quantize_for_scaled_mm(monkeypatch):
-    """A 100-token prefill (past the Triton kernels' 64 rows: _scaled_mm) of an fp8 model: the
-    norms and SiLU-and-mul hand qkv, gate/up and down their per-token fp8 rows, so only
-    o_proj's input still goes through quantize_per_token, and every prompt logprob is the
-    same as with the standalone quantization."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("fp8 _scaled_mm needs compute capability 8.9")
-    from kvserve.quantization import fp8_activation
-
-    llm = LLM(load_format="dummy", model_shape="smollm2-135m", dtype="bfloat16", device="cuda",
-              quantization="fp8", gpu_memory_utilization=0.3, enforce_eager=True,
-              enable_prefix_caching=False)  # both runs prefill all 100 tokens
-    layers = llm.engine.runner.model.model.layers
-    calls = []
-    quantize = fp8_activation.quantize_per_token
-    monkeypatch.setattr(fp8_activation, "quantize_per_token", lambda x: calls.append(x.shape) or quantize(x))
-    prompt = {"prompt_token_ids": torch.randint(1000, 40000, (100,), generator=torch.Generator().manual_seed(0)).tolist()}
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-
-    def prompt_logprobs() -> list[float]:
-        calls.clear()
-        output = llm.generate(prompt, params)[0]
-        return [entry[token] for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:])]
-
-    fused = prompt_logprobs()
-    assert len(calls) == len(layers)  # o_proj's input only
-    for layer in layers:
-        for producer, _ in layer.activation_consumers():
-            producer.fp8_rows_wanted = None
-    standalone = prompt_logprobs()
-    assert len(calls) == 4 * len(layers)
-    assert fused == standalone

@@ -85,29 +85,3 @@ def test_fp8_cli_flag():
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     assert EngineArgs.from_cli_args(parser.parse_args(["--quantization", "fp8"])).quantization == "fp8"
-
-
-@pytest.mark.parametrize("method", ["fp8", "int8"])
-def test_norms_and_activation_feed_fp8_linears_their_quantized_rows(method):
-    """Every decoder layer's two norms and SiLU-and-mul are linked to the linear they feed
-    where it is an fp8 one, and only there; the link asks for fp8 rows only where that
-    linear would run _scaled_mm (CUDA 8.9+, more than the Triton kernels' rows, bf16)."""
-    from kvserve.quantization import base
-
-    llm = LLM(load_format="dummy", model_shape="smollm2-135m", quantization=method, kv_cache_memory="64MiB")
-    layers = llm.engine.runner.model.model.layers
-    producers = [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act)]
-    if method == "int8":
-        assert all(p.fp8_rows_wanted is None for p in producers)
-        return
-    for layer in layers:
-        assert layer.input_layernorm.fp8_rows_wanted.__self__ is layer.self_attn.qkv_proj
-        assert layer.post_attention_layernorm.fp8_rows_wanted.__self__ is layer.mlp.gate_up_proj
-        assert layer.mlp.act.fp8_rows_wanted.__self__ is layer.mlp.down_proj
-    wanted = layers[0].input_layernorm.fp8_rows_wanted
-    rows = base.GPU_KERNEL_MAX_ROWS + 1
-    assert not wanted(rows, torch.bfloat16, torch.device("cpu"))
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
-        cuda = torch.device("cuda")
-        assert wanted(rows, torch.bfloat16, cuda)
-        assert not wanted(rows - 1, torch.bfloat16, cuda) and not wanted(rows, torch.float16, cuda)

@@ -3,18 +3,11 @@ residual add that precedes it (one Triton kernel on CUDA)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    # Set by quantization.fp8.fuse_activation_quantization where this norm feeds an fp8
-    # linear: (rows, dtype, device) -> whether that linear would quantize its input per
-    # token, which the norm's kernel then does instead.
-    fp8_rows_wanted: Callable[[int, torch.dtype, torch.device], bool] | None = None
-
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -27,9 +20,7 @@ class RMSNorm(nn.Module):
         if x.is_cuda and x.dim() == 2:
             from kvserve.model_executor.layers.triton_ops import add_rms_norm
 
-            out_dtype = torch.promote_types(x.dtype, self.weight.dtype)
-            fp8_rows = self.fp8_rows_wanted is not None and self.fp8_rows_wanted(x.shape[0], out_dtype, x.device)
-            out = add_rms_norm(x, self.weight, self.eps, residual, fp8_rows)
+            out = add_rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is not None:
             residual = residual + x

@@ -3,8 +3,7 @@ place, SiLU-and-mul. Unfused, these are about 30 small kernels per decoder layer
 decode batch sizes cost more device time than the matmuls of a small model.
 
 Each kernel reproduces the torch path's roundings (the run dtype after the same
-operations), so greedy output does not depend on which path ran. RMSNorm and SiLU-and-mul
-can also quantize their output per token for the fp8 linear they feed (fp8_rows).
+operations), so greedy output does not depend on which path ran.
 """
 
 from __future__ import annotations
@@ -14,14 +13,12 @@ import triton
 import triton.language as tl
 
 from kvserve import dependent_launch
-from kvserve.quantization.fp8_activation import FP8_MAX, attach_fp8_rows, empty_fp8_rows, store_fp8_row
 
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, q_ptr, scale_ptr, num_cols, stride_x, stride_r, stride_o, eps,
-    HAS_RESIDUAL: tl.constexpr, FP8_ROWS: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, num_cols, stride_x, stride_r, stride_o, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:  # the next kernel (a GEMV) may start loading its weights
         tl.extra.cuda.gdc_launch_dependents()
@@ -39,33 +36,28 @@ def _add_rms_norm_kernel(
     variance = tl.sum(xf * xf, axis=0) / num_cols
     normed = (xf * tl.math.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
-    if FP8_ROWS:
-        store_fp8_row(out.to(tl.float32), cols, mask, q_ptr, scale_ptr, row, num_cols, FP8_MAX)
+    out = weight.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-    fp8_rows: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """RMSNorm(x) or, with residual: residual += x in place, then RMSNorm(residual).
-    x, residual: [T, hidden] with unit column stride. fp8_rows: the output also quantized
-    per token for an fp8 linear, attached to it (fp8_activation.attach_fp8_rows)."""
+    x, residual: [T, hidden] with unit column stride."""
     num_rows, num_cols = x.shape
     assert x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
     out = torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
-    q, scale = empty_fp8_rows(num_rows, num_cols, x.device) if fp8_rows else (out, out)
     if num_rows == 0:
-        return attach_fp8_rows(out, q, scale) if fp8_rows else out
+        return out
     block = triton.next_power_of_2(num_cols)
     _add_rms_norm_kernel[(num_rows,)](
-        x, residual if residual is not None else x, weight, out, q.view(torch.uint8), scale, num_cols,
-        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, FP8_ROWS=fp8_rows, FP8_MAX=FP8_MAX, BLOCK=block,
-        num_warps=min(max(block // 256, 1), 16), LAUNCH_DEPENDENTS=dependent_launch.enabled(x.device),
+        x, residual if residual is not None else x, weight, out, num_cols, x.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+        LAUNCH_DEPENDENTS=dependent_launch.enabled(x.device),
     )
-    return attach_fp8_rows(out, q, scale) if fp8_rows else out
+    return out
 
 
 @triton.jit
@@ -103,9 +95,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, scale_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr,
-                         FP8_ROWS: tl.constexpr, FP8_MAX: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
-    """FP8_ROWS: one program covers a whole row (BLOCK >= width) and quantizes it."""
+def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr,
+                         LAUNCH_DEPENDENTS: tl.constexpr):
     if LAUNCH_DEPENDENTS:  # the next kernel (a GEMV) may start loading its weights
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -115,26 +106,19 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, scale_ptr, width, stride_x, stri
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    out = (act * up).to(dtype)
-    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
-    if FP8_ROWS:
-        store_fp8_row(out.to(tl.float32), cols, mask, q_ptr, scale_ptr, row, width, FP8_MAX)
+    tl.store(out_ptr + row * stride_o + cols, (act * up).to(dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
-    """x = [gate | up] along the last dim of [T, 2 * width] -> silu(gate) * up. fp8_rows: the
-    output also quantized per token for an fp8 linear, attached to it."""
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim of [T, 2 * width] -> silu(gate) * up."""
     num_rows, double_width = x.shape
     width = double_width // 2
     assert x.stride(-1) == 1
     out = torch.empty(num_rows, width, dtype=x.dtype, device=x.device)
-    q, scale = empty_fp8_rows(num_rows, width, x.device) if fp8_rows else (out, out)
     if num_rows:
-        # A row's scale needs the whole row in one program; else 1024-wide pieces.
-        block = triton.next_power_of_2(width) if fp8_rows else 1024
+        block = 1024
         _silu_and_mul_kernel[(num_rows, triton.cdiv(width, block))](
-            x, out, q.view(torch.uint8), scale, width, x.stride(0), out.stride(0), BLOCK=block,
-            FP8_ROWS=fp8_rows, FP8_MAX=FP8_MAX, num_warps=min(max(block // 512, 4), 16) if fp8_rows else 4,
+            x, out, width, x.stride(0), out.stride(0), BLOCK=block,
             LAUNCH_DEPENDENTS=dependent_launch.enabled(x.device),
         )
-    return attach_fp8_rows(out, q, scale) if fp8_rows else out
+    return out

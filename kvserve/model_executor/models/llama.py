@@ -92,13 +92,6 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def activation_consumers(self) -> tuple[tuple[nn.Module, nn.Module], ...]:
-        """(producer, the linear that alone consumes its output) pairs, for quantization
-        methods that fuse the linear's input quantization into the producer's kernel."""
-        return ((self.input_layernorm, self.self_attn.qkv_proj),
-                (self.post_attention_layernorm, self.mlp.gate_up_proj),
-                (self.mlp.act, self.mlp.down_proj))
-
     def forward(
         self,
         hidden_states: torch.Tensor,
