@@ -31,8 +31,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
     llm.generate(prompt, params)  # warm-up: compiles every kernel
     # The decode steps alone: a run of steps + 1 tokens minus a prefill-only run.
-    decode = _kernel_times(llm, prompt, params)
-    for name, (calls, us) in _kernel_times(llm, prompt, SamplingParams(max_tokens=1, ignore_eos=True)).items():
+    decode = kernel_times(llm, prompt, params)
+    for name, (calls, us) in kernel_times(llm, prompt, SamplingParams(max_tokens=1, ignore_eos=True)).items():
         decode[name][0] -= calls
         decode[name][1] -= us
     steps = args.steps
@@ -45,8 +45,9 @@ def main() -> None:
             print(f"  {us / steps:8.1f} us/step  {calls / steps:6.1f} calls/step  {us / calls:7.2f} us/call  {name}")
 
 
-def _kernel_times(llm: LLM, prompt: list[dict], params: SamplingParams) -> dict[str, list[float]]:
-    """Kernel name -> [calls, total device microseconds] over one generate call."""
+def kernel_times(llm: LLM, prompt: list[dict], params: SamplingParams | list[SamplingParams]) -> dict[str, list[float]]:
+    """Kernel name -> [calls, total device microseconds] over one generate call (also used by
+    gpu_w1_kernels.py)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompt, params)

@@ -1,6 +1,6 @@
 """Where W1's GPU time goes, by kernel: the whole offline workload (256 requests, 100-1024 in
 and out, llama3-8b dummy weights) under torch.profiler, CUDA graphs off so that every kernel
-is seen. Prints GPU time per kernel over the run, grouped, with the run's wall time.
+is seen. Prints GPU time per kernel over the run.
 
     python benchmarks/gpu_w1_kernels.py [--quantization fp8] [--kv-cache-dtype fp8] [--num-prompts 256]
 """
@@ -8,11 +8,8 @@ is seen. Prints GPU time per kernel over the run, grouped, with the run's wall t
 from __future__ import annotations
 
 import argparse
-import time
-from collections import defaultdict
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+from gpu_step_kernels import kernel_times  # benchmarks/ is the script's directory
 
 from kvserve.benchmarks.throughput import make_requests
 from kvserve.llm import LLM
@@ -32,21 +29,10 @@ def main() -> None:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     llm.generate(prompts[:2], params[:2])  # warm-up
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params)
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals[event.name[:80]]
-            entry[0] += 1
-            entry[1] += event.device_time_total
+    totals = kernel_times(llm, prompts, params)
     gpu_s = sum(us for _, us in totals.values()) / 1e6
-    print(f"W1 {args.quantization or 'bf16'} kv {args.kv_cache_dtype}: wall {wall:.2f} s (eager, profiled), "
-          f"GPU kernels {gpu_s:.2f} s, {sum(n for n, _ in totals.values())} kernels")
+    print(f"W1 {args.quantization or 'bf16'} kv {args.kv_cache_dtype} (eager): GPU kernels {gpu_s:.2f} s, "
+          f"{sum(n for n, _ in totals.values())} kernels")
     for name, (calls, us) in sorted(totals.items(), key=lambda item: -item[1][1])[:args.top]:
         print(f"  {us / 1e6:7.3f} s {100 * us / 1e6 / gpu_s:5.1f}%  {calls:8d} calls  {us / calls:8.1f} us/call  {name}")
 
