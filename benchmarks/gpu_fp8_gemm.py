@@ -1,6 +1,7 @@
 """fp8 linears at 65-2048 rows (W1's decode batches and prefill chunks): torch._scaled_mm with
 row-wise scales (kvserve's path above 64 rows, after the per-token quantization), with
-use_fast_accum, a Triton W8A8 tl.dot kernel, and kvserve's weight-only kernel (bf16 x, the
+use_fast_accum, with tensor-wise scales and the row/column scales applied after, a Triton
+W8A8 tl.dot kernel, and kvserve's weight-only kernel (bf16 x, the
 e4m3 weight upcast in the loop, no activation quantization) over a few tile configs, against
 bf16 cuBLAS; llama3-8b shapes, one step's 32 layers.
 Each output is checked against the fp64 product of the same fp8 operands. GPU only:
@@ -92,6 +93,13 @@ def main() -> None:
                 err = (f().double() - ref).abs().max().item() / ref.abs().max().item()
                 row[f"scaled_mm fast_accum={fast}"] = us(f)
                 row[f"scaled_mm fast_accum={fast} err"] = err
+            # Tensor-wise scales (other cuBLAS kernels than the row-wise ones), the per-token
+            # and per-channel scales applied to the bf16 product afterwards.
+            one = torch.ones((), device=dev)
+            f = lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,  # noqa: E731
+                                         out_dtype=torch.bfloat16) * sx * sw.view(1, -1)
+            row["scaled_mm tensor-wise + rescale"] = us(f)
+            row["scaled_mm tensor-wise + rescale err"] = (f().double() - ref).abs().max().item() / ref.abs().max().item()
             best = None
             for config in CONFIGS:
                 try:
