@@ -53,7 +53,8 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
     mean_context = input_len + output_len / 2
     floor = decode_step_floor_s(
         weight_bytes_per_step(engine.runner.model, engine.model_config),
-        kv_bytes_per_token(engine.model_config, engine.runner.kv_cache_dtype), round(batch_size * mean_context), bandwidth,
+        kv_bytes_per_token(engine.model_config, engine.runner.kv_cache_dtype),
+        round(batch_size * mean_context), bandwidth,
     )
     return LatencyResult(batch_size, input_len, output_len, statistics.median(ttfts) * 1e3,
                          tpot * 1e3, batch_size / tpot, floor * 1e3, floor / tpot,

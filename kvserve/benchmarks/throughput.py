@@ -168,7 +168,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"continuous batching vs one at a time: {results[0].output_tok_s / results[1].output_tok_s:.2f}x")
     print(f"floor: {floor['floor_s']:.2f} s = {floor['floor_output_tok_s']:.0f} out tok/s at "
           f"{floor['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s and {floor['peak_flops'] / 1e9:.0f} "
-          f"GFLOP/s ({floor['linear_peak_flops'] / 1e9:.0f} for the linears) measured here; continuous batching reaches {floor['floor_s'] / results[0].elapsed_s:.0%} of it")
+          f"GFLOP/s ({floor['linear_peak_flops'] / 1e9:.0f} for the linears) measured here; "
+          f"continuous batching reaches {floor['floor_s'] / results[0].elapsed_s:.0%} of it")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"floor": floor, "results": [
