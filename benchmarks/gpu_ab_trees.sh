@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call comparing kvserve trees side by side on llama3-8b dummy weights (H200/H100):
-# W1 int4 with unpack_int4 (this tree) against the torch dequantize path (ab_base), W2 int4
+# W1 int4 with unpack_int4 (since renamed unpack_weight; this tree) against the torch dequantize path (ab_base), W2 int4
 # batch 1 and W1 bf16 with and without RoPE fused into the KV write (ab_fused), as run on
 # 2026-11-26. Make the trees first, untracked, in the repository root:
 #   mkdir ab_base ab_fused

@@ -68,6 +68,21 @@ class QuantizedLinear(nn.Module, ABC):
         the input does not suit it."""
         return None
 
+    @staticmethod
+    def unpacked_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                        group_size: int, four_bit: bool) -> torch.Tensor | None:
+        """x @ W^T on CUDA with the weight unpacked by one Triton pass to x's dtype (several
+        times less time than `dequantize`'s torch ops, BENCHMARKS.md), then cuBLAS: the dense
+        path of layers whose packed weight unpack_weight reads (packed [N, K] int8 bytes or
+        [N, K / 2] nibble pairs, scale and offset [N, K / group_size]). None where it does
+        not apply."""
+        if not x.is_cuda:
+            return None
+        from kvserve.quantization.triton_kernels import unpack_weight
+
+        weight = unpack_weight(packed, scale, offset, group_size, x.dtype, four_bit=four_bit)
+        return None if weight is None else F.linear(x, weight)
+
     def gpu_kernel_applies(self, x: torch.Tensor) -> bool:
         return (gpu_kernels_enabled and x.dtype in (torch.bfloat16, torch.float16)
                 and x.numel() <= GPU_KERNEL_MAX_ROWS * self.in_features)

@@ -14,7 +14,6 @@ import functools
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.cpu_kernels import int4_matmul_op
@@ -163,14 +162,11 @@ class Int4Linear(QuantizedLinear):
     def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """On CUDA the weight is unpacked by one Triton pass (7x less time than the torch ops
         of `dequantize` for llama3-8b's linears on an H200, BENCHMARKS.md), then cuBLAS."""
-        if x.is_cuda and not self.kernel_layout and self.in_features % 2 == 0:
-            from kvserve.quantization.triton_kernels import unpack_weight
-
-            weight = unpack_weight(self.qweight.view(self.out_features, self.in_features // 2), self.scale,
-                                   self.minimum, self.group_size, x.dtype, four_bit=True)
-            if weight is not None:
-                return F.linear(x, weight)
-        return super().dense_matmul(x)
+        y = None
+        if not self.kernel_layout and self.in_features % 2 == 0:
+            nibble_pairs = self.qweight.view(self.out_features, self.in_features // 2)
+            y = self.unpacked_matmul(x, nibble_pairs, self.scale, self.minimum, self.group_size, four_bit=True)
+        return super().dense_matmul(x) if y is None else y
 
     def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         if not self.gpu_kernel_applies(x) or self.in_features % 2:

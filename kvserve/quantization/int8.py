@@ -95,14 +95,9 @@ class GroupInt8Linear(QuantizedLinear):
         return groups.reshape(n, k).to(dtype)
 
     def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """On CUDA the weight is unpacked by one Triton pass (as Int4Linear's), then cuBLAS."""
-        if x.is_cuda:
-            from kvserve.quantization.triton_kernels import unpack_weight
-
-            weight = unpack_weight(self.qweight, self.scale, self.offset, self.group_size, x.dtype, four_bit=False)
-            if weight is not None:
-                return F.linear(x, weight)
-        return super().dense_matmul(x)
+        """On CUDA the weight is unpacked by one Triton pass, then cuBLAS."""
+        y = self.unpacked_matmul(x, self.qweight, self.scale, self.offset, self.group_size, four_bit=False)
+        return super().dense_matmul(x) if y is None else y
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         if not self.has_kernel:
