@@ -4,10 +4,14 @@ use_fast_accum, with tensor-wise scales and the row/column scales applied after,
 W8A8 tl.dot kernel, and kvserve's weight-only kernel (bf16 x, the
 e4m3 weight upcast in the loop, no activation quantization) over a few tile configs, against
 bf16 cuBLAS; llama3-8b shapes, one step's 32 layers.
-Each output is checked against the fp64 product of the same fp8 operands. GPU only:
-python benchmarks/gpu_fp8_gemm.py"""
+Each output is checked against the fp64 product of the same fp8 operands; "fp8 err" is what
+quantizing x and w to e4m3 costs against the fp64 product of the bf16 operands, the scale
+the accumulation errors compare with. GPU only:
+python benchmarks/gpu_fp8_gemm.py [--rows 96,128] [--scaled-mm-only]"""
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import triton
@@ -72,10 +76,15 @@ def us(fn) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="96,128,192,256,512,2048", help="Comma-separated row counts.")
+    parser.add_argument("--scaled-mm-only", action="store_true",
+                        help="Skip the Triton W8A8 and weight-only kernels' config searches.")
+    args = parser.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
     print(torch.cuda.get_device_name(), "us per call; 'step' = 32 layers' four linears, ms")
-    for m in (96, 128, 192, 256, 512):
+    for m in (int(r) for r in args.rows.split(",")):
         totals: dict[str, float] = {}
         for name, (n, k) in SHAPES.items():
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -84,7 +93,8 @@ def main() -> None:
             wq = (w.float() / sw).to(torch.float8_e4m3fn)
             xq, sx = quantize_per_token(x)
             ref = (xq.double() * sx.double()) @ (wq.double() * sw.double()).t()
-            row = {}
+            exact = x.double() @ w.double().t()
+            row = {"fp8 err": (ref - exact).abs().max().item() / exact.abs().max().item()}
             row["bf16 cuBLAS"] = us(lambda: x @ w.t())
             row["per-token quant"] = us(lambda: quantize_per_token(x))
             for fast in (False, True):
@@ -96,10 +106,16 @@ def main() -> None:
             # Tensor-wise scales (other cuBLAS kernels than the row-wise ones), the per-token
             # and per-channel scales applied to the bf16 product afterwards.
             one = torch.ones((), device=dev)
-            f = lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,  # noqa: E731
-                                         out_dtype=torch.bfloat16) * sx * sw.view(1, -1)
-            row["scaled_mm tensor-wise + rescale"] = us(f)
-            row["scaled_mm tensor-wise + rescale err"] = (f().double() - ref).abs().max().item() / ref.abs().max().item()
+            for fast in (False, True):
+                f = lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,  # noqa: E731
+                                             use_fast_accum=fast) * sx * sw.view(1, -1)
+                row[f"tensor-wise fast_accum={fast} + rescale"] = us(f)
+                row[f"tensor-wise fast_accum={fast} + rescale err"] = (
+                    (f().double() - ref).abs().max().item() / ref.abs().max().item())
+            if args.scaled_mm_only:
+                report(m, name, row, "")
+                add_step(totals, row)
+                continue
             best = None
             for config in CONFIGS:
                 try:
@@ -116,22 +132,30 @@ def main() -> None:
             wbest = None
             for config in WEIGHT_ONLY_CONFIGS:
                 f = lambda: weight_only_matmul(x, wq, sw, None, k, config=config)  # noqa: E731
-                exact = (x.double() @ (wq.double() * sw.double()).t())
-                err = (f().double() - exact).abs().max().item() / exact.abs().max().item()
+                weight_exact = x.double() @ (wq.double() * sw.double()).t()
+                err = (f().double() - weight_exact).abs().max().item() / weight_exact.abs().max().item()
                 t = us(f)
                 if wbest is None or t < wbest[0]:
                     wbest = (t, config, err)
             row["weight-only best"] = wbest[0]
             row["weight-only err"] = wbest[2]
-            print(f"m {m:5d} {name:8s} " + "  ".join(
-                f"{key} {value:.2e}" if key.endswith("err") else f"{key} {value:.1f}" for key, value in row.items())
-                + f"  best w8a8 {best[1]}  best weight-only {wbest[1]}", flush=True)
-            for key, value in row.items():
-                if not key.endswith("err"):
-                    totals[key] = totals.get(key, 0.0) + value * LAYERS / 1e3
+            report(m, name, row, f"  best w8a8 {best[1]}  best weight-only {wbest[1]}")
+            add_step(totals, row)
         weights = sum(n * k for n, k in SHAPES.values()) * LAYERS
         print(f"m {m:5d} step: " + "  ".join(f"{key} {value:.2f}" for key, value in totals.items())
               + f"  (fp8 weights {weights / 1e9:.2f} GB)", flush=True)
+
+
+def report(m: int, name: str, row: dict[str, float], suffix: str) -> None:
+    print(f"m {m:5d} {name:8s} " + "  ".join(
+        f"{key} {value:.2e}" if key.endswith("err") else f"{key} {value:.1f}" for key, value in row.items())
+        + suffix, flush=True)
+
+
+def add_step(totals: dict[str, float], row: dict[str, float]) -> None:
+    for key, value in row.items():
+        if not key.endswith("err"):
+            totals[key] = totals.get(key, 0.0) + value * LAYERS / 1e3
 
 
 if __name__ == "__main__":

@@ -564,6 +564,23 @@ def test_gpu_per_token_fp8_matches_torch() -> None:
 
 @pytest.mark.gpu
 @requires_cuda
+def test_gpu_scaled_mm_accumulates_the_fp8_operands_closely() -> None:
+    """_scaled_mm (fast accumulation) against the fp64 product of the very fp8 operands it
+    multiplies: the error of accumulating, not of quantizing (that one is ~4e-2)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need compute capability 8.9")
+    for m, n, k in ((96, 6144, 4096), (256, 4096, 14336), (80, 48, 96)):
+        layer = make_layer("fp8", n, k, device="cuda")
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        assert layer._scaled_mm_applies(x)
+        x_fp8, x_scale = quantize_per_token(x)
+        reference = (x_fp8.double() * x_scale.double()) @ layer.dequantize(torch.float64).t()
+        error = (layer._scaled_mm(x).double() - reference).abs().max() / reference.abs().max()
+        assert error <= 1.5e-2, f"{(m, n, k)}: {error:.2e}"
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_gpu_int4_checkpoint_layout_is_repacked_on_the_device() -> None:
     layer = make_layer("int4", 128, 256)  # built on the CPU in torch's CPU kernel layout
     assert layer.kernel_layout
