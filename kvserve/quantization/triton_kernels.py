@@ -867,28 +867,37 @@ INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
 # takes the mma config: 28.6 against 32.6 us on the H100, where the narrower linears stayed
 # faster on the CUDA cores (qkv 10.1 against 11.4, o 8.3 / 9.1, down 17.4 / 19.2).
 INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW = 16384
-# fp8 weights, the same form, from `--sweep --sweep-formats fp8-triton` on the H100: one row
-# 3.06 ms per llama3-8b step's linears (the byte kernel 1x32x256: 3.13; bf16 5.20); 4 and 8
-# rows 3.41 and 3.49 on mma.sync (the byte tl.dot tiles: 3.60, 3.58). On an H200, 16 rows on
-# mma.sync with 2 tiles of x: 3.22 ms (the byte tiles 3.60, bf16 3.68); at 32 rows the byte
-# tiles (4.90; mma.sync 5.16).
+# fp8 weights, the same form, from `--sweep --sweep-formats fp8-triton` on the H100: 4 and 8
+# rows 3.41 and 3.49 ms per llama3-8b step's linears on mma.sync (the byte tl.dot tiles: 3.60,
+# 3.58). On an H200, 16 rows on mma.sync with 2 tiles of x: 3.22 ms (the byte tiles 3.60, bf16
+# 3.68); at 32 rows the byte tiles (4.90; mma.sync 5.16). One row, by linear (H100, two sweeps,
+# BENCHMARKS.md): mma.sync for the narrow ones, the byte kernel for the wide gate/up below.
 FP8_MMA_CONFIG = LaunchConfig(16, 128, 128, num_warps=4, num_stages=1, waves=2, words="mma")
 FP8_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
-    (1, LaunchConfig(1, 64, 256, num_stages=1, waves=4, words="fma")),
+    (1, LaunchConfig(8, 128, 128, num_warps=4, num_stages=1, waves=4, words="mma")),
     (SMALL_ROWS, FP8_MMA_CONFIG),
 )
+# One row where the mma kernel does not apply (groups narrower than 128, K not whole tiles).
+FP8_ONE_ROW_WORDS_CONFIG = LaunchConfig(1, 64, 256, num_stages=1, waves=4, words="fma")
+# One row of x against at least INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW fp8 weight rows: the
+# byte CUDA-core kernel, no split of K (llama3-8b's gate/up: 42.4 against 47.4 us on mma.sync
+# and 51.2 on the word kernel, 92% of its bytes floor).
+FP8_WIDE_ONE_ROW_CONFIG = LaunchConfig(1, 32, 256)
 
 
 def default_config(rows: int, four_bit: bool, fp8: bool, out_features: int = 0, mma: bool = True) -> LaunchConfig:
     """int8 picked from llama3-8b's linears on an H200 (BENCHMARKS.md): at one row tl.dot
     tiles beat the CUDA-core kernel (3.47 against 3.88 ms per step's linears); 4-bit and
-    fp8 weights: INT4_DECODE_CONFIGS and FP8_DECODE_CONFIGS. mma=False: the configs for
-    weights the mma kernels do not take."""
-    if mma and four_bit and rows == 1 and out_features >= INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW:
-        return INT4_MMA_CONFIG
+    fp8 weights: INT4_DECODE_CONFIGS and FP8_DECODE_CONFIGS, and at one row the rules for
+    wide linears above. mma=False: the configs for weights the mma kernels do not take."""
+    if rows == 1 and out_features >= INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW:
+        if four_bit and mma:
+            return INT4_MMA_CONFIG
+        if fp8:
+            return FP8_WIDE_ONE_ROW_CONFIG
     table = INT4_DECODE_CONFIGS if four_bit else FP8_DECODE_CONFIGS if fp8 else ()
     if not mma:
-        table = INT4_TILE_CONFIGS if four_bit else ()
+        table = INT4_TILE_CONFIGS if four_bit else ((1, FP8_ONE_ROW_WORDS_CONFIG),) if fp8 else ()
     if table and rows <= table[-1][0]:
         return next(config for most_rows, config in table if rows <= most_rows)
     if rows <= SMALL_ROWS:

@@ -385,8 +385,9 @@ def test_kernel_declines_what_it_cannot_tile() -> None:
 
 def test_row_counts_pick_the_kernels_the_sweeps_chose() -> None:
     """default_config's routing (BENCHMARKS.md): 4-bit weights on the CUDA cores at one row
-    but on mma.sync for wide linears and for 2-32 rows, tl.dot tiles above; fp8 likewise
-    without the wide one-row rule, up to 16 rows (the byte kernel's tiles above); and the mma
+    but on mma.sync for wide linears and for 2-32 rows, tl.dot tiles above; fp8 on mma.sync
+    for 1-16 rows but the byte kernel for one row of a wide linear (the byte kernel's tiles
+    above 16 rows); and the mma
     kernels only where they apply (CUDA, groups of whole 128s, up to 64 rows), else the tiles
     the rows take without them."""
     from kvserve.quantization import triton_kernels as tk
@@ -398,8 +399,11 @@ def test_row_counts_pick_the_kernels_the_sweeps_chose() -> None:
                      (32, 28672): "mma", (33, 4096): "dot", (33, 28672): "dot", (64, 4096): "dot", (64, 28672): "dot"}
     assert [tk.default_config(rows, True, False, 28672, mma=False).block_m for rows in (1, 8, 16, 17, 64)] == [
         16, 16, 16, 64, 64]
-    assert [tk.default_config(rows, False, True, 28672).words for rows in (1, 4, 8, 16, 17)] == [
-        "fma", "mma", "mma", "mma", None]
+    assert [tk.default_config(rows, False, True, 4096).words for rows in (1, 4, 8, 16, 17)] == [
+        "mma", "mma", "mma", "mma", None]
+    # One row against a wide fp8 weight: the byte kernel; without mma.sync, the word kernel.
+    assert tk.default_config(1, False, True, 28672) == tk.FP8_WIDE_ONE_ROW_CONFIG
+    assert tk.default_config(1, False, True, 4096, mma=False).words == "fma"
     x = torch.randn(4, 512, dtype=torch.bfloat16)
     assert not tk._mma_applies(x, 128, True, 256)  # not CUDA
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
