@@ -18,6 +18,7 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
+from kvserve.sample.argmax import row_argmax
 from kvserve.cpu_kernels import float_matmul_op
 from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
@@ -111,6 +112,8 @@ class ModelRunner:
             # Every attention variant compiled now, not inside the first requests that need one.
             self.attn_backend.warm_up(self.kv_caches[0], model_config.num_attention_heads, model_config.dtype,
                                       self.block_size)
+        if device.type == "cuda":  # the sampler's argmax kernels likewise (fp32 logits)
+            row_argmax(torch.zeros(1, model.config.vocab_size, device=device))
         self.cuda_graphs = None
         if self._can_use_cuda_graphs(enforce_eager):
             max_len = max_model_len or model_config.max_position_embeddings

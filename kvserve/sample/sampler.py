@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.sample.argmax import row_argmax
 from kvserve.sampling_params import SamplingParams
 from kvserve.utils import to_device_async
 
@@ -241,7 +242,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     greedy = [row.params.is_greedy for row in rows]
     if all(greedy):
-        return logits.argmax(dim=-1)
+        return row_argmax(logits)
     device = logits.device
     if any(not g and row.params.temperature != 1.0 for g, row in zip(greedy, rows)):
         # Greedy rows divide by 1: their sample is discarded for the argmax below.
@@ -255,10 +256,10 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     probs = _apply_top_k_top_p(probs, rows)
     probs = _apply_min_p(probs, rows)
     # Filtered probs are not renormalised: argmax(probs / q) is scale invariant.
-    sampled = probs.div_(_exponential_noise(probs, rows, greedy)).argmax(dim=-1)
+    sampled = row_argmax(probs.div_(_exponential_noise(probs, rows, greedy)))
     if any(greedy):
         is_greedy = to_device_async(greedy, torch.bool, device)
-        sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        sampled = torch.where(is_greedy, row_argmax(logits), sampled)
     return sampled
 
 
