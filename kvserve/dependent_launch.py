@@ -1,15 +1,20 @@
-"""Programmatic dependent launch (PDL, Hopper and newer) for the decode step's weight kernels.
+"""Programmatic dependent launch (PDL, Hopper and newer) for the decode step's kernels.
 
-At batch 1 a decode step is a chain of ~200 short kernels, and each weight-streaming GEMV
-starts with dead time: its launch, its prologue and the DRAM latency of its first tiles,
-which on the small projections is a large part of the ~10 us they take (BENCHMARKS.md, "int4
-decode kernel — what bounds it"). Launched with PDL, a GEMV's programs start while the kernel
-before it still runs: they load their first weight tiles (which nothing in the step writes)
-and only then wait (`gdc_wait`) for the previous kernel's output. The kernels that precede
-GEMVs (RMSNorm, SiLU-and-mul, attention) let their dependents launch from their first
-instruction (`gdc_launch_dependents`); that is all it does, so it is safe before any kernel.
-Only the one-row ("fma") word kernels wait this way: with the tensor-core word kernels (2-64
-rows) launched under PDL as well, an H100 run of the int4 latency benchmark never finished.
+At batch 1 a decode step is a chain of ~350 short kernels, and each starts with dead time:
+its launch, its prologue and the DRAM latency of its first loads, which on the small
+projections is a large part of the ~10 us they take (BENCHMARKS.md, "int4 decode kernel —
+what bounds it"). Launched with PDL, a kernel's programs start while the kernel before it
+still runs, and wait (`gdc_wait`) before reading that kernel's output. The one-row GEMVs
+load their first weight tiles (which nothing in the step writes) before they wait. The
+elementwise kernels (RMSNorm, RoPE, the KV-cache write, SiLU-and-mul) and attention wait
+first thing (`chained`). Every kernel of the chain lets its own dependents launch from its
+first instruction (`gdc_launch_dependents`): a dependent only launches once every program of
+the kernel before it has started, and waits for it to finish, which it can only do after the
+kernel before it finished, so a chain never reads early and never holds SM slots its
+predecessors need. The tensor-core GEMVs (mma.sync, tl.dot tiles) and the byte kernel are
+not launched as dependents; the mma.sync and byte kernels let the next kernel launch early.
+(With the tl.dot word kernels launched under PDL, an H100 run of the int4 latency benchmark
+once never finished; not investigated.)
 
 `KVSERVE_PDL=0` turns it off (for side-by-side timing).
 """
@@ -20,6 +25,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 @functools.cache
@@ -38,3 +45,12 @@ def enabled(device: torch.device) -> bool:
 def launch_options(device: torch.device) -> dict[str, bool]:
     """Launch keywords for a kernel that waits (`gdc_wait`) before reading its inputs."""
     return {"launch_pdl": True} if enabled(device) else {}
+
+
+@triton.jit
+def chained(PDL: tl.constexpr):
+    """First thing in a kernel launched with `launch_options`: let the next kernel launch,
+    then wait until the kernel before this one has finished and its writes are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

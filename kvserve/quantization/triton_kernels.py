@@ -116,11 +116,13 @@ def _weight_only_gemv_kernel(
     N, K, group_size, tiles_per_split,
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     FOUR_BIT: tl.constexpr, FP8: tl.constexpr, GROUPED: tl.constexpr, HAS_OFFSET: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
 ):
     """One row of x per program: W tiles [BLOCK_N, BLOCK_K] read as stored and multiplied on
     the CUDA cores into an fp32 accumulator of the same shape, reduced once at the end (no
     tensor-core operand layout, no per-tile reduction): the decode-at-batch-1 form."""
+    if LAUNCH_NEXT:  # the next kernel may launch (it waits for this one)
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -322,6 +324,8 @@ def _int4_gemv_kernel(
     partial sums, the scale applied lane by lane (one cross-thread reduction, at the end);
     the tiles advance scalar base pointers under fixed 32-bit offsets. With PDL the first
     tile's words and scales load before the wait for the previous kernel (dependent_launch)."""
+    if PDL:  # the next kernel may launch (it waits for this one)
+        tl.extra.cuda.gdc_launch_dependents()
     rows, cols, row_mask, col_mask, first, last = _program_block(M, N, num_tiles, tiles_per_split,
                                                                  BLOCK_M, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 8
@@ -554,7 +558,7 @@ def _int4_mma_kernel(
     M, N, num_tiles, tiles_per_split, group_size, magic,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
     FP16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr,
-    NUM_WARPS: tl.constexpr, X_TILES: tl.constexpr,
+    NUM_WARPS: tl.constexpr, X_TILES: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
 ):
     """Up to 8 X_TILES rows of x against ROW_TILES x 16 weight rows a warp on tensor cores,
     through mma.sync m16n8k16 (B's 8 columns are 8 rows of x; each A fragment, unpacked once,
@@ -566,6 +570,8 @@ def _int4_mma_kernel(
     16-byte load a weight row and group a thread, the next tile's in flight while this one
     is multiplied. Per-thread values are [threads, ROW_TILES] tensors (thread i holds row i),
     so Triton keeps them in registers with no layout conversions; an x tile's are a tuple."""
+    if LAUNCH_NEXT:  # the next kernel may launch (it waits for this one)
+        tl.extra.cuda.gdc_launch_dependents()
     THREADS: tl.constexpr = 32 * NUM_WARPS
     ONES: tl.constexpr = 0x3C003C00 if FP16 else 0x3F803F80
     BIAS: tl.constexpr = 1024.0 if FP16 else 128.0
@@ -660,7 +666,7 @@ def _fp8_mma_kernel(
     M, N, num_tiles, tiles_per_split, group_size,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
     X_BF16: tl.constexpr, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr,
-    X_TILES: tl.constexpr,
+    X_TILES: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
 ):
     """Up to 8 X_TILES rows of x against e4m3 weights on tensor cores, as _int4_mma_kernel
     lays them out: each thread converts its own words into its A fragment (a word is four
@@ -668,6 +674,8 @@ def _fp8_mma_kernel(
     pairs for the B fragment (fp16 MMAs, fp32 accumulators), and the MMA's k order is a
     permutation of K within 64-k segments (thread t's words 4 t .. 4 t + 3, one an MMA). A
     tile is 128 k, within one scale group (or one scale a row)."""
+    if LAUNCH_NEXT:  # the next kernel may launch (it waits for this one)
+        tl.extra.cuda.gdc_launch_dependents()
     g, t, w_row, w_row8 = _mma_weight_rows(ROW_TILES, NUM_WARPS)
     first, last = _split_tiles(num_tiles, tiles_per_split)
     # Thread (g, t): words 16 h + 4 t .. + 3 of weight rows g and g + 8 in half h of a tile,
@@ -740,6 +748,8 @@ def _fp8_gemv_kernel(
     end, to products summed over all tiles (one reduction across threads per program);
     group scales once per tile (a tile lies within one group). With PDL the first tile's
     words load before the wait for the previous kernel (dependent_launch)."""
+    if PDL:  # the next kernel may launch (it waits for this one)
+        tl.extra.cuda.gdc_launch_dependents()
     rows, cols, row_mask, col_mask, first, last = _program_block(M, N, num_tiles, tiles_per_split,
                                                                  BLOCK_M, BLOCK_N)
     WORDS: tl.constexpr = BLOCK_K // 4
@@ -1005,7 +1015,7 @@ def _words_matmul(
             rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
             X_BF16=rows.dtype == torch.bfloat16, SPLIT=split > 1,
             ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
-            num_warps=config.num_warps, num_stages=1,
+            LAUNCH_NEXT=dependent_launch.enabled(rows.device), num_warps=config.num_warps, num_stages=1,
         )
         return out
     if config.words == "mma":
@@ -1016,7 +1026,7 @@ def _words_matmul(
             rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
             FP16=fp16, HAS_OFFSET=offset is not None, SPLIT=split > 1,
             ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
-            num_warps=config.num_warps, num_stages=1,
+            LAUNCH_NEXT=dependent_launch.enabled(rows.device), num_warps=config.num_warps, num_stages=1,
         )
         return out
     fp8 = qweight.dtype == torch.float8_e4m3fn
@@ -1089,7 +1099,7 @@ def weight_only_matmul(
             rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
             FOUR_BIT=four_bit, FP8=fp8, GROUPED=grouped, HAS_OFFSET=offset is not None,
             EVEN_K=in_features % block_k == 0, BLOCK_N=config.block_n, BLOCK_K=block_k,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            LAUNCH_NEXT=dependent_launch.enabled(x.device), num_warps=config.num_warps, num_stages=config.num_stages,
         )
     elif m:
         _weight_only_matmul_kernel[(triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)](

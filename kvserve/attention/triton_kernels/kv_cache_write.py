@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve import dependent_launch
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -26,7 +28,9 @@ def _write_kv_kernel(
     FP8_MAX: tl.constexpr,  # > 0: a float8 cache, values scaled and saturated to it
     KV_HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_launch.chained(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # A negative slot marks a padding token (e.g. a CUDA-graph bucket's spare rows).
@@ -77,4 +81,6 @@ def write_kv_cache(
         FP8_MAX=torch.finfo(kv_cache.dtype).max if kv_cache.dtype.itemsize == 1 else 0.0,
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
+        PDL=dependent_launch.enabled(key.device),
+        **dependent_launch.launch_options(key.device),
     )

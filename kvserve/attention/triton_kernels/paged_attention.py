@@ -95,10 +95,9 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # bf16 queries over a float8 cache: both dots in fp16
     V_FLOAT8_ASM: tl.constexpr,  # "e4m3"/"e5m2": convert V on CUDA before its layout change
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:  # the next kernel (the output projection) may load its weights
-        tl.extra.cuda.gdc_launch_dependents()
+    dependent_launch.chained(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -188,10 +187,9 @@ def _merge_splits_kernel(
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
+    dependent_launch.chained(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     first_part = (token * num_heads + head) * num_kv_splits
@@ -345,7 +343,8 @@ def paged_attention(
         V_FLOAT8_ASM=_float8_asm_format(kv_cache, query),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-        LAUNCH_DEPENDENTS=dependent_launch.enabled(query.device),
+        PDL=dependent_launch.enabled(query.device),
+        **dependent_launch.launch_options(query.device),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -358,7 +357,8 @@ def paged_attention(
             output.stride(0),
             output.stride(1),
             HEAD_DIM=head_dim,
-            LAUNCH_DEPENDENTS=dependent_launch.enabled(query.device),
+            PDL=dependent_launch.enabled(query.device),
+            **dependent_launch.launch_options(query.device),
         )
 
 

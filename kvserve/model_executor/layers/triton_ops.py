@@ -18,10 +18,9 @@ from kvserve import dependent_launch
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, num_cols, stride_x, stride_r, stride_o, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:  # the next kernel (a GEMV) may start loading its weights
-        tl.extra.cuda.gdc_launch_dependents()
+    dependent_launch.chained(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -55,7 +54,7 @@ def add_rms_norm(
         x, residual if residual is not None else x, weight, out, num_cols, x.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-        LAUNCH_DEPENDENTS=dependent_launch.enabled(x.device),
+        PDL=dependent_launch.enabled(x.device), **dependent_launch.launch_options(x.device),
     )
     return out
 
@@ -63,8 +62,9 @@ def add_rms_norm(
 @triton.jit
 def _rotary_kernel(
     x_ptr, cos_ptr, sin_ptr, num_heads, stride_t, stride_h, stride_cs,
-    HALF: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr, HEADS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    dependent_launch.chained(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF)[None, :]
@@ -90,15 +90,14 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         _rotary_kernel[(num_tokens,)](
             x, cos, sin, num_heads, x.stride(0), x.stride(1), cos.stride(0),
             HALF=head_dim // 2, HEADS_PAD=triton.next_power_of_2(num_heads),
+            PDL=dependent_launch.enabled(x.device), **dependent_launch.launch_options(x.device),
         )
     return x
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr,
-                         LAUNCH_DEPENDENTS: tl.constexpr):
-    if LAUNCH_DEPENDENTS:  # the next kernel (a GEMV) may start loading its weights
-        tl.extra.cuda.gdc_launch_dependents()
+def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch.chained(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -119,6 +118,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block = 1024
         _silu_and_mul_kernel[(num_rows, triton.cdiv(width, block))](
             x, out, width, x.stride(0), out.stride(0), BLOCK=block,
-            LAUNCH_DEPENDENTS=dependent_launch.enabled(x.device),
+            PDL=dependent_launch.enabled(x.device), **dependent_launch.launch_options(x.device),
         )
     return out
