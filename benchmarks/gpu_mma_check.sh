@@ -26,7 +26,7 @@ table, fmt = sys.argv[1:]
 if table == "before":
     tk.INT4_DECODE_CONFIGS = tuple(entry for entry in tk.INT4_DECODE_CONFIGS if entry[1].words != "mma")
     tk.FP8_DECODE_CONFIGS = tuple(entry for entry in tk.FP8_DECODE_CONFIGS if entry[1].words != "mma")
-    tk.INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW = 1 << 30
+    tk.WIDE_AT_ONE_ROW_OUT_FEATURES = 1 << 30
 from kvserve.entrypoints.cli import main
 main(["--log-level", "WARNING", "bench", "latency", "--load-format", "dummy", "--model-shape", "llama3-8b",
       "--batch-sizes", "1,4,8", "--input-len", "128", "--output-len", "128", "--quantization", fmt,

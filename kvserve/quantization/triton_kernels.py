@@ -873,10 +873,11 @@ INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (32, LaunchConfig(32, 128, 256, num_warps=4, num_stages=1, waves=2, words="mma")),
     INT4_TILE_CONFIGS[-1],
 )
-# One row of x against at least this many weight rows (llama3-8b's fused gate/up, 28672) also
-# takes the mma config: 28.6 against 32.6 us on the H100, where the narrower linears stayed
+# One row of x against at least this many weight rows (llama3-8b's fused gate/up, 28672): a
+# wide linear, which one row runs on other kernels than the narrow ones. 4-bit weights take
+# the mma config there: 28.6 against 32.6 us on the H100, where the narrower linears stayed
 # faster on the CUDA cores (qkv 10.1 against 11.4, o 8.3 / 9.1, down 17.4 / 19.2).
-INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW = 16384
+WIDE_AT_ONE_ROW_OUT_FEATURES = 16384
 # fp8 weights, the same form, from `--sweep --sweep-formats fp8-triton` on the H100: 4 and 8
 # rows 3.41 and 3.49 ms per llama3-8b step's linears on mma.sync (the byte tl.dot tiles: 3.60,
 # 3.58). On an H200, 16 rows on mma.sync with 2 tiles of x: 3.22 ms (the byte tiles 3.60, bf16
@@ -889,7 +890,7 @@ FP8_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
 )
 # One row where the mma kernel does not apply (groups narrower than 128, K not whole tiles).
 FP8_ONE_ROW_WORDS_CONFIG = LaunchConfig(1, 64, 256, num_stages=1, waves=4, words="fma")
-# One row of x against at least INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW fp8 weight rows: the
+# One row of x against a wide fp8 weight (WIDE_AT_ONE_ROW_OUT_FEATURES): the
 # byte CUDA-core kernel, no split of K (llama3-8b's gate/up: 42.4 against 47.4 us on mma.sync
 # and 51.2 on the word kernel, 92% of its bytes floor).
 FP8_WIDE_ONE_ROW_CONFIG = LaunchConfig(1, 32, 256)
@@ -900,7 +901,7 @@ def default_config(rows: int, four_bit: bool, fp8: bool, out_features: int = 0, 
     tiles beat the CUDA-core kernel (3.47 against 3.88 ms per step's linears); 4-bit and
     fp8 weights: INT4_DECODE_CONFIGS and FP8_DECODE_CONFIGS, and at one row the rules for
     wide linears above. mma=False: the configs for weights the mma kernels do not take."""
-    if rows == 1 and out_features >= INT4_MMA_MIN_OUT_FEATURES_AT_ONE_ROW:
+    if rows == 1 and out_features >= WIDE_AT_ONE_ROW_OUT_FEATURES:
         if four_bit and mma:
             return INT4_MMA_CONFIG
         if fp8:
