@@ -6,7 +6,9 @@ printed compare steps timed side by side:
 
     python benchmarks/cpu_quant_decode.py none int8 int8-head --rounds 5
 
-`int8-head` is int8 with its LM head option (`quantization_config={"lm_head": true}`).
+`int8` quantizes the LM head too on CPU (its default since 2026-11-26); `int8-nohead` is
+int8 with the float head only (`quantization_config={"lm_head": false}`), `int8-head` asks for
+the head explicitly.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from kvserve.benchmarks.cpu_decode import DecodeStepTimer, run_round
 from kvserve.llm import LLM
 
 # Names that are a quantization plus its config.
-VARIANTS = {"none": (None, None), "int8-head": ("int8", {"lm_head": True})}
-BATCH_SIZES = (1, 16)
+VARIANTS = {"none": (None, None), "int8-head": ("int8", {"lm_head": True}),
+            "int8-nohead": ("int8", {"lm_head": False})}
 
 
 def load(name: str) -> tuple[LLM, DecodeStepTimer]:
@@ -35,27 +37,30 @@ def load(name: str) -> tuple[LLM, DecodeStepTimer]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("variants", nargs="+", help="quantizations: none, int8, int8-head, int4, gguf, auto")
+    parser.add_argument("variants", nargs="+",
+                        help="quantizations: none, int8, int8-head, int8-nohead, int4, gguf, auto")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per variant and batch size")
+    parser.add_argument("--batch-sizes", default="1,16", help="comma-separated decode batch sizes")
     args = parser.parse_args()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     engines = {name: load(name) for name in args.variants}
     ms: dict[tuple[str, int], list[float]] = {}
     for round_index in range(args.rounds):
         # Alternate which variant goes first, so drifting load hits all alike.
         order = args.variants if round_index % 2 == 0 else args.variants[::-1]
-        for batch in BATCH_SIZES:
+        for batch in batch_sizes:
             for name in order:
                 llm, timer = engines[name]
                 ms.setdefault((name, batch), []).append(run_round(llm, timer, batch, 64, 64, seed=round_index)[0])
         print(f"round {round_index}: " + ", ".join(
-            f"{name} b{batch} {ms[name, batch][-1]:.2f}" for batch in BATCH_SIZES for name in args.variants),
+            f"{name} b{batch} {ms[name, batch][-1]:.2f}" for batch in batch_sizes for name in args.variants),
             flush=True)
     base = args.variants[0]
     print(f"\nmedian ms per decode step over {args.rounds} interleaved rounds "
           f"(load average {os.getloadavg()[0]:.2f}); ratios against {base}:")
     for name in args.variants:
         cells = []
-        for batch in BATCH_SIZES:
+        for batch in batch_sizes:
             median = statistics.median(ms[name, batch])
             ratio = statistics.median(ms[base, batch]) / median
             cells.append(f"batch {batch} {median:7.2f} ms ({batch * 1000 / median:6.1f} tok/s, {ratio:.2f}x)")

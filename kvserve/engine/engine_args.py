@@ -125,7 +125,8 @@ class EngineArgs:
         group.add_argument(
             "--quantization", default=None, choices=[AUTO, NONE, *QUANTIZATION_METHODS],
             help="Weight-only quantization of the linear layers, applied at load: int8 "
-            "(symmetric, per output channel), int4 (asymmetric, group-wise), nf4 "
+            "(symmetric, per output channel; on CPU also an int8 copy of an fp32 LM head for "
+            "decode), int4 (asymmetric, group-wise), nf4 "
             "(bitsandbytes NormalFloat-4, per-block absmax), fp8 (float8_e4m3fn per output channel; "
             "on Hopper/Ada GPUs activations are quantized per token for torch._scaled_mm on "
             "prefill-sized inputs), gguf (run a GGUF file from its "
@@ -137,7 +138,9 @@ class EngineArgs:
         )
         group.add_argument(
             "--quantization-config", default=None, type=_json_dict,
-            help='JSON options of the quantization method, e.g. \'{"group_size": 32}\' for int4.',
+            help='JSON options of the quantization method, e.g. \'{"group_size": 32}\' for int4, '
+            '\'{"lm_head": false}\' to keep int8\'s LM head in the run dtype, \'{"lm_head": true}\' '
+            'for an int4 LM head.',
         )
         group.add_argument(
             "--max-model-len", type=int, default=None,

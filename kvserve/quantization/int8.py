@@ -120,15 +120,20 @@ class GroupInt8Linear(QuantizedLinear):
 
 
 class Int8Method(QuantizationMethod):
-    """Per-channel int8 linears; `quantization_config={"lm_head": true}` adds an int8 copy
-    of the LM head for decode-sized CPU inputs (the float head stays for the embedding
-    lookup and for larger inputs): on CPU the head is a fifth of SmolLM2's weight bytes."""
+    """Per-channel int8 linears, and on CPU an int8 copy of the LM head for decode-sized
+    inputs (the float head stays for the embedding lookup and for larger inputs): there the
+    head is a fifth of SmolLM2's weight bytes, the copy makes single-stream decode ~1.2x
+    faster and costs +0.01% perplexity (BENCHMARKS.md), as llama.cpp's 8-bit files keep their
+    output matrix in Q8_0. Default on for fp32 heads on CPU; `quantization_config={"lm_head":
+    false}` leaves the head alone, `true` asks for it on CPU in any dtype (an error where it
+    cannot run: on GPU, or a head whose input size is not a multiple of 16)."""
 
     name = "int8"
 
     def __init__(self, config: dict | None = None) -> None:
         super().__init__(config)
-        self.lm_head = self.bool_option("lm_head")
+        # None: the default, which depends on the device and dtype the model loads with.
+        self.lm_head = self.bool_option("lm_head") if "lm_head" in self.config else None
 
     def config_keys(self) -> tuple[str, ...]:
         return ("lm_head",)
@@ -137,17 +142,24 @@ class Int8Method(QuantizationMethod):
         return Int8Linear(layer)
 
     def quantize_lm_head(self, model: nn.Module) -> None:
-        if not self.lm_head:
+        if self.lm_head is False:
             return
-        device = next(model.parameters()).device
-        if device.type != "cpu":
-            raise ValueError(f"quantization='int8' with lm_head: the int8 LM head is for CPU "
-                             f"decode; the model is on {device}")
+        weight = lm_head_as_linear(model).weight
+        if weight.device.type != "cpu":
+            if self.lm_head:
+                raise ValueError(f"quantization='int8' with lm_head: the int8 LM head is for CPU "
+                                 f"decode; the model is on {weight.device}")
+            return
+        if self.lm_head is None and weight.dtype != torch.float32:
+            return  # by default only where the float head it replaces is fp32 (CPU's run dtype)
         head = quantize_lm_head(model)
         if head is None:
-            raise ValueError("quantization='int8' with lm_head: the LM head's input size is not "
-                             "a multiple of 16, which torch's int8 kernel needs")
-        logger.info("quantization=int8: an int8 copy of the LM head for decode (%.1f MB)",
+            if self.lm_head:
+                raise ValueError("quantization='int8' with lm_head: the LM head's input size is not "
+                                 "a multiple of 16, which torch's int8 kernel needs")
+            return
+        logger.info("quantization=int8: an int8 copy of the LM head for decode (%.1f MB; "
+                    "quantization_config={\"lm_head\": false} keeps only the float head)",
                     head.weight_bytes() / 1e6)
 
 

@@ -60,7 +60,9 @@ def _top1_agreement(llm: LLM, prompt_ids: list[list[int]], reference: list[list[
 
 def test_int8_greedy_agrees_with_fp32(smollm2_loaded, prompt_ids, fp32_greedy):
     loaded = _quantized_copy(smollm2_loaded, "int8")
-    assert sum(isinstance(m, QuantizedLinear) for m in loaded.model.modules()) == 120
+    # 120 linears and, on CPU by default, the int8 copy of the LM head.
+    assert sum(isinstance(m, QuantizedLinear) for m in loaded.model.modules()) == 121
+    assert loaded.model.quantized_lm_head is not None
     llm = LLM(loaded=loaded, kv_cache_memory="128MiB", enable_prefix_caching=False)
     int8_greedy = _greedy(llm, prompt_ids)
     # Greedy paths diverge for good once one near-tie flips, so compare the first tokens.

@@ -1,5 +1,6 @@
-"""`quantization="int8"` with `quantization_config={"lm_head": true}`: an int8 copy of the
-LM head for decode rows, checked against the fp32 head of the same GGUF weights."""
+"""`quantization="int8"` on CPU: an int8 copy of the LM head for decode rows (by default for
+fp32 models, `quantization_config={"lm_head": false}` to keep only the float head), checked
+against the fp32 head of the same GGUF weights."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from kvserve.quantization.int8 import Int8Linear
 
 
 def test_int8_lm_head_tracks_the_fp32_head(smollm2_path, smollm2_loaded):
-    loaded = load_model(smollm2_path, dtype=torch.float32, quantization="int8",
-                        quantization_config={"lm_head": True})
+    loaded = load_model(smollm2_path, dtype=torch.float32, quantization="int8")
     head = loaded.model.quantized_lm_head
     assert isinstance(head, Int8Linear)
     embed = smollm2_loaded.model.model.embed_tokens.weight
@@ -24,10 +24,14 @@ def test_int8_lm_head_tracks_the_fp32_head(smollm2_path, smollm2_loaded):
         scale = reference[:rows].abs().amax(dim=-1, keepdim=True)
         assert ((logits - reference[:rows]).abs() / scale).max() < 0.03, rows
         assert torch.equal(logits.argmax(-1), reference[:rows].argmax(-1)), rows
-    # The float embedding is untouched (token lookups), and without the option no copy.
+    # The float embedding is untouched (token lookups); opted out, or a bf16 model by
+    # default, no copy; asked for, a bf16 model gets one too.
     assert torch.equal(loaded.model.model.embed_tokens.weight, embed)
-    plain = load_model(smollm2_path, dtype=torch.float32, quantization="int8")
+    plain = load_model(smollm2_path, dtype=torch.float32, quantization="int8", quantization_config={"lm_head": False})
     assert plain.model.quantized_lm_head is None
+    assert load_model(smollm2_path, dtype=torch.bfloat16, quantization="int8").model.quantized_lm_head is None
+    bf16 = load_model(smollm2_path, dtype=torch.bfloat16, quantization="int8", quantization_config={"lm_head": True})
+    assert isinstance(bf16.model.quantized_lm_head, Int8Linear)
 
 
 def test_int8_lm_head_option_must_be_a_bool(smollm2_path):

@@ -194,9 +194,11 @@ def test_dummy_weights_quantize_at_load(caplog):
     caplog.set_level(logging.INFO, logger="kvserve.model_executor.loader")
     method = "int8"  # int4 and nf4 load the real model in test_engine.py
     model = load_model(None, load_format="dummy", model_shape="smollm2-135m", quantization=method).model
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, QuantizedLinear))}
+    linears = {name: m for name, m in model.named_modules()
+               if isinstance(m, (nn.Linear, QuantizedLinear)) and name != "quantized_lm_head"}
     assert len(linears) == 30 * 4 and all(isinstance(m, QuantizedLinear) for m in linears.values())
-    assert isinstance(model.model.embed_tokens, nn.Embedding)  # tied LM head stays fp32
+    assert isinstance(model.model.embed_tokens, nn.Embedding)  # the tied embedding stays fp32
+    assert isinstance(model.quantized_lm_head, QuantizedLinear)  # int8 on CPU: a decode copy of the head
     assert f"quantization={method}: linear weights 424.7 MB -> " in caplog.text
 
 
