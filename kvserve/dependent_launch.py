@@ -47,9 +47,15 @@ def launch_options(device: torch.device) -> dict[str, bool]:
     return {"launch_pdl": True} if enabled(device) else {}
 
 
+def chained_options(device: torch.device) -> dict[str, bool]:
+    """Launch keywords for a kernel that starts with `chained(PDL)`: its PDL flag and, where
+    PDL is on, the dependent launch."""
+    return {"PDL": enabled(device), **launch_options(device)}
+
+
 @triton.jit
 def chained(PDL: tl.constexpr):
-    """First thing in a kernel launched with `launch_options`: let the next kernel launch,
+    """First thing in a kernel launched with `chained_options`: let the next kernel launch,
     then wait until the kernel before this one has finished and its writes are visible."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()

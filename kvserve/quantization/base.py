@@ -151,9 +151,11 @@ class QuantizationMethod(ABC):
     def config_keys(self) -> tuple[str, ...]:
         return ()
 
-    def bool_option(self, key: str) -> bool:
-        """quantization_config[key] (default false), which must be a JSON boolean."""
-        value = self.config.get(key, False)
+    def bool_option(self, key: str, default: bool | None = False) -> bool | None:
+        """quantization_config[key], which must be a JSON boolean; `default` where absent."""
+        if key not in self.config:
+            return default
+        value = self.config[key]
         if not isinstance(value, bool):
             raise ValueError(f"quantization={self.name!r}: {key} must be true or false, got {value!r}")
         return value

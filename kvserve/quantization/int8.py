@@ -122,7 +122,7 @@ class GroupInt8Linear(QuantizedLinear):
 class Int8Method(QuantizationMethod):
     """Per-channel int8 linears, and on CPU an int8 copy of the LM head for decode-sized
     inputs (the float head stays for the embedding lookup and for larger inputs): there the
-    head is a fifth of SmolLM2's weight bytes, the copy makes single-stream decode ~1.2x
+    head is a fifth of SmolLM2's weight bytes, the copy makes single-stream decode ~1.25x
     faster and costs +0.01% perplexity (BENCHMARKS.md), as llama.cpp's 8-bit files keep their
     output matrix in Q8_0. Default on for fp32 heads on CPU; `quantization_config={"lm_head":
     false}` leaves the head alone, `true` asks for it on CPU in any dtype (an error where it
@@ -133,7 +133,7 @@ class Int8Method(QuantizationMethod):
     def __init__(self, config: dict | None = None) -> None:
         super().__init__(config)
         # None: the default, which depends on the device and dtype the model loads with.
-        self.lm_head = self.bool_option("lm_head") if "lm_head" in self.config else None
+        self.lm_head = self.bool_option("lm_head", default=None)
 
     def config_keys(self) -> tuple[str, ...]:
         return ("lm_head",)

@@ -81,6 +81,5 @@ def write_kv_cache(
         FP8_MAX=torch.finfo(kv_cache.dtype).max if kv_cache.dtype.itemsize == 1 else 0.0,
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
-        PDL=dependent_launch.enabled(key.device),
-        **dependent_launch.launch_options(key.device),
+        **dependent_launch.chained_options(key.device),
     )

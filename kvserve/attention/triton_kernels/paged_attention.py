@@ -343,8 +343,7 @@ def paged_attention(
         V_FLOAT8_ASM=_float8_asm_format(kv_cache, query),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-        PDL=dependent_launch.enabled(query.device),
-        **dependent_launch.launch_options(query.device),
+        **dependent_launch.chained_options(query.device),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -357,8 +356,7 @@ def paged_attention(
             output.stride(0),
             output.stride(1),
             HEAD_DIM=head_dim,
-            PDL=dependent_launch.enabled(query.device),
-            **dependent_launch.launch_options(query.device),
+            **dependent_launch.chained_options(query.device),
         )
 
 

@@ -54,7 +54,7 @@ def add_rms_norm(
         x, residual if residual is not None else x, weight, out, num_cols, x.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-        PDL=dependent_launch.enabled(x.device), **dependent_launch.launch_options(x.device),
+        **dependent_launch.chained_options(x.device),
     )
     return out
 
@@ -90,7 +90,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         _rotary_kernel[(num_tokens,)](
             x, cos, sin, num_heads, x.stride(0), x.stride(1), cos.stride(0),
             HALF=head_dim // 2, HEADS_PAD=triton.next_power_of_2(num_heads),
-            PDL=dependent_launch.enabled(x.device), **dependent_launch.launch_options(x.device),
+            **dependent_launch.chained_options(x.device),
         )
     return x
 
@@ -118,6 +118,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block = 1024
         _silu_and_mul_kernel[(num_rows, triton.cdiv(width, block))](
             x, out, width, x.stride(0), out.stride(0), BLOCK=block,
-            PDL=dependent_launch.enabled(x.device), **dependent_launch.launch_options(x.device),
+            **dependent_launch.chained_options(x.device),
         )
     return out
