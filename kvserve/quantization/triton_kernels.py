@@ -553,6 +553,23 @@ def _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, s
 
 
 @triton.jit
+def _int4_mma_tile_scales(scale_ptr, offset_ptr, w_row, w_row8, row_mask, row_mask8, stride_sn, tile, group_size,
+                          HAS_OFFSET: tl.constexpr):
+    """For each half of 256-k tile `tile`: the scales of weight rows g and g + 8 and (with
+    HAS_OFFSET) their offsets, as stored. Loaded a tile ahead, like the words: they come from
+    DRAM (a row's scales lie a row of groups apart), and nothing may wait on them early."""
+    out = ()
+    for h in tl.static_range(2):
+        group = (tile * 256 + h * 128) // group_size
+        out = out + (tl.load(scale_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0),
+                     tl.load(scale_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0))
+        if HAS_OFFSET:
+            out = out + (tl.load(offset_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0),
+                         tl.load(offset_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0))
+    return out
+
+
+@triton.jit
 def _int4_mma_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr,
     M, N, num_tiles, tiles_per_split, group_size, magic,
@@ -567,9 +584,10 @@ def _int4_mma_kernel(
     i + 4 of a word as magic + q), so the MMA's k order is a fixed permutation of K that x's
     B fragment follows (two PRMTs); magic * sum(x) comes back out with the offsets, whose
     sum(x) is the same MMA with a ones fragment. A tile is 256 k, two groups of 128: one
-    16-byte load a weight row and group a thread, the next tile's in flight while this one
-    is multiplied. Per-thread values are [threads, ROW_TILES] tensors (thread i holds row i),
-    so Triton keeps them in registers with no layout conversions; an x tile's are a tuple."""
+    16-byte load a weight row and group a thread, the next tile's (and its scales and
+    offsets) in flight while this one is multiplied. Per-thread values are [threads,
+    ROW_TILES] tensors (thread i holds row i), so Triton keeps them in registers with no
+    layout conversions; an x tile's are a tuple."""
     if LAUNCH_NEXT:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     THREADS: tl.constexpr = 32 * NUM_WARPS
@@ -588,10 +606,14 @@ def _int4_mma_kernel(
     ys = _repeat(zero, 4 * X_TILES)
     w_tile = first * 32
     w_a, w_a8, w_b, w_b8 = _mma_weight_tile(w_g, w_g8, row_mask, row_mask8, w_tile)
+    scales = _int4_mma_tile_scales(scale_ptr, offset_ptr, w_row, w_row8, row_mask, row_mask8, stride_sn,
+                                   first, group_size, HAS_OFFSET)
     for tile in range(first, last):
         # The next tile in flight while this one is multiplied; the last loads itself again.
         next_a, next_a8, next_b, next_b8 = _mma_weight_tile(w_g, w_g8, row_mask, row_mask8,
                                                              w_tile + tl.where(tile + 1 < last, 32, 0))
+        next_scales = _int4_mma_tile_scales(scale_ptr, offset_ptr, w_row, w_row8, row_mask, row_mask8,
+                                            stride_sn, tl.minimum(tile + 1, last - 1), group_size, HAS_OFFSET)
         for h in tl.static_range(2):
             words = _unstack4(w_a if h == 0 else w_b)
             words8 = _unstack4(w_a8 if h == 0 else w_b8)
@@ -618,13 +640,13 @@ def _int4_mma_kernel(
                         new_ss = new_ss + _mma_m16n8k16(ones, ones, ones, ones, xb0, xb1, ss[4 * j],
                                                         ss[4 * j + 1], ss[4 * j + 2], ss[4 * j + 3], FP16)
                     cs, ss = new_cs, new_ss
-            group = (tile * 256 + h * 128) // group_size
-            scale = tl.load(scale_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0)
-            scale8 = tl.load(scale_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0)
-            offset, offset8 = -BIAS * scale, -BIAS * scale8
+            # The fragments hold BIAS + q: BIAS * scale comes off the offset.
             if HAS_OFFSET:
-                offset += tl.load(offset_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0)
-                offset8 += tl.load(offset_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0)
+                scale, scale8, offset, offset8 = scales[4 * h: 4 * h + 4]
+                offset, offset8 = offset - BIAS * scale, offset8 - BIAS * scale8
+            else:
+                scale, scale8 = scales[2 * h: 2 * h + 2]
+                offset, offset8 = -BIAS * scale, -BIAS * scale8
             # Of x tile j: cs[4 j], cs[4 j + 1]: weight row g against x rows 8 j + 2 t, 8 j + 2 t + 1
             # (cs[4 j + 2], cs[4 j + 3]: row g + 8); ss[4 j], ss[4 j + 1]: the sums of those x rows over
             # the group.
@@ -637,6 +659,7 @@ def _int4_mma_kernel(
                                    ys[4 * j + 3] + cs[4 * j + 3] * scale8 + s1 * offset8)
             ys = new_ys
         w_a, w_a8, w_b, w_b8 = next_a, next_a8, next_b, next_b8
+        scales = next_scales
         w_tile += 32
     _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, SPLIT, X_TILES)
 
