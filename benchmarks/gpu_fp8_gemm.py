@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from kvserve.quantization.fp8_activation import quantize_per_token
-from kvserve.quantization.triton_kernels import LaunchConfig, weight_only_matmul
+from kvserve.quantization.weight_only import LaunchConfig, weight_only_matmul
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32

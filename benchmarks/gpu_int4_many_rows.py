@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kvserve.benchmarks.quantized_linears import LLAMA3_8B_ENGINE_LINEARS, LLAMA3_8B_LAYERS
 from kvserve.quantization.int4 import Int4Linear, quantize_int4
 from kvserve.quantization.int8 import GroupInt8Linear
-from kvserve.quantization.triton_kernels import LaunchConfig, unpack_weight, weight_only_matmul
+from kvserve.quantization.weight_only import LaunchConfig, unpack_weight, weight_only_matmul
 
 # The word kernel's tl.dot tiles (the engine's 17-64 row config, and taller ones); the byte
 # kernel (`_weight_only_matmul_kernel`) measured 15-20x slower than cuBLAS here and is left out.

@@ -21,7 +21,7 @@ for table in new before; do
   echo "== W2 llama3-8b $FORMAT, row table: $table"
   timeout 150 python - "$table" "$FORMAT" <<'PY' 2>&1 | grep -v "Generating" | tail -4
 import os, sys
-import kvserve.quantization.triton_kernels as tk
+import kvserve.quantization.weight_only.configs as tk
 table, fmt = sys.argv[1:]
 if table == "before":
     tk.INT4_DECODE_CONFIGS = tuple(entry for entry in tk.INT4_DECODE_CONFIGS if entry[1].words != "mma")

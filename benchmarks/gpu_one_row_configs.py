@@ -14,8 +14,7 @@ import argparse
 import torch
 from triton.testing import do_bench
 
-from kvserve.quantization import triton_kernels as tk
-from kvserve.quantization.triton_kernels import LaunchConfig, weight_only_matmul
+from kvserve.quantization.weight_only import LaunchConfig, default_config, weight_only_matmul
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32
@@ -84,7 +83,7 @@ def main() -> None:
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             q, scale, offset, group, four_bit = stored[0]
             reference = weight_only_matmul(x, q, scale, offset, group, four_bit).float()
-            default = tk.default_config(1, four_bit, not four_bit, n)
+            default = default_config(1, four_bit, not four_bit, n)
             rows = [(time_config(x, stored, None), "default: " + label(default))]
             for config in configs(fmt):
                 y = weight_only_matmul(x, q, scale, offset, group, four_bit, config=config).float()

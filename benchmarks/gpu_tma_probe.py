@@ -14,7 +14,8 @@ from gpu_one_row_configs import MIN_BYTES, SHAPES, time_config, weights
 from triton.testing import do_bench
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kvserve.quantization import triton_kernels as tk
+from kvserve.quantization.weight_only.matmul import split_counters, weight_only_matmul
+from kvserve.quantization.weight_only.tiles import group_scale_offset, nibble, split_tiles, store_output
 
 
 @triton.jit
@@ -26,7 +27,7 @@ def _int4_tma_kernel(
     col0 = tl.program_id(0) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    first, last = tk._split_tiles(num_tiles, tiles_per_split)
+    first, last = split_tiles(num_tiles, tiles_per_split)
     words = tl.arange(0, WORDS)
     second_half = (words >= WORDS // 2)[None, :]
     x_words = x_ptr.to(tl.pointer_type(tl.int32)) + 4 * words  # bf16 pairs: 8 values a weight word
@@ -39,18 +40,18 @@ def _int4_tma_kernel(
             x_pair = tl.load(x_words + tile * (4 * WORDS) + pair)
             x_even = (x_pair << 16).to(tl.float32, bitcast=True)
             x_odd = (x_pair & -65536).to(tl.float32, bitcast=True)
-            f_x += tk._nibble(w, 2 * pair, one_bits) * x_even[None, :]
-            f_x += tk._nibble(w, 2 * pair + 1, one_bits) * x_odd[None, :]
+            f_x += nibble(w, 2 * pair, one_bits) * x_even[None, :]
+            f_x += nibble(w, 2 * pair + 1, one_bits) * x_odd[None, :]
             x_sum += x_even + x_odd
         group = 2 * tile
-        scale, offset = tk._group_scale_offset(scale_ptr + cols * stride_sn, offset_ptr + cols * stride_sn, group,
+        scale, offset = group_scale_offset(scale_ptr + cols * stride_sn, offset_ptr + cols * stride_sn, group,
                                                col_mask, True)
-        scale2, offset2 = tk._group_scale_offset(scale_ptr + cols * stride_sn, offset_ptr + cols * stride_sn,
+        scale2, offset2 = group_scale_offset(scale_ptr + cols * stride_sn, offset_ptr + cols * stride_sn,
                                                  group + 1, col_mask, True)
         acc += (f_x * tl.where(second_half, scale2[:, None], scale[:, None])
                 + x_sum[None, :] * tl.where(second_half, offset2[:, None], offset[:, None]))
     y = tl.sum(acc, axis=1)
-    tk._store_output((y,), (cols,), (col_mask,), partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT)
+    store_output((y,), (cols,), (col_mask,), partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT)
 
 
 def tma_matmul(x, words, desc, scale, offset, block_n, stages, waves, warps=4):
@@ -63,7 +64,7 @@ def tma_matmul(x, words, desc, scale, offset, block_n, stages, waves, warps=4):
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     partial = torch.empty((split, 1, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _int4_tma_kernel[(grid_n, 1, split)](
-        x, desc, scale, offset, partial, out, tk._split_counters(x.device), n, num_tiles, tiles_per_split,
+        x, desc, scale, offset, partial, out, split_counters(x.device), n, num_tiles, tiles_per_split,
         0x3F800000, scale.stride(0), n, BLOCK_N=block_n, WORDS=32, SPLIT=split > 1, STAGES=stages,
         num_warps=warps, num_stages=stages)
     return out
@@ -77,7 +78,7 @@ def main() -> None:
         stored = weights("int4", n, k, max(2, -(-MIN_BYTES // nbytes)))
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         q, scale, offset, group, _ = stored[0]
-        reference = tk.weight_only_matmul(x, q, scale, offset, group, True).float()
+        reference = weight_only_matmul(x, q, scale, offset, group, True).float()
         print(f"{name} ({n} x {k}): default {time_config(x, stored, None):.2f} us", flush=True)
         for block_n in (64, 128):
             descs = [(q.view(torch.int32), TensorDescriptor.from_tensor(q.view(torch.int32), [block_n, 32]), s, o)

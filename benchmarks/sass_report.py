@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvserve.quantization import triton_kernels as tk
+from kvserve.quantization.weight_only import mma, words
 
 _POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp32", "offset_ptr": "*fp32",
              "partial_ptr": "*fp32", "out_ptr": "*bf16", "count_ptr": "*i32"}
@@ -78,15 +78,15 @@ def main() -> None:
     parser.add_argument("--x-tiles", type=int, default=1, help="mma kernels: 8-row tiles of x (1, 2, 4, 8).")
     args = parser.parse_args()
     if args.kernel == "int4-fma":  # the production one-row config, 1x128x256
-        compiled = _compile(tk._int4_gemv_kernel, dict(X_BF16=True, HAS_OFFSET=True, SPLIT=True, BLOCK_M=1,
+        compiled = _compile(words.int4_gemv_kernel, dict(X_BF16=True, HAS_OFFSET=True, SPLIT=True, BLOCK_M=1,
                                                        BLOCK_N=128, BLOCK_K=256, TWO_GROUPS=True, PDL=True),
                             args.warps)
     elif args.kernel == "int4-mma":
-        compiled = _compile(tk._int4_mma_kernel, dict(FP16=False, HAS_OFFSET=True, SPLIT=True,
+        compiled = _compile(mma.int4_mma_kernel, dict(FP16=False, HAS_OFFSET=True, SPLIT=True,
                                                       ROW_TILES=args.row_tiles, NUM_WARPS=args.warps, X_TILES=args.x_tiles),
                             args.warps)
     else:
-        compiled = _compile(tk._fp8_mma_kernel, dict(X_BF16=True, SPLIT=True, ROW_TILES=args.row_tiles,
+        compiled = _compile(mma.fp8_mma_kernel, dict(X_BF16=True, SPLIT=True, ROW_TILES=args.row_tiles,
                                                      NUM_WARPS=args.warps, X_TILES=args.x_tiles), args.warps)
     tiles = f", {args.row_tiles} row tiles, {args.x_tiles} x tiles" if args.kernel != "int4-fma" else ""
     shared = ", shared memory" if "local_alloc" in compiled.asm["ttgir"] else ""

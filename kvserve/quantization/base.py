@@ -26,7 +26,7 @@ from kvserve.quantization.cpu_dense import DenseWeight
 CPU_KERNEL_MAX_ROWS = 16
 
 # On CUDA, inputs of up to this many rows (bf16/fp16) run the Triton weight-only kernels
-# (quantization/triton_kernels.py), which read the packed weight once; more rows
+# (quantization/weight_only/), which read the packed weight once; more rows
 # dequantize to the activation dtype per call and run cuBLAS (measured on an H200,
 # BENCHMARKS.md). fp8 layers use torch._scaled_mm for those instead (fp8.py).
 GPU_KERNEL_MAX_ROWS = 64
@@ -78,7 +78,7 @@ class QuantizedLinear(nn.Module, ABC):
         not apply."""
         if not x.is_cuda:
             return None
-        from kvserve.quantization.triton_kernels import unpack_weight
+        from kvserve.quantization.weight_only import unpack_weight
 
         weight = unpack_weight(packed, scale, offset, group_size, x.dtype, four_bit=four_bit)
         return None if weight is None else F.linear(x, weight)

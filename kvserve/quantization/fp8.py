@@ -75,7 +75,7 @@ class Fp8Linear(QuantizedLinear):
         if not _fp8_capable(x.device.index or 0):
             return None  # no e4m3 conversions in Triton below 8.9: dequantize instead
         if self.gpu_kernel_applies(x):
-            from kvserve.quantization.triton_kernels import weight_only_matmul
+            from kvserve.quantization.weight_only import weight_only_matmul
 
             return weight_only_matmul(x, self.qweight, self.scale, None, self.group_size)
         if self._scaled_mm_applies(x):

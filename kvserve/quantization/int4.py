@@ -171,7 +171,7 @@ class Int4Linear(QuantizedLinear):
     def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         if not self.gpu_kernel_applies(x) or self.in_features % 2:
             return None
-        from kvserve.quantization.triton_kernels import weight_only_matmul
+        from kvserve.quantization.weight_only import weight_only_matmul
 
         qweight = self.qweight.view(self.out_features, self.in_features // 2)
         return weight_only_matmul(x, qweight, self.scale, self.minimum, self.group_size, four_bit=True)

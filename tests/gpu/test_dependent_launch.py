@@ -38,10 +38,9 @@ def test_gemvs_launched_early_read_their_inputs(kind, monkeypatch) -> None:
     if kind == "fp8":
         # One fp8 row takes mma.sync (no PDL) where it applies; the word kernel, which
         # launches early, only where it does not: force it here.
-        from kvserve.quantization import triton_kernels
+        from kvserve.quantization.weight_only import configs, matmul
 
-        one_row = triton_kernels.FP8_ONE_ROW_WORDS_CONFIG
-        monkeypatch.setattr(triton_kernels, "default_config", lambda *args, **kwargs: one_row)
+        monkeypatch.setattr(matmul, "default_config", lambda *args, **kwargs: configs.FP8_ONE_ROW_WORDS_CONFIG)
     gate_up = _layer(kind, 2 * INTERMEDIATE, HIDDEN, 0)
     down = _layer(kind, HIDDEN, INTERMEDIATE, 1)
     norm_weight = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5

@@ -20,7 +20,7 @@ from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from kvserve.quantization.fp8_activation import quantize_per_token
 from kvserve.quantization.int4 import Int4Linear, dequantize_int4, quantize_int4
 from kvserve.quantization.int8 import GroupInt8Linear, Int8Linear
-from kvserve.quantization.triton_kernels import LaunchConfig, unpack_weight, weight_only_matmul
+from kvserve.quantization.weight_only import LaunchConfig, unpack_weight, weight_only_matmul
 from tests.triton_interpreter import run_interpreted
 
 # Worst relative error ||y - ref|| / ||ref|| per row against fp64 on the same weights.
@@ -390,7 +390,8 @@ def test_row_counts_pick_the_kernels_the_sweeps_chose() -> None:
     above 16 rows); and the mma
     kernels only where they apply (CUDA, groups of whole 128s, up to 64 rows), else the tiles
     the rows take without them."""
-    from kvserve.quantization import triton_kernels as tk
+    from kvserve.quantization.weight_only import configs as tk
+    from kvserve.quantization.weight_only.matmul import mma_applies
 
     words = {(rows, n): tk.default_config(rows, True, False, n).words for rows in (1, 2, 8, 9, 32, 33, 64)
              for n in (4096, 28672)}
@@ -405,14 +406,14 @@ def test_row_counts_pick_the_kernels_the_sweeps_chose() -> None:
     assert tk.default_config(1, False, True, 28672) == tk.FP8_WIDE_ONE_ROW_CONFIG
     assert tk.default_config(1, False, True, 4096, mma=False).words == "fma"
     x = torch.randn(4, 512, dtype=torch.bfloat16)
-    assert not tk._mma_applies(x, 128, True, 256)  # not CUDA
+    assert not mma_applies(x, 128, True, 256)  # not CUDA
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
         x = x.cuda()
-        assert tk._mma_applies(x, 128, True, 256) and tk._mma_applies(x, 512, False, 256)
-        assert not tk._mma_applies(x, 64, True, 256)  # 64-wide groups (GGUF, GPTQ/AWQ files)
-        assert not tk._mma_applies(x[:, :500], 128, True, 256)  # K not whole tiles
-        assert tk._mma_applies(torch.randn(32, 512, device="cuda", dtype=torch.bfloat16), 128, True, 256)
-        assert not tk._mma_applies(torch.randn(33, 512, device="cuda", dtype=torch.bfloat16), 128, True, 256)
+        assert mma_applies(x, 128, True, 256) and mma_applies(x, 512, False, 256)
+        assert not mma_applies(x, 64, True, 256)  # 64-wide groups (GGUF, GPTQ/AWQ files)
+        assert not mma_applies(x[:, :500], 128, True, 256)  # K not whole tiles
+        assert mma_applies(torch.randn(32, 512, device="cuda", dtype=torch.bfloat16), 128, True, 256)
+        assert not mma_applies(torch.randn(33, 512, device="cuda", dtype=torch.bfloat16), 128, True, 256)
 
 
 # -- real shapes on the GPU -----------------------------------------------------------------

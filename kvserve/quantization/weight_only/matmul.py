@@ -1,0 +1,217 @@
+"""weight_only_matmul: picks the kernel and launch configuration for a call (configs.py),
+splits K to fill the GPU, and launches; one launch per linear (split-K partials summed in
+the kernel)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from kvserve import dependent_launch
+from kvserve.quantization.weight_only.configs import MMA_MAX_ROWS, LaunchConfig, default_config
+from kvserve.quantization.weight_only.generic import weight_only_gemv_kernel, weight_only_matmul_kernel
+from kvserve.quantization.weight_only.mma import fp8_mma_kernel, int4_mma_kernel
+from kvserve.quantization.weight_only.words import (
+    fp8_dot_kernel,
+    fp8_gemv_kernel,
+    int4_dot_kernel,
+    int4_gemv_kernel,
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+# One counter per output tile for the in-kernel split-K sum; each launch leaves them at 0.
+# Shared by every launch on the device: launches must not overlap (one stream at a time).
+_MAX_SPLIT_COUNTERS = 16384
+
+
+@functools.lru_cache(maxsize=None)
+def split_counters(device: torch.device) -> torch.Tensor:
+    return torch.zeros(_MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
+
+
+def _block_k(config: LaunchConfig, in_features: int, group_size: int, grouped: bool, four_bit: bool) -> int | None:
+    """The K tile: within one group when grouped (halved until it divides the group size),
+    or two whole groups for the 4-bit CUDA-core kernel (longer runs of each weight row);
+    at least 16 stored elements (tl.dot's minimum); None when no tile fits."""
+    block_k = config.block_k
+    if config.words == "mma":
+        return block_k  # checked with the rest of its conditions by mma_applies
+    if (four_bit and config.words == "fma" and block_k == 2 * group_size and group_size % 32 == 0
+            and in_features % block_k == 0):
+        return block_k
+    if grouped:
+        while block_k > 16 and group_size % block_k:
+            block_k //= 2
+        if group_size % block_k:
+            return None
+    if block_k // (2 if four_bit else 1) < 16:
+        return None
+    return block_k
+
+
+def _split_k(config: LaunchConfig, num_tiles: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """(splits, tiles per split): config.split_k, else enough splits for about `waves`
+    programs per SM on CUDA; every split gets at least one tile."""
+    split = config.split_k or 1
+    if config.split_k is None and device.type == "cuda":
+        split = max(1, min(num_tiles, triton.cdiv(config.waves * _num_sms(device.index or 0), programs)))
+    tiles_per_split = triton.cdiv(num_tiles, split)
+    return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
+
+
+def mma_applies(rows: torch.Tensor, group_size: int, grouped: bool, block_k: int) -> bool:
+    """The mma.sync kernels: CUDA (sm_80 on), up to MMA_MAX_ROWS rows of bf16/fp16 x that
+    load as aligned pairs, K in whole tiles and groups of whole 128-wide halves (or one a row)."""
+    in_features = rows.shape[1]
+    return (rows.is_cuda and rows.shape[0] <= MMA_MAX_ROWS and rows.dtype in (torch.bfloat16, torch.float16)
+            and rows.stride(0) % 2 == 0 and rows.data_ptr() % 4 == 0 and in_features % block_k == 0
+            and (not grouped or group_size % 128 == 0)
+            and _capability(rows.device.index or 0) >= (8, 0))
+
+
+def _words_apply(qweight: torch.Tensor, in_features: int, block_k: int, four_bit: bool, fp8: bool) -> bool:
+    """The word kernels take whole K tiles of rows that start on a word."""
+    if not (four_bit or fp8) or in_features % block_k:
+        return False
+    return qweight.stride(-1) == 1 and qweight.stride(0) % 4 == 0 and qweight.data_ptr() % 4 == 0
+
+
+def _words_matmul(
+    rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+    group_size: int, config: LaunchConfig, block_k: int,
+) -> torch.Tensor:
+    """rows [M, K] times the nibble pairs or e4m3 values read as int32 words, by
+    config.words; split-K partials summed in the kernel."""
+    m, k = rows.shape
+    n = qweight.shape[0]
+    out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
+    if m == 0:
+        return out
+    dot = config.words == "dot"
+    block_m = max(16, config.block_m) if dot else config.block_m  # tl.dot's minimum
+    num_tiles = k // block_k
+    # An mma program takes all rows (up to MMA_MAX_ROWS).
+    grid_n, grid_m = triton.cdiv(n, config.block_n), 1 if config.words == "mma" else triton.cdiv(m, block_m)
+    split, tiles_per_split = _split_k(config, num_tiles, grid_n * grid_m, rows.device)
+    if grid_n * grid_m > _MAX_SPLIT_COUNTERS:
+        split, tiles_per_split = 1, num_tiles
+    partial = torch.empty((split, m, n), dtype=torch.float32, device=rows.device) if split > 1 else out
+    words = qweight.view(torch.int32)
+    x_tiles = triton.next_power_of_2(triton.cdiv(m, 8))  # mma: 8 rows of x an MMA's B
+    if config.words == "mma" and qweight.dtype == torch.float8_e4m3fn:
+        fp8_mma_kernel[(grid_n, 1, split)](
+            rows, words, scale, partial, out, split_counters(rows.device),
+            m, n, num_tiles, tiles_per_split, group_size,
+            rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
+            X_BF16=rows.dtype == torch.bfloat16, SPLIT=split > 1,
+            ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
+            LAUNCH_NEXT=dependent_launch.enabled(rows.device), num_warps=config.num_warps, num_stages=1,
+        )
+        return out
+    if config.words == "mma":
+        fp16 = rows.dtype == torch.float16
+        int4_mma_kernel[(grid_n, 1, split)](
+            rows, words, scale, offset if offset is not None else scale, partial, out, split_counters(rows.device),
+            m, n, num_tiles, tiles_per_split, group_size, 0x64006400 if fp16 else 0x43004300,
+            rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
+            FP16=fp16, HAS_OFFSET=offset is not None, SPLIT=split > 1,
+            ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
+            LAUNCH_NEXT=dependent_launch.enabled(rows.device), num_warps=config.num_warps, num_stages=1,
+        )
+        return out
+    fp8 = qweight.dtype == torch.float8_e4m3fn
+    flags, launch = {}, {}
+    if not dot:
+        # bf16 pairs load as one int32 where aligned.
+        aligned = rows.data_ptr() % 4 == 0 and rows.stride(0) % 2 == 0
+        flags["X_BF16"] = rows.dtype == torch.bfloat16 and aligned
+        # The one-row kernels, whose launch latency matters most (dependent_launch).
+        launch = dependent_launch.launch_options(rows.device)
+        flags["PDL"] = bool(launch)
+    if fp8:
+        kernel = fp8_dot_kernel if dot else fp8_gemv_kernel
+        pointers, flags["GROUPED"] = (scale,), scale.shape[1] > 1
+    else:
+        kernel = int4_dot_kernel if dot else int4_gemv_kernel
+        pointers, flags["HAS_OFFSET"] = (scale, offset if offset is not None else scale), offset is not None
+        if not dot:
+            flags["TWO_GROUPS"] = block_k == 2 * group_size
+    # 1.0f as a run-time value: ptxas then merges mask and OR into one LOP3.
+    one_bits = () if fp8 else (0x3F800000,)
+    kernel[(grid_n, grid_m, split)](
+        rows, words, *pointers, partial, out, split_counters(rows.device),
+        m, n, num_tiles, tiles_per_split, max(1, group_size // block_k), *one_bits,
+        rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
+        SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, **flags, **launch,
+    )
+    return out
+
+
+def weight_only_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+    group_size: int, four_bit: bool = False, config: LaunchConfig | None = None,
+) -> torch.Tensor | None:
+    """x [..., K] (bf16/fp16; fp32 too under the interpreter) times the quantized weight.
+    qweight [N, K] int8 / float8_e4m3fn, or uint8 [N, K / 2] nibble pairs (four_bit,
+    contiguous); scale and offset fp32 [N, K / group_size]. None where the kernel does not
+    apply (odd K for 4-bit, groups narrower than a tile): the caller dequantizes instead."""
+    in_features = x.shape[-1]
+    n = qweight.shape[0]
+    if four_bit and in_features % 2:
+        return None
+    grouped = scale.shape[1] > 1
+    fp8 = qweight.dtype == torch.float8_e4m3fn
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    config = config or default_config(m, four_bit, fp8, n)
+    if config.words == "mma" and not mma_applies(rows, group_size, grouped, config.block_k):
+        # No CUDA (the interpreter), groups narrower than 128, K not whole mma tiles.
+        config = default_config(m, four_bit, fp8, n, mma=False)
+    block_k = _block_k(config, in_features, group_size, grouped, four_bit)
+    if block_k is None or (four_bit and in_features % block_k):
+        return None
+    if config.words and _words_apply(qweight, in_features, block_k, four_bit, fp8):
+        return _words_matmul(rows, qweight, scale, offset, group_size, config, block_k).reshape(*x.shape[:-1], n)
+    num_tiles = triton.cdiv(in_features, block_k)
+    programs = triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m)
+    split, tiles_per_split = _split_k(config, num_tiles, programs, x.device)
+    # e4m3 weights go in as their uint8 bits: masked lanes then load as +0.0, never a NaN.
+    weight = qweight.view(torch.uint8) if fp8 else qweight
+    # Split-K partials stay fp32 and are summed in one fixed order (deterministic).
+    out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    if m and config.block_m == 1:
+        weight_only_gemv_kernel[(triton.cdiv(n, config.block_n), m, split)](
+            rows, weight, scale, offset if offset is not None else scale, out,
+            n, in_features, group_size, tiles_per_split,
+            rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
+            FOUR_BIT=four_bit, FP8=fp8, GROUPED=grouped, HAS_OFFSET=offset is not None,
+            EVEN_K=in_features % block_k == 0, BLOCK_N=config.block_n, BLOCK_K=block_k,
+            LAUNCH_NEXT=dependent_launch.enabled(x.device), num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    elif m:
+        weight_only_matmul_kernel[(triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)](
+            rows, weight, scale, offset if offset is not None else scale, out,
+            m, n, in_features, group_size, tiles_per_split,
+            rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
+            FOUR_BIT=four_bit, FP8=fp8, GROUPED=grouped, HAS_OFFSET=offset is not None,
+            EVEN_K=in_features % block_k == 0,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    y = out[0] if split == 1 else out.sum(0).to(x.dtype)
+    return y.reshape(*x.shape[:-1], n)
