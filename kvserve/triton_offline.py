@@ -1,0 +1,55 @@
+"""Compile a Triton kernel for a GPU without one (Triton's own ptxas, cuobjdump and nvdisasm,
+shipped in its wheel): how CI checks the kernels only a GPU can run (inline PTX such as
+mma.sync, which Triton's interpreter cannot execute), and what benchmarks/sass_report.py
+reads registers and instructions from."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Mapping
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# The weight-only kernels' pointer arguments, by name, and the integers that are multiples
+# of 16 on llama3-8b's shapes (Triton specializes on both at launch).
+WEIGHT_ONLY_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp32", "offset_ptr": "*fp32",
+                        "partial_ptr": "*fp32", "out_ptr": "*bf16", "count_ptr": "*i32"}
+WEIGHT_ONLY_DIVISIBLE = ("stride_wn", "stride_ps", "stride_om", "N", "stride_xm", "stride_sn", "group_size")
+
+
+def compile_kernel(kernel, constexprs: Mapping[str, object], num_warps: int = 4, capability: int = 90,
+                   pointers: Mapping[str, str] = WEIGHT_ONLY_POINTERS,
+                   divisible: tuple[str, ...] = WEIGHT_ONLY_DIVISIBLE):
+    """`kernel` compiled for sm_`capability`: arguments named in `pointers` get those types,
+    the other non-constexpr ones int32, and pointers and `divisible` ones are taken to be
+    multiples of 16."""
+    names = kernel.arg_names
+    signature = {name: pointers.get(name, "i32") for name in names}
+    signature.update({name: "constexpr" for name in constexprs})
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in names
+             if signature[name].startswith("*") or name in divisible}
+    source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
+                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": num_warps, "num_stages": 1})
+
+
+def cuda_tool(name: str, cubin: bytes, *flags: str) -> str:
+    """The output of one of Triton's CUDA binaries (cuobjdump, nvdisasm) on a cubin."""
+    binary = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        return subprocess.run([binary, *flags, file.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(compiled) -> tuple[int, int]:
+    """(registers a thread, bytes of stack a thread) of a compiled kernel: stack above 0
+    means registers spilled to local memory."""
+    usage = re.search(r"REG:(\d+).*?STACK:(\d+)", cuda_tool("cuobjdump", compiled.asm["cubin"], "-res-usage"))
+    return int(usage.group(1)), int(usage.group(2))
