@@ -22,21 +22,21 @@ WEIGHT_ONLY_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp32",
 WEIGHT_ONLY_DIVISIBLE = ("stride_wn", "stride_ps", "stride_om", "N", "stride_xm", "stride_sn", "group_size")
 
 
-def compile_kernel(kernel, constexprs: Mapping[str, object], num_warps: int = 4, capability: int = 90,
-                   pointers: Mapping[str, str] = WEIGHT_ONLY_POINTERS,
+def compile_kernel(kernel, constexprs: Mapping[str, object], num_warps: int = 4, num_stages: int = 1,
+                   capability: int = 90, types: Mapping[str, str] = WEIGHT_ONLY_POINTERS,
                    divisible: tuple[str, ...] = WEIGHT_ONLY_DIVISIBLE):
-    """`kernel` compiled for sm_`capability`: arguments named in `pointers` get those types,
-    the other non-constexpr ones int32, and pointers and `divisible` ones are taken to be
-    multiples of 16."""
+    """`kernel` compiled for sm_`capability`: arguments named in `types` get those Triton
+    types ("*bf16", "fp32", ...), the other non-constexpr ones int32, and pointers and
+    `divisible` ones are taken to be multiples of 16."""
     names = kernel.arg_names
-    signature = {name: pointers.get(name, "i32") for name in names}
+    signature = {name: types.get(name, "i32") for name in names}
     signature.update({name: "constexpr" for name in constexprs})
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in names
              if signature[name].startswith("*") or name in divisible}
     source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
                        constexprs={(names.index(name),): value for name, value in constexprs.items()})
     return triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                          options={"num_warps": num_warps, "num_stages": 1})
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def cuda_tool(name: str, cubin: bytes, *flags: str) -> str:

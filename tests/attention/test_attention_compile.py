@@ -1,0 +1,37 @@
+"""The paged-attention kernel over a float8 cache, compiled for sm_90 on the CPU machine
+(kvserve.triton_offline): its V conversion is inline PTX, which Triton's interpreter does not
+run (the interpreter tests take the .to() path), so this is what CI can check of the path a
+GPU takes. Its numerics are checked on a GPU (test_triton_attention.py's gpu tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.attention.triton_kernels import paged_attention
+from kvserve.triton_offline import compile_kernel, cuda_tool, resource_usage
+
+TYPES = {"out_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
+         "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+         "query_start_loc_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}
+DIVISIBLE = ("num_heads", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cache_block",
+             "stride_cache_slot", "stride_cache_head")
+
+
+@pytest.mark.parametrize("tile", [paged_attention.DECODE_TILE, paged_attention.WIDE_DECODE_TILE],
+                         ids=["decode", "wide-decode"])
+def test_float8_decode_attention_compiles_for_sm90_with_v_through_ldmatrix(tile) -> None:
+    """llama3-8b's heads (4 queries a KV head, head_dim 128), bf16 queries over an e4m3
+    cache, split KV: V converts to fp16 as loaded (the PTX conversion), reaches the dot
+    through ldmatrix.trans rather than a byte at a time, and nothing spills."""
+    compiled = compile_kernel(
+        paged_attention._paged_attention_kernel,
+        dict(BLOCK_SIZE=16, SPLIT=True, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_M=tile.block_m,
+             BLOCK_N=tile.block_n, DOT_PRECISION="tf32", FP16_DOTS=True, V_FLOAT8_ASM="e4m3", PDL=True),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, types=TYPES, divisible=DIVISIBLE)
+    registers, stack = resource_usage(compiled)
+    assert stack == 0, f"{registers} registers and {stack} bytes of stack (spilled)"
+    assert "cvt.rn.f16x2.e4m3x2" in compiled.asm["ptx"]
+    sass = cuda_tool("nvdisasm", compiled.asm["cubin"], "-c")
+    assert "LDSM.16.MT88" in sass  # ldmatrix.trans: V as the dot's transposed operand
+    assert "LDS.U8" not in sass  # the byte-at-a-time gather the PTX conversion avoids
+    assert "griddepcontrol.wait" in compiled.asm["ptx"]  # a link of the PDL chain
