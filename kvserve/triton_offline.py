@@ -53,3 +53,23 @@ def resource_usage(compiled) -> tuple[int, int]:
     means registers spilled to local memory."""
     usage = re.search(r"REG:(\d+).*?STACK:(\d+)", cuda_tool("cuobjdump", compiled.asm["cubin"], "-res-usage"))
     return int(usage.group(1)), int(usage.group(2))
+
+
+def main_loop(compiled) -> list[str]:
+    """The SASS instructions (opcode and operands, predicates kept) of a compiled kernel's
+    longest loop: the span from a branch target to the furthest backward branch to it."""
+    addresses = {}  # label -> address of its first instruction
+    instructions = []
+    label = None
+    for line in cuda_tool("nvdisasm", compiled.asm["cubin"], "-c").splitlines():
+        if match := re.match(r"\s*(\.L_x_\d+):", line):
+            label = match.group(1)
+        elif match := re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
+            address = int(match.group(1), 16)
+            instructions.append((address, match.group(2)))
+            if label:
+                addresses[label], label = address, None
+    loops = [(addresses[m.group(1)], address) for address, text in instructions
+             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)) and addresses.get(m.group(1), address) < address]
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    return [text for address, text in instructions if start <= address <= end]
