@@ -55,17 +55,23 @@ def weights(fmt: str, n: int, k: int, copies: int) -> list[tuple]:
     return out
 
 
-def time_config(x: torch.Tensor, stored: list[tuple], config: LaunchConfig | None) -> float:
-    """us per call, averaged over one replay of a graph that calls every copy once."""
-    def run() -> None:
-        for q, scale, offset, group, four_bit in stored:
-            weight_only_matmul(x, q, scale, offset, group, four_bit, config=config)
-
-    run()  # compiles outside the capture
+def graph_us(calls: list) -> float:
+    """us per call, averaged over one replay of a CUDA graph that makes every call once (each
+    is run once outside the capture first: Triton compiles there)."""
+    for call in calls:
+        call()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run()
-    return do_bench(graph.replay, warmup=5, rep=100, return_mode="median") * 1e3 / len(stored)
+        for call in calls:
+            call()
+    return do_bench(graph.replay, warmup=5, rep=100, return_mode="median") * 1e3 / len(calls)
+
+
+def time_config(x: torch.Tensor, stored: list[tuple], config: LaunchConfig | None) -> float:
+    """us per call of one config over every weight copy (graph_us)."""
+    return graph_us([lambda q=q, scale=scale, offset=offset, group=group, four_bit=four_bit:
+                     weight_only_matmul(x, q, scale, offset, group, four_bit, config=config)
+                     for q, scale, offset, group, four_bit in stored])
 
 
 def main() -> None:

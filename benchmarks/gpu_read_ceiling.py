@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench
 
-from gpu_one_row_configs import MIN_BYTES, SHAPES, time_config, weights
+from gpu_one_row_configs import MIN_BYTES, SHAPES, graph_us, time_config, weights
 
 
 @triton.jit
@@ -24,16 +23,6 @@ def _read_kernel(ptr, out_ptr, words_per_program, BLOCK: tl.constexpr, STAGES: t
     for start in tl.range(0, words_per_program, BLOCK, num_stages=STAGES):
         acc ^= tl.load(base + start + tl.arange(0, BLOCK), eviction_policy="evict_first")
     tl.store(out_ptr + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), acc)
-
-
-def graph_us(calls) -> float:
-    for call in calls:
-        call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return do_bench(graph.replay, warmup=5, rep=100, return_mode="median") * 1e3 / len(calls)
 
 
 def read_us(nbytes: int) -> tuple[float, str]:

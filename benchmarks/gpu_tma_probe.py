@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from gpu_one_row_configs import MIN_BYTES, SHAPES, time_config, weights
-from triton.testing import do_bench
+from gpu_one_row_configs import MIN_BYTES, SHAPES, graph_us, time_config, weights
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kvserve.quantization.weight_only.matmul import split_counters, weight_only_matmul
+from kvserve.quantization.weight_only import LaunchConfig
+from kvserve.quantization.weight_only.matmul import split_counters, split_k, weight_only_matmul
 from kvserve.quantization.weight_only.tiles import group_scale_offset, nibble, split_tiles, store_output
 
 
@@ -58,9 +58,7 @@ def tma_matmul(x, words, desc, scale, offset, block_n, stages, waves, warps=4):
     n = words.shape[0]
     num_tiles = words.shape[1] // 32
     grid_n = triton.cdiv(n, block_n)
-    split = max(1, min(num_tiles, triton.cdiv(waves * 132, grid_n)))
-    tiles_per_split = triton.cdiv(num_tiles, split)
-    split = triton.cdiv(num_tiles, tiles_per_split)
+    split, tiles_per_split = split_k(LaunchConfig(1, block_n, 256, waves=waves), num_tiles, grid_n, x.device)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     partial = torch.empty((split, 1, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _int4_tma_kernel[(grid_n, 1, split)](
@@ -92,14 +90,7 @@ def main() -> None:
                         continue
                     error = ((y - reference).abs().max() / reference.abs().max()).item()
 
-                    def run():
-                        for words, desc, s, o in descs:
-                            tma_matmul(x, words, desc, s, o, block_n, stages, waves)
-
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        run()
-                    us = do_bench(graph.replay, warmup=5, rep=100, return_mode="median") * 1e3 / len(descs)
+                    us = graph_us([lambda args=args: tma_matmul(x, *args, block_n, stages, waves) for args in descs])
                     print(f"  {us:7.2f}  tma block_n {block_n} stages {stages} waves {waves} (err {error:.1e})",
                           flush=True)
 

@@ -61,7 +61,7 @@ def _block_k(config: LaunchConfig, in_features: int, group_size: int, grouped: b
     return block_k
 
 
-def _split_k(config: LaunchConfig, num_tiles: int, programs: int, device: torch.device) -> tuple[int, int]:
+def split_k(config: LaunchConfig, num_tiles: int, programs: int, device: torch.device) -> tuple[int, int]:
     """(splits, tiles per split): config.split_k, else enough splits for about `waves`
     programs per SM on CUDA; every split gets at least one tile."""
     split = config.split_k or 1
@@ -104,7 +104,7 @@ def _words_matmul(
     num_tiles = k // block_k
     # An mma program takes all rows (up to MMA_MAX_ROWS).
     grid_n, grid_m = triton.cdiv(n, config.block_n), 1 if config.words == "mma" else triton.cdiv(m, block_m)
-    split, tiles_per_split = _split_k(config, num_tiles, grid_n * grid_m, rows.device)
+    split, tiles_per_split = split_k(config, num_tiles, grid_n * grid_m, rows.device)
     if grid_n * grid_m > _MAX_SPLIT_COUNTERS:
         split, tiles_per_split = 1, num_tiles
     partial = torch.empty((split, m, n), dtype=torch.float32, device=rows.device) if split > 1 else out
@@ -189,7 +189,7 @@ def weight_only_matmul(
         return _words_matmul(rows, qweight, scale, offset, group_size, config, block_k).reshape(*x.shape[:-1], n)
     num_tiles = triton.cdiv(in_features, block_k)
     programs = triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m)
-    split, tiles_per_split = _split_k(config, num_tiles, programs, x.device)
+    split, tiles_per_split = split_k(config, num_tiles, programs, x.device)
     # e4m3 weights go in as their uint8 bits: masked lanes then load as +0.0, never a NaN.
     weight = qweight.view(torch.uint8) if fp8 else qweight
     # Split-K partials stay fp32 and are summed in one fixed order (deterministic).
