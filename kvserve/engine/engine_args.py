@@ -139,8 +139,9 @@ class EngineArgs:
         group.add_argument(
             "--quantization-config", default=None, type=_json_dict,
             help='JSON options of the quantization method, e.g. \'{"group_size": 32}\' for int4, '
-            '\'{"lm_head": false}\' to keep int8\'s LM head in the run dtype, \'{"lm_head": true}\' '
-            'for an int4 LM head.',
+            '\'{"lm_head": false}\' to keep the LM head in the run dtype alone (int8, int4 and fp8 add '
+            'an int8 copy of it for decode on GPU, and int8 on CPU for fp32 heads), \'{"lm_head": "int4"}\' '
+            'for an int4 copy with int4.',
         )
         group.add_argument(
             "--max-model-len", type=int, default=None,

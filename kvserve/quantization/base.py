@@ -83,9 +83,12 @@ class QuantizedLinear(nn.Module, ABC):
         weight = unpack_weight(packed, scale, offset, group_size, x.dtype, four_bit=four_bit)
         return None if weight is None else F.linear(x, weight)
 
+    # Rows up to which CUDA inputs take the Triton kernels (an LM head's copy lowers it).
+    gpu_kernel_max_rows = GPU_KERNEL_MAX_ROWS
+
     def gpu_kernel_applies(self, x: torch.Tensor) -> bool:
         return (gpu_kernels_enabled and x.dtype in (torch.bfloat16, torch.float16)
-                and x.numel() <= GPU_KERNEL_MAX_ROWS * self.in_features)
+                and x.numel() <= self.gpu_kernel_max_rows * self.in_features)
 
     # Rows up to which CPU inputs take the fused kernel (keep_dense_weight may lower it).
     cpu_kernel_max_rows = CPU_KERNEL_MAX_ROWS
@@ -151,13 +154,19 @@ class QuantizationMethod(ABC):
     def config_keys(self) -> tuple[str, ...]:
         return ()
 
-    def bool_option(self, key: str, default: bool | None = False) -> bool | None:
-        """quantization_config[key], which must be a JSON boolean; `default` where absent."""
-        if key not in self.config:
+    def lm_head_format(self, default: str | None, own_format: str | None = None) -> str | None:
+        """The format of the LM head's decode copy, from quantization_config["lm_head"]: false
+        for none (None), true for the method's own format (`own_format`, else int8), or a
+        format by name ("int8", or `own_format`); `default` where absent."""
+        formats = tuple(dict.fromkeys(f for f in (own_format, "int8") if f))
+        if "lm_head" not in self.config:
             return default
-        value = self.config[key]
-        if not isinstance(value, bool):
-            raise ValueError(f"quantization={self.name!r}: {key} must be true or false, got {value!r}")
+        value = self.config["lm_head"]
+        if value is False or value is True:
+            return formats[0] if value else None
+        if value not in formats:
+            raise ValueError(f"quantization={self.name!r}: lm_head must be true, false or one of "
+                             f"{list(formats)}, got {value!r}")
         return value
 
     def check_layer(self, name: str, layer: nn.Linear) -> None:

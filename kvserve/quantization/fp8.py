@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.quantization import base
-from kvserve.quantization.base import QuantizationMethod, QuantizedLinear
+from kvserve.quantization.base import QuantizationMethod, QuantizedLinear, lm_head_as_linear
+from kvserve.quantization.int8 import quantize_lm_head
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -106,7 +107,22 @@ class Fp8Linear(QuantizedLinear):
 
 
 class Fp8Method(QuantizationMethod):
+    """e4m3 linears with per-channel scales. On CUDA the LM head gets an int8 copy for
+    decode-sized inputs by default (int8 keeps it closer than e4m3 for the same bytes; see
+    Int4Method); `quantization_config={"lm_head": false}` keeps only the float head."""
+
     name = "fp8"
+
+    def __init__(self, config: dict | None = None) -> None:
+        super().__init__(config)
+        self.lm_head_format(None)  # a bad value fails here, before any layer is converted
+
+    def config_keys(self) -> tuple[str, ...]:
+        return ("lm_head",)
+
+    def quantize_lm_head(self, model: nn.Module) -> None:
+        if self.lm_head_format("int8" if lm_head_as_linear(model).weight.is_cuda else None) == "int8":
+            quantize_lm_head(model)
 
     def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
         q, scale = quantize_fp8(layer.weight)

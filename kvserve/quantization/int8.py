@@ -120,20 +120,19 @@ class GroupInt8Linear(QuantizedLinear):
 
 
 class Int8Method(QuantizationMethod):
-    """Per-channel int8 linears, and on CPU an int8 copy of the LM head for decode-sized
-    inputs (the float head stays for the embedding lookup and for larger inputs): there the
-    head is a fifth of SmolLM2's weight bytes, the copy makes single-stream decode ~1.25x
-    faster and costs +0.01% perplexity (BENCHMARKS.md), as llama.cpp's 8-bit files keep their
-    output matrix in Q8_0. Default on for fp32 heads on CPU; `quantization_config={"lm_head":
-    false}` leaves the head alone, `true` asks for it on CPU in any dtype (an error where it
-    cannot run: on GPU, or a head whose input size is not a multiple of 16)."""
+    """Per-channel int8 linears, and an int8 copy of the LM head for decode-sized inputs
+    (the float head stays for the embedding lookup and for larger inputs). On CPU the head
+    is a fifth of SmolLM2's weight bytes: the copy makes single-stream decode ~1.25x faster
+    and costs +0.01% perplexity (BENCHMARKS.md), as llama.cpp's 8-bit files keep their output
+    matrix in Q8_0. Default on for fp32 heads on CPU and for every head on CUDA;
+    `quantization_config={"lm_head": false}` leaves the head alone, `true` asks for it in any
+    dtype (an error where it cannot run: a CPU head whose input size is not a multiple of 16)."""
 
     name = "int8"
 
     def __init__(self, config: dict | None = None) -> None:
         super().__init__(config)
-        # None: the default, which depends on the device and dtype the model loads with.
-        self.lm_head = self.bool_option("lm_head", default=None)
+        self.lm_head_format(None)  # a bad value fails here, before any layer is converted
 
     def config_keys(self) -> tuple[str, ...]:
         return ("lm_head",)
@@ -142,40 +141,41 @@ class Int8Method(QuantizationMethod):
         return Int8Linear(layer)
 
     def quantize_lm_head(self, model: nn.Module) -> None:
-        if self.lm_head is False:
-            return
         weight = lm_head_as_linear(model).weight
-        if weight.device.type != "cpu":
-            if self.lm_head:
-                raise ValueError(f"quantization='int8' with lm_head: the int8 LM head is for CPU "
-                                 f"decode; the model is on {weight.device}")
+        # By default on CPU only where the float head it replaces is fp32 (CPU's run dtype).
+        default = "int8" if weight.is_cuda or weight.dtype == torch.float32 else None
+        if self.lm_head_format(default) is None:
             return
-        if self.lm_head is None and weight.dtype != torch.float32:
-            return  # by default only where the float head it replaces is fp32 (CPU's run dtype)
-        head = quantize_lm_head(model)
-        if head is None:
-            if self.lm_head:
-                raise ValueError("quantization='int8' with lm_head: the LM head's input size is not "
-                                 "a multiple of 16, which torch's int8 kernel needs")
-            return
-        logger.info("quantization=int8: an int8 copy of the LM head for decode (%.1f MB; "
-                    "quantization_config={\"lm_head\": false} keeps only the float head)",
-                    head.weight_bytes() / 1e6)
+        if quantize_lm_head(model) is None and "lm_head" in self.config:
+            raise ValueError("quantization='int8' with lm_head: the LM head's input size is not "
+                             "a multiple of 16, which torch's int8 CPU kernel needs")
+
+
+# CUDA decode steps of up to this many rows take their logits from the int8 head; more rows
+# (large batches, prompt logprobs) the float head through cuBLAS.
+GPU_HEAD_MAX_ROWS = 16
 
 
 @torch.no_grad()
 def quantize_lm_head(model: nn.Module, dense_dtype: torch.dtype = torch.float32,
                      kernel_max_rows: int = CPU_KERNEL_MAX_ROWS) -> Int8Linear | None:
     """Attach an int8 copy of the LM head (the tied embedding where there is no separate
-    head) for inputs of up to `kernel_max_rows` rows on CPU; larger inputs run the float
-    weight in `dense_dtype` (the head's own tensor where that is its dtype, else a copy). Returns it, or None where
-    the kernel does not apply."""
+    head) for decode-sized inputs: on CUDA up to GPU_HEAD_MAX_ROWS rows, with the float head
+    itself (no copy) for larger ones; on CPU up to `kernel_max_rows` rows, with the float
+    weight in `dense_dtype` (the head's own tensor where that is its dtype, else a copy) for
+    larger ones. Returns it, or None on CPU where the kernel does not apply."""
     layer = lm_head_as_linear(model)
     weight = layer.weight
     quantized = Int8Linear(layer)
-    if not quantized.has_kernel:
+    if weight.is_cuda:
+        quantized.keep_dense_weight(weight, weight.dtype, pack=False)
+        quantized.gpu_kernel_max_rows = GPU_HEAD_MAX_ROWS
+    elif quantized.has_kernel:
+        # An fp32 head stays the embedding's own tensor (shared, no copy); a bf16 copy is packed.
+        quantized.keep_dense_weight(weight, dense_dtype, kernel_max_rows, pack=dense_dtype != weight.dtype)
+    else:
         return None
-    # An fp32 head stays the embedding's own tensor (shared, no copy); a bf16 copy is packed.
-    quantized.keep_dense_weight(weight, dense_dtype, kernel_max_rows, pack=dense_dtype != weight.dtype)
     model.quantized_lm_head = quantized
+    logger.info("an int8 copy of the LM head for decode (%.1f MB; quantization_config="
+                "{\"lm_head\": false} keeps only the float head)", quantized.weight_bytes() / 1e6)
     return quantized

@@ -1,6 +1,7 @@
-"""`quantization="int4"` with `quantization_config={"lm_head": true}`: an int4 copy of the LM
-head for decode rows, checked against the same grid dequantized in fp32 and against the
-float head, which keeps the embedding lookups and larger inputs."""
+"""The LM head's decode copies: `quantization="int4"` with `quantization_config={"lm_head":
+true}` (int4) or `"int8"`, and the int8 copy that int4, fp8 and int8 make by default on CUDA;
+checked against the same grid in fp32/fp64 and against the float head, which keeps the
+embedding lookups and larger inputs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from kvserve.model_executor.loader import load_model
 from kvserve.model_executor.models.llama import LlamaForCausalLM
 from kvserve.quantization import quantize_model
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
+from kvserve.quantization.fp8 import Fp8Method
 from kvserve.quantization.int4 import Int4Linear, Int4Method
+from kvserve.quantization.int8 import GPU_HEAD_MAX_ROWS, Int8Linear, Int8Method
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +46,40 @@ def test_int4_head_computes_on_its_grid_and_larger_inputs_on_the_float_head(with
     assert head.dense_weight.tensor.data_ptr() == embed.data_ptr()  # the head itself, no copy
 
 
-def test_without_the_option_no_copy():
+def test_on_cpu_without_the_option_no_copy():
     loaded = load_model(None, load_format="dummy", model_shape="smollm2-135m", dtype=torch.float32,
                         quantization="int4")
     assert loaded.model.quantized_lm_head is None
 
 
-def test_int4_lm_head_option_must_be_a_bool():
-    with pytest.raises(ValueError, match="quantization='int4': lm_head must be true or false, got 1"):
-        load_model(None, load_format="dummy", model_shape="smollm2-135m", quantization="int4",
-                   quantization_config={"lm_head": 1})
+@pytest.mark.parametrize("method", ["int4", "fp8"])
+def test_int8_head_option_computes_on_its_grid(method):
+    loaded = load_model(None, load_format="dummy", model_shape="smollm2-135m", dtype=torch.float32,
+                        quantization=method, quantization_config={"lm_head": "int8"})
+    model = loaded.model
+    head = model.quantized_lm_head
+    assert isinstance(head, Int8Linear)
+    embed = model.model.embed_tokens.weight
+    grid = head.dequantize(torch.float64)
+    assert ((grid - embed.double()).abs() <= head.scale.double()[:, None] * (0.5 + 1e-5)).all()  # half a step a row
+    torch.manual_seed(0)
+    hidden = torch.randn(CPU_KERNEL_MAX_ROWS + 1, embed.shape[1])
+    for rows in (1, CPU_KERNEL_MAX_ROWS):
+        logits = model.compute_logits(hidden[:rows]).double()
+        reference = hidden[:rows].double() @ grid.T
+        assert ((logits - reference).abs().amax(-1) / reference.abs().amax(-1)).max() < 1e-5, rows
+    assert torch.equal(model.compute_logits(hidden), F.linear(hidden, embed))
+
+
+@pytest.mark.parametrize("method, value, supported", [
+    ("int4", 1, r"\['int4', 'int8'\]"), ("int4", "nf4", r"\['int4', 'int8'\]"), ("fp8", "fp8", r"\['int8'\]"),
+    ("int8", "yes", r"\['int8'\]"),
+])
+def test_lm_head_option_names_what_is_supported(method, value, supported):
+    with pytest.raises(ValueError, match=rf"quantization='{method}': lm_head must be true, false or one of "
+                                         rf"{supported}, got {value!r}"):
+        load_model(None, load_format="dummy", model_shape="smollm2-135m", quantization=method,
+                   quantization_config={"lm_head": value})
 
 
 @pytest.mark.gpu
@@ -64,7 +91,7 @@ def test_gpu_int4_head_runs_the_triton_kernel_for_decode_rows():
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     init_dummy_weights(model, seed=0)
-    quantize_model(model, Int4Method({"lm_head": True}))
+    quantize_model(model, Int4Method({"lm_head": "int4"}))
     head = model.quantized_lm_head
     assert isinstance(head, Int4Linear) and head.group_size == 128 and head.qweight.is_cuda
     grid = head.dequantize(torch.float64)
@@ -76,3 +103,32 @@ def test_gpu_int4_head_runs_the_triton_kernel_for_decode_rows():
         error = ((logits - reference).abs().amax(-1) / reference.abs().amax(-1)).max().item()
         assert error < 1e-2, (rows, error)  # bf16 output rounding
     assert torch.equal(model.compute_logits(hidden), F.linear(hidden, model.lm_head.weight).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", [Int4Method, Fp8Method, Int8Method])
+def test_gpu_int8_head_by_default_runs_the_triton_kernel_for_decode_rows(method):
+    """Each weight-only method's default on CUDA: an int8 copy of llama3-8b's untied head for
+    up to GPU_HEAD_MAX_ROWS rows (one row on the byte kernel of wide weights, more on tl.dot
+    tiles), against the same grid in fp64; more rows on the bf16 head itself."""
+    if method is Fp8Method and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 weights need compute capability 8.9")
+    config = dataclasses.replace(dummy_model_config("llama3-8b", torch.bfloat16), num_hidden_layers=2)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    init_dummy_weights(model, seed=0)
+    quantize_model(model, method())
+    head = model.quantized_lm_head
+    assert isinstance(head, Int8Linear) and head.qweight.is_cuda
+    grid = head.dequantize(torch.float64)
+    torch.manual_seed(0)
+    hidden = torch.randn(200, 4096, device="cuda", dtype=torch.bfloat16)
+    for rows in (1, 4, GPU_HEAD_MAX_ROWS):
+        logits = model.compute_logits(hidden[:rows]).double()
+        reference = hidden[:rows].double() @ grid.T
+        error = ((logits - reference).abs().amax(-1) / reference.abs().amax(-1)).max().item()
+        assert error < 1e-2, (rows, error)  # bf16 output rounding
+    for rows in (GPU_HEAD_MAX_ROWS + 1, 200):
+        assert torch.equal(model.compute_logits(hidden[:rows]), F.linear(hidden[:rows], model.lm_head.weight).float())
+    assert head.dense_weight.tensor.data_ptr() == model.lm_head.weight.data_ptr()  # the head itself, no copy

@@ -32,9 +32,3 @@ def test_int8_lm_head_tracks_the_fp32_head(smollm2_path, smollm2_loaded):
     assert load_model(smollm2_path, dtype=torch.bfloat16, quantization="int8").model.quantized_lm_head is None
     bf16 = load_model(smollm2_path, dtype=torch.bfloat16, quantization="int8", quantization_config={"lm_head": True})
     assert isinstance(bf16.model.quantized_lm_head, Int8Linear)
-
-
-def test_int8_lm_head_option_must_be_a_bool(smollm2_path):
-    with pytest.raises(ValueError, match="lm_head must be true or false, got 'yes'"):
-        load_model(smollm2_path, dtype=torch.float32, quantization="int8",
-                   quantization_config={"lm_head": "yes"})

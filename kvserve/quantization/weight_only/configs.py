@@ -79,22 +79,24 @@ FP8_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
 FP8_ONE_ROW_WORDS_CONFIG = LaunchConfig(1, 64, 256, num_stages=1, waves=4, words="fma")
 
 
-# One row of x against a wide fp8 weight (WIDE_AT_ONE_ROW_OUT_FEATURES): the
-# byte CUDA-core kernel, no split of K (llama3-8b's gate/up: 42.4 against 47.4 us on mma.sync
-# and 51.2 on the word kernel, 92% of its bytes floor).
-FP8_WIDE_ONE_ROW_CONFIG = LaunchConfig(1, 32, 256)
+# One row of x against a wide weight of one byte a value, fp8 or int8
+# (WIDE_AT_ONE_ROW_OUT_FEATURES): the byte CUDA-core kernel, no split of K (llama3-8b's fp8
+# gate/up: 42.4 against 47.4 us on mma.sync and 51.2 on the word kernel, 92% of its bytes
+# floor); int8 LM heads (128256 rows) take it too.
+BYTE_WIDE_ONE_ROW_CONFIG = LaunchConfig(1, 32, 256)
 
 
 def default_config(rows: int, four_bit: bool, fp8: bool, out_features: int = 0, mma: bool = True) -> LaunchConfig:
     """int8 picked from llama3-8b's linears on an H200 (BENCHMARKS.md): at one row tl.dot
-    tiles beat the CUDA-core kernel (3.47 against 3.88 ms per step's linears); 4-bit and
+    tiles beat the CUDA-core kernel (3.47 against 3.88 ms per step's linears) except on wide
+    weights; 4-bit and
     fp8 weights: INT4_DECODE_CONFIGS and FP8_DECODE_CONFIGS, and at one row the rules for
     wide linears above. mma=False: the configs for weights the mma kernels do not take."""
     if rows == 1 and out_features >= WIDE_AT_ONE_ROW_OUT_FEATURES:
         if four_bit and mma:
             return INT4_MMA_CONFIG
-        if fp8:
-            return FP8_WIDE_ONE_ROW_CONFIG
+        if not four_bit:
+            return BYTE_WIDE_ONE_ROW_CONFIG
     table = INT4_DECODE_CONFIGS if four_bit else FP8_DECODE_CONFIGS if fp8 else ()
     if not mma:
         table = INT4_TILE_CONFIGS if four_bit else ((1, FP8_ONE_ROW_WORDS_CONFIG),) if fp8 else ()
