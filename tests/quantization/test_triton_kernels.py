@@ -402,9 +402,11 @@ def test_row_counts_pick_the_kernels_the_sweeps_chose() -> None:
         16, 16, 16, 64, 64]
     assert [tk.default_config(rows, False, True, 4096).words for rows in (1, 4, 8, 16, 17)] == [
         "mma", "mma", "mma", "mma", None]
-    # One row against a wide fp8 or int8 weight: the byte kernel; without mma.sync, the word kernel.
-    assert tk.default_config(1, False, True, 28672) == tk.default_config(1, False, False, 128256) == (
-        tk.BYTE_WIDE_ONE_ROW_CONFIG)
+    # One row against a wide fp8 weight: the byte kernel; without mma.sync, the word kernel.
+    assert tk.default_config(1, False, True, 28672) == tk.FP8_WIDE_ONE_ROW_CONFIG
+    # int8 against a wide weight (an LM head) at decode rows: tl.dot tiles 256 k deep.
+    assert {tk.default_config(rows, False, False, 128256) for rows in (1, 4, 16)} == {tk.INT8_WIDE_CONFIG}
+    assert tk.default_config(17, False, False, 128256) != tk.INT8_WIDE_CONFIG
     assert tk.default_config(1, False, True, 4096, mma=False).words == "fma"
     x = torch.randn(4, 512, dtype=torch.bfloat16)
     assert not mma_applies(x, 128, True, 256)  # not CUDA

@@ -79,24 +79,33 @@ FP8_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
 FP8_ONE_ROW_WORDS_CONFIG = LaunchConfig(1, 64, 256, num_stages=1, waves=4, words="fma")
 
 
-# One row of x against a wide weight of one byte a value, fp8 or int8
-# (WIDE_AT_ONE_ROW_OUT_FEATURES): the byte CUDA-core kernel, no split of K (llama3-8b's fp8
-# gate/up: 42.4 against 47.4 us on mma.sync and 51.2 on the word kernel, 92% of its bytes
-# floor); int8 LM heads (128256 rows) take it too.
-BYTE_WIDE_ONE_ROW_CONFIG = LaunchConfig(1, 32, 256)
+# One row of x against a wide fp8 weight (WIDE_AT_ONE_ROW_OUT_FEATURES): the
+# byte CUDA-core kernel, no split of K (llama3-8b's gate/up: 42.4 against 47.4 us on mma.sync
+# and 51.2 on the word kernel, 92% of its bytes floor).
+FP8_WIDE_ONE_ROW_CONFIG = LaunchConfig(1, 32, 256)
+
+
+# int8 weights against a wide linear (WIDE_AT_ONE_ROW_OUT_FEATURES) at up to SMALL_ROWS rows:
+# tl.dot tiles 256 k deep. On the H100, llama3-8b's int8 LM head (128256 rows) at 1, 4 and
+# 16 rows: 188, 190 and 194 us (2.7-2.8 TB/s), against 204-220 us with 128-k tiles or the
+# byte kernel at one row (bf16 cuBLAS: 389); gate/up at one row 49.1 us (128-k tiles 49.2,
+# the byte kernel 53.9).
+INT8_WIDE_CONFIG = LaunchConfig(16, 64, 256)
 
 
 def default_config(rows: int, four_bit: bool, fp8: bool, out_features: int = 0, mma: bool = True) -> LaunchConfig:
     """int8 picked from llama3-8b's linears on an H200 (BENCHMARKS.md): at one row tl.dot
-    tiles beat the CUDA-core kernel (3.47 against 3.88 ms per step's linears) except on wide
-    weights; 4-bit and
+    tiles beat the CUDA-core kernel (3.47 against 3.88 ms per step's linears), 256 k deep on
+    wide linears (INT8_WIDE_CONFIG); 4-bit and
     fp8 weights: INT4_DECODE_CONFIGS and FP8_DECODE_CONFIGS, and at one row the rules for
     wide linears above. mma=False: the configs for weights the mma kernels do not take."""
     if rows == 1 and out_features >= WIDE_AT_ONE_ROW_OUT_FEATURES:
         if four_bit and mma:
             return INT4_MMA_CONFIG
-        if not four_bit:
-            return BYTE_WIDE_ONE_ROW_CONFIG
+        if fp8:
+            return FP8_WIDE_ONE_ROW_CONFIG
+    if not (four_bit or fp8) and rows <= SMALL_ROWS and out_features >= WIDE_AT_ONE_ROW_OUT_FEATURES:
+        return INT8_WIDE_CONFIG
     table = INT4_DECODE_CONFIGS if four_bit else FP8_DECODE_CONFIGS if fp8 else ()
     if not mma:
         table = INT4_TILE_CONFIGS if four_bit else ((1, FP8_ONE_ROW_WORDS_CONFIG),) if fp8 else ()
