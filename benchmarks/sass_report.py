@@ -43,7 +43,7 @@ def main() -> None:
                                                        X_TILES=args.x_tiles, LAUNCH_NEXT=True)
     else:
         kernel, constexprs = mma.fp8_mma_kernel, dict(X_BF16=True, SPLIT=True, ROW_TILES=args.row_tiles,
-                                                      NUM_WARPS=args.warps, X_TILES=args.x_tiles, LAUNCH_NEXT=True)
+                                                      NUM_WARPS=args.warps, X_TILES=args.x_tiles, PDL=True)
     if args.one_row:
         constexprs["M"] = 1
     compiled = compile_kernel(kernel, constexprs, args.warps)

@@ -11,8 +11,10 @@ first thing (`chained`). Every kernel of the chain lets its own dependents launc
 first instruction (`gdc_launch_dependents`): a dependent only launches once every program of
 the kernel before it has started, and waits for it to finish, which it can only do after the
 kernel before it finished, so a chain never reads early and never holds SM slots its
-predecessors need. The tensor-core GEMVs (mma.sync, tl.dot tiles) and the byte kernel are
-not launched as dependents; the mma.sync and byte kernels let the next kernel launch early.
+predecessors need. The fp8 mma.sync GEMV is a dependent like the one-row ones (first tile,
+then the wait); the int4 mma.sync GEMV (slower as one, BENCHMARKS.md), the tl.dot tiles and
+the byte kernel are not launched as dependents, and the int4 mma.sync and byte kernels let
+the next kernel launch early.
 (With the tl.dot word kernels launched under PDL, an H100 run of the int4 latency benchmark
 once never finished; not investigated.)
 

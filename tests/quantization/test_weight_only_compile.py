@@ -24,9 +24,9 @@ DECODE_KERNELS = [
     ("int4-mma-16-rows-fp16-no-offset", mma.int4_mma_kernel,
      dict(FP16=True, HAS_OFFSET=False, SPLIT=True, ROW_TILES=2, NUM_WARPS=4, X_TILES=2, LAUNCH_NEXT=True)),
     ("fp8-mma-one-row", mma.fp8_mma_kernel,
-     dict(X_BF16=True, SPLIT=True, ROW_TILES=2, NUM_WARPS=4, X_TILES=1, LAUNCH_NEXT=True, M=1)),
+     dict(X_BF16=True, SPLIT=True, ROW_TILES=2, NUM_WARPS=4, X_TILES=1, PDL=True, M=1)),
     ("fp8-mma-16-rows", mma.fp8_mma_kernel,
-     dict(X_BF16=True, SPLIT=True, ROW_TILES=2, NUM_WARPS=4, X_TILES=2, LAUNCH_NEXT=True)),
+     dict(X_BF16=True, SPLIT=True, ROW_TILES=2, NUM_WARPS=4, X_TILES=2, PDL=True)),
     ("int4-fma-one-row", words.int4_gemv_kernel,
      dict(X_BF16=True, HAS_OFFSET=True, SPLIT=True, BLOCK_M=1, BLOCK_N=128, BLOCK_K=256, TWO_GROUPS=True,
           PDL=True, M=1)),
@@ -42,5 +42,13 @@ def test_decode_kernels_compile_for_sm90_without_spilling_in_their_loop(name, ke
     assert not spills, f"{name}: {registers} registers; local memory in the loop: {spills}"
     if "mma" in name:  # the inline mma.sync became tensor-core instructions
         assert any("HMMA.16816.F32" in text for text in loop)
-    # Each lets the next kernel of the decode chain launch early (dependent_launch).
-    assert "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
+    # Each lets the next kernel of the decode chain launch early; those launched as
+    # programmatic dependents (PDL) wait for the kernel before them after their first weight
+    # loads and before any product (dependent_launch), the int4 mma kernel not at all.
+    ptx = compiled.asm["ptx"]
+    trigger, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
+    first_product = min(ptx.find(op) for op in ("mma.sync", "fma.rn") if op in ptx)
+    if constexprs.get("PDL"):
+        assert 0 <= trigger < wait < first_product, (trigger, wait, first_product)
+    else:
+        assert trigger >= 0 and wait < 0

@@ -117,7 +117,9 @@ def _words_matmul(
             rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
             X_BF16=rows.dtype == torch.bfloat16, SPLIT=split > 1,
             ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
-            LAUNCH_NEXT=dependent_launch.enabled(rows.device), num_warps=config.num_warps, num_stages=1,
+            num_warps=config.num_warps, num_stages=1,
+            # A programmatic dependent: waits for the previous kernel after its first tile.
+            **dependent_launch.chained_options(rows.device),
         )
         return out
     if config.words == "mma":

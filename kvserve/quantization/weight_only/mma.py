@@ -167,7 +167,9 @@ def int4_mma_kernel(
     16-byte load a weight row and group a thread, the next tile's (and its scales and
     offsets) in flight while this one is multiplied. Per-thread values are [threads,
     ROW_TILES] tensors (thread i holds row i), so Triton keeps them in registers with no
-    layout conversions; an x tile's are a tuple."""
+    layout conversions; an x tile's are a tuple. Not launched as a programmatic dependent:
+    waiting as one (after the first tile) made W2 int4's step 0.06 ms longer on an H100
+    (BENCHMARKS.md); it lets the next kernel launch early."""
     if LAUNCH_NEXT:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     THREADS: tl.constexpr = 32 * NUM_WARPS
@@ -269,15 +271,16 @@ def fp8_mma_kernel(
     M, N, num_tiles, tiles_per_split, group_size,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
     X_BF16: tl.constexpr, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr,
-    X_TILES: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
+    X_TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     """Up to 8 X_TILES rows of x against e4m3 weights on tensor cores, as int4_mma_kernel
     lays them out: each thread converts its own words into its A fragment (a word is four
     e4m3 values, two f16x2 registers by the hardware conversion), x's bf16 pairs become fp16
     pairs for the B fragment (fp16 MMAs, fp32 accumulators), and the MMA's k order is a
     permutation of K within 64-k segments (thread t's words 4 t .. 4 t + 3, one an MMA). A
-    tile is 128 k, within one scale group (or one scale a row)."""
-    if LAUNCH_NEXT:  # the next kernel may launch (it waits for this one)
+    tile is 128 k, within one scale group (or one scale a row). With PDL the first tile loads
+    before the wait for the previous kernel (dependent_launch)."""
+    if PDL:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     g, t, w_row, w_row8 = _mma_weight_rows(ROW_TILES, NUM_WARPS)
     first, last = split_tiles(num_tiles, tiles_per_split)
@@ -290,6 +293,8 @@ def fp8_mma_kernel(
     ys = _repeat(zero, 4 * X_TILES)
     w_tile = first * 32
     w_a, w_a8, w_b, w_b8 = _mma_weight_tile(w_g, w_g8, row_mask, row_mask8, w_tile)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
     for tile in range(first, last):
         # The next tile in flight while this one is multiplied; the last loads itself again.
         next_a, next_a8, next_b, next_b8 = _mma_weight_tile(w_g, w_g8, row_mask, row_mask8,
