@@ -8,7 +8,8 @@ printed compare steps timed side by side:
 
 `int8` quantizes the LM head too on CPU (its default since 2026-11-26); `int8-nohead` is
 int8 with the float head only (`quantization_config={"lm_head": false}`), `int8-head` asks for
-the head explicitly.
+the head explicitly; `int4-int8head` and `int4-nohead` are int4 with an int8 copy of the head
+and with the float head only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from kvserve.llm import LLM
 
 # Names that are a quantization plus its config.
 VARIANTS = {"none": (None, None), "int8-head": ("int8", {"lm_head": True}),
-            "int8-nohead": ("int8", {"lm_head": False})}
+            "int8-nohead": ("int8", {"lm_head": False}), "int4-int8head": ("int4", {"lm_head": "int8"}),
+            "int4-nohead": ("int4", {"lm_head": False})}
 
 
 def load(name: str) -> tuple[LLM, DecodeStepTimer]:

@@ -115,8 +115,10 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
     config = loaded.config
     speedup = bf16_gemm_speedup(config.hidden_size, config.intermediate_size)
     fast_bf16 = speedup >= BF16_MIN_SPEEDUP
+    # lm_head false: the plan makes the int8 head copy itself (apply_plan), with its own dense
+    # dtype and row limit.
     plan = AutoPlan(
-        quantization="int4", quantization_config={"group_size": 32}, keep_dense_weights=True,
+        quantization="int4", quantization_config={"group_size": 32, "lm_head": False}, keep_dense_weights=True,
         dense_dtype=torch.bfloat16 if fast_bf16 else torch.float32, quantize_lm_head=True,
     )
     linear_rows, head_rows = plan.linear_kernel_max_rows, plan.head_kernel_max_rows

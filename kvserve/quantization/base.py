@@ -154,13 +154,16 @@ class QuantizationMethod(ABC):
     def config_keys(self) -> tuple[str, ...]:
         return ()
 
-    def lm_head_format(self, default: str | None, own_format: str | None = None) -> str | None:
+    def lm_head_format(self, head: torch.Tensor | None, own_format: str | None = None) -> str | None:
         """The format of the LM head's decode copy, from quantization_config["lm_head"]: false
         for none (None), true for the method's own format (`own_format`, else int8), or a
-        format by name ("int8", or `own_format`); `default` where absent."""
+        format by name ("int8", or `own_format`). Where absent, int8 for a float head (`head`,
+        its weight) on CUDA or in fp32 (CPU's run dtype): a quantized step's largest single
+        read, which int8 per channel halves or quarters for +0.01% perplexity on SmolLM2
+        (BENCHMARKS.md); else none. `head` None only checks the value."""
         formats = tuple(dict.fromkeys(f for f in (own_format, "int8") if f))
         if "lm_head" not in self.config:
-            return default
+            return "int8" if head is not None and (head.is_cuda or head.dtype == torch.float32) else None
         value = self.config["lm_head"]
         if value is False or value is True:
             return formats[0] if value else None

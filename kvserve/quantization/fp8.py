@@ -24,7 +24,7 @@ from torch import nn
 
 from kvserve.quantization import base
 from kvserve.quantization.base import QuantizationMethod, QuantizedLinear, lm_head_as_linear
-from kvserve.quantization.int8 import quantize_lm_head
+from kvserve.quantization.int8 import add_int8_lm_head
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -107,9 +107,10 @@ class Fp8Linear(QuantizedLinear):
 
 
 class Fp8Method(QuantizationMethod):
-    """e4m3 linears with per-channel scales. On CUDA the LM head gets an int8 copy for
-    decode-sized inputs by default (int8 keeps it closer than e4m3 for the same bytes; see
-    Int4Method); `quantization_config={"lm_head": false}` keeps only the float head."""
+    """e4m3 linears with per-channel scales, and an int8 copy of the LM head for decode-sized
+    inputs (QuantizationMethod.lm_head_format: by default on CUDA and for fp32 heads on CPU;
+    int8 keeps the head closer than e4m3 for the same bytes); `quantization_config={"lm_head":
+    false}` keeps only the float head."""
 
     name = "fp8"
 
@@ -121,8 +122,8 @@ class Fp8Method(QuantizationMethod):
         return ("lm_head",)
 
     def quantize_lm_head(self, model: nn.Module) -> None:
-        if self.lm_head_format("int8" if lm_head_as_linear(model).weight.is_cuda else None) == "int8":
-            quantize_lm_head(model)
+        if self.lm_head_format(lm_head_as_linear(model).weight) == "int8":
+            add_int8_lm_head(self, model)
 
     def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
         q, scale = quantize_fp8(layer.weight)

@@ -18,7 +18,7 @@ from torch import nn
 
 from kvserve.cpu_kernels import int4_matmul_op
 from kvserve.quantization.base import QuantizationMethod, QuantizedLinear, lm_head_as_linear
-from kvserve.quantization.int8 import quantize_lm_head as quantize_int8_lm_head
+from kvserve.quantization.int8 import add_int8_lm_head
 
 logger = logging.getLogger(__name__)
 
@@ -182,19 +182,18 @@ class Int4Linear(QuantizedLinear):
 
 
 class Int4Method(QuantizationMethod):
-    """Group-wise int4 linears. On CUDA the LM head gets an int8 copy for decode-sized
-    inputs by default: the bf16 head is ~7% of a llama3-8b bf16 step's bytes but ~22% of an
-    int4 step's, and int8 per channel costs it no measurable quality (+0.01% perplexity on
-    SmolLM2, BENCHMARKS.md). `quantization_config={"lm_head": "int4"}` (or true) makes the
-    copy int4 (same group size rule; +4-8% perplexity on SmolLM2), on either device; false
-    keeps only the float head, which always stays for the embedding lookup and for larger
-    inputs (prefill's logits)."""
+    """Group-wise int4 linears, and an int8 copy of the LM head for decode-sized inputs
+    (QuantizationMethod.lm_head_format: by default on CUDA and for fp32 heads on CPU): the
+    float head is ~7% of a llama3-8b bf16 step's bytes but ~22% of an int4 step's.
+    `quantization_config={"lm_head": "int4"}` (or true) makes the copy int4 (same group size
+    rule; +4-8% perplexity on SmolLM2), false keeps only the float head, which always stays
+    for the embedding lookup and for larger inputs (prefill's logits)."""
 
     name = "int4"
 
     def __init__(self, config: dict | None = None) -> None:
         super().__init__(config)
-        self.lm_head_format(None, own_format="int4")  # a bad value fails here, before any layer is converted
+        self.lm_head_format(None, "int4")  # a bad value fails here, before any layer is converted
 
     def config_keys(self) -> tuple[str, ...]:
         return ("group_size", "lm_head")
@@ -225,9 +224,9 @@ class Int4Method(QuantizationMethod):
 
     def quantize_lm_head(self, model: nn.Module) -> None:
         layer = lm_head_as_linear(model)
-        head_format = self.lm_head_format("int8" if layer.weight.is_cuda else None, own_format="int4")
+        head_format = self.lm_head_format(layer.weight, "int4")
         if head_format == "int8":
-            quantize_int8_lm_head(model)
+            add_int8_lm_head(self, model)
         elif head_format == "int4":
             head = self.quantize_linear("lm_head", layer)
             head.keep_dense_weight(layer.weight, layer.weight.dtype, pack=False)  # the head itself: no copy

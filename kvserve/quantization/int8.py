@@ -121,12 +121,11 @@ class GroupInt8Linear(QuantizedLinear):
 
 class Int8Method(QuantizationMethod):
     """Per-channel int8 linears, and an int8 copy of the LM head for decode-sized inputs
-    (the float head stays for the embedding lookup and for larger inputs). On CPU the head
-    is a fifth of SmolLM2's weight bytes: the copy makes single-stream decode ~1.25x faster
-    and costs +0.01% perplexity (BENCHMARKS.md), as llama.cpp's 8-bit files keep their output
-    matrix in Q8_0. Default on for fp32 heads on CPU and for every head on CUDA;
-    `quantization_config={"lm_head": false}` leaves the head alone, `true` asks for it in any
-    dtype (an error where it cannot run: a CPU head whose input size is not a multiple of 16)."""
+    (QuantizationMethod.lm_head_format: by default on CUDA and for fp32 heads on CPU). On CPU
+    the head is a fifth of SmolLM2's weight bytes: the copy makes single-stream decode ~1.25x
+    faster and costs +0.01% perplexity (BENCHMARKS.md), as llama.cpp's 8-bit files keep their
+    output matrix in Q8_0. `quantization_config={"lm_head": false}` leaves the head alone,
+    `true` asks for the copy in any dtype."""
 
     name = "int8"
 
@@ -141,14 +140,16 @@ class Int8Method(QuantizationMethod):
         return Int8Linear(layer)
 
     def quantize_lm_head(self, model: nn.Module) -> None:
-        weight = lm_head_as_linear(model).weight
-        # By default on CPU only where the float head it replaces is fp32 (CPU's run dtype).
-        default = "int8" if weight.is_cuda or weight.dtype == torch.float32 else None
-        if self.lm_head_format(default) is None:
-            return
-        if quantize_lm_head(model) is None and "lm_head" in self.config:
-            raise ValueError("quantization='int8' with lm_head: the LM head's input size is not "
-                             "a multiple of 16, which torch's int8 CPU kernel needs")
+        if self.lm_head_format(lm_head_as_linear(model).weight) == "int8":
+            add_int8_lm_head(self, model)
+
+
+def add_int8_lm_head(method: QuantizationMethod, model: nn.Module) -> None:
+    """The int8 LM head copy a method makes (quantize_lm_head); an error where the method's
+    config asked for it and it cannot run, none where it was only the default."""
+    if quantize_lm_head(model) is None and "lm_head" in method.config:
+        raise ValueError(f"quantization={method.name!r} with lm_head: the LM head's input size is not "
+                         "a multiple of 16, which torch's int8 CPU kernel needs")
 
 
 # CUDA decode steps of up to this many rows take their logits from the int8 head; more rows

@@ -36,7 +36,7 @@ def auto_loaded(request, smollm2_path):
 
 def test_plan_for_the_q4_1_gguf_and_elsewhere(auto_loaded):
     plan, loaded = auto_loaded
-    assert (plan.quantization, plan.quantization_config) == ("int4", {"group_size": 32})
+    assert (plan.quantization, plan.quantization_config) == ("int4", {"group_size": 32, "lm_head": False})
     assert plan.keep_dense_weights and plan.quantize_lm_head and plan.reasons
     bf16 = plan.dense_dtype == torch.bfloat16
     assert plan.linear_kernel_max_rows == (cpu_defaults.BF16_FROM_ROWS if bf16 else cpu_defaults.INT4_FP32_FROM_ROWS)

@@ -1,7 +1,7 @@
-"""The LM head's decode copies: `quantization="int4"` with `quantization_config={"lm_head":
-true}` (int4) or `"int8"`, and the int8 copy that int4, fp8 and int8 make by default on CUDA;
-checked against the same grid in fp32/fp64 and against the float head, which keeps the
-embedding lookups and larger inputs."""
+"""The LM head's decode copies: the int8 copy that int4, fp8 and int8 make by default (on CUDA,
+and on CPU for fp32 heads), `quantization_config={"lm_head": "int8"}` or `"int4"` (or true:
+the method's own format) and false (none); checked against the same grid in fp32/fp64 and
+against the float head, which keeps the embedding lookups and larger inputs."""
 
 from __future__ import annotations
 
@@ -46,10 +46,17 @@ def test_int4_head_computes_on_its_grid_and_larger_inputs_on_the_float_head(with
     assert head.dense_weight.tensor.data_ptr() == embed.data_ptr()  # the head itself, no copy
 
 
-def test_on_cpu_without_the_option_no_copy():
-    loaded = load_model(None, load_format="dummy", model_shape="smollm2-135m", dtype=torch.float32,
-                        quantization="int4")
-    assert loaded.model.quantized_lm_head is None
+@pytest.mark.parametrize("method", ["int4", "fp8"])
+def test_on_cpu_an_fp32_head_gets_an_int8_copy_by_default_and_a_bf16_one_none(method):
+    fp32 = load_model(None, load_format="dummy", model_shape="smollm2-135m", dtype=torch.float32,
+                      quantization=method)
+    assert isinstance(fp32.model.quantized_lm_head, Int8Linear)
+    bf16 = load_model(None, load_format="dummy", model_shape="smollm2-135m", dtype=torch.bfloat16,
+                      quantization=method)
+    assert bf16.model.quantized_lm_head is None
+    plain = load_model(None, load_format="dummy", model_shape="smollm2-135m", dtype=torch.float32,
+                       quantization=method, quantization_config={"lm_head": False})
+    assert plain.model.quantized_lm_head is None
 
 
 @pytest.mark.parametrize("method", ["int4", "fp8"])
