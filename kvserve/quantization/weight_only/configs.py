@@ -96,9 +96,9 @@ INT8_WIDE_CONFIG = LaunchConfig(16, 64, 256)
 def default_config(rows: int, four_bit: bool, fp8: bool, out_features: int = 0, mma: bool = True) -> LaunchConfig:
     """int8 picked from llama3-8b's linears on an H200 (BENCHMARKS.md): at one row tl.dot
     tiles beat the CUDA-core kernel (3.47 against 3.88 ms per step's linears), 256 k deep on
-    wide linears (INT8_WIDE_CONFIG); 4-bit and
-    fp8 weights: INT4_DECODE_CONFIGS and FP8_DECODE_CONFIGS, and at one row the rules for
-    wide linears above. mma=False: the configs for weights the mma kernels do not take."""
+    wide linears (INT8_WIDE_CONFIG); 4-bit and fp8 weights: INT4_DECODE_CONFIGS and
+    FP8_DECODE_CONFIGS, and at one row the rules for wide linears above. mma=False: the
+    configs for weights the mma kernels do not take."""
     if rows == 1 and out_features >= WIDE_AT_ONE_ROW_OUT_FEATURES:
         if four_bit and mma:
             return INT4_MMA_CONFIG
