@@ -1,0 +1,74 @@
+"""kvserve's C++ decode matmuls (cpu_kernels/csrc/decode_matmul.cpp) in this tree against the
+same file at a git revision, in one process with their timings interleaved (the machine is
+shared and noisy): the revision's source is built under another op namespace beside this
+tree's build. One row of x against SmolLM2's int4 g32 linears and int8 LM head shapes; each
+pair of outputs must be equal bit for bit (a change meant to be faster, not different).
+
+    python benchmarks/cpu_kernels_ab.py --base HEAD~1 [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+from kvserve.cpu_kernels import int4_matmul_op, int8_matmul_op
+
+SOURCE = "kvserve/cpu_kernels/csrc/decode_matmul.cpp"
+INT4_SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]
+INT8_SHAPES = [(49152, 576), (3072, 576)]
+
+
+def build_base(revision: str) -> object:
+    """The revision's ops, registered as torch.ops.kvserve_cpu_base."""
+    text = subprocess.run(["git", "show", f"{revision}:{SOURCE}"], check=True, capture_output=True, text=True).stdout
+    source = Path(tempfile.mkdtemp()) / "decode_matmul_base.cpp"
+    source.write_text(text.replace("kvserve_cpu", "kvserve_cpu_base"))
+    cpp_extension.load(name="kvserve_cpu_ab_base", sources=[str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], is_python_module=False)
+    return torch.ops.kvserve_cpu_base
+
+
+def seconds_per_call(fn, calls: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="Git revision whose kernel source is the baseline.")
+    parser.add_argument("--repeats", type=int, default=7, help="Interleaved timings per shape (median kept).")
+    args = parser.parse_args()
+    base = build_base(args.base)
+    this4, this8 = int4_matmul_op(), int8_matmul_op()
+    torch.manual_seed(0)
+    cases = []
+    for n, k in INT4_SHAPES:
+        x, q = torch.randn(1, k), torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+        scale, minimum = torch.rand(n, k // 32), torch.rand(n, k // 32)
+        cases.append((f"int4 g32 {n}x{k}", lambda x=x, q=q, s=scale, m=minimum: this4(x, q, s, m, 32),
+                      lambda x=x, q=q, s=scale, m=minimum: base.int4_matmul(x, q, s, m, 32), 100))
+    for n, k in INT8_SHAPES:
+        x, q, scale = torch.randn(1, k), torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)
+        cases.append((f"int8 {n}x{k}", lambda x=x, q=q, s=scale: this8(x, q, s),
+                      lambda x=x, q=q, s=scale: base.int8_matmul(x, q, s), 30))
+    print(f"one row of x, us a call, median of {args.repeats} interleaved timings; base = {args.base}")
+    for name, this, baseline, calls in cases:
+        assert torch.equal(this(), baseline()), f"{name}: outputs differ from the base revision's"
+        times = [(seconds_per_call(this, calls), seconds_per_call(baseline, calls)) for _ in range(args.repeats)]
+        this_us = sorted(t for t, _ in times)[args.repeats // 2] * 1e6
+        base_us = sorted(b for _, b in times)[args.repeats // 2] * 1e6
+        print(f"{name:>18}: this {this_us:8.1f}  base {base_us:8.1f}  ({base_us / this_us:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
