@@ -140,6 +140,8 @@ class QuantizationMethod(ABC):
     """Decides, per linear layer, how its weight is converted and applied."""
 
     name: str
+    # The LM head copy's format that `lm_head: true` asks for, besides int8 (lm_head_format).
+    own_lm_head_format: str | None = None
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         config = dict(config or {})
@@ -150,18 +152,19 @@ class QuantizationMethod(ABC):
                 f"supported: {sorted(self.config_keys()) or 'none'}"
             )
         self.config = config
+        self.lm_head_format(None)  # a bad lm_head value fails here, before any layer is converted
 
     def config_keys(self) -> tuple[str, ...]:
         return ()
 
-    def lm_head_format(self, head: torch.Tensor | None, own_format: str | None = None) -> str | None:
+    def lm_head_format(self, head: torch.Tensor | None) -> str | None:
         """The format of the LM head's decode copy, from quantization_config["lm_head"]: false
-        for none (None), true for the method's own format (`own_format`, else int8), or a
-        format by name ("int8", or `own_format`). Where absent, int8 for a float head (`head`,
-        its weight) on CUDA or in fp32 (CPU's run dtype): a quantized step's largest single
-        read, which int8 per channel halves or quarters for +0.01% perplexity on SmolLM2
+        for none (None), true for the method's own format (own_lm_head_format, else int8), or a
+        format by name ("int8", or own_lm_head_format). Where absent, int8 for a float head
+        (`head`, its weight) on CUDA or in fp32 (CPU's run dtype): a quantized step's largest
+        single read, which int8 per channel halves or quarters for +0.01% perplexity on SmolLM2
         (BENCHMARKS.md); else none. `head` None only checks the value."""
-        formats = tuple(dict.fromkeys(f for f in (own_format, "int8") if f))
+        formats = tuple(dict.fromkeys(f for f in (self.own_lm_head_format, "int8") if f))
         if "lm_head" not in self.config:
             return "int8" if head is not None and (head.is_cuda or head.dtype == torch.float32) else None
         value = self.config["lm_head"]

@@ -190,10 +190,7 @@ class Int4Method(QuantizationMethod):
     for the embedding lookup and for larger inputs (prefill's logits)."""
 
     name = "int4"
-
-    def __init__(self, config: dict | None = None) -> None:
-        super().__init__(config)
-        self.lm_head_format(None, "int4")  # a bad value fails here, before any layer is converted
+    own_lm_head_format = "int4"
 
     def config_keys(self) -> tuple[str, ...]:
         return ("group_size", "lm_head")
@@ -224,7 +221,7 @@ class Int4Method(QuantizationMethod):
 
     def quantize_lm_head(self, model: nn.Module) -> None:
         layer = lm_head_as_linear(model)
-        head_format = self.lm_head_format(layer.weight, "int4")
+        head_format = self.lm_head_format(layer.weight)
         if head_format == "int8":
             add_int8_lm_head(self, model)
         elif head_format == "int4":

@@ -129,10 +129,6 @@ class Int8Method(QuantizationMethod):
 
     name = "int8"
 
-    def __init__(self, config: dict | None = None) -> None:
-        super().__init__(config)
-        self.lm_head_format(None)  # a bad value fails here, before any layer is converted
-
     def config_keys(self) -> tuple[str, ...]:
         return ("lm_head",)
 
