@@ -15,6 +15,7 @@ from kvserve.engine.engine_args import EngineArgs
 from kvserve.model_executor.loader import load_model
 from kvserve.quantization import QuantizedLinear, get_quantization_method
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
+from kvserve.quantization.int4 import fits_fp16
 
 # bitsandbytes' published NF4 table (bitsandbytes/functional.py, get_4bit_type("nf4")).
 BNB_NF4 = [
@@ -118,6 +119,13 @@ def test_int4_float_zero_points_keep_a_q4_1_grid_exactly():
         layer.weight.copy_(weight)
     quantized = _quantize("int4", layer, group_size=32)
     torch.testing.assert_close(quantized.dequantize(), weight, rtol=0, atol=1e-6)
+
+
+def test_fits_fp16_accepts_only_values_fp16_keeps_to_its_precision():
+    """Int4Linear.compact_scales' rule for storing scales and minimums in fp16 on CUDA."""
+    assert fits_fp16(torch.tensor([0.0, 1e-3, -0.5, 6.0e4, 2.0**-14]))
+    assert not fits_fp16(torch.tensor([1e-3, 1e-6]))  # 1e-6 is an fp16 subnormal: bits lost
+    assert not fits_fp16(torch.tensor([7.0e4]))  # overflows to inf
 
 
 def _nf4_reference(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

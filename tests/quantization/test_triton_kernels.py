@@ -111,7 +111,8 @@ PER_TOKEN_SHAPES = ((3, 77), (2, 128))
 class WordsCase(NamedTuple):
     """A call of the int4 int32-word kernels: `config` None takes default_config; variant
     "unaligned" hands x as a view at an odd element offset (bf16 pairs cannot load as one
-    int32), "no_offset" drops the minimums (W = q * scale)."""
+    int32), "no_offset" drops the minimums (W = q * scale), "fp16_scales" passes scales and
+    minimums in fp16 (as Int4Linear stores them on CUDA)."""
     kernel: str | None
     rows: int
     n: int
@@ -145,6 +146,8 @@ WORDS_CASES = [
     WordsCase("fma", 16, 21, 128, 32, (16, 16, 32, None)),
     WordsCase("fma", 3, 37, 256, 64, (4, 16, 64, 2), "unaligned"),
     WordsCase("fma", 2, 33, 256, 128, (2, 16, 128, 2), "no_offset"),
+    WordsCase("fma", 1, 37, 512, 128, (1, 32, 256, 2), "fp16_scales"),
+    WordsCase("fma", 3, 19, 384, 64, (4, 16, 64, 3), "fp16_scales"),
     WordsCase("dot", 1, 37, 128, 32, (16, 16, 32, None)),
     WordsCase("dot", 2, 45, 256, 64, (16, 32, 32, 3)),
     WordsCase("dot", 3, 33, 384, 128, (16, 16, 128, 3)),
@@ -152,6 +155,7 @@ WORDS_CASES = [
     WordsCase("dot", 16, 19, 256, 64, (16, 16, 64, 4)),
     WordsCase("dot", 17, 37, 128, 128, (16, 16, 128, 2)),
     WordsCase("dot", 2, 33, 256, 128, (16, 16, 128, 2), "no_offset"),
+    WordsCase("dot", 5, 70, 256, 128, (16, 64, 64, 2), "fp16_scales"),
     WordsCase(None, 1, 37, 256, 128), WordsCase(None, 4, 37, 256, 128), WordsCase(None, 16, 37, 256, 128),
     WordsCase(None, 40, 37, 256, 128),
 ]
@@ -214,6 +218,8 @@ def _words_inputs(case: WordsCase, dtype: torch.dtype) -> tuple[torch.Tensor, La
 def words_case_error(case: WordsCase, dtype: torch.dtype) -> float:
     layer = _float_linear(case.n, case.k, seed=case.rows)
     q, scale, minimum = quantize_int4(layer.weight.detach(), case.group_size)
+    if case.variant == "fp16_scales":
+        scale, minimum = scale.half(), minimum.half()
     offset = None if case.variant == "no_offset" else minimum
     x, config = _words_inputs(case, dtype)
     packed = Int4Linear(q, scale, minimum, case.group_size, None)
@@ -292,9 +298,10 @@ def run_small_cases() -> None:
 UNPACK_SHAPES = [(37, 96, 32), (5, 1536, 128), (3, 1088, 64), (8, 128, 128)]
 
 
-# What unpack_weight reads: int4 nibble pairs with float offsets (Int4Linear), int8 bytes
-# with and without offsets (GroupInt8Linear: GGUF Q5_K/Q6_K and 8-bit GPTQ; Q8_0).
-UNPACK_KINDS = ("int4", "int8-offset", "int8")
+# What unpack_weight reads: int4 nibble pairs with float offsets in fp32 and fp16 (Int4Linear
+# on CUDA), int8 bytes with and without offsets (GroupInt8Linear: GGUF Q5_K/Q6_K and 8-bit
+# GPTQ; Q8_0).
+UNPACK_KINDS = ("int4", "int4-fp16", "int8-offset", "int8")
 
 
 def unpack_error(kind: str, n: int, k: int, group_size: int, device: str) -> str | None:
@@ -304,8 +311,11 @@ def unpack_error(kind: str, n: int, k: int, group_size: int, device: str) -> str
     what differs."""
     generator = torch.Generator().manual_seed(n)
     weight = torch.randn(n, k, generator=generator).to(device)
-    if kind == "int4":
+    four_bit = kind.startswith("int4")
+    if four_bit:
         q, scale, offset = quantize_int4(weight, group_size)
+        if kind == "int4-fp16":
+            scale, offset = scale.half(), offset.half()
         stored = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # k = 2 j low, 2 j + 1 high
         reference = dequantize_int4(q, scale, offset)
     else:
@@ -313,8 +323,8 @@ def unpack_error(kind: str, n: int, k: int, group_size: int, device: str) -> str
         scale = torch.rand(n, k // group_size, generator=generator).to(device) / 64
         offset = -torch.rand(n, k // group_size, generator=generator).to(device) if kind == "int8-offset" else None
         reference = GroupInt8Linear(stored, scale, offset, group_size, None).dequantize(torch.float32)
-    fp32 = unpack_weight(stored, scale, offset, group_size, torch.float32, four_bit=kind == "int4")
-    bf16 = unpack_weight(stored, scale, offset, group_size, torch.bfloat16, four_bit=kind == "int4")
+    fp32 = unpack_weight(stored, scale, offset, group_size, torch.float32, four_bit=four_bit)
+    bf16 = unpack_weight(stored, scale, offset, group_size, torch.bfloat16, four_bit=four_bit)
     slack = 2 * torch.finfo(torch.float32).eps * reference.abs().max()
     if fp32.shape != (n, k) or (fp32 - reference).abs().max() > slack:
         return f"fp32 differs by {(fp32 - reference).abs().max().item():.3e}"
@@ -448,6 +458,20 @@ def test_gpu_layers_match_reference(kind, dtype) -> None:
             scaled_mm = kind == "fp8" and m > base.GPU_KERNEL_MAX_ROWS and dtype == torch.bfloat16
             tolerance = 6e-2 if scaled_mm else TOLERANCE[dtype]
             assert error <= tolerance, f"{kind} {(m, n, k)} {dtype}: relative error {error:.2e}"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_int4_layers_store_fp16_scales_where_fp16_holds_them() -> None:
+    weight = torch.randn(64, 256, device="cuda") / 10
+    layer = Int4Linear(*quantize_int4(weight, 128), 128, None)
+    moved = Int4Linear(*quantize_int4(weight.cpu(), 128), 128, None).cuda()
+    assert layer.scale.dtype == layer.minimum.dtype == moved.scale.dtype == moved.minimum.dtype == torch.float16
+    assert torch.equal(moved.dequantize(), layer.dequantize())
+    x = torch.randn(3, 256, device="cuda").to(torch.bfloat16)
+    assert relative_error(layer(x), x, layer.dequantize(torch.float64)) <= TOLERANCE[torch.bfloat16]
+    tiny = Int4Linear(*quantize_int4(weight * 1e-4, 128), 128, None)  # scales below fp16's normal range
+    assert tiny.scale.dtype == torch.float32
 
 
 @pytest.mark.gpu

@@ -141,11 +141,11 @@ def _int4_mma_tile_scales(scale_ptr, offset_ptr, w_row, w_row8, row_mask, row_ma
     out = ()
     for h in tl.static_range(2):
         group = (tile * 256 + h * 128) // group_size
-        out = out + (tl.load(scale_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0),
-                     tl.load(scale_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0))
+        out = out + (tl.load(scale_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0).to(tl.float32),
+                     tl.load(scale_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0).to(tl.float32))
         if HAS_OFFSET:
-            out = out + (tl.load(offset_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0),
-                         tl.load(offset_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0))
+            out = out + (tl.load(offset_ptr + w_row * stride_sn + group, mask=row_mask, other=0.0).to(tl.float32),
+                         tl.load(offset_ptr + w_row8 * stride_sn + group, mask=row_mask8, other=0.0).to(tl.float32))
     return out
 
 

@@ -53,9 +53,9 @@ def load_x_words(x_ptrs, mask, X_BF16: tl.constexpr):
 def group_scale_offset(scale_ptrs, offset_ptrs, group, mask, HAS_OFFSET: tl.constexpr):
     """128 scale and offset - 128 scale of the groups at scale_ptrs + group (the values
     are f = 1 + q / 128)."""
-    scale = 128.0 * tl.load(scale_ptrs + group, mask=mask, other=0.0)
+    scale = 128.0 * tl.load(scale_ptrs + group, mask=mask, other=0.0).to(tl.float32)
     if HAS_OFFSET:
-        return scale, tl.load(offset_ptrs + group, mask=mask, other=0.0) - scale
+        return scale, tl.load(offset_ptrs + group, mask=mask, other=0.0).to(tl.float32) - scale
     else:
         return scale, -scale
 

@@ -132,10 +132,10 @@ def int4_dot_kernel(
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         f_x = tl.dot(_unpack_words(w, one_bits, BLOCK_K).to(act), x)
         group = tile // tiles_per_group
-        scale = 128.0 * tl.load(scale_ptr + cols * stride_sn + group, mask=col_mask, other=0.0)
+        scale = 128.0 * tl.load(scale_ptr + cols * stride_sn + group, mask=col_mask, other=0.0).to(tl.float32)
         offset = -scale
         if HAS_OFFSET:
-            offset += tl.load(offset_ptr + cols * stride_sn + group, mask=col_mask, other=0.0)
+            offset += tl.load(offset_ptr + cols * stride_sn + group, mask=col_mask, other=0.0).to(tl.float32)
         acc += f_x * scale[:, None] + tl.sum(x.to(tl.float32), axis=0)[None, :] * offset[:, None]
         w = w_next
         w_ptrs += WORDS
