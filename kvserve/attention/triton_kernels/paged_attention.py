@@ -96,8 +96,16 @@ def _paged_attention_kernel(
     FP16_DOTS: tl.constexpr,  # bf16 queries over a float8 cache: both dots in fp16
     V_FLOAT8_ASM: tl.constexpr,  # "e4m3"/"e5m2": convert V on CUDA before its layout change
     PDL: tl.constexpr,
+    # Under PDL, wait only after reading the sequence's metadata, which nothing in the step's
+    # chain writes (host copies and torch kernels ahead of the first layer, which launch no
+    # dependents, fill it). For narrow decode batches, whose few programs wait on a chain of
+    # loads; wide ones lost ~1% of W1 to the extra registers (BENCHMARKS.md).
+    EARLY_METADATA: tl.constexpr,
 ):
-    dependent_launch.chained(PDL)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY_METADATA:
+            tl.extra.cuda.gdc_wait()
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -108,8 +116,12 @@ def _paged_attention_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_block = q_block_id - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
+        if PDL and EARLY_METADATA:
+            tl.extra.cuda.gdc_wait()  # no program ends before the kernel it follows
         return
     seq_len = tl.load(seq_lens_ptr + seq)
+    if PDL and EARLY_METADATA:
+        tl.extra.cuda.gdc_wait()
 
     rows = tl.arange(0, BLOCK_M)
     q_idx = q_block * BLOCK_Q + rows // GROUP_PAD  # token within the chunk
@@ -341,6 +353,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         FP16_DOTS=kv_cache.element_size() == 1 and query.dtype == torch.bfloat16,
         V_FLOAT8_ASM=_float8_asm_format(kv_cache, query),
+        EARLY_METADATA=tile == DECODE_TILE,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **dependent_launch.chained_options(query.device),
