@@ -6,7 +6,7 @@ projections is a large part of the ~10 us they take (BENCHMARKS.md, "int4 decode
 what bounds it"). Launched with PDL, a kernel's programs start while the kernel before it
 still runs, and wait (`gdc_wait`) before reading that kernel's output. The one-row GEMVs
 load their first weight tiles (which nothing in the step writes) before they wait, and
-attention its sequence's metadata and first block-table entries. The elementwise kernels
+attention at narrow decode batches its sequences' metadata. The elementwise kernels
 (RMSNorm, RoPE, the KV-cache write, SiLU-and-mul) wait first thing (`chained`). Every kernel of the chain lets its own dependents launch from its
 first instruction (`gdc_launch_dependents`): a dependent only launches once every program of
 the kernel before it has started, and waits for it to finish, which it can only do after the
