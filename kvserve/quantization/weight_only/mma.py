@@ -168,8 +168,8 @@ def int4_mma_kernel(
     offsets) in flight while this one is multiplied. Per-thread values are [threads,
     ROW_TILES] tensors (thread i holds row i), so Triton keeps them in registers with no
     layout conversions; an x tile's are a tuple. Not launched as a programmatic dependent:
-    waiting as one (after the first tile) made W2 int4's step 0.06 ms longer on an H100
-    (BENCHMARKS.md); it lets the next kernel launch early."""
+    waiting as one (after the first tile) made W2 int4's step 0.06 ms longer on an H100, and
+    0.2 ms longer with fp16 scales (BENCHMARKS.md); it lets the next kernel launch early."""
     if LAUNCH_NEXT:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     THREADS: tl.constexpr = 32 * NUM_WARPS
