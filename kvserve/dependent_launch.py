@@ -7,8 +7,9 @@ what bounds it"). Launched with PDL, a kernel's programs start while the kernel 
 still runs, and wait (`gdc_wait`) before reading that kernel's output. The one-row GEMVs
 load their first weight tiles (which nothing in the step writes) before they wait, and
 attention at narrow decode batches its sequences' metadata. The elementwise kernels
-(RMSNorm, RoPE, the KV-cache write, SiLU-and-mul) wait first thing (`chained`). Every kernel of the chain lets its own dependents launch from its
-first instruction (`gdc_launch_dependents`): a dependent only launches once every program of
+(RMSNorm, RoPE, the KV-cache write, SiLU-and-mul) wait first thing (`chained`). Every
+kernel of the chain lets its own dependents launch from its first instruction
+(`gdc_launch_dependents`): a dependent only launches once every program of
 the kernel before it has started, and waits for it to finish, which it can only do after the
 kernel before it finished, so a chain never reads early and never holds SM slots its
 predecessors need. The fp8 mma.sync GEMV is a dependent like the one-row ones (first tile,

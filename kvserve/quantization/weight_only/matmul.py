@@ -168,8 +168,9 @@ def weight_only_matmul(
 ) -> torch.Tensor | None:
     """x [..., K] (bf16/fp16; fp32 too under the interpreter) times the quantized weight.
     qweight [N, K] int8 / float8_e4m3fn, or uint8 [N, K / 2] nibble pairs (four_bit,
-    contiguous); scale and offset fp32 (or fp16) [N, K / group_size]. None where the kernel does not
-    apply (odd K for 4-bit, groups narrower than a tile): the caller dequantizes instead."""
+    contiguous); scale and offset fp32 or fp16 [N, K / group_size]. None where the kernel
+    does not apply (odd K for 4-bit, groups narrower than a tile): the caller dequantizes
+    instead."""
     in_features = x.shape[-1]
     n = qweight.shape[0]
     if four_bit and in_features % 2:
