@@ -47,7 +47,7 @@ def main() -> None:
         layers = [make_batch(num_seqs, context, 1) for _ in range(LAYERS)]
         outputs = [torch.empty_like(q) for q, *_ in layers]
         scale = layers[0][0].shape[-1] ** -0.5
-        splits = choose_num_kv_splits(layers[0][4], layers[0][3].shape[3], torch.device("cuda"))  # as the engine
+        splits = choose_num_kv_splits(layers[0][4], layers[0][3].shape[3], torch.device("cuda"))  # as for the default tile
         reference = []
         for (q, _, _, cache, metadata), out in zip(layers, outputs):
             paged_attention(q, cache, metadata, scale, out, splits, tile=DECODE_TILE)

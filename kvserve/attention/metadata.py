@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from kvserve.attention.triton_kernels.paged_attention import DecodePlan
 
 
 @dataclass
@@ -32,8 +35,9 @@ class AttentionMetadata:
     # Host copies, so reference code can loop without device syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    # Split-KV count the attention must use (a CUDA graph fixes its grid); None: its choice.
-    num_kv_splits: int | None = None
+    # Split-KV count and key tile the Triton attention must use (a CUDA graph fixes its
+    # grid); None: its choice.
+    decode_plan: DecodePlan | None = None
     # Sequence index -> [q, q] bool mask among its query tokens, replacing the causal one
     # (speculative token trees; the context before the queries stays fully visible).
     # Only the torch reference backend implements it.

@@ -10,7 +10,8 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.triton_kernels.kv_cache_write import write_kv_cache
 from kvserve.attention.triton_kernels.paged_attention import (
-    choose_num_kv_splits,
+    DecodePlan,
+    choose_decode_plan,
     paged_attention,
     warm_up as warm_up_kernels,
 )
@@ -21,8 +22,9 @@ logger = logging.getLogger(__name__)
 class TritonAttentionBackend:
     """Writes the step's K/V into the paged cache, then runs one attention kernel over the
     whole varlen batch: decode-only batches get a decode tile and, when few sequences
-    would leave the chip idle, a split-KV (flash-decoding) pass; other batches a prefill
-    tile. No host sync: every launch size comes from the metadata's host fields."""
+    would leave the chip idle, a split-KV (flash-decoding) pass (choose_decode_plan); other
+    batches a prefill tile. No host sync: every launch size comes from the metadata's host
+    fields."""
 
     def __init__(self, num_kv_splits: int | None = None) -> None:
         # None: chosen per decode batch; a number pins it (tests; CUDA graphs need one
@@ -54,8 +56,10 @@ class TritonAttentionBackend:
         if query.stride(-1) != 1:
             query = query.contiguous()
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        num_kv_splits = metadata.num_kv_splits or self.num_kv_splits
-        if num_kv_splits is None:
-            num_kv_splits = choose_num_kv_splits(metadata, kv_cache.shape[3], query.device)
-        paged_attention(query, kv_cache, metadata, scale, output, num_kv_splits, kv_scales=kv_scales)
+        plan = metadata.decode_plan
+        if plan is None:
+            plan = (DecodePlan(self.num_kv_splits) if self.num_kv_splits is not None
+                    else choose_decode_plan(metadata, kv_cache.shape[3], kv_cache.dtype, query.device))
+        paged_attention(query, kv_cache, metadata, scale, output, plan.num_kv_splits, tile=plan.tile,
+                        kv_scales=kv_scales)
         return output

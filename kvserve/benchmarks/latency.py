@@ -58,12 +58,13 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
     )
     return LatencyResult(batch_size, input_len, output_len, statistics.median(ttfts) * 1e3,
                          tpot * 1e3, batch_size / tpot, floor * 1e3, floor / tpot,
-                         graph_replay_ms(llm, batch_size))
+                         graph_replay_ms(llm))
 
 
-def graph_replay_ms(llm: LLM, batch_size: int) -> float | None:
+def graph_replay_ms(llm: LLM) -> float | None:
+    """The last decode step's graph (its batch, its attention plan) replayed back to back."""
     graphs = llm.engine.runner.cuda_graphs
-    return None if graphs is None else graphs.replay_time_ms(batch_size)
+    return None if graphs is None or graphs.last_key is None else graphs.replay_last_ms()
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -6,15 +6,16 @@ whole forward pass plus the LM head once per batch size and replaying it costs o
 
 Graphs replay fixed addresses and fixed grids, so each step's inputs are copied into
 persistent buffers, a batch is padded up to the next captured size (padding rows write
-no KV: slot -1), and the attention's split-KV count is pinned per graph: one graph per
-(batch bucket, number of KV splits), captured on first use, the split count rounded down
-to a power of two so that few variants exist.
+no KV: slot -1), and the attention's plan (split-KV count and key tile) is pinned per
+graph: one graph per (batch bucket, plan), captured on first use, the split count rounded
+down to a power of two so that few variants exist. The short-context plans of the
+smallest buckets are captured ahead, with the unsplit graphs.
 
 A verify step feeds each sequence its newest token plus up to k drafts: the same shape
 with a query width q = 1 + k per sequence. A sequence with fewer drafts is padded at the
 end of its row group (padding tokens come after its real ones, so causal attention keeps
 them out of the real rows, and they write no KV). Graphs are keyed by
-(batch bucket, query width, KV splits); only width 1 is captured ahead of time.
+(batch bucket, query width, attention plan); only width 1 is captured ahead of time.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from array import array
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.triton_kernels.paged_attention import choose_num_kv_splits
+from kvserve.attention.triton_kernels.paged_attention import (
+    SHORT_CONTEXT,
+    SHORT_DECODE_TILE,
+    DecodePlan,
+    choose_decode_plan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +76,11 @@ class CudaGraphRunner:
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         self.num_kv_heads = kv_caches[0].shape[3]
+        self.kv_cache_dtype = kv_caches[0].dtype
         self.max_width = max_width
-        self.graphs: dict[tuple[int, int, int], DecodeGraph] = {}  # (bucket, width, splits)
+        self.graphs: dict[tuple[int, int, DecodePlan], DecodeGraph] = {}  # (bucket, width, plan)
         self.num_replays = 0
-        self.last_key: tuple[int, int, int] | None = None  # the graph the last run replayed
+        self.last_key: tuple[int, int, DecodePlan] | None = None  # the graph the last run replayed
         self.pool = torch.cuda.graph_pool_handle()
         n = self.max_batch
         # Persistent inputs. int64 rows: token ids, positions, KV slots, copied in one go.
@@ -106,7 +113,7 @@ class CudaGraphRunner:
         return next(b for b in self.buckets if b >= batch_size)
 
     def _metadata(
-        self, bucket: int, width: int, max_seq_len: int, num_kv_splits: int | None
+        self, bucket: int, width: int, max_seq_len: int, plan: DecodePlan | None
     ) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.token_inputs[2, : bucket * width],
@@ -118,23 +125,22 @@ class CudaGraphRunner:
             max_seq_len=max_seq_len,
             query_start_loc_cpu=list(range(0, bucket * width + 1, width)),
             seq_lens_cpu=[width] * bucket,
-            num_kv_splits=num_kv_splits,
+            decode_plan=plan,
         )
 
-    def _num_kv_splits(self, bucket: int, width: int, max_seq_len: int) -> int:
-        splits = choose_num_kv_splits(
-            self._metadata(bucket, width, max_seq_len, None), self.num_kv_heads, self.device
-        )
-        return _power_of_two_floor(splits)
+    def _plan(self, bucket: int, width: int, max_seq_len: int) -> DecodePlan:
+        plan = choose_decode_plan(self._metadata(bucket, width, max_seq_len, None), self.num_kv_heads,
+                                  self.kv_cache_dtype, self.device)
+        return plan._replace(num_kv_splits=_power_of_two_floor(plan.num_kv_splits))
 
-    def _forward(self, bucket: int, width: int, num_kv_splits: int) -> torch.Tensor:
+    def _forward(self, bucket: int, width: int, plan: DecodePlan) -> torch.Tensor:
         num_tokens = bucket * width
         ids, positions = self.token_inputs[0, :num_tokens], self.token_inputs[1, :num_tokens]
-        metadata = self._metadata(bucket, width, width, num_kv_splits)
+        metadata = self._metadata(bucket, width, width, plan)
         hidden = self.model(ids, positions, self.kv_caches, metadata)
         return self.model.compute_logits(hidden)
 
-    def _capture(self, bucket: int, width: int, num_kv_splits: int) -> DecodeGraph:
+    def _capture(self, bucket: int, width: int, plan: DecodePlan) -> DecodeGraph:
         # Padding sequences, as replays will see them: no KV write, `width` visible keys.
         num_tokens = bucket * width
         self.token_inputs[:, :num_tokens] = 0
@@ -143,28 +149,37 @@ class CudaGraphRunner:
         start = time.perf_counter()
         # One eager run first: compiles the Triton kernels and settles lazy state
         # (e.g. RoPE tables moved to the device), neither of which may happen in capture.
-        self._forward(bucket, width, num_kv_splits)
+        self._forward(bucket, width, plan)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(bucket, width, num_kv_splits)
+            logits = self._forward(bucket, width, plan)
         torch.cuda.synchronize(self.device)
         logger.debug(
-            "captured graph: batch %d, %d query tokens each, %d KV splits, %.0f ms",
-            bucket, width, num_kv_splits, (time.perf_counter() - start) * 1e3,
+            "captured graph: batch %d, %d query tokens each, %s, %.0f ms",
+            bucket, width, plan, (time.perf_counter() - start) * 1e3,
         )
         return DecodeGraph(graph, logits)
 
+    def _short_plans(self, bucket: int) -> list[DecodePlan]:
+        """The short-context plans a decode step of this bucket may take (choose_decode_plan)."""
+        # Half a tile apart: every power-of-two bin of tiles is at least a tile wide.
+        step = SHORT_DECODE_TILE.block_n // 2
+        plans = {self._plan(bucket, 1, seq_len) for seq_len in range(step, SHORT_CONTEXT + 1, step)}
+        return sorted(plan for plan in plans if plan.tile is not None)
+
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture the unsplit graph of every bucket, largest first so that the smaller
-        ones reuse its memory pool."""
+        """Capture the unsplit graph of every bucket and the short-context plans of the
+        buckets that take them, largest first so that the smaller ones reuse its memory
+        pool."""
         start = time.perf_counter()
         for bucket in reversed(self.buckets):
-            self.graphs[(bucket, 1, 1)] = self._capture(bucket, 1, 1)
+            for plan in (DecodePlan(1), *self._short_plans(bucket)):
+                self.graphs[(bucket, 1, plan)] = self._capture(bucket, 1, plan)
         logger.info(
-            "CUDA graphs: captured %d decode batch sizes (1..%d) in %.1f s",
-            len(self.buckets), self.max_batch, time.perf_counter() - start,
+            "CUDA graphs: captured %d decode batch sizes (1..%d), %d graphs, in %.1f s",
+            len(self.buckets), self.max_batch, len(self.graphs), time.perf_counter() - start,
         )
 
     @torch.inference_mode()
@@ -220,7 +235,7 @@ class CudaGraphRunner:
         self.block_tables[:batch, :table_width].copy_(tables.pin_memory(), non_blocking=True)
 
         max_seq_len = max(start_positions) + width
-        key = (bucket, width, self._num_kv_splits(bucket, width, max_seq_len))
+        key = (bucket, width, self._plan(bucket, width, max_seq_len))
         graph = self.graphs.get(key)
         if graph is None:
             # Capturing overwrites the persistent inputs with padding: redo the copies after.
@@ -233,16 +248,6 @@ class CudaGraphRunner:
             return graph.logits[: batch * width]
         rows = [i * width + j for i, length in enumerate(lengths) for j in range(length)]
         return graph.logits[torch.tensor(rows, device=self.device)]
-
-    @torch.inference_mode()
-    def replay_time_ms(self, batch_size: int, repeats: int = 50) -> float:
-        """Device time of this batch size's (unsplit) graph, replayed back to back: a decode
-        step with no host work between steps. The inputs are set to padding first, so the
-        replays write nothing into the KV cache."""
-        graph = self.graphs[(self.bucket_for(batch_size), 1, 1)].graph
-        self.token_inputs[2].fill_(-1)
-        graph.replay()
-        return _replay_time_ms(graph, repeats)
 
     @torch.inference_mode()
     def replay_last_ms(self, repeats: int = 50) -> float:

@@ -65,10 +65,13 @@ def test_triton_backend_greedy_equals_torch_reference(save_hf_model):
     assert results["triton"] == results["torch"]
 
 
-@pytest.mark.parametrize("num_prompts", [5, 13])
-def test_cuda_graph_decode_equals_eager(save_hf_model, num_prompts):
+@pytest.mark.parametrize(("num_prompts", "dtype"), [(5, "float32"), (13, "float32"), (2, "bfloat16")])
+def test_cuda_graph_decode_equals_eager(save_hf_model, num_prompts, dtype):
     """Decode steps replayed from CUDA graphs (batch padded to a bucket; long contexts
-    take a split-KV graph) give the eager path's tokens and logprobs."""
+    take a split-KV graph, and in bf16 one or two short contexts the short-tile plans)
+    give the eager path's tokens and logprobs."""
+    from kvserve.attention.triton_kernels.paged_attention import SHORT_DECODE_TILE
+
     config = LlamaConfig(
         vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
@@ -76,11 +79,13 @@ def test_cuda_graph_decode_equals_eager(save_hf_model, num_prompts):
     model_dir = save_hf_model(LlamaForCausalLM(config))
     generator = torch.Generator().manual_seed(2)
     lengths = [3, 40, 129, 700, 1500][:num_prompts] + [17 * i for i in range(1, num_prompts - 4)]
+    if dtype == "bfloat16":
+        lengths = [129, 700]
     prompts = [torch.randint(3, 1024, (n,), generator=generator).tolist() for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=3)
     results = {}
     for eager in (True, False):
-        llm = LLM(model=model_dir, dtype="float32", device="cuda", enforce_eager=eager,
+        llm = LLM(model=model_dir, dtype=dtype, device="cuda", enforce_eager=eager,
                   max_num_seqs=16, gpu_memory_utilization=0.3)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         results[eager] = outputs
@@ -89,7 +94,9 @@ def test_cuda_graph_decode_equals_eager(save_hf_model, num_prompts):
             assert graphs is None
         else:
             assert graphs.num_replays > 0
-            assert any(splits > 1 for _, _, splits in graphs.graphs)
+            assert any(plan.num_kv_splits > 1 for _, _, plan in graphs.graphs)
+            # The last step (both bf16 prompts, 740 keys) replayed a short-tile plan.
+            assert (graphs.last_key[2].tile == SHORT_DECODE_TILE) == (dtype == "bfloat16")
         del llm
         gc.collect()
         torch.cuda.empty_cache()

@@ -14,7 +14,7 @@ from kvserve.attention.torch_ref import TorchReferenceBackend
 from kvserve.attention.triton_backend import TritonAttentionBackend
 from kvserve.attention.triton_kernels.paged_attention import (
     TileConfig,
-    choose_num_kv_splits,
+    choose_decode_plan,
     paged_attention,
 )
 
@@ -64,18 +64,18 @@ def bench_decode(num_seqs: int, context: int, bandwidth: float) -> dict:
     kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * kv_cache.element_size()
     floor_ms = kv_bytes / bandwidth * 1e3
     out = torch.empty_like(q)
-    auto_splits = choose_num_kv_splits(metadata, NUM_KV_HEADS, q.device)
+    plan = choose_decode_plan(metadata, NUM_KV_HEADS, kv_cache.dtype, q.device)
     result = {
         "batch": num_seqs,
         "context": context,
         "kv_MB": kv_bytes / 1e6,
         "floor_ms": floor_ms,
-        "auto_splits": auto_splits,
+        "auto_splits": plan.num_kv_splits,
         "backend_ms": median_ms(lambda: TritonAttentionBackend().forward(q, k, v, kv_cache, metadata, scale)),
         "torch_ref_ms": median_ms(lambda: TorchReferenceBackend().forward(q, k, v, kv_cache, metadata, scale)),
     }
     result["attention_ms"] = median_ms(
-        lambda: paged_attention(q, kv_cache, metadata, scale, out, auto_splits)
+        lambda: paged_attention(q, kv_cache, metadata, scale, out, plan.num_kv_splits, plan.tile)
     )
     return result
 

@@ -243,6 +243,19 @@ FP32_DECODE_TILE = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 # 399 -> 304). Smaller batches keep the 256-key tile's fewer round trips.
 WIDE_DECODE_TILE = TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=2)
 WIDE_BATCH = 16
+# Decode batches of at most SHORT_PROGRAMS (sequence, KV head) programs over at most
+# SHORT_CONTEXT keys, with a 16-bit cache: 32-key tiles over 4 warps, the context split into
+# up to MAX_SHORT_SPLITS slices of about one tile each (choose_decode_plan). On the H100, 32
+# llama3-8b layers in one CUDA graph, us a step at batch 1, this plan against the 256-key
+# tile with MIN_KEYS_PER_SPLIT's splits: 128 keys 121 / 175, 192 141 / 181, 256 159 / 188,
+# 512 199 / 314, 1024 271 / 346; batch 2 149 / 183 at 128 keys, 313 / 373 at 1024 (the
+# 256-key tile's few programs run their tiles one after another). W2 int4 (batch 1) TPOT: 2.54
+# -> 2.52 ms at 128-256 keys, 2.75 -> 2.59 at 384-512, 2.91 -> 2.62 at 896-1024
+# (BENCHMARKS.md).
+SHORT_DECODE_TILE = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
+SHORT_PROGRAMS = 16
+SHORT_CONTEXT = 1024
+MAX_SHORT_SPLITS = 16
 PREFILL_TILE = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 MAX_KV_SPLITS = 64
 KV_SPLIT_WAVES = 4
@@ -257,6 +270,26 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class DecodePlan(NamedTuple):
+    """How paged_attention runs a batch: its KV splits, and its key tile (None: the default
+    for the batch). A CUDA graph pins one."""
+
+    num_kv_splits: int
+    tile: TileConfig | None = None
+
+
+def choose_decode_plan(metadata: AttentionMetadata, num_kv_heads: int, kv_cache_dtype: torch.dtype,
+                       device: torch.device) -> DecodePlan:
+    """SHORT_DECODE_TILE over a power of two of splits, about one tile each, for the narrow
+    decode batches of short contexts it serves faster (single tokens, a 16-bit cache);
+    otherwise the default tile over choose_num_kv_splits' splits."""
+    tiles = triton.cdiv(metadata.max_seq_len, SHORT_DECODE_TILE.block_n)
+    if (metadata.max_query_len == 1 and metadata.num_seqs * num_kv_heads <= SHORT_PROGRAMS
+            and kv_cache_dtype.itemsize == 2 and 1 < tiles and metadata.max_seq_len <= SHORT_CONTEXT):
+        return DecodePlan(min(triton.next_power_of_2(tiles), MAX_SHORT_SPLITS), SHORT_DECODE_TILE)
+    return DecodePlan(choose_num_kv_splits(metadata, num_kv_heads, device))
 
 
 def choose_num_kv_splits(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
@@ -353,7 +386,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         FP16_DOTS=kv_cache.element_size() == 1 and query.dtype == torch.bfloat16,
         V_FLOAT8_ASM=_float8_asm_format(kv_cache, query),
-        EARLY_METADATA=tile == DECODE_TILE,
+        EARLY_METADATA=tile in (DECODE_TILE, SHORT_DECODE_TILE),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **dependent_launch.chained_options(query.device),
@@ -377,9 +410,9 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
     """Launch every kernel variant a step may pick for this model's shapes and dtypes once,
     so that Triton compiles them (or loads them from its cache) at start-up rather than
     during the first requests that need them: decode tiles for few and for WIDE_BATCH
-    sequences, verify-width prefill tiles, each unsplit and split, and the merge. kv_cache
-    is a layer's cache [2, blocks, block_size, KVH, D] (read, not written). Returns the
-    number of launches."""
+    sequences, verify-width prefill tiles, each unsplit and split, the merge, and with a
+    16-bit cache the short-context plan's split tile. kv_cache is a layer's cache [2, blocks,
+    block_size, KVH, D] (read, not written). Returns the number of launches."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     device = kv_cache.device
     blocks = list(range(min(2, kv_cache.shape[1])))
@@ -399,8 +432,11 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
             block_size=block_size, max_query_len=query_len, max_seq_len=seq_len,
             query_start_loc_cpu=starts, seq_lens_cpu=[seq_len] * num_seqs,
         )
-        for num_kv_splits in (1, 2):
+        plans = [DecodePlan(1), DecodePlan(2)]
+        if num_seqs == 1 and query_len == 1 and kv_cache.dtype.itemsize == 2:
+            plans.append(DecodePlan(2, SHORT_DECODE_TILE))
+        for plan in plans:
             output = torch.empty(query.shape, dtype=dtype, device=device)
-            paged_attention(query, kv_cache, metadata, head_dim**-0.5, output, num_kv_splits)
+            paged_attention(query, kv_cache, metadata, head_dim**-0.5, output, plan.num_kv_splits, tile=plan.tile)
             launches += 1
     return launches

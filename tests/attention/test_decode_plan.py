@@ -1,0 +1,54 @@
+"""Which plan (KV splits, key tile) the Triton attention picks for a batch: exact counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.attention.triton_kernels.paged_attention import (
+    SHORT_DECODE_TILE,
+    DecodePlan,
+    choose_decode_plan,
+    choose_num_kv_splits,
+)
+
+CPU = torch.device("cpu")
+
+
+def _metadata(seq_lens: list[int], query_len: int = 1) -> AttentionMetadata:
+    starts = [i * query_len for i in range(len(seq_lens) + 1)]
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(len(seq_lens) * query_len, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.zeros(len(seq_lens), 1, dtype=torch.int32),
+        block_size=16, max_query_len=query_len, max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+    )
+
+
+@pytest.mark.parametrize(("seq_lens", "splits"), [
+    ([33], 2), ([64], 2), ([65], 4), ([128], 4), ([129], 8), ([192], 8), ([256], 8), ([257], 16),
+    ([1024], 16), ([100, 700], 16), ([40, 12], 2),
+])
+def test_narrow_short_decodes_split_into_short_tiles(seq_lens, splits) -> None:
+    """One or two sequences of llama3-8b's 8 KV heads (at most 16 programs), up to 1024 keys:
+    the 32-key tile, the context in the power of two of slices of about one tile."""
+    plan = choose_decode_plan(_metadata(seq_lens), 8, torch.bfloat16, CPU)
+    assert plan == DecodePlan(splits, SHORT_DECODE_TILE)
+
+
+@pytest.mark.parametrize(("seq_lens", "num_kv_heads", "dtype", "query_len"), [
+    ([32], 8, torch.bfloat16, 1),  # a single tile: nothing to split
+    ([1025], 8, torch.bfloat16, 1),  # past the short contexts
+    ([128, 128, 128], 8, torch.bfloat16, 1),  # 24 programs
+    ([128], 32, torch.bfloat16, 1),  # 32 programs
+    ([128], 8, torch.float8_e4m3fn, 1),  # a float8 cache
+    ([128], 8, torch.float32, 1),  # an fp32 cache
+    ([128], 8, torch.bfloat16, 3),  # a verify step
+])
+def test_other_batches_keep_the_default_tile_and_split_rule(seq_lens, num_kv_heads, dtype, query_len) -> None:
+    metadata = _metadata(seq_lens, query_len)
+    plan = choose_decode_plan(metadata, num_kv_heads, dtype, CPU)
+    assert plan == DecodePlan(choose_num_kv_splits(metadata, num_kv_heads, CPU))
