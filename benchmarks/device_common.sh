@@ -22,3 +22,13 @@ bench_tree() {
      --log-level WARNING bench "$@" --load-format dummy --model-shape llama3-8b \
      --output-json "$OUT/$name-$label.json" 2>&1 | grep -v Generating | tail -"${TAIL:-3}")
 }
+# ab_rounds NAME ARGS...: bench_tree of the parent tree (ab_base) and of this one, alternating,
+# ROUNDS times (default 2): $OUT/NAME-ROUND-ab_base.json and $OUT/NAME-ROUND-this.json.
+ab_rounds() {
+  local name=$1 round
+  shift
+  for round in $(seq "${ROUNDS:-2}"); do
+    bench_tree ab_base "$name-$round" "$@"
+    bench_tree . "$name-$round" "$@"
+  done
+}

@@ -7,9 +7,5 @@ source "$(dirname "$0")/device_common.sh"
 timeout "${TEST_TIMEOUT:-280}" python -m pytest -q -x -m gpu -p no:cacheprovider \
   tests/attention/test_triton_attention.py 2>&1 | tail -3
 W2="latency --batch-sizes 1 --input-len 128 --output-len 128"
-for round in $(seq "${ROUNDS:-1}"); do
-  bench_tree ab_base "w2-int4-$round" $W2 --quantization int4
-  bench_tree . "w2-int4-$round" $W2 --quantization int4
-done
-bench_tree ab_base w1-bf16 $W1_ARGS
-bench_tree . w1-bf16 $W1_ARGS
+ROUNDS=${ROUNDS:-1} ab_rounds w2-int4 $W2 --quantization int4
+ROUNDS=1 ab_rounds w1-bf16 $W1_ARGS

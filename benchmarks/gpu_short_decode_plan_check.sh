@@ -8,12 +8,6 @@ source "$(dirname "$0")/device_common.sh"
 timeout "${TEST_TIMEOUT:-420}" python -m pytest -q -x -m gpu -p no:cacheprovider \
   tests/attention tests/gpu 2>&1 | tail -3
 W2="latency --batch-sizes 1 --input-len 128 --output-len 128"
-for round in $(seq "${ROUNDS:-2}"); do
-  bench_tree ab_base "w2-int4-$round" $W2 --quantization int4
-  bench_tree . "w2-int4-$round" $W2 --quantization int4
-done
-bench_tree ab_base w2-bf16 $W2
-bench_tree . w2-bf16 $W2
-LONG="latency --batch-sizes 1 --input-len 896 --output-len 128"
-bench_tree ab_base w2-int4-896 $LONG --quantization int4
-bench_tree . w2-int4-896 $LONG --quantization int4
+ab_rounds w2-int4 $W2 --quantization int4
+ROUNDS=1 ab_rounds w2-bf16 $W2
+ROUNDS=1 ab_rounds w2-int4-896 latency --batch-sizes 1 --input-len 896 --output-len 128 --quantization int4
