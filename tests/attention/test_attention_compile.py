@@ -13,12 +13,14 @@ from kvserve.triton_offline import compile_kernel, cuda_tool, resource_usage
 TYPES = {"out_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
          "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
          "query_start_loc_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}
+# The tiles of narrow decode batches, which read their metadata before their PDL wait.
+NARROW_TILES = (paged_attention.DECODE_TILE, paged_attention.SHORT_DECODE_TILE)
 DIVISIBLE = ("num_heads", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cache_block",
              "stride_cache_slot", "stride_cache_head")
 
 
-@pytest.mark.parametrize("tile", [paged_attention.DECODE_TILE, paged_attention.WIDE_DECODE_TILE],
-                         ids=["decode", "wide-decode"])
+@pytest.mark.parametrize("tile", [paged_attention.DECODE_TILE, paged_attention.WIDE_DECODE_TILE,
+                                  paged_attention.SHORT_DECODE_TILE], ids=["decode", "wide-decode", "short-decode"])
 def test_float8_decode_attention_compiles_for_sm90_with_v_through_ldmatrix(tile) -> None:
     """llama3-8b's heads (4 queries a KV head, head_dim 128), bf16 queries over an e4m3
     cache, split KV: V converts to fp16 as loaded (the PTX conversion), reaches the dot
@@ -27,7 +29,7 @@ def test_float8_decode_attention_compiles_for_sm90_with_v_through_ldmatrix(tile)
         paged_attention._paged_attention_kernel,
         dict(BLOCK_SIZE=16, SPLIT=True, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_M=tile.block_m,
              BLOCK_N=tile.block_n, DOT_PRECISION="tf32", FP16_DOTS=True, V_FLOAT8_ASM="e4m3", PDL=True,
-             EARLY_METADATA=tile == paged_attention.DECODE_TILE),
+             EARLY_METADATA=tile in NARROW_TILES),
         num_warps=tile.num_warps, num_stages=tile.num_stages, types=TYPES, divisible=DIVISIBLE)
     registers, stack = resource_usage(compiled)
     assert stack == 0, f"{registers} registers and {stack} bytes of stack (spilled)"
@@ -39,4 +41,4 @@ def test_float8_decode_attention_compiles_for_sm90_with_v_through_ldmatrix(tile)
     ptx = compiled.asm["ptx"]
     first_load, wait = ptx.find("ld.global"), ptx.find("griddepcontrol.wait")
     assert min(first_load, wait) >= 0
-    assert (first_load < wait) == (tile == paged_attention.DECODE_TILE)
+    assert (first_load < wait) == (tile in NARROW_TILES)

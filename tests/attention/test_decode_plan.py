@@ -33,10 +33,11 @@ def _metadata(seq_lens: list[int], query_len: int = 1) -> AttentionMetadata:
     ([1024], 16), ([100, 700], 16), ([40, 12], 2),
 ])
 def test_narrow_short_decodes_split_into_short_tiles(seq_lens, splits) -> None:
-    """One or two sequences of llama3-8b's 8 KV heads (at most 16 programs), up to 1024 keys:
-    the 32-key tile, the context in the power of two of slices of about one tile."""
-    plan = choose_decode_plan(_metadata(seq_lens), 8, torch.bfloat16, CPU)
-    assert plan == DecodePlan(splits, SHORT_DECODE_TILE)
+    """One or two sequences of llama3-8b's 8 KV heads (at most 16 programs), up to 1024 keys,
+    a bf16 or float8 cache: the 32-key tile, the context in the power of two of slices of
+    about one tile."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
+        assert choose_decode_plan(_metadata(seq_lens), 8, dtype, CPU) == DecodePlan(splits, SHORT_DECODE_TILE)
 
 
 @pytest.mark.parametrize(("seq_lens", "num_kv_heads", "dtype", "query_len"), [
@@ -44,7 +45,6 @@ def test_narrow_short_decodes_split_into_short_tiles(seq_lens, splits) -> None:
     ([1025], 8, torch.bfloat16, 1),  # past the short contexts
     ([128, 128, 128], 8, torch.bfloat16, 1),  # 24 programs
     ([128], 32, torch.bfloat16, 1),  # 32 programs
-    ([128], 8, torch.float8_e4m3fn, 1),  # a float8 cache
     ([128], 8, torch.float32, 1),  # an fp32 cache
     ([128], 8, torch.bfloat16, 3),  # a verify step
 ])

@@ -244,14 +244,14 @@ FP32_DECODE_TILE = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 WIDE_DECODE_TILE = TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=2)
 WIDE_BATCH = 16
 # Decode batches of at most SHORT_PROGRAMS (sequence, KV head) programs over at most
-# SHORT_CONTEXT keys, with a 16-bit cache: 32-key tiles over 4 warps, the context split into
+# SHORT_CONTEXT keys, with a 16- or 8-bit cache: 32-key tiles over 4 warps, the context split into
 # up to MAX_SHORT_SPLITS slices of about one tile each (choose_decode_plan). On the H100, 32
 # llama3-8b layers in one CUDA graph, us a step at batch 1, this plan against the 256-key
 # tile with MIN_KEYS_PER_SPLIT's splits: 128 keys 121 / 175, 192 141 / 181, 256 159 / 188,
 # 512 199 / 314, 1024 271 / 346; batch 2 149 / 183 at 128 keys, 313 / 373 at 1024 (the
 # 256-key tile's few programs run their tiles one after another). W2 int4 (batch 1) TPOT: 2.54
-# -> 2.52 ms at 128-256 keys, 2.75 -> 2.59 at 384-512, 2.91 -> 2.62 at 896-1024
-# (BENCHMARKS.md).
+# -> 2.52 ms at 128-256 keys, 2.75 -> 2.59 at 384-512, 2.91 -> 2.62 at 896-1024; with an
+# e4m3 cache 2.60 -> 2.57 and 3.01 -> 2.66 (BENCHMARKS.md).
 SHORT_DECODE_TILE = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
 SHORT_PROGRAMS = 16
 SHORT_CONTEXT = 1024
@@ -283,11 +283,11 @@ class DecodePlan(NamedTuple):
 def choose_decode_plan(metadata: AttentionMetadata, num_kv_heads: int, kv_cache_dtype: torch.dtype,
                        device: torch.device) -> DecodePlan:
     """SHORT_DECODE_TILE over a power of two of splits, about one tile each, for the narrow
-    decode batches of short contexts it serves faster (single tokens, a 16-bit cache);
+    decode batches of short contexts it serves faster (single tokens, a 16- or 8-bit cache);
     otherwise the default tile over choose_num_kv_splits' splits."""
     tiles = triton.cdiv(metadata.max_seq_len, SHORT_DECODE_TILE.block_n)
     if (metadata.max_query_len == 1 and metadata.num_seqs * num_kv_heads <= SHORT_PROGRAMS
-            and kv_cache_dtype.itemsize == 2 and 1 < tiles and metadata.max_seq_len <= SHORT_CONTEXT):
+            and kv_cache_dtype.itemsize <= 2 and 1 < tiles and metadata.max_seq_len <= SHORT_CONTEXT):
         return DecodePlan(min(triton.next_power_of_2(tiles), MAX_SHORT_SPLITS), SHORT_DECODE_TILE)
     return DecodePlan(choose_num_kv_splits(metadata, num_kv_heads, device))
 
@@ -410,8 +410,8 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
     """Launch every kernel variant a step may pick for this model's shapes and dtypes once,
     so that Triton compiles them (or loads them from its cache) at start-up rather than
     during the first requests that need them: decode tiles for few and for WIDE_BATCH
-    sequences, verify-width prefill tiles, each unsplit and split, the merge, and with a
-    16-bit cache the short-context plan's split tile. kv_cache is a layer's cache [2, blocks,
+    sequences, verify-width prefill tiles, each unsplit and split, the merge, and (16- and
+    8-bit caches) the short-context plan's split tile. kv_cache is a layer's cache [2, blocks,
     block_size, KVH, D] (read, not written). Returns the number of launches."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     device = kv_cache.device
@@ -433,7 +433,7 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
             query_start_loc_cpu=starts, seq_lens_cpu=[seq_len] * num_seqs,
         )
         plans = [DecodePlan(1), DecodePlan(2)]
-        if num_seqs == 1 and query_len == 1 and kv_cache.dtype.itemsize == 2:
+        if num_seqs == 1 and query_len == 1 and kv_cache.dtype.itemsize <= 2:
             plans.append(DecodePlan(2, SHORT_DECODE_TILE))
         for plan in plans:
             output = torch.empty(query.shape, dtype=dtype, device=device)
