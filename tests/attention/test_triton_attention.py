@@ -204,6 +204,10 @@ GPU_SCENARIOS: dict[str, tuple[tuple[tuple[int, int], ...], int, int | None]] = 
     # name: (seqs, block size, forced splits)
     "decode": (((1, 1), (4097, 1), *_random_seqs(1, 30, 3000, lambda r: 1)), 16, None),
     "decode_split": (((5000, 1), (17, 1), (1, 1), (1203, 1)), 16, 7),
+    # One or two sequences of up to 1024 keys: the short-context plan (choose_decode_plan)
+    # wherever the cache is not fp32 and there are at most 16 (sequence, KV head) programs.
+    "decode_short": (((1000, 1),), 16, None),
+    "decode_short_pair": (((700, 1), (40, 1)), 16, None),
     "verify_split": (((5000, 5), (17, 5), (3, 3), (1203, 2)), 16, 7),
     "prefill": (((300, 300), (1, 1), (77, 77), (513, 513)), 16, None),
     "prefill_prefix": (((1500, 200), (700, 2), (64, 63), (2100, 129)), 16, None),
@@ -222,6 +226,17 @@ GPU_CASES = [
     for dtype, cache_dtype in ((torch.bfloat16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2),
                                (torch.float16, torch.float8_e4m3fn))
 ]
+
+
+def test_gpu_short_scenarios_take_the_short_plan() -> None:
+    """The decode_short scenarios are there to check the short-context plan on a GPU."""
+    from kvserve.attention.triton_kernels.paged_attention import SHORT_DECODE_TILE, choose_decode_plan
+
+    for case in GPU_CASES:
+        if case.scenario.startswith("decode_short"):
+            _, _, _, kv_cache, metadata = make_batch(case, "cpu")
+            plan = choose_decode_plan(metadata, case.num_kv_heads, kv_cache.dtype, torch.device("cpu"))
+            assert plan.tile == SHORT_DECODE_TILE and plan.num_kv_splits == 16, case.id
 
 
 @pytest.mark.gpu
