@@ -280,6 +280,11 @@ class DecodePlan(NamedTuple):
     tile: TileConfig | None = None
 
 
+def _short_plan_serves(kv_cache_dtype: torch.dtype) -> bool:
+    """16- and 8-bit caches take the short-context plan (fp32 ones keep FP32_DECODE_TILE)."""
+    return kv_cache_dtype.itemsize <= 2
+
+
 def choose_decode_plan(metadata: AttentionMetadata, num_kv_heads: int, kv_cache_dtype: torch.dtype,
                        device: torch.device) -> DecodePlan:
     """SHORT_DECODE_TILE over a power of two of splits, about one tile each, for the narrow
@@ -287,7 +292,7 @@ def choose_decode_plan(metadata: AttentionMetadata, num_kv_heads: int, kv_cache_
     otherwise the default tile over choose_num_kv_splits' splits."""
     tiles = triton.cdiv(metadata.max_seq_len, SHORT_DECODE_TILE.block_n)
     if (metadata.max_query_len == 1 and metadata.num_seqs * num_kv_heads <= SHORT_PROGRAMS
-            and kv_cache_dtype.itemsize <= 2 and 1 < tiles and metadata.max_seq_len <= SHORT_CONTEXT):
+            and _short_plan_serves(kv_cache_dtype) and 1 < tiles and metadata.max_seq_len <= SHORT_CONTEXT):
         return DecodePlan(min(triton.next_power_of_2(tiles), MAX_SHORT_SPLITS), SHORT_DECODE_TILE)
     return DecodePlan(choose_num_kv_splits(metadata, num_kv_heads, device))
 
@@ -433,7 +438,7 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
             query_start_loc_cpu=starts, seq_lens_cpu=[seq_len] * num_seqs,
         )
         plans = [DecodePlan(1), DecodePlan(2)]
-        if num_seqs == 1 and query_len == 1 and kv_cache.dtype.itemsize <= 2:
+        if num_seqs == 1 and query_len == 1 and _short_plan_serves(kv_cache.dtype):
             plans.append(DecodePlan(2, SHORT_DECODE_TILE))
         for plan in plans:
             output = torch.empty(query.shape, dtype=dtype, device=device)
