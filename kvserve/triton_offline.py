@@ -18,16 +18,19 @@ from triton.compiler import ASTSource
 # The weight-only kernels' pointer arguments, by name, and the integers that are multiples
 # of 16 on llama3-8b's shapes (Triton specializes on both at launch).
 WEIGHT_ONLY_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp32", "offset_ptr": "*fp32",
-                        "partial_ptr": "*fp32", "out_ptr": "*bf16", "count_ptr": "*i32"}
+                        "partial_ptr": "*fp32", "out_ptr": "*bf16", "count_ptr": "*i32",
+                        # The fused RMSNorm's operands (PendingNorm) and its eps.
+                        "pending_ptr": "*fp32", "residual_ptr": "*bf16", "norm_weight_ptr": "*bf16",
+                        "sum_squares_ptr": "*fp32", "norm_eps": "fp32"}
 WEIGHT_ONLY_DIVISIBLE = ("stride_wn", "stride_ps", "stride_om", "N", "stride_xm", "stride_sn", "group_size")
 
 
 def compile_kernel(kernel, constexprs: Mapping[str, object], num_warps: int = 4, num_stages: int = 1,
                    capability: int = 90, types: Mapping[str, str] = WEIGHT_ONLY_POINTERS,
-                   divisible: tuple[str, ...] = WEIGHT_ONLY_DIVISIBLE):
+                   divisible: tuple[str, ...] = WEIGHT_ONLY_DIVISIBLE, maxnreg: int | None = None):
     """`kernel` compiled for sm_`capability`: arguments named in `types` get those Triton
     types ("*bf16", "fp32", ...), the other non-constexpr ones int32, and pointers and
-    `divisible` ones are taken to be multiples of 16."""
+    `divisible` ones are taken to be multiples of 16; `maxnreg` as the launch passes it."""
     names = kernel.arg_names
     signature = {name: types.get(name, "i32") for name in names}
     signature.update({name: "constexpr" for name in constexprs})
@@ -35,8 +38,10 @@ def compile_kernel(kernel, constexprs: Mapping[str, object], num_warps: int = 4,
              if signature[name].startswith("*") or name in divisible}
     source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
                        constexprs={(names.index(name),): value for name, value in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def cuda_tool(name: str, cubin: bytes, *flags: str) -> str:

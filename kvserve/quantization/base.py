@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model_executor.layers.layernorm import PendingNorm
 from kvserve.quantization.cpu_dense import DenseWeight
 
 # Measured on SmolLM2's linears (2-core AVX512 CPU, torch 2.13): torch's weight-only
@@ -116,7 +117,24 @@ class QuantizedLinear(nn.Module, ABC):
         self.dense_weight = DenseWeight(weight, dtype, pack)
         self.cpu_kernel_max_rows = kernel_max_rows
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def pending_matmul(self, x: PendingNorm) -> torch.Tensor | None:
+        """x @ W^T for x whose RMSNorm the previous linear left pending, finished in this
+        layer's kernel (its output rows scaled), or None where the method's kernels cannot."""
+        return None
+
+    def add_norm_matmul(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> PendingNorm | None:
+        """RMSNorm.add_after's fused form: y = x @ W^T added to residual in place, the norm
+        after it left pending, or None (nothing done) where the method's kernels cannot."""
+        return None
+
+    def apply(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if isinstance(x, PendingNorm):
+            y = self.pending_matmul(x)
+            if y is not None:
+                return y if self.bias is None else y + self.bias
+            x = x.finish()
         y = self.decode_matmul(x)
         if y is None:
             if self.dense_weight is not None:
@@ -126,7 +144,7 @@ class QuantizedLinear(nn.Module, ABC):
                 y = self.dense_matmul(x)
         return y if self.bias is None else y + self.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         return self.apply(x)
 
     def weight_bytes(self) -> int:

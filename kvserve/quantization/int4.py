@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kvserve.cpu_kernels import int4_matmul_op
+from kvserve.model_executor.layers.layernorm import PendingNorm
 from kvserve.quantization.base import QuantizationMethod, QuantizedLinear, lm_head_as_linear
 from kvserve.quantization.int8 import add_int8_lm_head
 
@@ -194,6 +195,27 @@ class Int4Linear(QuantizedLinear):
 
         qweight = self.qweight.view(self.out_features, self.in_features // 2)
         return weight_only_matmul(x, qweight, self.scale, self.minimum, self.group_size, four_bit=True)
+
+    def pending_matmul(self, x: PendingNorm) -> torch.Tensor | None:
+        if not self.gpu_kernel_applies(x.rows) or self.in_features % 2:
+            return None
+        from kvserve.quantization.weight_only.matmul import PendingRows, weight_only_matmul
+
+        qweight = self.qweight.view(self.out_features, self.in_features // 2)
+        return weight_only_matmul(x.rows, qweight, self.scale, self.minimum, self.group_size, four_bit=True,
+                                  pending=PendingRows(x.sums, x.eps))
+
+    def add_norm_matmul(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> PendingNorm | None:
+        if not x.is_cuda or not self.gpu_kernel_applies(x) or self.in_features % 2 or self.bias is not None:
+            return None
+        from kvserve.quantization.weight_only.matmul import AddNorm, weight_only_matmul_add_norm
+
+        qweight = self.qweight.view(self.out_features, self.in_features // 2)
+        fused = weight_only_matmul_add_norm(x, qweight, self.scale, self.minimum, self.group_size,
+                                            AddNorm(residual, norm_weight), four_bit=True)
+        return None if fused is None else PendingNorm(*fused, eps)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"

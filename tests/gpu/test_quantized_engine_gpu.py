@@ -59,3 +59,66 @@ def test_kernels_score_like_the_dense_path(save_hf_model, method, monkeypatch):
     # Both carry bf16 activations; the kernels keep the dequantized weights unrounded, the
     # dense path rounds them to bf16. A wrong kernel is off by far more than either.
     assert kernel_error <= 2 * dense_error + 1e-3
+
+
+def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch):
+    """int4 decode at one row fuses each RMSNorm into the linears around it (PendingNorm):
+    o_proj and down leave the norm pending, gate/up (mma.sync: 16384 rows, a wide linear) and
+    qkv (the word kernel) finish it. Each decode run is scored against the unfused engine's
+    teacher-forced logprobs of the tokens it chose; the fused run is as close as the unfused
+    decode is."""
+    from kvserve.quantization.int4 import Int4Linear
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=512, intermediate_size=8192, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+    )
+    model_dir = save_hf_model(LlamaForCausalLM(config).to(torch.bfloat16))
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (9, 33)]
+    add_norm_matmul = Int4Linear.add_norm_matmul
+    fused_calls = []
+
+    def counted(self, *args):
+        pending = add_norm_matmul(self, *args)
+        fused_calls.append(pending is not None)
+        return pending
+
+    def llm(fused: bool) -> LLM:
+        monkeypatch.setattr(Int4Linear, "add_norm_matmul", counted if fused else lambda self, *args: None)
+        return LLM(model=model_dir, dtype="bfloat16", device="cuda", quantization="int4",
+                   quantization_config={"lm_head": False}, gpu_memory_utilization=0.3)
+
+    def decode(engine: LLM) -> list[tuple[list[int], list[float]]]:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+        runs = []
+        for prompt in prompts:  # one sequence a step: the one-row kernels
+            out = engine.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+            runs.append((out.token_ids, [entry[token] for token, entry in zip(out.token_ids, out.logprobs)]))
+        return runs
+
+    def engine_run(fused: bool) -> list[tuple[list[int], list[float]]]:
+        engine = llm(fused)
+        runs = decode(engine)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        return runs
+
+    fused_runs, unfused_runs = engine_run(True), engine_run(False)
+    assert any(fused_calls), "no linear took the fused norm"
+    reference = llm(False)  # teacher-forced: prefill rows, never the one-row kernels
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+    def error(runs) -> float:
+        diffs = []
+        for prompt, (tokens, logprobs) in zip(prompts, runs, strict=True):
+            scored = reference.generate([{"prompt_token_ids": prompt + tokens}], params)[0]
+            forced = [entry[token] for token, entry in zip(scored.prompt_token_ids[len(prompt):],
+                                                           scored.prompt_logprobs[len(prompt):])]
+            diffs += [abs(a - b) for a, b in zip(logprobs, forced, strict=True)]
+        return sum(diffs) / len(diffs)
+
+    fused_error, unfused_error = error(fused_runs), error(unfused_runs)
+    print(f"mean |decode logprob - teacher-forced|: fused {fused_error:.4f}, unfused {unfused_error:.4f}")
+    assert fused_error <= 2 * unfused_error + 2e-3

@@ -1,10 +1,31 @@
 """RMSNorm, computed in fp32 as Hugging Face Llama does, optionally fused with the
-residual add that precedes it (one Triton kernel on CUDA)."""
+residual add that precedes it (one Triton kernel on CUDA), or with the linears on either
+side of it (PendingNorm)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
+
+
+class PendingNorm(NamedTuple):
+    """RMSNorm(h) left unfinished by the linear that produced h (its kernel did the residual
+    add and the norm's sums in its epilogue), for the next linear to finish in its own: rows =
+    h * the norm's weight in the run dtype, sums [T, P] fp32 partial sums of h^2 per row, and
+    the norm's eps. RMSNorm(h) = rows * rsqrt(mean(h^2) + eps), row by row; a linear is linear,
+    so that factor can scale its output instead of its input. At one decode row this saves the
+    norm's own kernel between two GEMVs (BENCHMARKS.md)."""
+
+    rows: torch.Tensor
+    sums: torch.Tensor
+    eps: float
+
+    def finish(self) -> torch.Tensor:
+        """The normalized rows, for a consumer that cannot take the factor."""
+        mean = self.sums.sum(-1, keepdim=True) / self.rows.shape[-1]
+        return (self.rows.float() * torch.rsqrt(mean + self.eps)).to(self.rows.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +47,20 @@ class RMSNorm(nn.Module):
             residual = residual + x
             return self._norm(residual), residual
         return self._norm(x)
+
+    def add_after(
+        self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, pending: bool = True
+    ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+        """(norm(residual + linear(x)), residual + linear(x)). With `pending` (the result
+        goes to a linear), where the linear's kernel can (a quantized layer's
+        `add_norm_matmul`), the add and the norm's sums run in its epilogue and the result is
+        a PendingNorm for the next linear; residual is updated in place either way on CUDA."""
+        add_norm_matmul = getattr(linear, "add_norm_matmul", None) if pending else None
+        if add_norm_matmul is not None:
+            fused = add_norm_matmul(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused, residual
+        return self(linear(x), residual)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype

@@ -14,7 +14,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, TorchReferenceBackend
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.activation import SiluAndMul
-from kvserve.model_executor.layers.layernorm import RMSNorm
+from kvserve.model_executor.layers.layernorm import PendingNorm, RMSNorm
 from kvserve.model_executor.layers.linear import Linear, lm_head_logits
 from kvserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -42,16 +42,18 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        hidden_states: torch.Tensor,
+        hidden_states: torch.Tensor | PendingNorm,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
+        """The attention heads' output, [T, heads x head_dim]: o_proj's input (the decoder
+        layer applies o_proj, fused with the norm after it where it can)."""
         q_and_k, v = self.qkv_proj(hidden_states).split(
             [self.q_size + self.kv_size, self.kv_size], dim=-1
         )
+        num_tokens = q_and_k.shape[0]
         heads = q_and_k.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -70,7 +72,7 @@ class LlamaAttention(nn.Module):
         out = self.attn_backend.forward(
             q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(num_tokens, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -80,8 +82,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """down_proj's input, the activation (the decoder layer applies down_proj, fused
+        with the norm after it where it can)."""
+        return self.act(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -94,23 +98,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
+        hidden_states: torch.Tensor | PendingNorm,
+        residual: torch.Tensor,
+        next_norm: RMSNorm,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's MLP output, the residual stream before it); the next norm
-        adds them, so each residual add is fused into the norm that follows it."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        next_norm_pending: bool = True,
+    ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+        """hidden_states: the input norm's output (the previous layer applied it); returns
+        next_norm(residual stream after this layer) and that stream. Each residual add is
+        fused into the norm after it, and each norm, where the kernels can, into the linears
+        around it (RMSNorm.add_after); next_norm_pending=False when next_norm's output goes
+        to something other than a linear (the LM head)."""
+        attn_out = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm.add_after(self.self_attn.o_proj, attn_out, residual)
+        return next_norm.add_after(self.mlp.down_proj, self.mlp(hidden_states), residual, next_norm_pending)
 
 
 class LlamaModel(nn.Module):
@@ -131,13 +135,14 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(positions)
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        residual = self.embed_tokens(input_ids)
+        hidden_states = self.layers[0].input_layernorm(residual)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm, kv_cache in zip(self.layers, next_norms, kv_caches, strict=True):
             hidden_states, residual = layer(
-                hidden_states, residual, cos, sin, kv_cache, attn_metadata
+                hidden_states, residual, next_norm, cos, sin, kv_cache, attn_metadata,
+                next_norm_pending=next_norm is not self.norm,  # the LM head takes plain rows
             )
-        hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 

@@ -27,6 +27,12 @@ fp8: 4 e4m3 values a load, each byte converted by the hardware (exact); per-chan
 apply once at the end, group scales once per tile. Their split-K partials are summed
 inside the kernel, in split order, by the last split to finish: one launch per linear.
 
+The 4-bit one-row word kernel can also run the residual add and the RMSNorm after its
+linear in its epilogue (weight_only_matmul_add_norm: h * the norm's weight and the row sums
+of h^2), and the next linear's word or mma.sync kernel scales its output rows by
+rsqrt(mean(h^2) + eps) (weight_only_matmul's `pending`): the norm's own kernel goes away
+(PendingNorm in model_executor/layers/layernorm.py).
+
 No host syncs and only shape-dependent allocations (the split counters are allocated once
 per device, at the first call): the launches are CUDA-graph capturable.
 

@@ -5,6 +5,7 @@ the kernel)."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -31,6 +32,10 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+# The register limit the 4-bit one-row word kernel is compiled with (see _words_matmul).
+WORD_KERNEL_MAX_REGISTERS = 255
+
+
 # One counter per output tile for the in-kernel split-K sum; each launch leaves them at 0.
 # Shared by every launch on the device: launches must not overlap (one stream at a time).
 _MAX_SPLIT_COUNTERS = 16384
@@ -39,6 +44,21 @@ _MAX_SPLIT_COUNTERS = 16384
 @functools.lru_cache(maxsize=None)
 def split_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(_MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
+
+
+class PendingRows(NamedTuple):
+    """x whose RMSNorm the previous linear left pending (its add_norm): x = h * the norm's
+    weight, and sums [M, P] fp32 partial sums of h^2 per row; the kernel scales its output rows
+    by rsqrt(mean(h^2) + eps)."""
+    sums: torch.Tensor
+    eps: float
+
+
+class AddNorm(NamedTuple):
+    """The residual add and RMSNorm after a linear, fused into its kernel: residual [M, N]
+    (contiguous, updated in place to residual + y) and the norm's weight [N]."""
+    residual: torch.Tensor
+    weight: torch.Tensor
 
 
 def _block_k(config: LaunchConfig, in_features: int, group_size: int, grouped: bool, four_bit: bool) -> int | None:
@@ -90,15 +110,17 @@ def _words_apply(qweight: torch.Tensor, in_features: int, block_k: int, four_bit
 
 def _words_matmul(
     rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-    group_size: int, config: LaunchConfig, block_k: int,
-) -> torch.Tensor:
+    group_size: int, config: LaunchConfig, block_k: int, pending: PendingRows | None = None,
+    add_norm: AddNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """rows [M, K] times the nibble pairs or e4m3 values read as int32 words, by
-    config.words; split-K partials summed in the kernel."""
+    config.words; split-K partials summed in the kernel. Returns y and, with add_norm, the
+    row sums of h^2 it leaves pending (PendingRows.sums)."""
     m, k = rows.shape
     n = qweight.shape[0]
     out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
     if m == 0:
-        return out
+        return out, None
     dot = config.words == "dot"
     block_m = max(16, config.block_m) if dot else config.block_m  # tl.dot's minimum
     num_tiles = k // block_k
@@ -110,6 +132,10 @@ def _words_matmul(
     partial = torch.empty((split, m, n), dtype=torch.float32, device=rows.device) if split > 1 else out
     words = qweight.view(torch.int32)
     x_tiles = triton.next_power_of_2(triton.cdiv(m, 8))  # mma: 8 rows of x an MMA's B
+    sums = torch.empty((m, grid_n), dtype=torch.float32, device=rows.device) if add_norm is not None else None
+    norm_args = (pending.sums.shape[1], pending.eps) if pending is not None else (0, 0.0)
+    norm_flags = {"ROW_SCALE": pending is not None,
+                  "PARTIALS": triton.next_power_of_2(norm_args[0]) if pending is not None else 1}
     if config.words == "mma" and qweight.dtype == torch.float8_e4m3fn:
         fp8_mma_kernel[(grid_n, 1, split)](
             rows, words, scale, partial, out, split_counters(rows.device),
@@ -121,18 +147,20 @@ def _words_matmul(
             # A programmatic dependent: waits for the previous kernel after its first tile.
             **dependent_launch.chained_options(rows.device),
         )
-        return out
+        return out, None
     if config.words == "mma":
         fp16 = rows.dtype == torch.float16
         int4_mma_kernel[(grid_n, 1, split)](
             rows, words, scale, offset if offset is not None else scale, partial, out, split_counters(rows.device),
+            pending.sums if pending is not None else out,
             m, n, num_tiles, tiles_per_split, group_size, 0x64006400 if fp16 else 0x43004300,
-            rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
+            rows.stride(0), words.stride(0), scale.stride(0), m * n, n, *norm_args,
             FP16=fp16, HAS_OFFSET=offset is not None, SPLIT=split > 1,
             ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
             LAUNCH_NEXT=dependent_launch.enabled(rows.device), num_warps=config.num_warps, num_stages=1,
+            **norm_flags,
         )
-        return out
+        return out, None
     fp8 = qweight.dtype == torch.float8_e4m3fn
     flags, launch = {}, {}
     if not dot:
@@ -150,46 +178,85 @@ def _words_matmul(
         pointers, flags["HAS_OFFSET"] = (scale, offset if offset is not None else scale), offset is not None
         if not dot:
             flags["TWO_GROUPS"] = block_k == 2 * group_size
+    norm_pointers, norm_scalars = (), ()
+    if kernel is int4_gemv_kernel:  # the fused norms' operands (PendingRows, AddNorm)
+        residual, norm_weight = add_norm if add_norm is not None else (out, out)
+        norm_pointers = (pending.sums if pending is not None else out, residual, norm_weight,
+                         sums if sums is not None else out)
+        norm_scalars = norm_args
+        flags.update(norm_flags, ADD_NORM=add_norm is not None)
+        if rows.is_cuda:
+            # Left to itself, ptxas gives the fused variants 168 registers and issues the next
+            # tile's weight loads at the end of the loop instead of its middle (down: 17.9 ->
+            # 21.6 us on an H100); an explicit limit of 255 keeps the plain kernel's schedule.
+            launch = {**launch, "maxnreg": WORD_KERNEL_MAX_REGISTERS}
     # 1.0f as a run-time value: ptxas then merges mask and OR into one LOP3.
     one_bits = () if fp8 else (0x3F800000,)
     kernel[(grid_n, grid_m, split)](
-        rows, words, *pointers, partial, out, split_counters(rows.device),
+        rows, words, *pointers, partial, out, split_counters(rows.device), *norm_pointers,
         m, n, num_tiles, tiles_per_split, max(1, group_size // block_k), *one_bits,
-        rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
+        rows.stride(0), words.stride(0), scale.stride(0), m * n, n, *norm_scalars,
         SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **flags, **launch,
     )
-    return out
+    return out, sums
 
 
-def weight_only_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-    group_size: int, four_bit: bool = False, config: LaunchConfig | None = None,
-) -> torch.Tensor | None:
-    """x [..., K] (bf16/fp16; fp32 too under the interpreter) times the quantized weight.
-    qweight [N, K] int8 / float8_e4m3fn, or uint8 [N, K / 2] nibble pairs (four_bit,
-    contiguous); scale and offset fp32 or fp16 [N, K / group_size]. None where the kernel
-    does not apply (odd K for 4-bit, groups narrower than a tile): the caller dequantizes
-    instead."""
+def _words_plan(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, group_size: int, four_bit: bool,
+    config: LaunchConfig | None,
+) -> tuple[torch.Tensor, LaunchConfig, int | None, bool]:
+    """(x as [M, K] rows, the call's config, its K tile (None: no kernel applies), whether
+    the int32-word kernels take it)."""
     in_features = x.shape[-1]
-    n = qweight.shape[0]
-    if four_bit and in_features % 2:
-        return None
     grouped = scale.shape[1] > 1
     fp8 = qweight.dtype == torch.float8_e4m3fn
     rows = x.reshape(-1, in_features)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    config = config or default_config(m, four_bit, fp8, n)
+    config = config or default_config(m, four_bit, fp8, qweight.shape[0])
     if config.words == "mma" and not mma_applies(rows, group_size, grouped, config.block_k):
         # No CUDA (the interpreter), groups narrower than 128, K not whole mma tiles.
-        config = default_config(m, four_bit, fp8, n, mma=False)
+        config = default_config(m, four_bit, fp8, qweight.shape[0], mma=False)
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
     if block_k is None or (four_bit and in_features % block_k):
+        return rows, config, None, False
+    return rows, config, block_k, bool(config.words) and _words_apply(qweight, in_features, block_k, four_bit, fp8)
+
+
+def _folds_norms(qweight: torch.Tensor, config: LaunchConfig, four_bit: bool, words: bool) -> bool:
+    """The kernels that take a pending RMSNorm (PendingRows): 4-bit weights on the CUDA-core
+    word kernel or mma.sync."""
+    return words and four_bit and qweight.dtype != torch.float8_e4m3fn and config.words in ("fma", "mma")
+
+
+def weight_only_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+    group_size: int, four_bit: bool = False, config: LaunchConfig | None = None,
+    pending: PendingRows | None = None,
+) -> torch.Tensor | None:
+    """x [..., K] (bf16/fp16; fp32 too under the interpreter) times the quantized weight.
+    qweight [N, K] int8 / float8_e4m3fn, or uint8 [N, K / 2] nibble pairs (four_bit,
+    contiguous); scale and offset fp32 or fp16 [N, K / group_size]. None where the kernel
+    does not apply (odd K for 4-bit, groups narrower than a tile): the caller dequantizes
+    instead. With `pending`, x's RMSNorm is finished in the kernel, and None where the call's
+    kernel cannot (the caller finishes x first)."""
+    in_features = x.shape[-1]
+    n = qweight.shape[0]
+    if four_bit and in_features % 2:
         return None
-    if config.words and _words_apply(qweight, in_features, block_k, four_bit, fp8):
-        return _words_matmul(rows, qweight, scale, offset, group_size, config, block_k).reshape(*x.shape[:-1], n)
+    rows, config, block_k, words = _words_plan(x, qweight, scale, group_size, four_bit, config)
+    if pending is not None and not _folds_norms(qweight, config, four_bit, words):
+        return None
+    if block_k is None:
+        return None
+    if words:
+        y, _ = _words_matmul(rows, qweight, scale, offset, group_size, config, block_k, pending)
+        return y.reshape(*x.shape[:-1], n)
+    grouped = scale.shape[1] > 1
+    fp8 = qweight.dtype == torch.float8_e4m3fn
+    m = rows.shape[0]
     num_tiles = triton.cdiv(in_features, block_k)
     programs = triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m)
     split, tiles_per_split = split_k(config, num_tiles, programs, x.device)
@@ -218,3 +285,20 @@ def weight_only_matmul(
         )
     y = out[0] if split == 1 else out.sum(0).to(x.dtype)
     return y.reshape(*x.shape[:-1], n)
+
+
+def weight_only_matmul_add_norm(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+    group_size: int, add_norm: AddNorm, four_bit: bool = False, config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """weight_only_matmul followed by the residual add and the RMSNorm after it, in the
+    kernel's epilogue where the call runs on the 4-bit CUDA-core word kernel (one row):
+    returns (h * the norm's weight, the row sums of h^2 (PendingRows.sums)) with the residual
+    updated to h = residual + x W^T, or None (nothing written) where that kernel does not
+    run the call."""
+    rows, config, block_k, words = _words_plan(x, qweight, scale, group_size, four_bit, config)
+    residual = add_norm.residual
+    if (block_k is None or config.words != "fma" or not _folds_norms(qweight, config, four_bit, words)
+            or not residual.is_contiguous() or residual.shape != (rows.shape[0], qweight.shape[0])):
+        return None
+    return _words_matmul(rows, qweight, scale, offset, group_size, config, block_k, add_norm=add_norm)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvserve.quantization.weight_only.tiles import split_tiles, store_output
+from kvserve.quantization.weight_only.tiles import norm_row_scale, split_tiles, store_output
 
 
 @triton.jit
@@ -116,6 +116,43 @@ def _mma_weight_tile(w_g, w_g8, row_mask, row_mask8, words):
 
 
 @triton.jit
+def _mma_x_rows(t, X_TILES: tl.constexpr):
+    """Thread (g, t)'s x rows in the accumulators of m16n8k16: 8 j + 2 t and 8 j + 2 t + 1 of
+    each x tile j, as a tuple of [threads] tensors."""
+    x_rows = ()
+    for j in tl.static_range(X_TILES):
+        x_rows = x_rows + (8 * j + 2 * t, 8 * j + 2 * t + 1)
+    return x_rows
+
+
+@triton.jit
+def _mma_row_scales(pending_ptr, t, M, pending_partials, num_cols, norm_eps, PARTIALS: tl.constexpr,
+                    X_TILES: tl.constexpr):
+    """norm_row_scale of thread (g, t)'s x rows (_mma_x_rows), as [threads, 1] tensors: the
+    8 X_TILES rows' scales computed once for the program (a few values a thread), then each
+    thread picks its own."""
+    all_rows = tl.arange(0, 8 * X_TILES)
+    row_scales = norm_row_scale(pending_ptr, all_rows, all_rows < M, pending_partials, num_cols, norm_eps,
+                                PARTIALS)
+    scales = ()
+    x_rows = _mma_x_rows(t, X_TILES)
+    for i in tl.static_range(2 * X_TILES):
+        picked = tl.where(x_rows[i][:, None] == all_rows[None, :], row_scales[None, :], 0.0)
+        scales = scales + (tl.sum(picked, axis=1)[:, None],)
+    return scales
+
+
+@triton.jit
+def _mma_scale_rows(ys, row_scales, X_TILES: tl.constexpr):
+    """ys (_mma_store's layout) with each x row's output multiplied by its row scale."""
+    scaled = ()
+    for j in tl.static_range(X_TILES):
+        scaled = scaled + (ys[4 * j] * row_scales[2 * j], ys[4 * j + 1] * row_scales[2 * j + 1],
+                           ys[4 * j + 2] * row_scales[2 * j], ys[4 * j + 3] * row_scales[2 * j + 1])
+    return scaled
+
+
+@triton.jit
 def _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
                SPLIT: tl.constexpr, X_TILES: tl.constexpr):
     """Write thread (g, t)'s outputs: of x tile j, ys[4 j .. 4 j + 3] are weight rows g and
@@ -151,11 +188,12 @@ def _int4_mma_tile_scales(scale_ptr, offset_ptr, w_row, w_row8, row_mask, row_ma
 
 @triton.jit
 def int4_mma_kernel(
-    x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr,
+    x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr, pending_ptr,
     M, N, num_tiles, tiles_per_split, group_size, magic,
-    stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
+    stride_xm, stride_wn, stride_sn, stride_ps, stride_om, pending_partials, norm_eps,
     FP16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr,
     NUM_WARPS: tl.constexpr, X_TILES: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
+    ROW_SCALE: tl.constexpr, PARTIALS: tl.constexpr,
 ):
     """Up to 8 X_TILES rows of x against ROW_TILES x 16 weight rows a warp on tensor cores,
     through mma.sync m16n8k16 (B's 8 columns are 8 rows of x; each A fragment, unpacked once,
@@ -169,7 +207,9 @@ def int4_mma_kernel(
     ROW_TILES] tensors (thread i holds row i), so Triton keeps them in registers with no
     layout conversions; an x tile's are a tuple. Not launched as a programmatic dependent:
     waiting as one (after the first tile) made W2 int4's step 0.06 ms longer on an H100, and
-    0.2 ms longer with fp16 scales (BENCHMARKS.md); it lets the next kernel launch early."""
+    0.2 ms longer with fp16 scales (BENCHMARKS.md); it lets the next kernel launch early.
+    ROW_SCALE: x's RMSNorm was left pending by the previous linear (int4_gemv_kernel's
+    ADD_NORM); the output rows are scaled by its rsqrt(mean(h^2) + eps)."""
     if LAUNCH_NEXT:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     THREADS: tl.constexpr = 32 * NUM_WARPS
@@ -243,6 +283,9 @@ def int4_mma_kernel(
         w_a, w_a8, w_b, w_b8 = next_a, next_a8, next_b, next_b8
         scales = next_scales
         w_tile += 32
+    if ROW_SCALE:  # read after the loop: read before it, gate/up ran 7 us slower in the step
+        ys = _mma_scale_rows(ys, _mma_row_scales(pending_ptr, t, M, pending_partials, num_tiles * 256, norm_eps,
+                                                 PARTIALS, X_TILES), X_TILES)
     _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, SPLIT, X_TILES)
 
 

@@ -61,25 +61,45 @@ def group_scale_offset(scale_ptrs, offset_ptrs, group, mask, HAS_OFFSET: tl.cons
 
 
 @triton.jit
-def _store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, stride_ps):
-    """Split-K without a second kernel: every split leaves its fp32 partials (a tuple of
-    blocks, one counter for them all), and the last of an output tile's splits to arrive (an
-    acq_rel counter) sums them all in split order (deterministic), writes the output and
-    re-arms the counter for the next launch."""
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
-    counter = count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+def _split_counter(count_ptr):
+    """The arrival counter of this program's output tile."""
+    return count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+
+
+@triton.jit
+def _arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
+    """Leave this split's fp32 partials (a tuple of blocks, one counter for them all) and
+    say whether it is the last of its output tile's splits to arrive (an acq_rel counter)."""
     for i in tl.static_range(len(accs)):
-        tl.store(partial_ptr + split * stride_ps + offss[i], accs[i], mask=masks[i])
+        tl.store(partial_ptr + tl.program_id(2) * stride_ps + offss[i], accs[i], mask=masks[i])
     tl.debug_barrier()  # every thread's partial is written before thread 0 releases them
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+    return tl.atomic_add(_split_counter(count_ptr), 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1
+
+
+@triton.jit
+def _summed_splits(partial_ptr, offs, mask, stride_ps):
+    """The splits' partials of one block, summed in split order (deterministic)."""
+    total = tl.zeros(offs.shape, dtype=tl.float32)
+    for s in range(tl.num_programs(2)):
+        total += tl.load(partial_ptr + s * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def _rearm(count_ptr):
+    """Reset the output tile's counter for the next launch (its last split calls this)."""
+    tl.atomic_xchg(_split_counter(count_ptr), 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, stride_ps):
+    """Split-K without a second kernel: every split leaves its partials, and the last of an
+    output tile's splits to arrive sums them all, writes the output and re-arms the counter."""
+    if _arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
         for i in tl.static_range(len(accs)):
-            total = tl.zeros_like(accs[i])
-            for s in range(num_splits):
-                total += tl.load(partial_ptr + s * stride_ps + offss[i], mask=masks[i], other=0.0,
-                                 cache_modifier=".cg")
+            total = _summed_splits(partial_ptr, offss[i], masks[i], stride_ps)
             tl.store(out_ptr + offss[i], total.to(out_ptr.dtype.element_ty), mask=masks[i])
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        _rearm(count_ptr)
 
 
 @triton.jit
@@ -132,3 +152,52 @@ def store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count
         offs = rows[:, None] * stride_om + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
     store_output((acc,), (offs,), (mask,), partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT)
+
+
+@triton.jit
+def _add_norm_store(y, rows, cols, row_mask, col_mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr,
+                    sum_squares_ptr):
+    """A linear's [rows, cols] block y, with the residual add and the RMSNorm after it fused
+    (PendingNorm): h = residual + y in the run dtype (the residual stream, updated in place,
+    same strides as out), out = h * the norm's weight, and the block's sum of h^2 for each row
+    at sum_squares[row, column block]. The next linear multiplies its output rows by
+    rsqrt(mean(h^2) + eps) (norm_row_scale)."""
+    dtype = out_ptr.dtype.element_ty
+    offs = rows[:, None] * stride_om + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    # Rounded as `residual + linear(x)` would be: y to the run dtype, then the sum.
+    residual = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (y.to(dtype).to(tl.float32) + residual).to(dtype)
+    tl.store(residual_ptr + offs, h, mask=mask)
+    h = h.to(tl.float32)
+    tl.store(sum_squares_ptr + rows * tl.num_programs(0) + tl.program_id(0), tl.sum(h * h, axis=1), mask=row_mask)
+    weight = tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (weight[None, :] * h).to(dtype), mask=mask)
+
+
+@triton.jit
+def store_block_add_norm(y, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
+                         residual_ptr, norm_weight_ptr, sum_squares_ptr, SPLIT: tl.constexpr):
+    """store_block for a [rows, cols] block whose linear is followed by a residual add and an
+    RMSNorm: _add_norm_store on the block's final values (with split K, by its last split)."""
+    if SPLIT:
+        offs = rows[:, None] * stride_om + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        if _arrives_last((y,), partial_ptr, count_ptr, (offs,), (mask,), stride_ps):
+            _add_norm_store(_summed_splits(partial_ptr, offs, mask, stride_ps), rows, cols, row_mask, col_mask,
+                            out_ptr, stride_om, residual_ptr, norm_weight_ptr, sum_squares_ptr)
+            _rearm(count_ptr)
+    else:
+        _add_norm_store(y, rows, cols, row_mask, col_mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr,
+                        sum_squares_ptr)
+
+
+@triton.jit
+def norm_row_scale(sum_squares_ptr, rows, row_mask, num_partials, num_cols, eps, PARTIALS: tl.constexpr):
+    """rsqrt(mean(h^2) + eps) for each row of x whose RMSNorm the previous linear left
+    pending (_add_norm_store): its num_partials (<= PARTIALS, a power of two) block sums
+    added up, in a fixed order."""
+    parts = tl.arange(0, PARTIALS)
+    sums = tl.load(sum_squares_ptr + rows[:, None] * num_partials + parts[None, :],
+                   mask=row_mask[:, None] & (parts < num_partials)[None, :], other=0.0)
+    return tl.math.rsqrt(tl.sum(sums, axis=1) / num_cols + eps)

@@ -12,8 +12,10 @@ from kvserve.quantization.weight_only.tiles import (
     load_x_pair,
     load_x_words,
     nibble,
+    norm_row_scale,
     program_block,
     store_block,
+    store_block_add_norm,
     widen_x_pair,
 )
 
@@ -21,11 +23,12 @@ from kvserve.quantization.weight_only.tiles import (
 @triton.jit
 def int4_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr,
+    pending_ptr, residual_ptr, norm_weight_ptr, sum_squares_ptr,
     M, N, num_tiles, tiles_per_split, tiles_per_group, one_bits,
-    stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
+    stride_xm, stride_wn, stride_sn, stride_ps, stride_om, pending_partials, norm_eps,
     X_BF16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO_GROUPS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ROW_SCALE: tl.constexpr, PARTIALS: tl.constexpr, ADD_NORM: tl.constexpr,
 ):
     """4-bit weights as int32 words of 8 nibbles, unpacked with shifts and masks into fp32
     1 + q / 128 and multiplied on the CUDA cores against up to BLOCK_M rows of x:
@@ -37,7 +40,12 @@ def int4_gemv_kernel(
     the groups' scales and offsets) is loaded one tile ahead; each thread keeps per-word
     partial sums, the scale applied lane by lane (one cross-thread reduction, at the end);
     the tiles advance scalar base pointers under fixed 32-bit offsets. With PDL the first
-    tile's words and scales load before the wait for the previous kernel (dependent_launch)."""
+    tile's words and scales load before the wait for the previous kernel (dependent_launch).
+
+    Fused RMSNorms (PendingNorm): ROW_SCALE takes x whose norm the previous linear left
+    pending (x = h * weight, the row sums of h^2 at pending_ptr) and scales the output rows
+    by rsqrt(mean(h^2) + eps); ADD_NORM adds this linear's output to the residual stream and
+    leaves the next norm pending in turn (store_block_add_norm)."""
     if PDL:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     rows, cols, row_mask, col_mask, first, last = program_block(M, N, num_tiles, tiles_per_split,
@@ -65,6 +73,9 @@ def int4_gemv_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
     x01, x23, x45, x67 = load_x_words(x_tile, x_mask, X_BF16)
+    if ROW_SCALE:
+        row_scale = norm_row_scale(pending_ptr, rows, row_mask, pending_partials, num_tiles * BLOCK_K, norm_eps,
+                                   PARTIALS)
     for tile in range(first, last):
         more = tile + 1 < last
         w_next = tl.load(w_tile + WORDS + w_offsets, mask=w_mask & more, other=0, eviction_policy="evict_first")
@@ -89,8 +100,15 @@ def int4_gemv_kernel(
         x01, x23, x45, x67 = x_next
         w_tile += WORDS
         x_tile += BLOCK_K
-    store_block(tl.sum(acc, axis=2), rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr,
-                 stride_om, stride_ps, SPLIT, TRANSPOSED=False)
+    y = tl.sum(acc, axis=2)
+    if ROW_SCALE:
+        y *= row_scale[:, None]
+    if ADD_NORM:
+        store_block_add_norm(y, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr, stride_om,
+                             stride_ps, residual_ptr, norm_weight_ptr, sum_squares_ptr, SPLIT)
+    else:
+        store_block(y, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
+                    SPLIT, TRANSPOSED=False)
 
 
 @triton.jit
