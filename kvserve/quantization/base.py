@@ -88,8 +88,11 @@ class QuantizedLinear(nn.Module, ABC):
     gpu_kernel_max_rows = GPU_KERNEL_MAX_ROWS
 
     def gpu_kernel_applies(self, x: torch.Tensor) -> bool:
-        return (gpu_kernels_enabled and x.dtype in (torch.bfloat16, torch.float16)
-                and x.numel() <= self.gpu_kernel_max_rows * self.in_features)
+        return self.gpu_kernel_takes(x.numel() // self.in_features, x.dtype)
+
+    def gpu_kernel_takes(self, rows: int, dtype: torch.dtype) -> bool:
+        """gpu_kernel_applies for `rows` rows of x in `dtype`."""
+        return gpu_kernels_enabled and dtype in (torch.bfloat16, torch.float16) and rows <= self.gpu_kernel_max_rows
 
     # Rows up to which CPU inputs take the fused kernel (keep_dense_weight may lower it).
     cpu_kernel_max_rows = CPU_KERNEL_MAX_ROWS
@@ -117,6 +120,11 @@ class QuantizedLinear(nn.Module, ABC):
         self.dense_weight = DenseWeight(weight, dtype, pack)
         self.cpu_kernel_max_rows = kernel_max_rows
 
+    def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether pending_matmul finishes a PendingNorm of `rows` rows in `dtype` in this
+        layer's kernel: the linear before a norm leaves it pending only then."""
+        return False
+
     def pending_matmul(self, x: PendingNorm) -> torch.Tensor | None:
         """x @ W^T for x whose RMSNorm the previous linear left pending, finished in this
         layer's kernel (its output rows scaled), or None where the method's kernels cannot."""
@@ -134,7 +142,7 @@ class QuantizedLinear(nn.Module, ABC):
             y = self.pending_matmul(x)
             if y is not None:
                 return y if self.bias is None else y + self.bias
-            x = x.finish()
+            x = x.finish()  # only where folds_pending_norm promised what pending_matmul declined
         y = self.decode_matmul(x)
         if y is None:
             if self.dense_weight is not None:

@@ -196,6 +196,15 @@ class Int4Linear(QuantizedLinear):
         qweight = self.qweight.view(self.out_features, self.in_features // 2)
         return weight_only_matmul(x, qweight, self.scale, self.minimum, self.group_size, four_bit=True)
 
+    def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool:
+        if not self.qweight.is_cuda or not self.gpu_kernel_takes(rows, dtype) or self.in_features % 2:
+            return False
+        from kvserve.quantization.weight_only.matmul import folds_pending_norm
+
+        qweight = self.qweight.view(self.out_features, self.in_features // 2)
+        return folds_pending_norm(rows, dtype, self.qweight.device, qweight, self.scale, self.group_size,
+                                  four_bit=True)
+
     def pending_matmul(self, x: PendingNorm) -> torch.Tensor | None:
         if not self.gpu_kernel_applies(x.rows) or self.in_features % 2:
             return None

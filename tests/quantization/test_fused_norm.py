@@ -166,18 +166,37 @@ def test_pending_norm_finishes_as_rmsnorm() -> None:
     torch.testing.assert_close(finished, norm(h), rtol=1e-6, atol=1e-6)
 
 
-def test_unfused_consumers_finish_a_pending_norm() -> None:
-    """A dense layer, or a quantized one on CPU, handed a PendingNorm computes with the
-    finished rows."""
-    from kvserve.model_executor.layers.linear import Linear
-
+def test_a_quantized_layer_that_declines_finishes_a_pending_norm() -> None:
+    """A quantized layer whose kernel does not take the pending factor (here: on CPU) computes
+    with the finished rows."""
     generator = torch.Generator().manual_seed(1)
     h = torch.randn(2, 64, generator=generator)
     pending = PendingNorm(h * 1.5, (h * h).sum(-1, keepdim=True), EPS)
-    dense = Linear(64, 16, bias=False)
-    torch.testing.assert_close(dense(pending), dense(pending.finish()))
     quantized = _int4_layer(16, 64, 32, 3, "cpu")
+    assert not quantized.folds_pending_norm(2, torch.float32)
     torch.testing.assert_close(quantized(pending), quantized(pending.finish()))
+
+
+@pytest.mark.parametrize(("n", "k", "group_size", "rows", "dtype", "device", "folds"), [
+    (28672, 4096, 128, 1, torch.bfloat16, "cuda", True),   # gate/up, mma.sync
+    (28672, 4096, 64, 1, torch.bfloat16, "cuda", False),   # 64-wide groups: tl.dot tiles
+    (28672, 4096, 128, 8, torch.float16, "cuda", True),    # mma.sync, 8 rows
+    (28672, 4096, 128, 40, torch.bfloat16, "cuda", False),  # past mma.sync's 32 rows
+    (6144, 4096, 128, 1, torch.bfloat16, "cuda", True),    # qkv, the one-row word kernel
+    (28672, 4096, 128, 1, torch.bfloat16, "cpu", False),   # no mma.sync off CUDA
+    (6144, 4096, 128, 1, torch.bfloat16, "cpu", True),     # the word kernel (interpreter)
+])
+def test_consumers_that_fold_a_pending_norm(n, k, group_size, rows, dtype, device, folds, monkeypatch) -> None:
+    """Which next linears finish a pending norm in their kernel (so that the linear before the
+    norm leaves it pending): the word kernel and mma.sync, by llama3-8b's shapes, on an sm_90
+    device (its capability stands in for a GPU here)."""
+    from kvserve.quantization.weight_only import matmul
+    from kvserve.quantization.weight_only.matmul import folds_pending_norm
+
+    monkeypatch.setattr(matmul, "_capability", lambda index: (9, 0))
+    qweight = torch.zeros(n, k // 2, dtype=torch.uint8)
+    scale = torch.ones(n, k // group_size, dtype=torch.float16)
+    assert folds_pending_norm(rows, dtype, torch.device(device), qweight, scale, group_size, four_bit=True) is folds
 
 
 # -- CUDA ------------------------------------------------------------------------------------

@@ -49,14 +49,17 @@ class RMSNorm(nn.Module):
         return self._norm(x)
 
     def add_after(
-        self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, pending: bool = True
+        self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, consumer: nn.Module | None
     ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
-        """(norm(residual + linear(x)), residual + linear(x)). With `pending` (the result
-        goes to a linear), where the linear's kernel can (a quantized layer's
-        `add_norm_matmul`), the add and the norm's sums run in its epilogue and the result is
-        a PendingNorm for the next linear; residual is updated in place either way on CUDA."""
-        add_norm_matmul = getattr(linear, "add_norm_matmul", None) if pending else None
-        if add_norm_matmul is not None:
+        """(norm(residual + linear(x)), residual + linear(x)), the norm's output going to
+        `consumer` (a linear; None: anything else). Where both kernels can (the quantized
+        layers' `add_norm_matmul` and `folds_pending_norm`), the add and the norm's sums run
+        in the linear's epilogue and the result is a PendingNorm that the consumer finishes;
+        residual is updated in place either way on CUDA."""
+        add_norm_matmul = getattr(linear, "add_norm_matmul", None)
+        folds_pending_norm = getattr(consumer, "folds_pending_norm", None)
+        if add_norm_matmul is not None and folds_pending_norm is not None and folds_pending_norm(
+                x.shape[0], x.dtype):
             fused = add_norm_matmul(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused, residual

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import cpu_kernels
-from kvserve.model_executor.layers.layernorm import PendingNorm
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
 
 # Rows up to this take the kernel: the quantized layers' threshold, which the compiled decode
@@ -35,9 +34,7 @@ class Linear(nn.Linear):
     """nn.Linear computed by `linear`: the model code's layers, which quantization methods
     swap for their own (quantize_model) and loaders fill like any nn.Linear."""
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        if isinstance(x, PendingNorm):  # after a quantized linear that left its norm pending
-            x = x.finish()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 

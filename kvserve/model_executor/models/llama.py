@@ -101,20 +101,21 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor | PendingNorm,
         residual: torch.Tensor,
         next_norm: RMSNorm,
+        next_linear: nn.Module | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-        next_norm_pending: bool = True,
     ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
         """hidden_states: the input norm's output (the previous layer applied it); returns
-        next_norm(residual stream after this layer) and that stream. Each residual add is
-        fused into the norm after it, and each norm, where the kernels can, into the linears
-        around it (RMSNorm.add_after); next_norm_pending=False when next_norm's output goes
-        to something other than a linear (the LM head)."""
+        next_norm(residual stream after this layer), whose output next_linear takes (None:
+        the LM head), and that stream. Each residual add is fused into the norm after it, and
+        each norm, where the kernels can, into the linears around it (RMSNorm.add_after)."""
         attn_out = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm.add_after(self.self_attn.o_proj, attn_out, residual)
-        return next_norm.add_after(self.mlp.down_proj, self.mlp(hidden_states), residual, next_norm_pending)
+        hidden_states, residual = self.post_attention_layernorm.add_after(
+            self.self_attn.o_proj, attn_out, residual, self.mlp.gate_up_proj
+        )
+        return next_norm.add_after(self.mlp.down_proj, self.mlp(hidden_states), residual, next_linear)
 
 
 class LlamaModel(nn.Module):
@@ -138,10 +139,12 @@ class LlamaModel(nn.Module):
         residual = self.embed_tokens(input_ids)
         hidden_states = self.layers[0].input_layernorm(residual)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm, kv_cache in zip(self.layers, next_norms, kv_caches, strict=True):
+        next_linears = [layer.self_attn.qkv_proj for layer in self.layers[1:]] + [None]
+        for layer, next_norm, next_linear, kv_cache in zip(
+            self.layers, next_norms, next_linears, kv_caches, strict=True
+        ):
             hidden_states, residual = layer(
-                hidden_states, residual, next_norm, cos, sin, kv_cache, attn_metadata,
-                next_norm_pending=next_norm is not self.norm,  # the LM head takes plain rows
+                hidden_states, residual, next_norm, next_linear, cos, sin, kv_cache, attn_metadata
             )
         return hidden_states
 

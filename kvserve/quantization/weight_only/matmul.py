@@ -91,14 +91,20 @@ def split_k(config: LaunchConfig, num_tiles: int, programs: int, device: torch.d
     return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
 
 
+def _mma_shape_applies(m: int, in_features: int, dtype: torch.dtype, device: torch.device, group_size: int,
+                       grouped: bool, block_k: int) -> bool:
+    """mma_applies for x's shape, dtype and device alone (x itself loading as aligned pairs)."""
+    return (device.type == "cuda" and m <= MMA_MAX_ROWS and dtype in (torch.bfloat16, torch.float16)
+            and in_features % block_k == 0 and (not grouped or group_size % 128 == 0)
+            and _capability(device.index or 0) >= (8, 0))
+
+
 def mma_applies(rows: torch.Tensor, group_size: int, grouped: bool, block_k: int) -> bool:
     """The mma.sync kernels: CUDA (sm_80 on), up to MMA_MAX_ROWS rows of bf16/fp16 x that
     load as aligned pairs, K in whole tiles and groups of whole 128-wide halves (or one a row)."""
-    in_features = rows.shape[1]
-    return (rows.is_cuda and rows.shape[0] <= MMA_MAX_ROWS and rows.dtype in (torch.bfloat16, torch.float16)
-            and rows.stride(0) % 2 == 0 and rows.data_ptr() % 4 == 0 and in_features % block_k == 0
-            and (not grouped or group_size % 128 == 0)
-            and _capability(rows.device.index or 0) >= (8, 0))
+    return (rows.stride(0) % 2 == 0 and rows.data_ptr() % 4 == 0
+            and _mma_shape_applies(rows.shape[0], rows.shape[1], rows.dtype, rows.device, group_size, grouped,
+                                   block_k))
 
 
 def _words_apply(qweight: torch.Tensor, in_features: int, block_k: int, four_bit: bool, fp8: bool) -> bool:
@@ -202,33 +208,58 @@ def _words_matmul(
     return out, sums
 
 
-def _words_plan(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, group_size: int, four_bit: bool,
-    config: LaunchConfig | None,
-) -> tuple[torch.Tensor, LaunchConfig, int | None, bool]:
-    """(x as [M, K] rows, the call's config, its K tile (None: no kernel applies), whether
-    the int32-word kernels take it)."""
-    in_features = x.shape[-1]
+def _call_plan(
+    m: int, in_features: int, dtype: torch.dtype, device: torch.device, pairs_aligned: bool,
+    qweight: torch.Tensor, scale: torch.Tensor, group_size: int, four_bit: bool, config: LaunchConfig | None,
+) -> tuple[LaunchConfig, int | None, bool]:
+    """For m rows of x [m, in_features] (dtype, device; whether they load as aligned bf16/fp16
+    pairs): the call's config, its K tile (None: no kernel applies) and whether the int32-word
+    kernels take it."""
     grouped = scale.shape[1] > 1
     fp8 = qweight.dtype == torch.float8_e4m3fn
-    rows = x.reshape(-1, in_features)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    m = rows.shape[0]
     config = config or default_config(m, four_bit, fp8, qweight.shape[0])
-    if config.words == "mma" and not mma_applies(rows, group_size, grouped, config.block_k):
+    if config.words == "mma" and not (pairs_aligned and _mma_shape_applies(m, in_features, dtype, device, group_size,
+                                                                          grouped, config.block_k)):
         # No CUDA (the interpreter), groups narrower than 128, K not whole mma tiles.
         config = default_config(m, four_bit, fp8, qweight.shape[0], mma=False)
     block_k = _block_k(config, in_features, group_size, grouped, four_bit)
     if block_k is None or (four_bit and in_features % block_k):
-        return rows, config, None, False
-    return rows, config, block_k, bool(config.words) and _words_apply(qweight, in_features, block_k, four_bit, fp8)
+        return config, None, False
+    return config, block_k, bool(config.words) and _words_apply(qweight, in_features, block_k, four_bit, fp8)
+
+
+def _words_plan(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, group_size: int, four_bit: bool,
+    config: LaunchConfig | None,
+) -> tuple[torch.Tensor, LaunchConfig, int | None, bool]:
+    """(x as [M, K] rows, then _call_plan's config, K tile and word-kernel answer)."""
+    in_features = x.shape[-1]
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    aligned = rows.stride(0) % 2 == 0 and rows.data_ptr() % 4 == 0
+    plan = _call_plan(rows.shape[0], in_features, rows.dtype, rows.device, aligned, qweight, scale, group_size,
+                      four_bit, config)
+    return rows, *plan
 
 
 def _folds_norms(qweight: torch.Tensor, config: LaunchConfig, four_bit: bool, words: bool) -> bool:
     """The kernels that take a pending RMSNorm (PendingRows): 4-bit weights on the CUDA-core
     word kernel or mma.sync."""
     return words and four_bit and qweight.dtype != torch.float8_e4m3fn and config.words in ("fma", "mma")
+
+
+def folds_pending_norm(
+    m: int, dtype: torch.dtype, device: torch.device, qweight: torch.Tensor, scale: torch.Tensor, group_size: int,
+    four_bit: bool,
+) -> bool:
+    """Whether weight_only_matmul finishes a pending RMSNorm (`pending`) in its kernel for m
+    rows of x in `dtype` on `device`, as the rows a fused producer writes (contiguous,
+    aligned): the producer leaves a norm pending only then (RMSNorm.add_after)."""
+    in_features = qweight.shape[1] * (2 if four_bit else 1)
+    config, block_k, words = _call_plan(m, in_features, dtype, device, True, qweight, scale, group_size, four_bit,
+                                        None)
+    return block_k is not None and _folds_norms(qweight, config, four_bit, words)
 
 
 def weight_only_matmul(
