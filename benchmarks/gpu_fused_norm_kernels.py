@@ -15,9 +15,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_one_row_configs import graph_us, weights  # noqa: E402
 
+from kvserve.model_executor.layers.layernorm import PendingNorm  # noqa: E402
 from kvserve.quantization.weight_only.matmul import (  # noqa: E402
     AddNorm,
-    PendingRows,
     weight_only_matmul,
     weight_only_matmul_add_norm,
 )
@@ -39,7 +39,7 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         plain = graph_us([lambda s=s: weight_only_matmul(x, *s) for s in stored])
         if role == "pending":
-            fused = graph_us([lambda s=s: weight_only_matmul(x, *s, pending=PendingRows(sums, 1e-5)) for s in stored])
+            fused = graph_us([lambda s=s: weight_only_matmul(x, *s, pending=PendingNorm(x, sums, 1e-5)) for s in stored])
         else:
             fused = graph_us([lambda s=s: weight_only_matmul_add_norm(x, *s[:4], AddNorm(residual, norm_weight),
                                                                       four_bit=True) for s in stored])

@@ -167,7 +167,7 @@ class Int4Linear(QuantizedLinear):
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.own_kernel is not None:
             y = self.own_kernel(x.reshape(-1, self.in_features).float(),
-                                self.qweight.view(self.out_features, self.in_features // 2),
+                                self._nibble_pairs(),
                                 self.scale, self.minimum, self.group_size)
             return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if not self.kernel_layout:
@@ -184,35 +184,34 @@ class Int4Linear(QuantizedLinear):
         of `dequantize` for llama3-8b's linears on an H200, BENCHMARKS.md), then cuBLAS."""
         y = None
         if not self.kernel_layout and self.in_features % 2 == 0:
-            nibble_pairs = self.qweight.view(self.out_features, self.in_features // 2)
-            y = self.unpacked_matmul(x, nibble_pairs, self.scale, self.minimum, self.group_size, four_bit=True)
+            y = self.unpacked_matmul(x, self._nibble_pairs(), self.scale, self.minimum, self.group_size, four_bit=True)
         return super().dense_matmul(x) if y is None else y
 
-    def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _nibble_pairs(self) -> torch.Tensor:
+        """The plain layout's weight as [N, K / 2] bytes, two nibbles each."""
+        return self.qweight.view(self.out_features, self.in_features // 2)
+
+    def _triton_matmul(self, x: torch.Tensor, pending: PendingNorm | None = None) -> torch.Tensor | None:
         if not self.gpu_kernel_applies(x) or self.in_features % 2:
             return None
         from kvserve.quantization.weight_only import weight_only_matmul
 
-        qweight = self.qweight.view(self.out_features, self.in_features // 2)
-        return weight_only_matmul(x, qweight, self.scale, self.minimum, self.group_size, four_bit=True)
+        return weight_only_matmul(x, self._nibble_pairs(), self.scale, self.minimum, self.group_size, four_bit=True,
+                                  pending=pending)
+
+    def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self._triton_matmul(x)
+
+    def pending_matmul(self, x: PendingNorm) -> torch.Tensor | None:
+        return self._triton_matmul(x.rows, x)
 
     def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool:
         if not self.qweight.is_cuda or not self.gpu_kernel_takes(rows, dtype) or self.in_features % 2:
             return False
         from kvserve.quantization.weight_only.matmul import folds_pending_norm
 
-        qweight = self.qweight.view(self.out_features, self.in_features // 2)
-        return folds_pending_norm(rows, dtype, self.qweight.device, qweight, self.scale, self.group_size,
-                                  four_bit=True)
-
-    def pending_matmul(self, x: PendingNorm) -> torch.Tensor | None:
-        if not self.gpu_kernel_applies(x.rows) or self.in_features % 2:
-            return None
-        from kvserve.quantization.weight_only.matmul import PendingRows, weight_only_matmul
-
-        qweight = self.qweight.view(self.out_features, self.in_features // 2)
-        return weight_only_matmul(x.rows, qweight, self.scale, self.minimum, self.group_size, four_bit=True,
-                                  pending=PendingRows(x.sums, x.eps))
+        return folds_pending_norm(rows, dtype, self.qweight.device, self._nibble_pairs(), self.scale,
+                                  self.group_size, four_bit=True)
 
     def add_norm_matmul(
         self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
@@ -221,8 +220,7 @@ class Int4Linear(QuantizedLinear):
             return None
         from kvserve.quantization.weight_only.matmul import AddNorm, weight_only_matmul_add_norm
 
-        qweight = self.qweight.view(self.out_features, self.in_features // 2)
-        fused = weight_only_matmul_add_norm(x, qweight, self.scale, self.minimum, self.group_size,
+        fused = weight_only_matmul_add_norm(x, self._nibble_pairs(), self.scale, self.minimum, self.group_size,
                                             AddNorm(residual, norm_weight), four_bit=True)
         return None if fused is None else PendingNorm(*fused, eps)
 

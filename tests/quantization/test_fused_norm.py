@@ -22,7 +22,6 @@ from kvserve.quantization.int4 import Int4Linear, quantize_int4
 from kvserve.quantization.weight_only import LaunchConfig
 from kvserve.quantization.weight_only.matmul import (
     AddNorm,
-    PendingRows,
     weight_only_matmul,
     weight_only_matmul_add_norm,
 )
@@ -104,7 +103,7 @@ def chain_errors(case: ChainCase, dtype: torch.dtype, device: str) -> dict[str, 
     assert fused is not None
     pending = PendingNorm(*fused, EPS)
     assert pending.sums.shape == (case.rows, -(-case.hidden // (config or LaunchConfig(1, 128, 256)).block_n))
-    y2 = weight_only_matmul(pending.rows, *_stored(consumer), four_bit=True, pending=PendingRows(pending.sums, EPS),
+    y2 = weight_only_matmul(pending.rows, *_stored(consumer), four_bit=True, pending=pending,
                             config=LaunchConfig(1, 16, 64, split_k=2, words="fma") if device == "cpu" else None)
     assert y2 is not None and y2.dtype == dtype
     finished_y2 = weight_only_matmul(pending.finish(), *_stored(consumer), four_bit=True)
@@ -226,7 +225,7 @@ def test_gpu_mma_kernel_finishes_pending_rows(rows) -> None:
     layer = _int4_layer(28672, 4096, 128, 4, "cuda")
     sums = h.float().pow(2).reshape(rows, 32, 128).sum(-1)
     rows_in = (h.float() * weight.float()).bfloat16()
-    y = weight_only_matmul(rows_in, *_stored(layer), four_bit=True, pending=PendingRows(sums, EPS))
+    y = weight_only_matmul(rows_in, *_stored(layer), four_bit=True, pending=PendingNorm(rows_in, sums, EPS))
     assert y is not None
     normed = RMSNorm(4096, EPS).cuda().bfloat16()
     with torch.no_grad():

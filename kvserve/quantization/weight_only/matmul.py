@@ -11,6 +11,7 @@ import torch
 import triton
 
 from kvserve import dependent_launch
+from kvserve.model_executor.layers.layernorm import PendingNorm
 from kvserve.quantization.weight_only.configs import MMA_MAX_ROWS, LaunchConfig, default_config
 from kvserve.quantization.weight_only.generic import weight_only_gemv_kernel, weight_only_matmul_kernel
 from kvserve.quantization.weight_only.mma import fp8_mma_kernel, int4_mma_kernel
@@ -44,14 +45,6 @@ _MAX_SPLIT_COUNTERS = 16384
 @functools.lru_cache(maxsize=None)
 def split_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(_MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
-
-
-class PendingRows(NamedTuple):
-    """x whose RMSNorm the previous linear left pending (its add_norm): x = h * the norm's
-    weight, and sums [M, P] fp32 partial sums of h^2 per row; the kernel scales its output rows
-    by rsqrt(mean(h^2) + eps)."""
-    sums: torch.Tensor
-    eps: float
 
 
 class AddNorm(NamedTuple):
@@ -116,12 +109,12 @@ def _words_apply(qweight: torch.Tensor, in_features: int, block_k: int, four_bit
 
 def _words_matmul(
     rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-    group_size: int, config: LaunchConfig, block_k: int, pending: PendingRows | None = None,
+    group_size: int, config: LaunchConfig, block_k: int, pending: PendingNorm | None = None,
     add_norm: AddNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """rows [M, K] times the nibble pairs or e4m3 values read as int32 words, by
     config.words; split-K partials summed in the kernel. Returns y and, with add_norm, the
-    row sums of h^2 it leaves pending (PendingRows.sums)."""
+    row sums of h^2 it leaves pending (PendingNorm.sums)."""
     m, k = rows.shape
     n = qweight.shape[0]
     out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
@@ -185,7 +178,7 @@ def _words_matmul(
         if not dot:
             flags["TWO_GROUPS"] = block_k == 2 * group_size
     norm_pointers, norm_scalars = (), ()
-    if kernel is int4_gemv_kernel:  # the fused norms' operands (PendingRows, AddNorm)
+    if kernel is int4_gemv_kernel:  # the fused norms' operands (PendingNorm, AddNorm)
         residual, norm_weight = add_norm if add_norm is not None else (out, out)
         norm_pointers = (pending.sums if pending is not None else out, residual, norm_weight,
                          sums if sums is not None else out)
@@ -244,7 +237,7 @@ def _words_plan(
 
 
 def _folds_norms(qweight: torch.Tensor, config: LaunchConfig, four_bit: bool, words: bool) -> bool:
-    """The kernels that take a pending RMSNorm (PendingRows): 4-bit weights on the CUDA-core
+    """The kernels that take a pending RMSNorm (PendingNorm): 4-bit weights on the CUDA-core
     word kernel or mma.sync."""
     return words and four_bit and qweight.dtype != torch.float8_e4m3fn and config.words in ("fma", "mma")
 
@@ -265,13 +258,13 @@ def folds_pending_norm(
 def weight_only_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
     group_size: int, four_bit: bool = False, config: LaunchConfig | None = None,
-    pending: PendingRows | None = None,
+    pending: PendingNorm | None = None,
 ) -> torch.Tensor | None:
     """x [..., K] (bf16/fp16; fp32 too under the interpreter) times the quantized weight.
     qweight [N, K] int8 / float8_e4m3fn, or uint8 [N, K / 2] nibble pairs (four_bit,
     contiguous); scale and offset fp32 or fp16 [N, K / group_size]. None where the kernel
     does not apply (odd K for 4-bit, groups narrower than a tile): the caller dequantizes
-    instead. With `pending`, x's RMSNorm is finished in the kernel, and None where the call's
+    instead. With `pending` (x is pending.rows), x's RMSNorm is finished in the kernel, and None where the call's
     kernel cannot (the caller finishes x first)."""
     in_features = x.shape[-1]
     n = qweight.shape[0]
@@ -324,7 +317,7 @@ def weight_only_matmul_add_norm(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """weight_only_matmul followed by the residual add and the RMSNorm after it, in the
     kernel's epilogue where the call runs on the 4-bit CUDA-core word kernel (one row):
-    returns (h * the norm's weight, the row sums of h^2 (PendingRows.sums)) with the residual
+    returns (h * the norm's weight, the row sums of h^2 (PendingNorm.sums)) with the residual
     updated to h = residual + x W^T, or None (nothing written) where that kernel does not
     run the call."""
     rows, config, block_k, words = _words_plan(x, qweight, scale, group_size, four_bit, config)
