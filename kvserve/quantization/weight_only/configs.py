@@ -66,11 +66,14 @@ WIDE_AT_ONE_ROW_OUT_FEATURES = 16384
 # 3.58). On an H200, 16 rows on mma.sync with 2 tiles of x: 3.22 ms (the byte tiles 3.60, bf16
 # 3.68); at 32 rows the byte tiles (4.90; mma.sync 5.16). One row, by linear (H100, two sweeps,
 # BENCHMARKS.md): mma.sync for the narrow ones, the byte kernel for the wide gate/up below.
+# At one row they split K for about 6 programs an SM, chosen inside the decode step rather than
+# alone (W2 fp8 GPU step, 4 -> 6: H200 3.01 -> 2.94 ms, H100 3.63-3.64 -> 3.61-3.62; 8 and 12
+# are slower on both): qkv 11 -> 16 splits, down 16 -> 23, o stays at 16.
 FP8_MMA_CONFIG = LaunchConfig(16, 128, 128, num_warps=4, num_stages=1, waves=2, words="mma")
 
 
 FP8_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
-    (1, LaunchConfig(8, 128, 128, num_warps=4, num_stages=1, waves=4, words="mma")),
+    (1, LaunchConfig(8, 128, 128, num_warps=4, num_stages=1, waves=6, words="mma")),
     (SMALL_ROWS, FP8_MMA_CONFIG),
 )
 
