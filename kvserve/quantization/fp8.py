@@ -12,6 +12,10 @@ Where the product runs:
   tensor cores.
 * Otherwise (older GPUs, fp16 prefill, block scales) the weight is dequantized to the
   activation dtype per call.
+
+At one decode row on CUDA the RMSNorms between linears run inside them (PendingNorm):
+mma.sync leaves the next norm pending in its epilogue, mma.sync and the byte kernel finish
+it by scaling their output rows.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model_executor.layers.layernorm import PendingNorm
 from kvserve.quantization import base
 from kvserve.quantization.base import QuantizationMethod, QuantizedLinear, lm_head_as_linear
 from kvserve.quantization.int8 import add_int8_lm_head
@@ -82,6 +87,33 @@ class Fp8Linear(QuantizedLinear):
         if self._scaled_mm_applies(x):
             return self._scaled_mm(x)
         return None
+
+    def pending_matmul(self, x: PendingNorm) -> torch.Tensor | None:
+        if not x.rows.is_cuda or not _fp8_capable(x.rows.device.index or 0) or not self.gpu_kernel_applies(x.rows):
+            return None
+        from kvserve.quantization.weight_only import weight_only_matmul
+
+        return weight_only_matmul(x.rows, self.qweight, self.scale, None, self.group_size, pending=x)
+
+    def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool:
+        if not self.qweight.is_cuda or not _fp8_capable(self.qweight.device.index or 0):
+            return False
+        from kvserve.quantization.weight_only.matmul import folds_pending_norm
+
+        return self.gpu_kernel_takes(rows, dtype) and folds_pending_norm(
+            rows, dtype, self.qweight.device, self.qweight, self.scale, self.group_size, four_bit=False)
+
+    def add_norm_matmul(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> PendingNorm | None:
+        if (not x.is_cuda or not _fp8_capable(x.device.index or 0) or not self.gpu_kernel_applies(x)
+                or self.bias is not None):
+            return None
+        from kvserve.quantization.weight_only.matmul import AddNorm, weight_only_matmul_add_norm
+
+        fused = weight_only_matmul_add_norm(x, self.qweight, self.scale, None, self.group_size,
+                                            AddNorm(residual, norm_weight))
+        return None if fused is None else PendingNorm(*fused, eps)
 
     def _scaled_mm_applies(self, x: torch.Tensor) -> bool:
         # Row-wise scaled _scaled_mm: bf16 output, both dims multiples of 16.

@@ -61,13 +61,17 @@ def test_kernels_score_like_the_dense_path(save_hf_model, method, monkeypatch):
     assert kernel_error <= 2 * dense_error + 1e-3
 
 
-def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch):
-    """int4 decode at one row fuses each RMSNorm into the linears around it (PendingNorm):
-    o_proj and down leave the norm pending, gate/up (mma.sync: 16384 rows, a wide linear) and
-    qkv (the word kernel) finish it. Each decode run is scored against the unfused engine's
-    teacher-forced logprobs of the tokens it chose; the fused run is as close as the unfused
-    decode is."""
+@pytest.mark.parametrize("quantization", ["int4", "fp8"])
+def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch, quantization):
+    """Decode at one row fuses each RMSNorm into the linears around it (PendingNorm): o_proj
+    and down leave the norm pending, gate/up (16384 rows, a wide linear: int4 on mma.sync, fp8
+    on the byte kernel) and qkv (int4: the word kernel; fp8: mma.sync) finish it. Each decode
+    run is scored against the unfused engine's teacher-forced logprobs of the tokens it chose;
+    the fused run is as close as the unfused decode is."""
+    from kvserve.quantization.fp8 import Fp8Linear
     from kvserve.quantization.int4 import Int4Linear
+
+    linear_class = Int4Linear if quantization == "int4" else Fp8Linear
 
     config = LlamaConfig(
         vocab_size=256, hidden_size=512, intermediate_size=8192, num_hidden_layers=2,
@@ -76,7 +80,7 @@ def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch):
     model_dir = save_hf_model(LlamaForCausalLM(config).to(torch.bfloat16))
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (9, 33)]
-    add_norm_matmul = Int4Linear.add_norm_matmul
+    add_norm_matmul = linear_class.add_norm_matmul
     fused_calls = []
 
     def counted(self, *args):
@@ -85,8 +89,8 @@ def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch):
         return pending
 
     def llm(fused: bool) -> LLM:
-        monkeypatch.setattr(Int4Linear, "add_norm_matmul", counted if fused else lambda self, *args: None)
-        return LLM(model=model_dir, dtype="bfloat16", device="cuda", quantization="int4",
+        monkeypatch.setattr(linear_class, "add_norm_matmul", counted if fused else lambda self, *args: None)
+        return LLM(model=model_dir, dtype="bfloat16", device="cuda", quantization=quantization,
                    quantization_config={"lm_head": False}, gpu_memory_utilization=0.3)
 
     def decode(engine: LLM) -> list[tuple[list[int], list[float]]]:

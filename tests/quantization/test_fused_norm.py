@@ -1,13 +1,14 @@
-"""RMSNorm fused into the int4 linears around it (PendingNorm): the producer's epilogue adds
-its output to the residual stream and leaves the norm's sums, the consumer scales its output
-rows. Checked against the unfused chain computed in fp64 from the same stored weights:
-y1 = x W1^T rounded to the run dtype, h = residual + y1 rounded, RMSNorm(h) as the torch
-path rounds it, then y2 = RMSNorm(h) W2^T.
+"""RMSNorm fused into the int4 and fp8 linears around it (PendingNorm): the producer's
+epilogue adds its output to the residual stream and leaves the norm's sums, the consumer
+scales its output rows. Checked against the unfused chain computed in fp64 from the same
+stored weights: y1 = x W1^T rounded to the run dtype, h = residual + y1 rounded, RMSNorm(h)
+as the torch path rounds it, then y2 = RMSNorm(h) W2^T.
 
-Without a GPU the word kernel runs under Triton's interpreter (one subprocess); on CUDA
-llama3-8b's two pairs run the one-row word kernel and mma.sync, and mma.sync finishes
-pending rows at 2-32 rows. The engine-level decode test is in
-tests/gpu/test_quantized_engine_gpu.py."""
+Without a GPU the int4 word kernel (producer and consumer) and the fp8 byte kernel
+(consumer) run under Triton's interpreter (one subprocess); on CUDA llama3-8b's two pairs run
+the one-row kernels of each format (int4: the word kernel and mma.sync; fp8: mma.sync and
+the byte kernel), and mma.sync finishes pending rows at 2-32 rows. The engine-level decode
+test is in tests/gpu/test_quantized_engine_gpu.py."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from typing import NamedTuple
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kvserve.model_executor.layers.layernorm import PendingNorm, RMSNorm
+from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from kvserve.quantization.int4 import Int4Linear, quantize_int4
-from kvserve.quantization.weight_only import LaunchConfig
+from kvserve.quantization.weight_only import LaunchConfig, mma
 from kvserve.quantization.weight_only.matmul import (
     AddNorm,
     weight_only_matmul,
@@ -34,18 +38,22 @@ TOLERANCE = {torch.float32: 3e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
 class ChainCase(NamedTuple):
-    """x [rows, k] -> producer (hidden x k) -> add + norm -> consumer (n x hidden); the
-    producer's config (block_m, block_n, block_k, split), None for default_config."""
+    """x [rows, k] -> producer (hidden x k) -> add + norm -> consumer (n x hidden), each in
+    its weight format ("int4": group_size; "fp8": per channel); the int4 producer's config
+    (block_m, block_n, block_k, split), None for default_config."""
     rows: int
     k: int
     hidden: int
     n: int
     group_size: int
     config: tuple[int, int, int, int | None] | None = None
+    producer: str = "int4"
+    consumer: str = "int4"
 
     @property
     def id(self) -> str:
-        return f"m{self.rows}-k{self.k}-h{self.hidden}-n{self.n}-g{self.group_size}-{self.config}"
+        formats = "" if (self.producer, self.consumer) == ("int4", "int4") else f"-{self.producer}-{self.consumer}"
+        return f"m{self.rows}-k{self.k}-h{self.hidden}-n{self.n}-g{self.group_size}-{self.config}{formats}"
 
 
 # 3 and 4 column blocks of the hidden size (the sums' partial count not a power of two, and
@@ -55,22 +63,37 @@ CHAIN_CASES = [
     ChainCase(1, 256, 256, 21, 128, (1, 64, 256, None)),
     ChainCase(3, 512, 192, 19, 64, (4, 64, 128, 3)),
     ChainCase(1, 512, 256, 37, 128),
+    # The fp8 byte kernel (one row of x a program, split K) finishing an int4 producer's norm.
+    ChainCase(1, 512, 192, 37, 64, (1, 64, 128, 2), consumer="fp8"),
+    ChainCase(3, 512, 256, 21, 64, (4, 64, 128, None), consumer="fp8"),
 ]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _int4_layer(n: int, k: int, group_size: int, seed: int, device: str) -> Int4Linear:
+def _layer(fmt: str, n: int, k: int, group_size: int, seed: int, device: str) -> Int4Linear | Fp8Linear:
     generator = torch.Generator().manual_seed(seed)
     weight = (torch.randn(n, k, generator=generator) * 0.05).to(device)
+    if fmt == "fp8":
+        q, scale = quantize_fp8(weight)
+        return Fp8Linear(q, scale[:, None], None)
     return Int4Linear(*quantize_int4(weight, group_size), group_size, None)
 
 
-def _stored(layer: Int4Linear) -> tuple:
+def _int4_layer(n: int, k: int, group_size: int, seed: int, device: str) -> Int4Linear:
+    return _layer("int4", n, k, group_size, seed, device)
+
+
+def _stored(layer: Int4Linear | Fp8Linear) -> dict:
+    """The layer's weight as weight_only_matmul's keyword arguments."""
+    if isinstance(layer, Fp8Linear):
+        return dict(qweight=layer.qweight, scale=layer.scale, offset=None, group_size=layer.group_size)
     qweight = layer.qweight.view(layer.out_features, layer.in_features // 2)
-    return qweight, layer.scale, layer.minimum, layer.group_size
+    return dict(qweight=qweight, scale=layer.scale, offset=layer.minimum, group_size=layer.group_size, four_bit=True)
 
 
-def _weight(layer: Int4Linear) -> torch.Tensor:
+def _weight(layer: Int4Linear | Fp8Linear) -> torch.Tensor:
+    if isinstance(layer, Fp8Linear):  # e4m3 values times their scales, exact in fp64
+        return layer.qweight.double() * layer.scale.double()
     return layer.dequantize(torch.float64)
 
 
@@ -89,8 +112,8 @@ def chain_errors(case: ChainCase, dtype: torch.dtype, device: str) -> dict[str, 
     with torch.no_grad():
         norm.weight.copy_(1 + torch.randn(case.hidden, generator=generator) * 0.1)
     norm = norm.to(dtype)
-    producer = _int4_layer(case.hidden, case.k, case.group_size, 1, device)
-    consumer = _int4_layer(case.n, case.hidden, case.group_size, 2, device)
+    producer = _layer(case.producer, case.hidden, case.k, case.group_size, 1, device)
+    consumer = _layer(case.consumer, case.n, case.hidden, case.group_size, 2, device)
 
     y1 = (x.double() @ _weight(producer).T.to(device)).to(dtype)
     h = residual + y1
@@ -98,15 +121,19 @@ def chain_errors(case: ChainCase, dtype: torch.dtype, device: str) -> dict[str, 
     expected_y2 = expected_norm.double() @ _weight(consumer).T.to(device)
 
     config = None if case.config is None else LaunchConfig(*case.config[:3], split_k=case.config[3], words="fma")
-    fused = weight_only_matmul_add_norm(x, *_stored(producer), AddNorm(residual, norm.weight), four_bit=True,
+    fused = weight_only_matmul_add_norm(x, **_stored(producer), add_norm=AddNorm(residual, norm.weight),
                                         config=config)
     assert fused is not None
     pending = PendingNorm(*fused, EPS)
     assert pending.sums.shape == (case.rows, -(-case.hidden // (config or LaunchConfig(1, 128, 256)).block_n))
-    y2 = weight_only_matmul(pending.rows, *_stored(consumer), four_bit=True, pending=pending,
-                            config=LaunchConfig(1, 16, 64, split_k=2, words="fma") if device == "cpu" else None)
+    # On the CPU: the consumer's one-row kernel with K split in two (int4: the word kernel;
+    # fp8: the byte kernel).
+    consumer_config = None
+    if device == "cpu":
+        consumer_config = LaunchConfig(1, 16, 64, split_k=2, words="fma" if case.consumer == "int4" else None)
+    y2 = weight_only_matmul(pending.rows, **_stored(consumer), pending=pending, config=consumer_config)
     assert y2 is not None and y2.dtype == dtype
-    finished_y2 = weight_only_matmul(pending.finish(), *_stored(consumer), four_bit=True)
+    finished_y2 = weight_only_matmul(pending.finish(), **_stored(consumer))
     return {
         "residual": _relative(residual, h),
         "sums": abs(pending.sums.double().sum().item() / residual.double().pow(2).sum().item() - 1),
@@ -116,10 +143,61 @@ def chain_errors(case: ChainCase, dtype: torch.dtype, device: str) -> dict[str, 
     }
 
 
+@triton.jit
+def _mma_add_norm_epilogue_kernel(y_ptr, partial_ptr, out_ptr, count_ptr, residual_ptr, norm_weight_ptr,
+                                  sum_squares_ptr, M, N, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr,
+                                  NUM_WARPS: tl.constexpr, X_TILES: tl.constexpr):
+    """The mma.sync kernels' add-and-norm epilogue alone (no inline PTX, so the interpreter
+    runs it): each split's y [M, N] read into the accumulators' layout, then
+    _mma_store_add_norm."""
+    g, t, w_row, w_row8 = mma._mma_weight_rows(ROW_TILES, NUM_WARPS)
+    y_split = y_ptr + tl.program_id(2) * M * N
+    ys = ()
+    for j in tl.static_range(X_TILES):
+        x_row = (8 * j + 2 * t)[:, None]
+        ys = ys + (tl.load(y_split + x_row * N + w_row, mask=(x_row < M) & (w_row < N), other=0.0),
+                   tl.load(y_split + (x_row + 1) * N + w_row, mask=(x_row + 1 < M) & (w_row < N), other=0.0),
+                   tl.load(y_split + x_row * N + w_row8, mask=(x_row < M) & (w_row8 < N), other=0.0),
+                   tl.load(y_split + (x_row + 1) * N + w_row8, mask=(x_row + 1 < M) & (w_row8 < N), other=0.0))
+    mma._mma_store_add_norm(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, N, M * N, residual_ptr,
+                            norm_weight_ptr, sum_squares_ptr, SPLIT, X_TILES)
+
+
+# (rows, N, splits, dtype): 1-2 x tiles, weight rows past N masked, split K or not.
+MMA_EPILOGUE_CASES = [(1, 200, 3, torch.bfloat16), (3, 200, 1, torch.float32), (11, 136, 2, torch.float16)]
+
+
+def mma_epilogue_errors(rows: int, n: int, splits: int, dtype: torch.dtype) -> dict[str, float]:
+    """_mma_store_add_norm against torch on the same partial sums: the residual, out and the
+    sums' relative errors, and the counters left (must be 0)."""
+    generator = torch.Generator().manual_seed(rows * n)
+    partials = torch.randn(splits, rows, n, generator=generator)
+    residual = (torch.randn(rows, n, generator=generator) * 3).to(dtype)
+    weight = (1 + torch.randn(n, generator=generator) * 0.1).to(dtype)
+    h = (partials.sum(0).to(dtype).float() + residual.float()).to(dtype)
+    row_tiles, num_warps = 2, 2
+    block = 16 * row_tiles * num_warps
+    programs = -(-n // block)
+    expected_sums = torch.nn.functional.pad(h.float().pow(2), (0, programs * block - n)).reshape(
+        rows, programs, block).sum(-1)
+    out = torch.empty(rows, n, dtype=dtype)
+    sums = torch.empty(rows, programs)
+    counters = torch.zeros(programs, dtype=torch.int32)
+    new_residual = residual.clone()
+    _mma_add_norm_epilogue_kernel[(programs, 1, splits)](
+        partials, torch.empty_like(partials), out, counters, new_residual, weight, sums, rows, n,
+        SPLIT=splits > 1, ROW_TILES=row_tiles, NUM_WARPS=num_warps, X_TILES=-(-rows // 8))
+    return {"residual": _relative(new_residual, h), "out": _relative(out, (h.float() * weight.float()).to(dtype)),
+            "sums": ((sums - expected_sums).abs().max() / expected_sums.abs().max()).item(),
+            "counters": counters.abs().sum().item()}
+
+
 def run_chain_cases() -> None:
     """Subprocess entry: print {case: errors} as JSON."""
-    print(json.dumps({f"{case.id}-{str(dtype).removeprefix('torch.')}": chain_errors(case, dtype, "cpu")
-                      for case in CHAIN_CASES for dtype in DTYPES}))
+    results = {f"{case.id}-{str(dtype).removeprefix('torch.')}": chain_errors(case, dtype, "cpu")
+               for case in CHAIN_CASES for dtype in DTYPES}
+    results |= {f"mma-epilogue-{case}": mma_epilogue_errors(*case) for case in MMA_EPILOGUE_CASES}
+    print(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +215,16 @@ def test_interpreted_fused_norm_chain_matches_unfused(case, dtype, interpreted_c
         assert errors[output] <= TOLERANCE[dtype], (output, errors)
 
 
+@pytest.mark.parametrize("case", MMA_EPILOGUE_CASES, ids=str)
+def test_interpreted_mma_add_norm_epilogue_matches_torch(case, interpreted_chains) -> None:
+    """The fp8 mma.sync kernel's fused epilogue (ADD_NORM): the residual stream updated to h,
+    out = h * the norm's weight, each row's sum of h^2 per program, the counters re-armed."""
+    errors = interpreted_chains[f"mma-epilogue-{case}"]
+    assert errors["counters"] == 0
+    assert errors["sums"] <= 1e-6
+    assert errors["residual"] == 0 and errors["out"] == 0, errors
+
+
 def test_add_norm_declines_what_its_kernel_does_not_run() -> None:
     """Nothing is written where the call would not run on the CUDA-core word kernel: more
     rows than its config (tl.dot tiles), or a residual that is not [rows, N] contiguous."""
@@ -145,10 +233,13 @@ def test_add_norm_declines_what_its_kernel_does_not_run() -> None:
     residual = torch.randn(3, 64)
     before = residual.clone()
     dot = LaunchConfig(16, 32, 64, words="dot")
-    assert weight_only_matmul_add_norm(x, *_stored(producer), AddNorm(residual, torch.ones(64)), four_bit=True,
+    assert weight_only_matmul_add_norm(x, **_stored(producer), add_norm=AddNorm(residual, torch.ones(64)),
                                        config=dot) is None
-    assert weight_only_matmul_add_norm(x, *_stored(producer), AddNorm(residual[:, :32], torch.ones(32)),
-                                       four_bit=True, config=LaunchConfig(4, 32, 64, words="fma")) is None
+    assert weight_only_matmul_add_norm(x, **_stored(producer), add_norm=AddNorm(residual[:, :32], torch.ones(32)),
+                                       config=LaunchConfig(4, 32, 64, words="fma")) is None
+    # fp8 weights leave a norm pending from mma.sync only (CUDA, one row): here the word kernel.
+    fp8 = _layer("fp8", 64, 256, 0, 1, "cpu")
+    assert weight_only_matmul_add_norm(x[:1], **_stored(fp8), add_norm=AddNorm(residual[:1], torch.ones(64))) is None
     assert torch.equal(residual, before)
 
 
@@ -176,33 +267,47 @@ def test_a_quantized_layer_that_declines_finishes_a_pending_norm() -> None:
     torch.testing.assert_close(quantized(pending), quantized(pending.finish()))
 
 
-@pytest.mark.parametrize(("n", "k", "group_size", "rows", "dtype", "device", "folds"), [
-    (28672, 4096, 128, 1, torch.bfloat16, "cuda", True),   # gate/up, mma.sync
-    (28672, 4096, 64, 1, torch.bfloat16, "cuda", False),   # 64-wide groups: tl.dot tiles
-    (28672, 4096, 128, 8, torch.float16, "cuda", True),    # mma.sync, 8 rows
-    (28672, 4096, 128, 40, torch.bfloat16, "cuda", False),  # past mma.sync's 32 rows
-    (6144, 4096, 128, 1, torch.bfloat16, "cuda", True),    # qkv, the one-row word kernel
-    (28672, 4096, 128, 1, torch.bfloat16, "cpu", False),   # no mma.sync off CUDA
-    (6144, 4096, 128, 1, torch.bfloat16, "cpu", True),     # the word kernel (interpreter)
+@pytest.mark.parametrize(("fmt", "n", "k", "group_size", "rows", "dtype", "device", "folds"), [
+    ("int4", 28672, 4096, 128, 1, torch.bfloat16, "cuda", True),   # gate/up, mma.sync
+    ("int4", 28672, 4096, 64, 1, torch.bfloat16, "cuda", False),   # 64-wide groups: tl.dot tiles
+    ("int4", 28672, 4096, 128, 8, torch.float16, "cuda", True),    # mma.sync, 8 rows
+    ("int4", 28672, 4096, 128, 40, torch.bfloat16, "cuda", False),  # past mma.sync's 32 rows
+    ("int4", 6144, 4096, 128, 1, torch.bfloat16, "cuda", True),    # qkv, the one-row word kernel
+    ("int4", 28672, 4096, 128, 1, torch.bfloat16, "cpu", False),   # no mma.sync off CUDA
+    ("int4", 6144, 4096, 128, 1, torch.bfloat16, "cpu", True),     # the word kernel (interpreter)
+    ("fp8", 28672, 4096, 4096, 1, torch.bfloat16, "cuda", True),   # gate/up, the byte kernel
+    ("fp8", 6144, 4096, 4096, 1, torch.bfloat16, "cuda", True),    # qkv, mma.sync
+    ("fp8", 6144, 4096, 4096, 16, torch.float16, "cuda", True),    # mma.sync, 16 rows
+    ("fp8", 6144, 4096, 4096, 32, torch.bfloat16, "cuda", False),  # the byte tl.dot tiles
+    ("fp8", 6144, 4096, 64, 1, torch.bfloat16, "cuda", False),     # 64-wide scale groups: word kernel
+    ("fp8", 6144, 4096, 4096, 1, torch.bfloat16, "cpu", False),    # no mma.sync off CUDA: word kernel
 ])
-def test_consumers_that_fold_a_pending_norm(n, k, group_size, rows, dtype, device, folds, monkeypatch) -> None:
+def test_consumers_that_fold_a_pending_norm(fmt, n, k, group_size, rows, dtype, device, folds, monkeypatch) -> None:
     """Which next linears finish a pending norm in their kernel (so that the linear before the
-    norm leaves it pending): the word kernel and mma.sync, by llama3-8b's shapes, on an sm_90
-    device (its capability stands in for a GPU here)."""
+    norm leaves it pending): int4's word kernel and mma.sync, fp8's mma.sync and one-row byte
+    kernel, by llama3-8b's shapes, on an sm_90 device (its capability stands in for a GPU
+    here)."""
     from kvserve.quantization.weight_only import matmul
     from kvserve.quantization.weight_only.matmul import folds_pending_norm
 
     monkeypatch.setattr(matmul, "_capability", lambda index: (9, 0))
-    qweight = torch.zeros(n, k // 2, dtype=torch.uint8)
-    scale = torch.ones(n, k // group_size, dtype=torch.float16)
-    assert folds_pending_norm(rows, dtype, torch.device(device), qweight, scale, group_size, four_bit=True) is folds
+    four_bit = fmt == "int4"
+    qweight = (torch.zeros(n, k // 2, dtype=torch.uint8) if four_bit
+               else torch.zeros(n, k, dtype=torch.float8_e4m3fn))
+    scale = torch.ones(n, k // group_size, dtype=torch.float16 if four_bit else torch.float32)
+    assert folds_pending_norm(rows, dtype, torch.device(device), qweight, scale, group_size, four_bit) is folds
 
 
 # -- CUDA ------------------------------------------------------------------------------------
 
-# llama3-8b's pairs at one row: o_proj -> gate/up (word kernel -> mma.sync), down -> qkv
-# (word kernel -> word kernel), in groups of 128.
-GPU_CHAINS = [ChainCase(1, 4096, 4096, 28672, 128), ChainCase(1, 14336, 4096, 6144, 128)]
+# llama3-8b's pairs at one row: o_proj -> gate/up and down -> qkv; int4 in groups of 128
+# (word kernel -> mma.sync, word kernel -> word kernel), fp8 per channel (mma.sync -> byte
+# kernel, mma.sync -> mma.sync).
+GPU_CHAINS = [
+    ChainCase(1, 4096, 4096, 28672, 128), ChainCase(1, 14336, 4096, 6144, 128),
+    ChainCase(1, 4096, 4096, 28672, 0, producer="fp8", consumer="fp8"),
+    ChainCase(1, 14336, 4096, 6144, 0, producer="fp8", consumer="fp8"),
+]
 
 
 @pytest.mark.gpu
@@ -216,16 +321,17 @@ def test_gpu_fused_norm_chain_matches_unfused(case, dtype) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", (2, 5, 8, 16, 32))
-def test_gpu_mma_kernel_finishes_pending_rows(rows) -> None:
+@pytest.mark.parametrize(("fmt", "rows"), [*(("int4", rows) for rows in (2, 5, 8, 16, 32)),
+                                           *(("fp8", rows) for rows in (2, 5, 8, 16))])
+def test_gpu_mma_kernel_finishes_pending_rows(fmt, rows) -> None:
     """mma.sync with 1-4 x tiles scales each row by its own factor (sums made by torch)."""
     generator = torch.Generator().manual_seed(rows)
     h = (torch.randn(rows, 4096, generator=generator) * (1 + torch.arange(rows)[:, None])).bfloat16().cuda()
     weight = (1 + torch.randn(4096, generator=generator) * 0.1).bfloat16().cuda()
-    layer = _int4_layer(28672, 4096, 128, 4, "cuda")
+    layer = _layer(fmt, 28672 if fmt == "int4" else 6144, 4096, 128, 4, "cuda")
     sums = h.float().pow(2).reshape(rows, 32, 128).sum(-1)
     rows_in = (h.float() * weight.float()).bfloat16()
-    y = weight_only_matmul(rows_in, *_stored(layer), four_bit=True, pending=PendingNorm(rows_in, sums, EPS))
+    y = weight_only_matmul(rows_in, **_stored(layer), pending=PendingNorm(rows_in, sums, EPS))
     assert y is not None
     normed = RMSNorm(4096, EPS).cuda().bfloat16()
     with torch.no_grad():

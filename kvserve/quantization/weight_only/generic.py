@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvserve.quantization.weight_only.tiles import norm_row_scale
+
 
 @triton.jit
 def weight_only_matmul_kernel(
@@ -74,15 +76,18 @@ def weight_only_matmul_kernel(
 
 @triton.jit
 def weight_only_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, offset_ptr, out_ptr,
+    x_ptr, w_ptr, scale_ptr, offset_ptr, out_ptr, pending_ptr,
     N, K, group_size, tiles_per_split,
-    stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+    stride_xm, stride_wn, stride_sn, stride_os, stride_om, pending_partials, norm_eps,
     FOUR_BIT: tl.constexpr, FP8: tl.constexpr, GROUPED: tl.constexpr, HAS_OFFSET: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
+    ROW_SCALE: tl.constexpr, PARTIALS: tl.constexpr,
 ):
     """One row of x per program: W tiles [BLOCK_N, BLOCK_K] read as stored and multiplied on
     the CUDA cores into an fp32 accumulator of the same shape, reduced once at the end (no
-    tensor-core operand layout, no per-tile reduction): the decode-at-batch-1 form."""
+    tensor-core operand layout, no per-tile reduction): the decode-at-batch-1 form.
+    ROW_SCALE: x's RMSNorm was left pending by the previous linear (PendingNorm); the output
+    row is scaled by its rsqrt(mean(h^2) + eps), read after the loop."""
     if LAUNCH_NEXT:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -137,4 +142,7 @@ def weight_only_gemv_kernel(
         y *= tl.load(scale_ptr + cols * stride_sn, mask=col_mask, other=0.0)
         if HAS_OFFSET:
             y += tl.sum(x_total, axis=0) * tl.load(offset_ptr + cols * stride_sn, mask=col_mask, other=0.0)
+    if ROW_SCALE:
+        this_row = row + tl.zeros((1,), dtype=tl.int64)
+        y *= tl.sum(norm_row_scale(pending_ptr, this_row, this_row >= 0, pending_partials, K, norm_eps, PARTIALS))
     tl.store(out_ptr + split * stride_os + row * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)

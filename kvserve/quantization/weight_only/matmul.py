@@ -135,18 +135,21 @@ def _words_matmul(
     norm_args = (pending.sums.shape[1], pending.eps) if pending is not None else (0, 0.0)
     norm_flags = {"ROW_SCALE": pending is not None,
                   "PARTIALS": triton.next_power_of_2(norm_args[0]) if pending is not None else 1}
+    residual, norm_weight = add_norm if add_norm is not None else (out, out)
+    norm_pointers = (pending.sums if pending is not None else out, residual, norm_weight,
+                     sums if sums is not None else out)
     if config.words == "mma" and qweight.dtype == torch.float8_e4m3fn:
         fp8_mma_kernel[(grid_n, 1, split)](
-            rows, words, scale, partial, out, split_counters(rows.device),
+            rows, words, scale, partial, out, split_counters(rows.device), *norm_pointers,
             m, n, num_tiles, tiles_per_split, group_size,
-            rows.stride(0), words.stride(0), scale.stride(0), m * n, n,
+            rows.stride(0), words.stride(0), scale.stride(0), m * n, n, *norm_args,
             X_BF16=rows.dtype == torch.bfloat16, SPLIT=split > 1,
             ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
-            num_warps=config.num_warps, num_stages=1,
+            ADD_NORM=add_norm is not None, num_warps=config.num_warps, num_stages=1,
             # A programmatic dependent: waits for the previous kernel after its first tile.
-            **dependent_launch.chained_options(rows.device),
+            **dependent_launch.chained_options(rows.device), **norm_flags,
         )
-        return out, None
+        return out, sums
     if config.words == "mma":
         fp16 = rows.dtype == torch.float16
         int4_mma_kernel[(grid_n, 1, split)](
@@ -177,11 +180,10 @@ def _words_matmul(
         pointers, flags["HAS_OFFSET"] = (scale, offset if offset is not None else scale), offset is not None
         if not dot:
             flags["TWO_GROUPS"] = block_k == 2 * group_size
-    norm_pointers, norm_scalars = (), ()
-    if kernel is int4_gemv_kernel:  # the fused norms' operands (PendingNorm, AddNorm)
-        residual, norm_weight = add_norm if add_norm is not None else (out, out)
-        norm_pointers = (pending.sums if pending is not None else out, residual, norm_weight,
-                         sums if sums is not None else out)
+    norm_scalars = ()
+    if kernel is not int4_gemv_kernel:  # the only other word kernel with the fused norms
+        norm_pointers = ()
+    else:
         norm_scalars = norm_args
         flags.update(norm_flags, ADD_NORM=add_norm is not None)
         if rows.is_cuda:
@@ -238,8 +240,19 @@ def _words_plan(
 
 def _folds_norms(qweight: torch.Tensor, config: LaunchConfig, four_bit: bool, words: bool) -> bool:
     """The kernels that take a pending RMSNorm (PendingNorm): 4-bit weights on the CUDA-core
-    word kernel or mma.sync."""
-    return words and four_bit and qweight.dtype != torch.float8_e4m3fn and config.words in ("fma", "mma")
+    word kernel or mma.sync; fp8 weights on mma.sync or the one-row byte kernel."""
+    if qweight.dtype == torch.float8_e4m3fn:
+        return config.words == "mma" if words else config.block_m == 1 and not config.words
+    return words and four_bit and config.words in ("fma", "mma")
+
+
+def _adds_norms(qweight: torch.Tensor, config: LaunchConfig, four_bit: bool, words: bool, m: int) -> bool:
+    """The kernels that leave the next RMSNorm pending (weight_only_matmul_add_norm): the
+    4-bit CUDA-core word kernel, and fp8 weights on mma.sync at one row (the decode batch
+    that was measured: W2 fp8, BENCHMARKS.md)."""
+    if qweight.dtype == torch.float8_e4m3fn:
+        return words and config.words == "mma" and m == 1
+    return words and four_bit and config.words == "fma"
 
 
 def folds_pending_norm(
@@ -291,11 +304,15 @@ def weight_only_matmul(
     if m and config.block_m == 1:
         weight_only_gemv_kernel[(triton.cdiv(n, config.block_n), m, split)](
             rows, weight, scale, offset if offset is not None else scale, out,
+            pending.sums if pending is not None else out,
             n, in_features, group_size, tiles_per_split,
             rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
+            *((pending.sums.shape[1], pending.eps) if pending is not None else (0, 0.0)),
             FOUR_BIT=four_bit, FP8=fp8, GROUPED=grouped, HAS_OFFSET=offset is not None,
             EVEN_K=in_features % block_k == 0, BLOCK_N=config.block_n, BLOCK_K=block_k,
-            LAUNCH_NEXT=dependent_launch.enabled(x.device), num_warps=config.num_warps, num_stages=config.num_stages,
+            LAUNCH_NEXT=dependent_launch.enabled(x.device), ROW_SCALE=pending is not None,
+            PARTIALS=triton.next_power_of_2(pending.sums.shape[1]) if pending is not None else 1,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
     elif m:
         weight_only_matmul_kernel[(triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)](
@@ -316,13 +333,13 @@ def weight_only_matmul_add_norm(
     group_size: int, add_norm: AddNorm, four_bit: bool = False, config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """weight_only_matmul followed by the residual add and the RMSNorm after it, in the
-    kernel's epilogue where the call runs on the 4-bit CUDA-core word kernel (one row):
-    returns (h * the norm's weight, the row sums of h^2 (PendingNorm.sums)) with the residual
-    updated to h = residual + x W^T, or None (nothing written) where that kernel does not
-    run the call."""
+    kernel's epilogue where the call runs on the 4-bit CUDA-core word kernel or the fp8
+    mma.sync kernel: returns (h * the norm's weight, the row sums of h^2 (PendingNorm.sums))
+    with the residual updated to h = residual + x W^T, or None (nothing written) where those
+    kernels do not run the call."""
     rows, config, block_k, words = _words_plan(x, qweight, scale, group_size, four_bit, config)
     residual = add_norm.residual
-    if (block_k is None or config.words != "fma" or not _folds_norms(qweight, config, four_bit, words)
+    if (block_k is None or not _adds_norms(qweight, config, four_bit, words, rows.shape[0])
             or not residual.is_contiguous() or residual.shape != (rows.shape[0], qweight.shape[0])):
         return None
     return _words_matmul(rows, qweight, scale, offset, group_size, config, block_k, add_norm=add_norm)

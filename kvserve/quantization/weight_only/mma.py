@@ -7,7 +7,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvserve.quantization.weight_only.tiles import norm_row_scale, split_tiles, store_output
+from kvserve.quantization.weight_only.tiles import (
+    _arrives_last,
+    _rearm,
+    _summed_splits,
+    norm_row_scale,
+    split_tiles,
+    store_output,
+)
 
 
 @triton.jit
@@ -153,10 +160,10 @@ def _mma_scale_rows(ys, row_scales, X_TILES: tl.constexpr):
 
 
 @triton.jit
-def _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
-               SPLIT: tl.constexpr, X_TILES: tl.constexpr):
-    """Write thread (g, t)'s outputs: of x tile j, ys[4 j .. 4 j + 3] are weight rows g and
-    g + 8 against x rows 8 j + 2 t and 8 j + 2 t + 1, the accumulators' layout of m16n8k16."""
+def _mma_blocks(ys, t, w_row, M, N, stride_om, X_TILES: tl.constexpr):
+    """Thread (g, t)'s outputs as one block a x tile (values, offsets into out, masks), each
+    [threads, ROW_TILES, 4]: of x tile j, ys[4 j .. 4 j + 3] are weight rows g and g + 8
+    against x rows 8 j + 2 t and 8 j + 2 t + 1, the accumulators' layout of m16n8k16."""
     w_row8 = w_row + 8
     accs, offss, masks = (), (), ()
     for j in tl.static_range(X_TILES):
@@ -166,7 +173,68 @@ def _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, s
                                  x_row * stride_om + w_row8, (x_row + 1) * stride_om + w_row8),)
         masks = masks + (_stack4((x_row < M) & (w_row < N), (x_row + 1 < M) & (w_row < N),
                                  (x_row < M) & (w_row8 < N), (x_row + 1 < M) & (w_row8 < N)),)
+    return accs, offss, masks
+
+
+@triton.jit
+def _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
+               SPLIT: tl.constexpr, X_TILES: tl.constexpr):
+    """Write thread (g, t)'s outputs (_mma_blocks), or with split K their partials, summed by
+    the last split to finish."""
+    accs, offss, masks = _mma_blocks(ys, t, w_row, M, N, stride_om, X_TILES)
     store_output(accs, offss, masks, partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT)
+
+
+@triton.jit
+def _mma_add_norm(accs, offss, masks, t, w_row, N, M, out_ptr, residual_ptr, norm_weight_ptr, sum_squares_ptr,
+                  X_TILES: tl.constexpr):
+    """tiles._add_norm_store for _mma_blocks' blocks of final values: h = residual + y in the
+    run dtype (the residual stream updated in place, out's strides), out = h * the norm's
+    weight, and each x row's sum of h^2 over this program's weight rows at
+    sum_squares[row, program]. A row's squares are spread over the threads holding it: each
+    thread sums its own, then the x rows' totals are picked out as _mma_row_scales does."""
+    dtype = out_ptr.dtype.element_ty
+    w_row8 = w_row + 8
+    weight = tl.load(norm_weight_ptr + w_row, mask=w_row < N, other=0.0).to(tl.float32)
+    weight8 = tl.load(norm_weight_ptr + w_row8, mask=w_row8 < N, other=0.0).to(tl.float32)
+    weights = _stack4(weight, weight, weight8, weight8)
+    zeros = tl.zeros_like(w_row)
+    odd_row = _stack4(zeros, zeros + 1, zeros, zeros + 1) == 1  # a block's values of x row 8 j + 2 t + 1
+    all_rows = tl.arange(0, 8 * X_TILES)
+    row_sums = tl.zeros((8 * X_TILES,), dtype=tl.float32)
+    for j in tl.static_range(X_TILES):
+        # Rounded as `residual + linear(x)` would be: y to the run dtype, then the sum.
+        residual = tl.load(residual_ptr + offss[j], mask=masks[j], other=0.0).to(tl.float32)
+        h = (accs[j].to(dtype).to(tl.float32) + residual).to(dtype)
+        tl.store(residual_ptr + offss[j], h, mask=masks[j])
+        h = tl.where(masks[j], h.to(tl.float32), 0.0)
+        tl.store(out_ptr + offss[j], (weights * h).to(dtype), mask=masks[j])
+        # This thread's squares of x rows 8 j + 2 t and 8 j + 2 t + 1 (stacked as the block is).
+        even = tl.sum(tl.sum(tl.where(odd_row, 0.0, h * h), axis=2), axis=1)
+        odd = tl.sum(tl.sum(tl.where(odd_row, h * h, 0.0), axis=2), axis=1)
+        first_row = 8 * j + 2 * t
+        row_sums += tl.sum(tl.where(first_row[:, None] == all_rows[None, :], even[:, None], 0.0)
+                           + tl.where(first_row[:, None] + 1 == all_rows[None, :], odd[:, None], 0.0), axis=0)
+    tl.store(sum_squares_ptr + all_rows * tl.num_programs(0) + tl.program_id(0), row_sums, mask=all_rows < M)
+
+
+@triton.jit
+def _mma_store_add_norm(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
+                        residual_ptr, norm_weight_ptr, sum_squares_ptr, SPLIT: tl.constexpr, X_TILES: tl.constexpr):
+    """_mma_store for a linear followed by a residual add and an RMSNorm (PendingNorm):
+    _mma_add_norm on the final values (with split K, by the last split to finish)."""
+    accs, offss, masks = _mma_blocks(ys, t, w_row, M, N, stride_om, X_TILES)
+    if SPLIT:
+        if _arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
+            totals = ()
+            for j in tl.static_range(X_TILES):
+                totals = totals + (_summed_splits(partial_ptr, offss[j], masks[j], stride_ps),)
+            _mma_add_norm(totals, offss, masks, t, w_row, N, M, out_ptr, residual_ptr, norm_weight_ptr,
+                          sum_squares_ptr, X_TILES)
+            _rearm(count_ptr)
+    else:
+        _mma_add_norm(accs, offss, masks, t, w_row, N, M, out_ptr, residual_ptr, norm_weight_ptr, sum_squares_ptr,
+                      X_TILES)
 
 
 @triton.jit
@@ -311,10 +379,12 @@ def _bf16x2_to_f16x2(pair):
 @triton.jit
 def fp8_mma_kernel(
     x_ptr, w_ptr, scale_ptr, partial_ptr, out_ptr, count_ptr,
+    pending_ptr, residual_ptr, norm_weight_ptr, sum_squares_ptr,
     M, N, num_tiles, tiles_per_split, group_size,
-    stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
+    stride_xm, stride_wn, stride_sn, stride_ps, stride_om, pending_partials, norm_eps,
     X_BF16: tl.constexpr, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr,
-    X_TILES: tl.constexpr, PDL: tl.constexpr,
+    X_TILES: tl.constexpr, PDL: tl.constexpr, ROW_SCALE: tl.constexpr, PARTIALS: tl.constexpr,
+    ADD_NORM: tl.constexpr,
 ):
     """Up to 8 X_TILES rows of x against e4m3 weights on tensor cores, as int4_mma_kernel
     lays them out: each thread converts its own words into its A fragment (a word is four
@@ -322,7 +392,10 @@ def fp8_mma_kernel(
     pairs for the B fragment (fp16 MMAs, fp32 accumulators), and the MMA's k order is a
     permutation of K within 64-k segments (thread t's words 4 t .. 4 t + 3, one an MMA). A
     tile is 128 k, within one scale group (or one scale a row). With PDL the first tile loads
-    before the wait for the previous kernel (dependent_launch)."""
+    before the wait for the previous kernel (dependent_launch).
+    Fused RMSNorms (PendingNorm), as in int4_gemv_kernel: ROW_SCALE scales the output rows by
+    the factor of the norm the previous linear left pending; ADD_NORM adds the output to the
+    residual stream and leaves the next norm pending (_mma_store_add_norm)."""
     if PDL:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     g, t, w_row, w_row8 = _mma_weight_rows(ROW_TILES, NUM_WARPS)
@@ -376,4 +449,11 @@ def fp8_mma_kernel(
         ys = new_ys
         w_a, w_a8, w_b, w_b8 = next_a, next_a8, next_b, next_b8
         w_tile += 32
-    _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, SPLIT, X_TILES)
+    if ROW_SCALE:
+        ys = _mma_scale_rows(ys, _mma_row_scales(pending_ptr, t, M, pending_partials, num_tiles * 128, norm_eps,
+                                                 PARTIALS, X_TILES), X_TILES)
+    if ADD_NORM:
+        _mma_store_add_norm(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, residual_ptr,
+                            norm_weight_ptr, sum_squares_ptr, SPLIT, X_TILES)
+    else:
+        _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, SPLIT, X_TILES)
