@@ -132,12 +132,9 @@ def _words_matmul(
     words = qweight.view(torch.int32)
     x_tiles = triton.next_power_of_2(triton.cdiv(m, 8))  # mma: 8 rows of x an MMA's B
     sums = torch.empty((m, grid_n), dtype=torch.float32, device=rows.device) if add_norm is not None else None
-    norm_args = (pending.sums.shape[1], pending.eps) if pending is not None else (0, 0.0)
-    norm_flags = {"ROW_SCALE": pending is not None,
-                  "PARTIALS": triton.next_power_of_2(norm_args[0]) if pending is not None else 1}
+    pending_sums, norm_args, norm_flags = _pending_operands(pending, out)
     residual, norm_weight = add_norm if add_norm is not None else (out, out)
-    norm_pointers = (pending.sums if pending is not None else out, residual, norm_weight,
-                     sums if sums is not None else out)
+    norm_pointers = (pending_sums, residual, norm_weight, sums if sums is not None else out)
     if config.words == "mma" and qweight.dtype == torch.float8_e4m3fn:
         fp8_mma_kernel[(grid_n, 1, split)](
             rows, words, scale, partial, out, split_counters(rows.device), *norm_pointers,
@@ -154,8 +151,7 @@ def _words_matmul(
         fp16 = rows.dtype == torch.float16
         int4_mma_kernel[(grid_n, 1, split)](
             rows, words, scale, offset if offset is not None else scale, partial, out, split_counters(rows.device),
-            pending.sums if pending is not None else out,
-            m, n, num_tiles, tiles_per_split, group_size, 0x64006400 if fp16 else 0x43004300,
+            pending_sums, m, n, num_tiles, tiles_per_split, group_size, 0x64006400 if fp16 else 0x43004300,
             rows.stride(0), words.stride(0), scale.stride(0), m * n, n, *norm_args,
             FP16=fp16, HAS_OFFSET=offset is not None, SPLIT=split > 1,
             ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
@@ -181,9 +177,7 @@ def _words_matmul(
         if not dot:
             flags["TWO_GROUPS"] = block_k == 2 * group_size
     norm_scalars = ()
-    if kernel is not int4_gemv_kernel:  # the only other word kernel with the fused norms
-        norm_pointers = ()
-    else:
+    if kernel is int4_gemv_kernel:  # the word kernel that takes the fused norms' operands
         norm_scalars = norm_args
         flags.update(norm_flags, ADD_NORM=add_norm is not None)
         if rows.is_cuda:
@@ -191,6 +185,8 @@ def _words_matmul(
             # tile's weight loads at the end of the loop instead of its middle (down: 17.9 ->
             # 21.6 us on an H100); an explicit limit of 255 keeps the plain kernel's schedule.
             launch = {**launch, "maxnreg": WORD_KERNEL_MAX_REGISTERS}
+    else:
+        norm_pointers = ()
     # 1.0f as a run-time value: ptxas then merges mask and OR into one LOP3.
     one_bits = () if fp8 else (0x3F800000,)
     kernel[(grid_n, grid_m, split)](
@@ -201,6 +197,17 @@ def _words_matmul(
         num_warps=config.num_warps, num_stages=config.num_stages, **flags, **launch,
     )
     return out, sums
+
+
+def _pending_operands(
+    pending: PendingNorm | None, placeholder: torch.Tensor
+) -> tuple[torch.Tensor, tuple[int, float], dict[str, object]]:
+    """A consumer kernel's operands for a pending norm (None: the placeholder and no
+    ROW_SCALE): its sums, (their partial count, eps), and the ROW_SCALE / PARTIALS flags."""
+    if pending is None:
+        return placeholder, (0, 0.0), {"ROW_SCALE": False, "PARTIALS": 1}
+    partials = pending.sums.shape[1]
+    return pending.sums, (partials, pending.eps), {"ROW_SCALE": True, "PARTIALS": triton.next_power_of_2(partials)}
 
 
 def _call_plan(
@@ -302,17 +309,15 @@ def weight_only_matmul(
     # Split-K partials stay fp32 and are summed in one fixed order (deterministic).
     out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     if m and config.block_m == 1:
+        pending_sums, norm_args, norm_flags = _pending_operands(pending, out)
         weight_only_gemv_kernel[(triton.cdiv(n, config.block_n), m, split)](
-            rows, weight, scale, offset if offset is not None else scale, out,
-            pending.sums if pending is not None else out,
+            rows, weight, scale, offset if offset is not None else scale, out, pending_sums,
             n, in_features, group_size, tiles_per_split,
-            rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
-            *((pending.sums.shape[1], pending.eps) if pending is not None else (0, 0.0)),
+            rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1), *norm_args,
             FOUR_BIT=four_bit, FP8=fp8, GROUPED=grouped, HAS_OFFSET=offset is not None,
             EVEN_K=in_features % block_k == 0, BLOCK_N=config.block_n, BLOCK_K=block_k,
-            LAUNCH_NEXT=dependent_launch.enabled(x.device), ROW_SCALE=pending is not None,
-            PARTIALS=triton.next_power_of_2(pending.sums.shape[1]) if pending is not None else 1,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            LAUNCH_NEXT=dependent_launch.enabled(x.device), num_warps=config.num_warps,
+            num_stages=config.num_stages, **norm_flags,
         )
     elif m:
         weight_only_matmul_kernel[(triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)](
