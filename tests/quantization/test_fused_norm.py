@@ -39,8 +39,9 @@ TOLERANCE = {torch.float32: 3e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 class ChainCase(NamedTuple):
     """x [rows, k] -> producer (hidden x k) -> add + norm -> consumer (n x hidden), each in
-    its weight format ("int4": group_size; "fp8": per channel); the int4 producer's config
-    (block_m, block_n, block_k, split), None for default_config."""
+    its weight format ("int4" in groups of group_size; "fp8" per channel where group_size is
+    0, else in groups); the int4 producer's config (block_m, block_n, block_k, split), None
+    for default_config."""
     rows: int
     k: int
     hidden: int
@@ -49,10 +50,13 @@ class ChainCase(NamedTuple):
     config: tuple[int, int, int, int | None] | None = None
     producer: str = "int4"
     consumer: str = "int4"
+    consumer_group_size: int | None = None  # None: group_size
 
     @property
     def id(self) -> str:
         formats = "" if (self.producer, self.consumer) == ("int4", "int4") else f"-{self.producer}-{self.consumer}"
+        if self.consumer_group_size is not None:
+            formats += f"-g{self.consumer_group_size}"
         return f"m{self.rows}-k{self.k}-h{self.hidden}-n{self.n}-g{self.group_size}-{self.config}{formats}"
 
 
@@ -63,9 +67,10 @@ CHAIN_CASES = [
     ChainCase(1, 256, 256, 21, 128, (1, 64, 256, None)),
     ChainCase(3, 512, 192, 19, 64, (4, 64, 128, 3)),
     ChainCase(1, 512, 256, 37, 128),
-    # The fp8 byte kernel (one row of x a program, split K) finishing an int4 producer's norm.
+    # The fp8 byte kernel (one row of x a program, split K) finishing an int4 producer's norm,
+    # its weight scaled in groups of 64 inputs or per channel.
     ChainCase(1, 512, 192, 37, 64, (1, 64, 128, 2), consumer="fp8"),
-    ChainCase(3, 512, 256, 21, 64, (4, 64, 128, None), consumer="fp8"),
+    ChainCase(3, 512, 256, 21, 64, (4, 64, 128, None), consumer="fp8", consumer_group_size=0),
 ]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -73,9 +78,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _layer(fmt: str, n: int, k: int, group_size: int, seed: int, device: str) -> Int4Linear | Fp8Linear:
     generator = torch.Generator().manual_seed(seed)
     weight = (torch.randn(n, k, generator=generator) * 0.05).to(device)
-    if fmt == "fp8":
-        q, scale = quantize_fp8(weight)
-        return Fp8Linear(q, scale[:, None], None)
+    if fmt == "fp8":  # group_size 0: a scale per output channel, else per group of inputs
+        q, scale = quantize_fp8(weight.reshape(-1, group_size or k))
+        return Fp8Linear(q.reshape(n, k), scale.reshape(n, -1), None)
     return Int4Linear(*quantize_int4(weight, group_size), group_size, None)
 
 
@@ -93,7 +98,9 @@ def _stored(layer: Int4Linear | Fp8Linear) -> dict:
 
 def _weight(layer: Int4Linear | Fp8Linear) -> torch.Tensor:
     if isinstance(layer, Fp8Linear):  # e4m3 values times their scales, exact in fp64
-        return layer.qweight.double() * layer.scale.double()
+        n, k = layer.qweight.shape
+        groups = layer.qweight.double().reshape(n, -1, layer.group_size)
+        return (groups * layer.scale.double()[..., None]).reshape(n, k)
     return layer.dequantize(torch.float64)
 
 
@@ -113,7 +120,8 @@ def chain_errors(case: ChainCase, dtype: torch.dtype, device: str) -> dict[str, 
         norm.weight.copy_(1 + torch.randn(case.hidden, generator=generator) * 0.1)
     norm = norm.to(dtype)
     producer = _layer(case.producer, case.hidden, case.k, case.group_size, 1, device)
-    consumer = _layer(case.consumer, case.n, case.hidden, case.group_size, 2, device)
+    consumer_group_size = case.group_size if case.consumer_group_size is None else case.consumer_group_size
+    consumer = _layer(case.consumer, case.n, case.hidden, consumer_group_size, 2, device)
 
     y1 = (x.double() @ _weight(producer).T.to(device)).to(dtype)
     h = residual + y1
@@ -328,7 +336,8 @@ def test_gpu_mma_kernel_finishes_pending_rows(fmt, rows) -> None:
     generator = torch.Generator().manual_seed(rows)
     h = (torch.randn(rows, 4096, generator=generator) * (1 + torch.arange(rows)[:, None])).bfloat16().cuda()
     weight = (1 + torch.randn(4096, generator=generator) * 0.1).bfloat16().cuda()
-    layer = _layer(fmt, 28672 if fmt == "int4" else 6144, 4096, 128, 4, "cuda")
+    int4 = fmt == "int4"  # int4 in groups of 128, fp8 per channel
+    layer = _layer(fmt, 28672 if int4 else 6144, 4096, 128 if int4 else 0, 4, "cuda")
     sums = h.float().pow(2).reshape(rows, 32, 128).sum(-1)
     rows_in = (h.float() * weight.float()).bfloat16()
     y = weight_only_matmul(rows_in, **_stored(layer), pending=PendingNorm(rows_in, sums, EPS))
