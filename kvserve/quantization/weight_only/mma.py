@@ -8,12 +8,12 @@ import triton
 import triton.language as tl
 
 from kvserve.quantization.weight_only.tiles import (
-    _arrives_last,
-    _rearm,
-    _summed_splits,
+    arrives_last,
     norm_row_scale,
+    rearm,
     split_tiles,
     store_output,
+    summed_splits,
 )
 
 
@@ -225,13 +225,13 @@ def _mma_store_add_norm(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, str
     _mma_add_norm on the final values (with split K, by the last split to finish)."""
     accs, offss, masks = _mma_blocks(ys, t, w_row, M, N, stride_om, X_TILES)
     if SPLIT:
-        if _arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
+        if arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
             totals = ()
             for j in tl.static_range(X_TILES):
-                totals = totals + (_summed_splits(partial_ptr, offss[j], masks[j], stride_ps),)
+                totals = totals + (summed_splits(partial_ptr, offss[j], masks[j], stride_ps),)
             _mma_add_norm(totals, offss, masks, t, w_row, N, M, out_ptr, residual_ptr, norm_weight_ptr,
                           sum_squares_ptr, X_TILES)
-            _rearm(count_ptr)
+            rearm(count_ptr)
     else:
         _mma_add_norm(accs, offss, masks, t, w_row, N, M, out_ptr, residual_ptr, norm_weight_ptr, sum_squares_ptr,
                       X_TILES)

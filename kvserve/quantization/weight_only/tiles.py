@@ -67,7 +67,7 @@ def _split_counter(count_ptr):
 
 
 @triton.jit
-def _arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
+def arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
     """Leave this split's fp32 partials (a tuple of blocks, one counter for them all) and
     say whether it is the last of its output tile's splits to arrive (an acq_rel counter)."""
     for i in tl.static_range(len(accs)):
@@ -77,7 +77,7 @@ def _arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
 
 
 @triton.jit
-def _summed_splits(partial_ptr, offs, mask, stride_ps):
+def summed_splits(partial_ptr, offs, mask, stride_ps):
     """The splits' partials of one block, summed in split order (deterministic)."""
     total = tl.zeros(offs.shape, dtype=tl.float32)
     for s in range(tl.num_programs(2)):
@@ -86,7 +86,7 @@ def _summed_splits(partial_ptr, offs, mask, stride_ps):
 
 
 @triton.jit
-def _rearm(count_ptr):
+def rearm(count_ptr):
     """Reset the output tile's counter for the next launch (its last split calls this)."""
     tl.atomic_xchg(_split_counter(count_ptr), 0, sem="relaxed", scope="gpu")
 
@@ -95,11 +95,11 @@ def _rearm(count_ptr):
 def _store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, stride_ps):
     """Split-K without a second kernel: every split leaves its partials, and the last of an
     output tile's splits to arrive sums them all, writes the output and re-arms the counter."""
-    if _arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
+    if arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
         for i in tl.static_range(len(accs)):
-            total = _summed_splits(partial_ptr, offss[i], masks[i], stride_ps)
+            total = summed_splits(partial_ptr, offss[i], masks[i], stride_ps)
             tl.store(out_ptr + offss[i], total.to(out_ptr.dtype.element_ty), mask=masks[i])
-        _rearm(count_ptr)
+        rearm(count_ptr)
 
 
 @triton.jit
@@ -183,10 +183,10 @@ def store_block_add_norm(y, rows, cols, row_mask, col_mask, partial_ptr, out_ptr
     if SPLIT:
         offs = rows[:, None] * stride_om + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
-        if _arrives_last((y,), partial_ptr, count_ptr, (offs,), (mask,), stride_ps):
-            _add_norm_store(_summed_splits(partial_ptr, offs, mask, stride_ps), rows, cols, row_mask, col_mask,
+        if arrives_last((y,), partial_ptr, count_ptr, (offs,), (mask,), stride_ps):
+            _add_norm_store(summed_splits(partial_ptr, offs, mask, stride_ps), rows, cols, row_mask, col_mask,
                             out_ptr, stride_om, residual_ptr, norm_weight_ptr, sum_squares_ptr)
-            _rearm(count_ptr)
+            rearm(count_ptr)
     else:
         _add_norm_store(y, rows, cols, row_mask, col_mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr,
                         sum_squares_ptr)
