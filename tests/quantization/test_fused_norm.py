@@ -5,7 +5,8 @@ stored weights: y1 = x W1^T rounded to the run dtype, h = residual + y1 rounded,
 as the torch path rounds it, then y2 = RMSNorm(h) W2^T.
 
 Without a GPU the int4 word kernel (producer and consumer) and the fp8 byte kernel
-(consumer) run under Triton's interpreter (one subprocess); on CUDA llama3-8b's two pairs run
+(consumer) run under Triton's interpreter (one subprocess), and so do the mma.sync kernels'
+two fused epilogues alone (their main loops are inline PTX); on CUDA llama3-8b's two pairs run
 the one-row kernels of each format (int4: the word kernel and mma.sync; fp8: mma.sync and
 the byte kernel), and mma.sync finishes pending rows at 2-32 rows. The engine-level decode
 test is in tests/gpu/test_quantized_engine_gpu.py."""
@@ -171,8 +172,43 @@ def _mma_add_norm_epilogue_kernel(y_ptr, partial_ptr, out_ptr, count_ptr, residu
                             norm_weight_ptr, sum_squares_ptr, SPLIT, X_TILES)
 
 
+@triton.jit
+def _mma_row_scale_epilogue_kernel(y_ptr, out_ptr, pending_ptr, M, N, pending_partials, num_cols, eps,
+                                   PARTIALS: tl.constexpr, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr,
+                                   X_TILES: tl.constexpr):
+    """The mma.sync kernels' ROW_SCALE epilogue alone: y [M, N] read into the accumulators'
+    layout, each row scaled by its pending norm's factor, stored (no split)."""
+    g, t, w_row, w_row8 = mma._mma_weight_rows(ROW_TILES, NUM_WARPS)
+    ys = ()
+    for j in tl.static_range(X_TILES):
+        x_row = (8 * j + 2 * t)[:, None]
+        ys = ys + (tl.load(y_ptr + x_row * N + w_row, mask=(x_row < M) & (w_row < N), other=0.0),
+                   tl.load(y_ptr + (x_row + 1) * N + w_row, mask=(x_row + 1 < M) & (w_row < N), other=0.0),
+                   tl.load(y_ptr + x_row * N + w_row8, mask=(x_row < M) & (w_row8 < N), other=0.0),
+                   tl.load(y_ptr + (x_row + 1) * N + w_row8, mask=(x_row + 1 < M) & (w_row8 < N), other=0.0))
+    scales = mma._mma_row_scales(pending_ptr, t, M, pending_partials, num_cols, eps, PARTIALS, X_TILES)
+    mma._mma_store(mma._mma_scale_rows(ys, scales, X_TILES), t, w_row, M, N, out_ptr, out_ptr, out_ptr, N, 0,
+                   False, X_TILES)
+
+
+def mma_row_scale_error(rows: int, n: int) -> float:
+    """_mma_row_scales and _mma_scale_rows against torch: y times rsqrt(mean(h^2) + eps) from
+    3 partial sums a row (relative error of the fp32 output)."""
+    generator = torch.Generator().manual_seed(rows + n)
+    y = torch.randn(rows, n, generator=generator)
+    sums = torch.rand(rows, 3, generator=generator) * 50 * (1 + torch.arange(rows)[:, None])
+    num_cols = 96
+    out = torch.zeros(rows, n)
+    programs = -(-n // 64)
+    _mma_row_scale_epilogue_kernel[(programs, 1, 1)](
+        y, out, sums, rows, n, 3, num_cols, EPS, PARTIALS=4, ROW_TILES=2, NUM_WARPS=2, X_TILES=-(-rows // 8))
+    expected = y * torch.rsqrt(sums.sum(1, keepdim=True) / num_cols + EPS)
+    return _relative(out, expected)
+
+
 # (rows, N, splits, dtype): 1-2 x tiles, weight rows past N masked, split K or not.
 MMA_EPILOGUE_CASES = [(1, 200, 3, torch.bfloat16), (3, 200, 1, torch.float32), (11, 136, 2, torch.float16)]
+MMA_ROW_SCALE_ROWS = (1, 5, 13)
 
 
 def mma_epilogue_errors(rows: int, n: int, splits: int, dtype: torch.dtype) -> dict[str, float]:
@@ -205,6 +241,7 @@ def run_chain_cases() -> None:
     results = {f"{case.id}-{str(dtype).removeprefix('torch.')}": chain_errors(case, dtype, "cpu")
                for case in CHAIN_CASES for dtype in DTYPES}
     results |= {f"mma-epilogue-{case}": mma_epilogue_errors(*case) for case in MMA_EPILOGUE_CASES}
+    results |= {f"mma-row-scale-{rows}": mma_row_scale_error(rows, 200) for rows in MMA_ROW_SCALE_ROWS}
     print(json.dumps(results))
 
 
@@ -221,6 +258,13 @@ def test_interpreted_fused_norm_chain_matches_unfused(case, dtype, interpreted_c
     assert errors["sums"] <= 1e-6
     for output in ("residual", "norm", "consumer", "consumer_after_finish"):
         assert errors[output] <= TOLERANCE[dtype], (output, errors)
+
+
+@pytest.mark.parametrize("rows", MMA_ROW_SCALE_ROWS)
+def test_interpreted_mma_row_scales_match_torch(rows, interpreted_chains) -> None:
+    """The mma.sync kernels' ROW_SCALE epilogue (int4 and fp8 consumers of a pending norm):
+    each x row, of 1 or 2 x tiles, scaled by its own factor."""
+    assert interpreted_chains[f"mma-row-scale-{rows}"] <= 1e-6
 
 
 @pytest.mark.parametrize("case", MMA_EPILOGUE_CASES, ids=str)
