@@ -153,6 +153,21 @@ def chain_errors(case: ChainCase, dtype: torch.dtype, device: str) -> dict[str, 
 
 
 @triton.jit
+def _load_accumulators(y_ptr, t, w_row, M, N, X_TILES: tl.constexpr):
+    """y [M, N] (fp32, row-major) as an mma.sync kernel's accumulators hold it: of x tile j,
+    weight rows g and g + 8 against x rows 8 j + 2 t and 8 j + 2 t + 1."""
+    w_row8 = w_row + 8
+    ys = ()
+    for j in tl.static_range(X_TILES):
+        x_row = (8 * j + 2 * t)[:, None]
+        ys = ys + (tl.load(y_ptr + x_row * N + w_row, mask=(x_row < M) & (w_row < N), other=0.0),
+                   tl.load(y_ptr + (x_row + 1) * N + w_row, mask=(x_row + 1 < M) & (w_row < N), other=0.0),
+                   tl.load(y_ptr + x_row * N + w_row8, mask=(x_row < M) & (w_row8 < N), other=0.0),
+                   tl.load(y_ptr + (x_row + 1) * N + w_row8, mask=(x_row + 1 < M) & (w_row8 < N), other=0.0))
+    return ys
+
+
+@triton.jit
 def _mma_add_norm_epilogue_kernel(y_ptr, partial_ptr, out_ptr, count_ptr, residual_ptr, norm_weight_ptr,
                                   sum_squares_ptr, M, N, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr,
                                   NUM_WARPS: tl.constexpr, X_TILES: tl.constexpr):
@@ -160,14 +175,7 @@ def _mma_add_norm_epilogue_kernel(y_ptr, partial_ptr, out_ptr, count_ptr, residu
     runs it): each split's y [M, N] read into the accumulators' layout, then
     _mma_store_add_norm."""
     g, t, w_row, w_row8 = mma._mma_weight_rows(ROW_TILES, NUM_WARPS)
-    y_split = y_ptr + tl.program_id(2) * M * N
-    ys = ()
-    for j in tl.static_range(X_TILES):
-        x_row = (8 * j + 2 * t)[:, None]
-        ys = ys + (tl.load(y_split + x_row * N + w_row, mask=(x_row < M) & (w_row < N), other=0.0),
-                   tl.load(y_split + (x_row + 1) * N + w_row, mask=(x_row + 1 < M) & (w_row < N), other=0.0),
-                   tl.load(y_split + x_row * N + w_row8, mask=(x_row < M) & (w_row8 < N), other=0.0),
-                   tl.load(y_split + (x_row + 1) * N + w_row8, mask=(x_row + 1 < M) & (w_row8 < N), other=0.0))
+    ys = _load_accumulators(y_ptr + tl.program_id(2) * M * N, t, w_row, M, N, X_TILES)
     mma._mma_store_add_norm(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, N, M * N, residual_ptr,
                             norm_weight_ptr, sum_squares_ptr, SPLIT, X_TILES)
 
@@ -179,13 +187,7 @@ def _mma_row_scale_epilogue_kernel(y_ptr, out_ptr, pending_ptr, M, N, pending_pa
     """The mma.sync kernels' ROW_SCALE epilogue alone: y [M, N] read into the accumulators'
     layout, each row scaled by its pending norm's factor, stored (no split)."""
     g, t, w_row, w_row8 = mma._mma_weight_rows(ROW_TILES, NUM_WARPS)
-    ys = ()
-    for j in tl.static_range(X_TILES):
-        x_row = (8 * j + 2 * t)[:, None]
-        ys = ys + (tl.load(y_ptr + x_row * N + w_row, mask=(x_row < M) & (w_row < N), other=0.0),
-                   tl.load(y_ptr + (x_row + 1) * N + w_row, mask=(x_row + 1 < M) & (w_row < N), other=0.0),
-                   tl.load(y_ptr + x_row * N + w_row8, mask=(x_row < M) & (w_row8 < N), other=0.0),
-                   tl.load(y_ptr + (x_row + 1) * N + w_row8, mask=(x_row + 1 < M) & (w_row8 < N), other=0.0))
+    ys = _load_accumulators(y_ptr, t, w_row, M, N, X_TILES)
     scales = mma._mma_row_scales(pending_ptr, t, M, pending_partials, num_cols, eps, PARTIALS, X_TILES)
     mma._mma_store(mma._mma_scale_rows(ys, scales, X_TILES), t, w_row, M, N, out_ptr, out_ptr, out_ptr, N, 0,
                    False, X_TILES)
