@@ -32,8 +32,10 @@ class LatencyResult:
     output_tok_s: float  # batch_size / TPOT
     floor_ms: float  # at the mean context length of the decode phase
     fraction_of_floor: float  # floor / measured; 1.0 would be at the floor
-    # Device time of one decode step alone (its CUDA graph replayed back to back), when
-    # graphs are in use: TPOT minus this is the time the GPU waits for the host.
+    # Device time of the last decode step's CUDA graph alone (replayed back to back), when
+    # graphs are in use. TPOT minus this is what runs between graphs (sampling, the input
+    # copies, the gaps between them; benchmarks/gpu_decode_timeline.py splits it up), less
+    # what the earlier steps' shorter contexts save.
     gpu_step_ms: float | None = None
 
 
