@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,18 @@ gpu_kernels_enabled = True
 # Layers left in the run dtype: the LM head decides every token, and embeddings are
 # only gathered, so quantizing them saves memory but no decode time.
 _SKIPPED_LAYERS = ("lm_head",)
+
+
+class KernelWeight(NamedTuple):
+    """A layer's weight as the Triton weight-only kernels take it (weight_only_matmul's
+    arguments): qweight [N, K] int8 / float8_e4m3fn or [N, K / 2] nibble pairs (four_bit),
+    scales and offsets per group of group_size inputs."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group_size: int
+    four_bit: bool
 
 
 class QuantizedLinear(nn.Module, ABC):
@@ -120,22 +132,52 @@ class QuantizedLinear(nn.Module, ABC):
         self.dense_weight = DenseWeight(weight, dtype, pack)
         self.cpu_kernel_max_rows = kernel_max_rows
 
+    def kernel_weight(self, device: torch.device) -> KernelWeight | None:
+        """The weight as the Triton weight-only kernels take it on CUDA `device`, or None
+        where the method's weights do not run them there (the fused RMSNorms below then
+        decline)."""
+        return None
+
+    def _fusing_weight(self, x: torch.Tensor) -> KernelWeight | None:
+        """kernel_weight for CUDA x of decode size (the kernels' rows and dtypes)."""
+        return self.kernel_weight(x.device) if x.is_cuda and self.gpu_kernel_applies(x) else None
+
     def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether pending_matmul finishes a PendingNorm of `rows` rows in `dtype` in this
         layer's kernel: the linear before a norm leaves it pending only then."""
-        return False
+        stored = next(self.buffers(), None)
+        if stored is None or not stored.is_cuda or not self.gpu_kernel_takes(rows, dtype):
+            return False
+        weight = self.kernel_weight(stored.device)
+        if weight is None:
+            return False
+        from kvserve.quantization.weight_only.matmul import folds_pending_norm
+
+        return folds_pending_norm(rows, dtype, stored.device, weight.qweight, weight.scale, weight.group_size,
+                                  weight.four_bit)
 
     def pending_matmul(self, x: PendingNorm) -> torch.Tensor | None:
         """x @ W^T for x whose RMSNorm the previous linear left pending, finished in this
         layer's kernel (its output rows scaled), or None where the method's kernels cannot."""
-        return None
+        weight = self._fusing_weight(x.rows)
+        if weight is None:
+            return None
+        from kvserve.quantization.weight_only import weight_only_matmul
+
+        return weight_only_matmul(x.rows, *weight[:4], four_bit=weight.four_bit, pending=x)
 
     def add_norm_matmul(
         self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
     ) -> PendingNorm | None:
         """RMSNorm.add_after's fused form: y = x @ W^T added to residual in place, the norm
         after it left pending, or None (nothing done) where the method's kernels cannot."""
-        return None
+        weight = self._fusing_weight(x)
+        if weight is None or self.bias is not None:
+            return None
+        from kvserve.quantization.weight_only.matmul import AddNorm, weight_only_matmul_add_norm
+
+        fused = weight_only_matmul_add_norm(x, *weight[:4], AddNorm(residual, norm_weight), four_bit=weight.four_bit)
+        return None if fused is None else PendingNorm(*fused, eps)
 
     def apply(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):

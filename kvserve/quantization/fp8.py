@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model_executor.layers.layernorm import PendingNorm
 from kvserve.quantization import base
-from kvserve.quantization.base import QuantizationMethod, QuantizedLinear, lm_head_as_linear
+from kvserve.quantization.base import KernelWeight, QuantizationMethod, QuantizedLinear, lm_head_as_linear
 from kvserve.quantization.int8 import add_int8_lm_head
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -78,42 +77,21 @@ class Fp8Linear(QuantizedLinear):
         return F.linear(x, self.qweight.to(x.dtype)) * self.scale[:, 0].to(x.dtype)
 
     def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
-        if not _fp8_capable(x.device.index or 0):
-            return None  # no e4m3 conversions in Triton below 8.9: dequantize instead
+        weight = self.kernel_weight(x.device)
+        if weight is None:
+            return None  # dequantize instead
         if self.gpu_kernel_applies(x):
             from kvserve.quantization.weight_only import weight_only_matmul
 
-            return weight_only_matmul(x, self.qweight, self.scale, None, self.group_size)
+            return weight_only_matmul(x, *weight[:4])
         if self._scaled_mm_applies(x):
             return self._scaled_mm(x)
         return None
 
-    def pending_matmul(self, x: PendingNorm) -> torch.Tensor | None:
-        if not x.rows.is_cuda or not _fp8_capable(x.rows.device.index or 0) or not self.gpu_kernel_applies(x.rows):
-            return None
-        from kvserve.quantization.weight_only import weight_only_matmul
-
-        return weight_only_matmul(x.rows, self.qweight, self.scale, None, self.group_size, pending=x)
-
-    def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool:
-        if not self.qweight.is_cuda or not _fp8_capable(self.qweight.device.index or 0):
-            return False
-        from kvserve.quantization.weight_only.matmul import folds_pending_norm
-
-        return self.gpu_kernel_takes(rows, dtype) and folds_pending_norm(
-            rows, dtype, self.qweight.device, self.qweight, self.scale, self.group_size, four_bit=False)
-
-    def add_norm_matmul(
-        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-    ) -> PendingNorm | None:
-        if (not x.is_cuda or not _fp8_capable(x.device.index or 0) or not self.gpu_kernel_applies(x)
-                or self.bias is not None):
-            return None
-        from kvserve.quantization.weight_only.matmul import AddNorm, weight_only_matmul_add_norm
-
-        fused = weight_only_matmul_add_norm(x, self.qweight, self.scale, None, self.group_size,
-                                            AddNorm(residual, norm_weight))
-        return None if fused is None else PendingNorm(*fused, eps)
+    def kernel_weight(self, device: torch.device) -> KernelWeight | None:
+        if device.type != "cuda" or not _fp8_capable(device.index or 0):
+            return None  # no e4m3 conversions in Triton below 8.9
+        return KernelWeight(self.qweight, self.scale, None, self.group_size, four_bit=False)
 
     def _scaled_mm_applies(self, x: torch.Tensor) -> bool:
         # Row-wise scaled _scaled_mm: bf16 output, both dims multiples of 16.

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from kvserve.cpu_kernels import int4_matmul_op
-from kvserve.model_executor.layers.layernorm import PendingNorm
-from kvserve.quantization.base import QuantizationMethod, QuantizedLinear, lm_head_as_linear
+from kvserve.quantization.base import KernelWeight, QuantizationMethod, QuantizedLinear, lm_head_as_linear
 from kvserve.quantization.int8 import add_int8_lm_head
 
 logger = logging.getLogger(__name__)
@@ -191,38 +190,18 @@ class Int4Linear(QuantizedLinear):
         """The plain layout's weight as [N, K / 2] bytes, two nibbles each."""
         return self.qweight.view(self.out_features, self.in_features // 2)
 
-    def _triton_matmul(self, x: torch.Tensor, pending: PendingNorm | None = None) -> torch.Tensor | None:
-        if not self.gpu_kernel_applies(x) or self.in_features % 2:
+    def kernel_weight(self, device: torch.device) -> KernelWeight | None:
+        if self.in_features % 2:
+            return None
+        return KernelWeight(self._nibble_pairs(), self.scale, self.minimum, self.group_size, four_bit=True)
+
+    def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        weight = self.kernel_weight(x.device)
+        if weight is None or not self.gpu_kernel_applies(x):
             return None
         from kvserve.quantization.weight_only import weight_only_matmul
 
-        return weight_only_matmul(x, self._nibble_pairs(), self.scale, self.minimum, self.group_size, four_bit=True,
-                                  pending=pending)
-
-    def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
-        return self._triton_matmul(x)
-
-    def pending_matmul(self, x: PendingNorm) -> torch.Tensor | None:
-        return self._triton_matmul(x.rows, x)
-
-    def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool:
-        if not self.qweight.is_cuda or not self.gpu_kernel_takes(rows, dtype) or self.in_features % 2:
-            return False
-        from kvserve.quantization.weight_only.matmul import folds_pending_norm
-
-        return folds_pending_norm(rows, dtype, self.qweight.device, self._nibble_pairs(), self.scale,
-                                  self.group_size, four_bit=True)
-
-    def add_norm_matmul(
-        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-    ) -> PendingNorm | None:
-        if not x.is_cuda or not self.gpu_kernel_applies(x) or self.in_features % 2 or self.bias is not None:
-            return None
-        from kvserve.quantization.weight_only.matmul import AddNorm, weight_only_matmul_add_norm
-
-        fused = weight_only_matmul_add_norm(x, self._nibble_pairs(), self.scale, self.minimum, self.group_size,
-                                            AddNorm(residual, norm_weight), four_bit=True)
-        return None if fused is None else PendingNorm(*fused, eps)
+        return weight_only_matmul(x, *weight[:4], four_bit=True)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
