@@ -37,12 +37,17 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """`argmax` [S], where given: each row's argmax of the raw logits, already computed
+    (inside a decode step's CUDA graph); the greedy rows take it unless a logit bias,
+    min_tokens or a penalty changes their logits."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 argmax: torch.Tensor | None = None) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         raw_logits = logits
-        token_ids = self.sample_ids(logits, rows)
+        token_ids = self.sample_ids(logits, rows, argmax)
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not logprob_rows:
             return SamplerOutput(token_ids.tolist(), [None] * len(rows))
@@ -56,10 +61,12 @@ class Sampler:
         return SamplerOutput(ids, logprobs)
 
     @staticmethod
-    def sample_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def sample_ids(logits: torch.Tensor, rows: list[SamplingRow],
+                   argmax: torch.Tensor | None = None) -> torch.Tensor:
         """The sampled ids [S], left on the logits' device; on a GPU nothing here waits for
         the device, so the host can go on while the step runs (overlapped scheduling)."""
-        return _sample(_apply_request_transforms(logits, rows), rows)
+        transformed = _apply_request_transforms(logits, rows)
+        return _sample(transformed, rows, argmax if transformed is logits else None)
 
 
 def final_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -239,10 +246,11 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     return logits
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _sample(logits: torch.Tensor, rows: list[SamplingRow], argmax: torch.Tensor | None) -> torch.Tensor:
+    """argmax: row_argmax(logits) if already computed."""
     greedy = [row.params.is_greedy for row in rows]
     if all(greedy):
-        return row_argmax(logits)
+        return argmax if argmax is not None else row_argmax(logits)
     device = logits.device
     if any(not g and row.params.temperature != 1.0 for g, row in zip(greedy, rows)):
         # Greedy rows divide by 1: their sample is discarded for the argmax below.
@@ -259,7 +267,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     sampled = row_argmax(probs.div_(_exponential_noise(probs, rows, greedy)))
     if any(greedy):
         is_greedy = to_device_async(greedy, torch.bool, device)
-        sampled = torch.where(is_greedy, row_argmax(logits), sampled)
+        sampled = torch.where(is_greedy, argmax if argmax is not None else row_argmax(logits), sampled)
     return sampled
 
 
