@@ -10,10 +10,6 @@ from kvserve.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
-    # Whether rotating inside forward (`rotary`) saves work, i.e. is fused with the cache
-    # write; if not, the model rotates q and k itself (in one launch for both).
-    fuses_rotary: bool
-
     def forward(
         self,
         query: torch.Tensor,  # [T, H, D]
@@ -23,10 +19,8 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) [T, D / 2] fp32
     ) -> torch.Tensor:  # [T, H, D]
         """Write this step's key/value at metadata.slot_mapping, then attend causally
         over each sequence's whole context read from the paged cache. A float8 cache
-        stores key / kv_scales[0] and value / kv_scales[1], saturated to its range.
-        Given rotary, query and key are first rotated by it (RoPE, as apply_rotary)."""
+        stores key / kv_scales[0] and value / kv_scales[1], saturated to its range."""
         ...

@@ -24,9 +24,7 @@ class TritonAttentionBackend:
     whole varlen batch: decode-only batches get a decode tile and, when few sequences
     would leave the chip idle, a split-KV (flash-decoding) pass (choose_decode_plan); other
     batches a prefill tile. No host sync: every launch size comes from the metadata's host
-    fields. Given `rotary`, it applies RoPE to the queries and keys in the cache-write kernel."""
-
-    fuses_rotary = True
+    fields."""
 
     def __init__(self, num_kv_splits: int | None = None) -> None:
         # None: chosen per decode batch; a number pins it (tests; CUDA graphs need one
@@ -49,13 +47,12 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if metadata.tree_masks:
             raise NotImplementedError(
                 "token-tree attention masks are implemented in the 'torch' attention backend only"
             )
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales, query, rotary)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         if query.stride(-1) != 1:
             query = query.contiguous()
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)

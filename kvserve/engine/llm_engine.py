@@ -340,10 +340,8 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         rows, row_seqs, logit_rows = self._sampling_rows(plain_seqs)
         if rows:
-            picked = [plain_rows[i] for i in logit_rows]
-            logits = step_logits.sample_logits[picked]
-            argmax = None if step_logits.argmax is None else step_logits.argmax[picked]
-            out = self.sampler(logits, rows, argmax)
+            logits = step_logits.sample_logits[[plain_rows[i] for i in logit_rows]]
+            out = self.sampler(logits, rows)
             token_time = time.time()
             for seq, token_id, logprobs in zip(row_seqs, out.token_ids, out.logprobs):
                 self._append_token(seq, token_id, logprobs)
@@ -382,8 +380,7 @@ class LLMEngine:
         for seq in seqs:
             seq.num_computed_tokens += 1
         rows, _, _ = self._sampling_rows(seqs)
-        return InflightStep.start(seqs, self.sampler.sample_ids(step_logits.sample_logits, rows,
-                                                                step_logits.argmax))
+        return InflightStep.start(seqs, self.sampler.sample_ids(step_logits.sample_logits, rows))
 
     def _launch_ahead(self, inflight: InflightStep) -> InflightStep | None:
         """The next decode step of the in-flight step's sequences, fed its sampled ids on
@@ -413,13 +410,12 @@ class LLMEngine:
         token_ids = inflight.token_ids
         if len(rows) < len(inflight.seqs):
             token_ids = token_ids[to_device_async(rows, torch.long, token_ids.device)]
-        step_logits = self.runner.execute_ahead(seqs, self._block_tables(seqs), copies, token_ids)
+        logits = self.runner.execute_ahead(seqs, self._block_tables(seqs), copies, token_ids)
         for seq in seqs:
             seq.num_computed_tokens += 1
         self.num_steps_ahead += 1
         sampling_rows, _, _ = self._sampling_rows(seqs)
-        return InflightStep.start(seqs, self.sampler.sample_ids(step_logits.sample_logits, sampling_rows,
-                                                                step_logits.argmax))
+        return InflightStep.start(seqs, self.sampler.sample_ids(logits, sampling_rows))
 
     def _ends_at_inflight_token(self, seq: Sequence) -> bool:
         """Whether the token in flight is certainly the sequence's last (length limits)."""

@@ -11,12 +11,6 @@ graph: one graph per (batch bucket, plan), captured on first use, the split coun
 down to a power of two so that few variants exist. The short-context plans of the
 smallest buckets are captured ahead, with the unsplit graphs.
 
-Between two replays the GPU runs only small operations, each paying a gap of a few
-microseconds, so a step keeps them few: the graph ends with the rows' argmax (the greedy
-sample), written over its own input ids, where the next decode step of the same batch
-reads them; positions, KV slots and sequence lengths travel in one host-to-device copy;
-the block tables are copied only when they changed.
-
 A verify step feeds each sequence its newest token plus up to k drafts: the same shape
 with a query width q = 1 + k per sequence. A sequence with fewer drafts is padded at the
 end of its row group (padding tokens come after its real ones, so causal attention keeps
@@ -29,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from typing import NamedTuple
 
 import torch
 
@@ -40,7 +33,6 @@ from kvserve.attention.triton_kernels.paged_attention import (
     DecodePlan,
     choose_decode_plan,
 )
-from kvserve.sample.argmax import row_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +52,6 @@ class DecodeGraph:
     def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
         self.graph = graph
         self.logits = logits  # [bucket * width, vocab] fp32, rewritten by every replay
-
-
-class GraphStep(NamedTuple):
-    """A replay's results, valid until the next run."""
-
-    logits: torch.Tensor  # [sum of query lengths, vocab] fp32
-    argmax: torch.Tensor  # [sum of query lengths] int64: each row's argmax, computed in the graph
 
 
 class CudaGraphRunner:
@@ -98,12 +83,9 @@ class CudaGraphRunner:
         self.last_key: tuple[int, int, DecodePlan] | None = None  # the graph the last run replayed
         self.pool = torch.cuda.graph_pool_handle()
         n = self.max_batch
-        # Persistent inputs, one flat int64 buffer copied in one go: rows of token ids,
-        # positions and KV slots, then the int32 sequence lengths.
-        self.num_slots = n * max_width
-        self.inputs = torch.zeros(3 * self.num_slots + -(-n // 2), dtype=torch.long, device=device)
-        self.token_inputs, self.seq_lens = self._input_views(self.inputs, n)
-        self.seq_lens.fill_(1)
+        # Persistent inputs. int64 rows: token ids, positions, KV slots, copied in one go.
+        self.token_inputs = torch.zeros(3, n * max_width, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         # Padding tokens of a verify row group sit past the sequence's last block: the
         # extra columns keep their (unused) block lookups inside the table.
         extra_blocks = -(-max_width // block_size)
@@ -115,16 +97,14 @@ class CudaGraphRunner:
             width: torch.arange(0, n * width + 1, width, dtype=torch.int32, device=device)
             for width in range(1, max_width + 1)
         }
-        # Host staging, two buffers used in turn: with overlapped scheduling the next step's
+        # Host staging, two sets used in turn: with overlapped scheduling the next step's
         # inputs are written while the copy of this step's may still wait in the stream.
-        self.stagings = [torch.zeros_like(self.inputs, device="cpu").pin_memory() for _ in range(2)]
+        self.stagings = [
+            (torch.zeros(3, n * max_width, dtype=torch.long, pin_memory=True),
+             torch.ones(n, dtype=torch.int32, pin_memory=True))
+            for _ in range(2)
+        ]
         self.num_runs = 0
-        # The block tables last copied (width, flat rows): skipped while they are unchanged.
-        self.tables_on_device: tuple[int, array] | None = None
-
-    def _input_views(self, flat: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token ids / positions / KV slots [3, num_slots] int64, sequence lengths [n] int32)."""
-        return flat[: 3 * self.num_slots].view(3, self.num_slots), flat[3 * self.num_slots:].view(torch.int32)[:n]
 
     def can_run(self, batch_size: int, width: int = 1) -> bool:
         return batch_size <= self.max_batch and width <= self.max_width
@@ -154,14 +134,11 @@ class CudaGraphRunner:
         return plan._replace(num_kv_splits=_power_of_two_floor(plan.num_kv_splits))
 
     def _forward(self, bucket: int, width: int, plan: DecodePlan) -> torch.Tensor:
-        """The step's logits; each row's argmax overwrites the ids the step read."""
         num_tokens = bucket * width
         ids, positions = self.token_inputs[0, :num_tokens], self.token_inputs[1, :num_tokens]
         metadata = self._metadata(bucket, width, width, plan)
         hidden = self.model(ids, positions, self.kv_caches, metadata)
-        logits = self.model.compute_logits(hidden)
-        row_argmax(logits, out=ids)
-        return logits
+        return self.model.compute_logits(hidden)
 
     def _capture(self, bucket: int, width: int, plan: DecodePlan) -> DecodeGraph:
         # Padding sequences, as replays will see them: no KV write, `width` visible keys.
@@ -212,13 +189,12 @@ class CudaGraphRunner:
         start_positions: list[int],
         block_tables: list[list[int]],
         device_token_ids: torch.Tensor | None = None,
-    ) -> GraphStep:
-        """Logits [sum of query lengths, vocab] fp32 of B sequences and their rows' argmax:
-        sequence i feeds query_tokens[i] (its newest token, then any drafts) from
-        start_positions[i] on; its rows are consecutive, in batch order. Valid until the
-        next run. `device_token_ids` [B]: one query token per sequence, still on the device
-        (sampled by a step the host has not read yet; the last run's argmax itself is not
-        copied); query_tokens then only give the width."""
+    ) -> torch.Tensor:
+        """Logits [sum of query lengths, vocab] fp32 of B sequences: sequence i feeds
+        query_tokens[i] (its newest token, then any drafts) from start_positions[i] on;
+        its rows are consecutive, in batch order. Valid until the next run.
+        `device_token_ids` [B]: one query token per sequence, still on the device (sampled
+        by a step the host has not read yet); query_tokens then only give the width."""
         batch = len(query_tokens)
         bucket = self.bucket_for(batch)
         lengths = [len(tokens) for tokens in query_tokens]
@@ -235,45 +211,19 @@ class CudaGraphRunner:
                       for p in range(start, start + len(tokens))]
             slots += [-1] * pad
         num_tokens = bucket * width
-        if device_token_ids is not None and width != 1:
-            raise ValueError("device token ids are for decode steps (one token each)")
-        max_seq_len = max(start_positions) + width
-        key = (bucket, width, self._plan(bucket, width, max_seq_len))
-        graph = self.graphs.get(key)
-        if graph is None:
-            # Capturing overwrites the persistent inputs (the last argmax too): copy after.
-            if device_token_ids is not None:
-                device_token_ids = device_token_ids.clone()
-            graph = self.graphs[key] = self._capture(*key)
-
-        staging = self.stagings[self.num_runs % 2]
+        staging, staging_lens = self.stagings[self.num_runs % 2]
         self.num_runs += 1
-        staging_inputs, staging_lens = self._input_views(staging, self.max_batch)
-        staging_inputs[:, :num_tokens] = 0
-        staging_inputs[2, :num_tokens] = -1
-        staging_inputs[:, : batch * width] = torch.tensor([ids, positions, slots], dtype=torch.long)
+        staging[:, :num_tokens] = 0
+        staging[2, :num_tokens] = -1
+        staging[:, : batch * width] = torch.tensor([ids, positions, slots], dtype=torch.long)
         staging_lens[:bucket] = width
         staging_lens[:batch] = torch.tensor(start_positions, dtype=torch.int32) + width
-        # The last run's argmax already sits where this step reads its ids: leave them.
-        ids_in_place = (device_token_ids is not None and device_token_ids.data_ptr() == self.inputs.data_ptr()
-                        and device_token_ids.stride(0) == 1)
-        first = self.num_slots if ids_in_place else 0
-        self.inputs[first:].copy_(staging[first:], non_blocking=True)
-        if device_token_ids is not None and not ids_in_place:
+        self.token_inputs[:, :num_tokens].copy_(staging[:, :num_tokens], non_blocking=True)
+        if device_token_ids is not None:
+            if width != 1:
+                raise ValueError("device token ids are for decode steps (one token each)")
             self.token_inputs[0, :batch].copy_(device_token_ids)
-        self._copy_block_tables(block_tables)
-
-        graph.graph.replay()
-        self.num_replays += 1
-        self.last_key = key
-        logits, argmax = graph.logits[:num_tokens], self.token_inputs[0, :num_tokens]
-        if all(length == width for length in lengths):
-            return GraphStep(logits[: batch * width], argmax[: batch * width])
-        rows = torch.tensor([i * width + j for i, length in enumerate(lengths) for j in range(length)],
-                            device=self.device)
-        return GraphStep(logits[rows], argmax[rows])
-
-    def _copy_block_tables(self, block_tables: list[list[int]]) -> None:
+        self.seq_lens[:bucket].copy_(staging_lens[:bucket], non_blocking=True)
         table_width = max(len(table) for table in block_tables)
         # One flat int32 array built in C is several times faster than a nested torch.tensor.
         flat = array("i")
@@ -281,22 +231,29 @@ class CudaGraphRunner:
         for table in block_tables:
             flat.extend(table)
             flat.extend(padding[: table_width - len(table)])
-        if self.tables_on_device == (table_width, flat):
-            return  # a decode step's tables change once a block fills (every 16 tokens)
-        self.tables_on_device = (table_width, flat)
-        tables = torch.frombuffer(flat, dtype=torch.int32).view(len(block_tables), table_width)
-        self.block_tables[: len(block_tables), :table_width].copy_(tables.pin_memory(), non_blocking=True)
+        tables = torch.frombuffer(flat, dtype=torch.int32).view(batch, table_width)
+        self.block_tables[:batch, :table_width].copy_(tables.pin_memory(), non_blocking=True)
+
+        max_seq_len = max(start_positions) + width
+        key = (bucket, width, self._plan(bucket, width, max_seq_len))
+        graph = self.graphs.get(key)
+        if graph is None:
+            # Capturing overwrites the persistent inputs with padding: redo the copies after.
+            graph = self.graphs[key] = self._capture(*key)
+            return self.run(query_tokens, start_positions, block_tables, device_token_ids)
+        graph.graph.replay()
+        self.num_replays += 1
+        self.last_key = key
+        if all(length == width for length in lengths):
+            return graph.logits[: batch * width]
+        rows = [i * width + j for i, length in enumerate(lengths) for j in range(length)]
+        return graph.logits[torch.tensor(rows, device=self.device)]
 
     @torch.inference_mode()
     def replay_last_ms(self, repeats: int = 50) -> float:
-        """Device time of the graph the last run replayed, replayed back to back: the same
-        work, but each replay feeds the argmax of the one before and rewrites the run's KV
-        slots with it, so this is for measuring after a run, not in the middle of one. The
-        run's argmax is put back after."""
-        argmax = self.token_inputs[0].clone()
-        elapsed = _replay_time_ms(self.graphs[self.last_key].graph, repeats)
-        self.token_inputs[0].copy_(argmax)
-        return elapsed
+        """Device time of the graph the last run replayed, on the same inputs (it rewrites
+        the same KV slots with the same values), replayed back to back."""
+        return _replay_time_ms(self.graphs[self.last_key].graph, repeats)
 
 
 def _replay_time_ms(graph: torch.cuda.CUDAGraph, repeats: int) -> float:

@@ -46,8 +46,6 @@ class StepLogits:
     # (sequence, [P, V] logits, index of the first prompt token they predict): prompt
     # positions of this chunk, for requests that asked for prompt logprobs.
     prompt_logits: list[tuple[Sequence, torch.Tensor, int]]
-    # [R] int64: each row's argmax, where a CUDA graph computed it along (the greedy sample).
-    argmax: torch.Tensor | None = None
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -361,12 +359,12 @@ class ModelRunner:
         seqs = sched.scheduled_seqs
         num_rows = [sched.num_scheduled_tokens[seq.seq_id] for seq in seqs]
         self._copy_blocks(sched.block_copies)
-        logits, argmax = self.cuda_graphs.run(
+        logits = self.cuda_graphs.run(
             [[seq.all_token_ids[-1], *seq.spec_token_ids[: n - 1]] for seq, n in zip(seqs, num_rows)],
             [seq.num_computed_tokens for seq in seqs],
             [block_tables[seq.seq_id] for seq in seqs],
         )
-        return StepLogits(logits, list(seqs), num_rows, [], argmax)
+        return StepLogits(logits, list(seqs), num_rows, [])
 
     @torch.inference_mode()
     def execute_ahead(
@@ -375,22 +373,21 @@ class ModelRunner:
         block_tables: dict[str, list[int]],
         block_copies: list[tuple[int, int]],
         token_ids: torch.Tensor,
-    ) -> StepLogits:
+    ) -> torch.Tensor:
         """A decode step launched before the host has read its input tokens: sequence i
         feeds token_ids[i] (on the device, sampled by the step still in flight) at position
-        seq.num_computed_tokens, and samples one row."""
+        seq.num_computed_tokens. Returns next-token logits [B, V] fp32."""
         positions = [seq.num_computed_tokens for seq in seqs]
         tables = [block_tables[seq.seq_id] for seq in seqs]
         self._copy_blocks(block_copies)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(len(seqs)):
-            logits, argmax = self.cuda_graphs.run([[0]] * len(seqs), positions, tables, token_ids)
-            return StepLogits(logits, seqs, [1] * len(seqs), [], argmax)
+            return self.cuda_graphs.run([[0]] * len(seqs), positions, tables, token_ids)
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         metadata = self._metadata(
             positions_t, list(range(len(seqs) + 1)), [p + 1 for p in positions], tables
         )
         hidden = self.model(token_ids, positions_t, self.kv_caches, metadata)
-        return StepLogits(self.model.compute_logits(hidden), seqs, [1] * len(seqs), [])
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:

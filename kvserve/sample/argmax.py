@@ -34,24 +34,21 @@ def _pick_chunk_kernel(max_ptr, index_ptr, out_ptr, num_chunks, CHUNKS: tl.const
     tl.store(out_ptr + row, tl.load(index_ptr + row * num_chunks + best).to(tl.int64))
 
 
-def row_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [rows, vocab] -> int64 [rows], the index of each row's maximum (torch.argmax's
-    result), written into `out` if given; Triton kernels on CUDA, torch elsewhere."""
+    result); Triton kernels on CUDA, torch elsewhere."""
     if not logits.is_cuda or logits.dim() != 2 or logits.stride(-1) != 1 or logits.numel() == 0:
-        return torch.argmax(logits, dim=-1, out=out)
-    return triton_argmax(logits, out)
+        return logits.argmax(dim=-1)
+    return triton_argmax(logits)
 
 
-def triton_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def triton_argmax(logits: torch.Tensor) -> torch.Tensor:
     """row_argmax's kernels, on any device Triton runs on (the interpreter included)."""
     rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, CHUNK)
     maxima = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
     indices = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
-    if out is None:
-        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    elif out.shape != (rows,) or out.dtype != torch.int64 or out.stride(0) != 1:
-        raise ValueError(f"out must be contiguous int64 [{rows}], got {out.dtype} {tuple(out.shape)}")
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     _chunk_argmax_kernel[(rows, num_chunks)](logits, maxima, indices, vocab, logits.stride(0), num_chunks,
                                              CHUNK=CHUNK, num_warps=8)
     _pick_chunk_kernel[(rows,)](maxima, indices, out, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks),

@@ -37,17 +37,12 @@ class SamplerOutput:
 
 
 class Sampler:
-    """`argmax` [S], where given: each row's argmax of the raw logits, already computed
-    (inside a decode step's CUDA graph); the greedy rows take it unless a logit bias,
-    min_tokens or a penalty changes their logits."""
-
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 argmax: torch.Tensor | None = None) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         raw_logits = logits
-        token_ids = self.sample_ids(logits, rows, argmax)
+        token_ids = self.sample_ids(logits, rows)
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not logprob_rows:
             return SamplerOutput(token_ids.tolist(), [None] * len(rows))
@@ -61,12 +56,10 @@ class Sampler:
         return SamplerOutput(ids, logprobs)
 
     @staticmethod
-    def sample_ids(logits: torch.Tensor, rows: list[SamplingRow],
-                   argmax: torch.Tensor | None = None) -> torch.Tensor:
+    def sample_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The sampled ids [S], left on the logits' device; on a GPU nothing here waits for
         the device, so the host can go on while the step runs (overlapped scheduling)."""
-        transformed = _apply_request_transforms(logits, rows)
-        return _sample(transformed, rows, argmax if transformed is logits else None)
+        return _sample(_apply_request_transforms(logits, rows), rows)
 
 
 def final_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -246,11 +239,10 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     return logits
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow], argmax: torch.Tensor | None) -> torch.Tensor:
-    """argmax: row_argmax(logits) if already computed."""
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     greedy = [row.params.is_greedy for row in rows]
     if all(greedy):
-        return argmax if argmax is not None else row_argmax(logits)
+        return row_argmax(logits)
     device = logits.device
     if any(not g and row.params.temperature != 1.0 for g, row in zip(greedy, rows)):
         # Greedy rows divide by 1: their sample is discarded for the argmax below.
@@ -267,7 +259,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], argmax: torch.Tensor 
     sampled = row_argmax(probs.div_(_exponential_noise(probs, rows, greedy)))
     if any(greedy):
         is_greedy = to_device_async(greedy, torch.bool, device)
-        sampled = torch.where(is_greedy, argmax if argmax is not None else row_argmax(logits), sampled)
+        sampled = torch.where(is_greedy, row_argmax(logits), sampled)
     return sampled
 
 

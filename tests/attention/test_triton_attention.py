@@ -32,7 +32,6 @@ class Case:
     block_size: int = 16
     num_kv_splits: int | None = None  # None: the backend's own choice
     cache_dtype: torch.dtype | None = None  # None: the query's; float8 caches store K/V / KV_SCALES
-    rotary: bool = False  # hand q and k over unrotated with (cos, sin): the fused RoPE + write
 
     @property
     def id(self) -> str:
@@ -41,7 +40,7 @@ class Case:
         cache = "" if self.cache_dtype is None else "-cache_" + str(self.cache_dtype).removeprefix("torch.")
         return (
             f"{self.scenario}-{dtype}-d{self.head_dim}-h{self.num_heads}kv{self.num_kv_heads}"
-            f"-bs{self.block_size}{splits}{cache}{'-rotary' if self.rotary else ''}"
+            f"-bs{self.block_size}{splits}{cache}"
         )
 
 
@@ -95,22 +94,6 @@ def make_batch(case: Case, device: str, seed: int = 0):
     return query.to(**to), torch.cat(keys).to(**to), torch.cat(values).to(**to), kv_cache.to(device), metadata
 
 
-def rope_cos_sin(metadata: AttentionMetadata, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, head_dim / 2] fp32 cos and sin at each new token's context position."""
-    positions = torch.cat([torch.arange(length - (end - start), length) for length, start, end in zip(
-        metadata.seq_lens_cpu, metadata.query_start_loc_cpu, metadata.query_start_loc_cpu[1:])])
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    return freqs.cos(), freqs.sin()
-
-
-def torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rotary's torch path (on CPU, where it does not dispatch to Triton)."""
-    from kvserve.model_executor.layers.rotary import apply_rotary
-
-    return apply_rotary(x.cpu(), cos, sin).to(x.device)
-
-
 def check_case(case: Case, device: str) -> None:
     from kvserve.attention.triton_backend import TritonAttentionBackend
 
@@ -118,42 +101,23 @@ def check_case(case: Case, device: str) -> None:
     scale = case.head_dim**-0.5
     float8 = case.cache_dtype is not None
     kv_scales = KV_SCALES if float8 else (1.0, 1.0)
-    rotary, ref_query, ref_key = None, query, key
-    if case.rotary:
-        cos, sin = rope_cos_sin(metadata, case.head_dim)
-        rotary = (cos.to(device), sin.to(device))
-        # The reference gets q and k rotated by the torch path, in the run dtype.
-        ref_query, ref_key = torch_rotary(query, cos, sin), torch_rotary(key, cos, sin)
     # A float8 reference cache stays float8 (the reference writes and reads it scaled).
     ref_cache = kv_cache.clone() if float8 else kv_cache.float()
     expected = TorchReferenceBackend().forward(
-        ref_query.float(), ref_key.float(), value.float(), ref_cache, metadata, scale, kv_scales=kv_scales
+        query.float(), key.float(), value.float(), ref_cache, metadata, scale, kv_scales=kv_scales
     )
     out = TritonAttentionBackend(case.num_kv_splits).forward(
-        query, key, value, kv_cache, metadata, scale, kv_scales=kv_scales, rotary=rotary
+        query, key, value, kv_cache, metadata, scale, kv_scales=kv_scales
     )
     assert out.shape == query.shape and out.dtype == query.dtype
     assert torch.isfinite(out).all(), "non-finite output"
     error = ((out.float() - expected).norm(dim=(1, 2)) / expected.norm(dim=(1, 2))).max().item()
     assert error <= TOLERANCE[case.dtype], f"relative error {error:.2e}"
-    # The cache equals the reference's: new slots written, every other slot untouched. The
-    # fused RoPE may differ from the torch path's by an ulp or two of the tensor's scale on a
-    # GPU (as the rotary kernel does, tests/model_executor/test_triton_ops.py).
+    # The cache equals the reference's: new slots written, every other slot untouched.
     if float8:
         assert torch.equal(kv_cache.view(torch.uint8), ref_cache.view(torch.uint8)), "KV cache differs"
-    elif case.rotary:
-        ulps = 2 * torch.finfo(case.dtype).eps
-        torch.testing.assert_close(kv_cache.float(), ref_cache, rtol=0, atol=ulps * ref_cache.abs().max().item())
-        written = torch.zeros(kv_cache[0].numel() // kv_cache.shape[-1] // kv_cache.shape[-2], dtype=torch.bool,
-                              device=device)
-        written[metadata.slot_mapping] = True
-        got, ref = (c.view(2, -1, *c.shape[-2:])[:, ~written] for c in (kv_cache.float(), ref_cache))
-        assert torch.equal(got, ref), "a slot outside the step's was written"
     else:
         assert torch.equal(kv_cache.float(), ref_cache), "KV cache differs from the reference's"
-    if case.rotary:  # the queries were rotated in place
-        torch.testing.assert_close(query.float(), ref_query.float(), rtol=0,
-                                   atol=2 * torch.finfo(case.dtype).eps * ref_query.abs().max().item())
 
 
 # -- small cases for the interpreter --------------------------------------------------------
@@ -188,11 +152,6 @@ SMALL_CASES = [
     Case("mixed", SMALL_SCENARIOS["mixed"], 8, 2, 64, torch.bfloat16, cache_dtype=torch.float8_e5m2),
     Case("prefill_prefix", SMALL_SCENARIOS["prefill_prefix"], 8, 2, 64, torch.float16,
          cache_dtype=torch.float8_e4m3fn),
-    # RoPE fused into the cache write: every dtype, GQA with padded head counts, float8.
-    *(Case("mixed", SMALL_SCENARIOS["mixed"], h, kvh, 64, dtype, rotary=True)
-      for dtype in (torch.float32, torch.float16, torch.bfloat16) for h, kvh in ((8, 2), (7, 1))),
-    Case("decode", SMALL_SCENARIOS["decode"], 6, 3, 32, torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
-         rotary=True),
 ]
 
 
@@ -266,10 +225,6 @@ GPU_CASES = [
     for scenario, (seqs, block_size, splits) in GPU_SCENARIOS.items()
     for dtype, cache_dtype in ((torch.bfloat16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2),
                                (torch.float16, torch.float8_e4m3fn))
-] + [
-    Case(scenario, seqs, h, kvh, dim, dtype, block_size, splits, rotary=True)
-    for scenario, (seqs, block_size, splits) in GPU_SCENARIOS.items()
-    for dtype, dim, (h, kvh) in ((torch.bfloat16, 128, (32, 8)), (torch.float16, 64, (28, 4)))
 ]
 
 

@@ -120,28 +120,6 @@ def test_greedy_is_argmax_after_processing(params: SamplingParams) -> None:
     assert out.token_ids[1] == expected
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, repetition_penalty=2.0),
-    SamplingParams(temperature=0, logit_bias={6: 4.0}),
-    SamplingParams(temperature=0, min_tokens=10, logit_bias={9: 5.0}),
-])
-def test_precomputed_argmax_is_taken_only_for_unchanged_logits(params: SamplingParams) -> None:
-    """A CUDA graph hands the sampler its rows' argmax of the raw logits. The marker 7 is no
-    row's argmax: greedy rows over unchanged logits return it as is (no second argmax), and
-    any transform of the logits discards it for the argmax after processing."""
-    marker = torch.tensor([7, 7])
-    logits = torch.tensor([LOGITS, LOGITS])
-    sampler = Sampler()
-    plain = [make_row(SamplingParams(temperature=0))] * 2
-    assert sampler(logits, plain, marker).token_ids == [7, 7]
-    mixed = [make_row(SamplingParams(temperature=1.0)), make_row(SamplingParams(temperature=0))]
-    assert sampler(logits, mixed, marker).token_ids[1] == 7
-    expected = reference_probs(LOGITS, params, PROMPT, OUTPUT, EOS).index(1.0)
-    assert expected != 7
-    transformed = [make_row(SamplingParams(temperature=0)), make_row(params)]
-    assert sampler(logits, transformed, marker).token_ids[1] == expected
-
-
 def test_greedy_penalty_changes_choice() -> None:
     params = SamplingParams(temperature=0, repetition_penalty=2.0)
     out = Sampler()(torch.tensor([LOGITS]), [make_row(params, output=[], prompt=[0])])

@@ -60,47 +60,26 @@ def add_rms_norm(
 
 
 @triton.jit
-def load_cos_sin(cos_ptr, sin_ptr, token, stride_cs, dims, dtype: tl.constexpr):
-    """One token's cos and sin [1, HALF], cast to the run dtype as the torch path does."""
-    cos = tl.load(cos_ptr + token * stride_cs + dims).to(dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + token * stride_cs + dims).to(dtype).to(tl.float32)
-    return cos, sin
-
-
-@triton.jit
-def rotate_half(x1, x2, cos, sin, dtype: tl.constexpr):
-    """RoPE of the halves (x1, x2) of heads, every product rounded to the run dtype as in
-    the torch path; returns the rotated halves in the run dtype."""
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
-    return out1.to(dtype), out2.to(dtype)
-
-
-@triton.jit
-def rotate_heads_(x_ptr, token, num_heads, stride_t, stride_h, cos, sin, dims,
-                  HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
-    """Rotate one token's heads of x in place."""
-    heads = tl.arange(0, HEADS_PAD)[:, None]
-    mask = heads < num_heads
-    first = x_ptr + token * stride_t + heads * stride_h + dims
-    out1, out2 = rotate_half(tl.load(first, mask=mask, other=0.0), tl.load(first + HALF, mask=mask, other=0.0),
-                             cos, sin, x_ptr.dtype.element_ty)
-    tl.store(first, out1, mask=mask)
-    tl.store(first + HALF, out2, mask=mask)
-
-
-@triton.jit
 def _rotary_kernel(
     x_ptr, cos_ptr, sin_ptr, num_heads, stride_t, stride_h, stride_cs,
     HALF: tl.constexpr, HEADS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     dependent_launch.chained(PDL)
     token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF)[None, :]
-    cos, sin = load_cos_sin(cos_ptr, sin_ptr, token, stride_cs, dims, x_ptr.dtype.element_ty)
-    rotate_heads_(x_ptr, token, num_heads, stride_t, stride_h, cos, sin, dims, HALF, HEADS_PAD)
+    mask = heads < num_heads
+    dtype = x_ptr.dtype.element_ty
+    # cos/sin are cast to the run dtype and every product rounded, as in the torch path.
+    cos = tl.load(cos_ptr + token * stride_cs + dims).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_cs + dims).to(dtype).to(tl.float32)
+    first = x_ptr + token * stride_t + heads * stride_h + dims
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(first, out1.to(dtype), mask=mask)
+    tl.store(first + HALF, out2.to(dtype), mask=mask)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

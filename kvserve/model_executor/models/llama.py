@@ -56,17 +56,12 @@ class LlamaAttention(nn.Module):
         num_tokens = q_and_k.shape[0]
         heads = q_and_k.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        rotary = None
         if self.qk_norm:
             q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
             q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if kv_cache.dtype in FLOAT8_DTYPES:
                 q, k = rotate_queries_and_keys(q, k)
-        elif self.attn_backend.fuses_rotary and kv_cache.dtype not in FLOAT8_DTYPES:
-            # The backend rotates q and k in its cache-write kernel: one launch fewer.
-            q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
-            rotary = (cos, sin)
         else:
             # q and k are adjacent heads of the fused projection: one rotary launch (and one
             # basis change for a float8 cache) covers both.
@@ -75,7 +70,7 @@ class LlamaAttention(nn.Module):
                 heads = to_key_basis(heads)
             q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn_backend.forward(
-            q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales, rotary
+            q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales
         )
         return out.reshape(num_tokens, self.q_size)
 
