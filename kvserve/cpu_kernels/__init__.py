@@ -1,7 +1,8 @@
 """kvserve's own CPU kernels (C++ in csrc/), built on first use for the CPU at hand, for the
 few rows of a decode step:
 
-* `int8_matmul`: y = x @ (q * scale)^T with fp32 activations. torch's `_weight_int8pack_mm`
+* `int8_matmul`: y = x @ (q * scale)^T with fp32 activations, one scale an output channel
+  or one a group of columns (a multiple of 16: GGUF's Q8_0 grid). torch's `_weight_int8pack_mm`
   wants bf16 activations (a cast in and one out per call) and streams the weight at well
   under the memory bandwidth; BENCHMARKS.md ("CPU: an int8 kernel of our own") has the
   measurements that made this worth its build.

@@ -62,13 +62,19 @@ class Int8Linear(QuantizedLinear):
         return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
 
 
+# The widest scale group kvserve's int8 CPU kernel sums in int32 before it scales (its
+# kFlushColumns: 255 vectors of 16 products).
+OWN_KERNEL_MAX_GROUP = 255 * 16
+
+
 class GroupInt8Linear(QuantizedLinear):
     """int8 q with an fp32 scale (and optional offset) per group of `group_size` input
     elements: w = q * scale + offset. Holds grids that per-channel int8 cannot express
-    exactly (GGUF Q8_0/Q5_K/Q6_K, 8-bit GPTQ). torch's int8 CPU kernel takes one scale per
-    output channel, so only whole-row groups use it; finer groups dequantize per call: on
-    2 CPU cores no loop-free grouped form (a batched bmm over groups, or the per-channel
-    kernel on group-masked activations) beat that or fp32 (see the GGUF notes in
+    exactly (GGUF Q8_0/Q5_K/Q6_K, 8-bit GPTQ). On CPU, decode rows of symmetric groups of a
+    multiple of 16 columns run kvserve's int8 kernel with group scales; whole-row groups with
+    offsets torch's int8 kernel (one scale an output channel); other grids dequantize per
+    call: on 2 CPU cores no loop-free grouped torch form (a batched bmm over groups, or the
+    per-channel kernel on group-masked activations) beat that or fp32 (see the GGUF notes in
     BENCHMARKS.md)."""
 
     def __init__(
@@ -86,6 +92,11 @@ class GroupInt8Linear(QuantizedLinear):
         self.has_kernel = group_size == self.in_features and self.in_features % 16 == 0
         if self.has_kernel:
             self.register_buffer("kernel_scale", self.scale[:, 0].to(torch.bfloat16), persistent=False)
+        # kvserve's own kernel (fp32 activations) takes symmetric groups of a multiple of 16
+        # columns (GGUF's Q8_0 and Q6_K); not on GPU machines, which run Triton.
+        kernel_groups = group_size == self.in_features or (group_size % 16 == 0 and group_size <= OWN_KERNEL_MAX_GROUP)
+        self.own_kernel = (int8_matmul_op() if offset is None and kernel_groups and not torch.cuda.is_available()
+                           else None)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.qweight.shape
@@ -100,9 +111,11 @@ class GroupInt8Linear(QuantizedLinear):
         return super().dense_matmul(x) if y is None else y
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        rows = x.reshape(-1, self.in_features)
+        if self.own_kernel is not None and x.dtype == torch.float32:
+            return self.own_kernel(rows, self.qweight, self.scale).reshape(*x.shape[:-1], self.out_features)
         if not self.has_kernel:
             return None
-        rows = x.reshape(-1, self.in_features)
         y = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.qweight, self.kernel_scale).to(x.dtype)
         if self.offset is not None:  # a per-row offset adds offset * sum(x) to each output
             y = y + rows.sum(-1, keepdim=True) * self.offset[:, 0].to(x.dtype)

@@ -41,6 +41,29 @@ def test_int8_matmul_equals_the_dequantized_matmul(int8_matmul, n, k, rows):
     assert ((y.double() - x.double() @ weight.T).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("n,k,group", [(37, 64, 32), (64, 576, 32), (9, 96, 16), (130, 1536, 128), (5, 48, 48)])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_int8_matmul_with_group_scales_equals_the_dequantized_matmul(int8_matmul, n, k, group, rows):
+    """Scales [N, K / group]: each group's int32 dot product takes its own scale."""
+    torch.manual_seed(n * k + rows + group)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    q[0, :group] = 127  # a whole group at the int32 bound
+    scale = torch.rand(n, k // group) * 0.1 + 1e-3
+    x = torch.randn(rows, k)
+    weight = (q.double().reshape(n, -1, group) * scale.double()[..., None]).reshape(n, k)
+    x_scale = x.abs().amax(dim=1, keepdim=True) / 32767
+    x_rounded = torch.round(x * (1 / x_scale)).double() * x_scale.double()
+    y = int8_matmul(x, q, scale)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    torch.testing.assert_close(y.double(), x_rounded @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+def test_int8_matmul_rejects_groups_it_cannot_take(int8_matmul):
+    q = torch.zeros(4, 48, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        int8_matmul(torch.randn(1, 48), q, torch.ones(4, 6))  # groups of 8 columns
+
+
 def test_int8_matmul_of_zero_rows_is_zero(int8_matmul):
     q, scale = quantize_int8(torch.randn(8, 32))
     assert torch.equal(int8_matmul(torch.zeros(2, 32), q, scale), torch.zeros(2, 8))

@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize
 
 from tests.quantization.prompts import PROMPTS
 from kvserve import LLM, SamplingParams
+from kvserve.cpu_kernels import int8_matmul_op
 from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.loader import load_model
 from kvserve.quantization import QuantizedLinear
@@ -90,11 +91,21 @@ def test_mixed_shards_become_group_int8_at_the_narrowest_group():
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K])
 def test_int8_types_have_int8_storage(qtype):
+    """Symmetric 32- and 16-wide groups: decode rows run kvserve's int8 kernel with group
+    scales where it is built, which rounds each row of x to int16 (scale: its largest |x| /
+    32767), so they are held to that rounding's bound; more rows compute in fp32."""
     raw = random_blocks(qtype, 48, 256, seed=5)
     layer = grid_linear([unpack_blocks(raw, qtype, (48, 256), "w")], torch.ones(48))
     assert isinstance(layer, GroupInt8Linear) and layer.qweight.dtype == torch.int8
-    x = torch.randn(3, 256)
-    torch.testing.assert_close(layer(x), x @ reference(raw, qtype).T + 1, rtol=0, atol=1e-4)
+    assert layer.offset is None and (layer.own_kernel is not None) == (int8_matmul_op() is not None)
+    weight = reference(raw, qtype).double()
+    for rows in (3, CPU_KERNEL_MAX_ROWS + 1):
+        x = torch.randn(rows, 256)
+        error = (layer(x).double() - x.double() @ weight.T - 1).abs()
+        fp32_bound = 1e-5 * x.abs().double() @ weight.abs().T + 1e-5
+        if rows <= CPU_KERNEL_MAX_ROWS:
+            fp32_bound += x.abs().amax(dim=1, keepdim=True).double() / 32767 / 2 * weight.abs().sum(dim=1)
+        assert (error <= fp32_bound).all()
 
 
 def test_unsupported_block_type_names_the_tensor_and_the_supported_types(tmp_path):

@@ -1,4 +1,6 @@
-// y = x @ (q * scale[:, None])^T for a few fp32 rows x [M, K], int8 q [N, K], fp32 scale [N].
+// y = x @ (q * scale[:, None])^T for a few fp32 rows x [M, K], int8 q [N, K], fp32 scale [N]
+// (one per output channel) or [N, G] (one per group of K / G columns, a multiple of 16: GGUF's
+// Q8_0 grid, 32 wide, held exactly).
 //
 // Decode reads each weight once per step, and converting int8 weights to fp32 for FMAs costs
 // more instructions than the memory system leaves time for (measured: ~5 GMAC/s a core on an
@@ -162,20 +164,105 @@ const T* prefetch_target(const T* w, int64_t i, int64_t row, int64_t n, int64_t 
   return i == 0 && ahead + kRowsPerTile <= n ? w + ahead * k : nullptr;
 }
 
+// sums[j * R + r] = sum over groups g of scale[r * groups + g] * (q[r, group g] . xq[j, group g])
+// for R rows of q and X rows of xq (`k` apart; `group` a multiple of kLanes, so no column
+// tail): int32 within a group (at most kFlushColumns wide), fp32 across.
+template <int64_t X, int64_t R>
+void group_dot_rows(const int16_t* xq, int64_t x_stride, const int8_t* q, int64_t k, const float* scale,
+                    int64_t groups, int64_t group, float* sums, const int8_t* prefetch) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[X][R];
+  for (int64_t j = 0; j < X; ++j)
+    for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i isum[X][R];
+    for (int64_t j = 0; j < X; ++j)
+      for (int64_t r = 0; r < R; ++r) isum[j][r] = _mm256_setzero_si256();
+    for (int64_t c = g * group; c < (g + 1) * group; c += kLanes) {
+      if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * R), _MM_HINT_T0);
+      __m256i weights[R];
+      for (int64_t r = 0; r < R; ++r)
+        weights[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * k + c)));
+      for (int64_t j = 0; j < X; ++j) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * x_stride + c));
+        for (int64_t r = 0; r < R; ++r)
+          isum[j][r] = _mm256_add_epi32(isum[j][r], _mm256_madd_epi16(weights[r], xv));
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 s = _mm256_set1_ps(scale[r * groups + g]);
+      for (int64_t j = 0; j < X; ++j) acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j][r]), s, acc[j][r]);
+    }
+  }
+  for (int64_t j = 0; j < X; ++j)
+    for (int64_t r = 0; r < R; ++r) sums[j * R + r] = horizontal_sum(acc[j][r]);
+#else
+  for (int64_t j = 0; j < X; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int64_t dot = 0;
+        for (int64_t c = g * group; c < (g + 1) * group; ++c)
+          dot += static_cast<int64_t>(q[r * k + c]) * xq[j * x_stride + c];
+        total += scale[r * groups + g] * static_cast<float>(dot);
+      }
+      sums[j * R + r] = total;
+    }
+  }
+#endif
+}
+
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_matmul: x must be 2-D fp32");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
               "int8_matmul: q must be contiguous int8 [N, K]");
   TORCH_CHECK(q.size(1) == x.size(1), "int8_matmul: x has ", x.size(1), " columns, q ", q.size(1));
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == q.size(0),
-              "int8_matmul: scale must be fp32 [N]");
+  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
+  const int64_t groups = n > 0 ? scale.numel() / n : 1;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n * groups && groups >= 1,
+              "int8_matmul: scale must be fp32 [N] or [N, G]");
+  const int64_t group = k / std::max<int64_t>(groups, 1);
+  TORCH_CHECK(groups == 1 || (k % groups == 0 && group % kLanes == 0 && group <= kFlushColumns),
+              "int8_matmul: ", groups, " scale groups a row need groups of a multiple of ", kLanes,
+              " columns (at most ", kFlushColumns, ") that divide the ", k, " input columns");
   const at::Tensor xc = x.contiguous();
   const at::Tensor sc = scale.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), n = q.size(0);
   at::Tensor y = at::empty({m, n}, xc.options());
   const QuantizedRows rows = quantize_rows(xc.data_ptr<float>(), m, k);
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
+  if (groups > 1) {
+    over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t x_rows, int64_t row, int64_t count,
+                                                  float* partial) {
+      const int16_t* xq = rows.values.data() + i * rows.padded;
+      const int8_t* tile = qp + row * k;
+      const float* tile_scale = sp + row * groups;
+      // X * R int32 and X * R fp32 sums must stay in the 16 vector registers: one row of x takes
+      // the tile whole, two rows take it in halves.
+      constexpr int64_t kHalf = kRowsPerTile / 2;
+      if (count == kRowsPerTile && x_rows == 1) {
+        group_dot_rows<1, kRowsPerTile>(xq, rows.padded, tile, k, tile_scale, groups, group, partial,
+                                        prefetch_target(qp, i, row, n, k));
+      } else if (count == kRowsPerTile) {
+        float half[kXRowsPerPass * kHalf];
+        for (int64_t h = 0; h < kRowsPerTile; h += kHalf) {
+          const int8_t* prefetch = h == 0 ? prefetch_target(qp, i, row, n, k) : nullptr;
+          group_dot_rows<kXRowsPerPass, kHalf>(xq, rows.padded, tile + h * k, k, tile_scale + h * groups, groups,
+                                               group, half, prefetch);
+          for (int64_t j = 0; j < x_rows; ++j)
+            for (int64_t r = 0; r < kHalf; ++r) partial[j * kRowsPerTile + h + r] = half[j * kHalf + r];
+        }
+      } else {
+        for (int64_t j = 0; j < x_rows; ++j)
+          for (int64_t r = 0; r < count; ++r)
+            group_dot_rows<1, 1>(xq + j * rows.padded, rows.padded, tile + r * k, k, tile_scale + r * groups,
+                                 groups, group, partial + j * kRowsPerTile + r, nullptr);
+      }
+      for (int64_t j = 0; j < x_rows; ++j)
+        for (int64_t r = 0; r < count; ++r) partial[j * kRowsPerTile + r] *= rows.scales[i + j];
+    });
+    return y;
+  }
   over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t x_rows, int64_t row, int64_t count, float* partial) {
     const int16_t* xq = rows.values.data() + i * rows.padded;
     const int8_t* tile = qp + row * k;
