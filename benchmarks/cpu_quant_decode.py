@@ -1,4 +1,4 @@
-"""CPU decode step time of the embedded SmolLM2 per quantization, with the compiled decode
+"""CPU decode step time of the embedded SmolLM2 (or `--model`) per quantization, with the compiled decode
 step (what `kvserve serve` runs), at batch 1 and 16: 64-token prompts and 64 greedy tokens a
 round. Every variant named is loaded in this one process and the rounds alternate between
 them (the machine is shared and noisy: runs minutes apart are not comparable), so the ratios
@@ -28,10 +28,10 @@ VARIANTS = {"none": (None, None), "int8-head": ("int8", {"lm_head": True}),
             "int4-nohead": ("int4", {"lm_head": False})}
 
 
-def load(name: str) -> tuple[LLM, DecodeStepTimer]:
+def load(name: str, model: str | None) -> tuple[LLM, DecodeStepTimer]:
     quantization, config = VARIANTS.get(name, (name, None))
     start = time.perf_counter()
-    llm = LLM(model=None, quantization=quantization, quantization_config=config, compile_decode=True,
+    llm = LLM(model=model, quantization=quantization, quantization_config=config, compile_decode=True,
               max_num_seqs=16, enable_prefix_caching=False, max_num_batched_tokens=512)
     print(f"{name}: load + compile {time.perf_counter() - start:.0f} s", flush=True)
     return llm, DecodeStepTimer(llm)
@@ -43,9 +43,10 @@ def main() -> None:
                         help="quantizations: none, int8, int8-head, int8-nohead, int4, gguf, auto")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per variant and batch size")
     parser.add_argument("--batch-sizes", default="1,16", help="comma-separated decode batch sizes")
+    parser.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    engines = {name: load(name) for name in args.variants}
+    engines = {name: load(name, args.model) for name in args.variants}
     ms: dict[tuple[str, int], list[float]] = {}
     for round_index in range(args.rounds):
         # Alternate which variant goes first, so drifting load hits all alike.

@@ -10,6 +10,10 @@ CPUs without AMX, see WORKLOADS.md). Measured on the 2-core development machine
   (perplexity identical to the dequantized fp32 weights, BENCHMARKS.md) and cuts the bytes
   of a 1-row step 4x; kvserve's int4 kernel (kvserve.cpu_kernels) runs decode batches of up
   to INT4_FP32_FROM_ROWS rows (torch's where ours is not built), larger ones the fp32 copy.
+* One whose linears are all Q8_0 is re-packed as int8 with group 32 (quantize_int8_groups
+  gives back the file's blocks exactly), ~3.6x fewer bytes than fp32; kvserve's int8 kernel
+  runs decode batches of up to CPU_KERNEL_MAX_ROWS rows (a Q8_0 SmolLM2: 2.2x fp32 at one
+  row, 1.6x at 16, BENCHMARKS.md).
 * A dequantized fp32 copy of those weights is kept for prefill-sized inputs, where
   dequantizing per call would cost more than the GEMM.
 * The LM head (SmolLM2's tied embedding: 113 MB in fp32) gets an int8 per-channel copy for
@@ -41,8 +45,10 @@ logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 NONE = "none"  # explicit "no quantization", e.g. to override serve's auto default
-# GGUF block types whose values an int4 group-32 grid with float zero points holds exactly.
+# GGUF block types whose values an int4 group-32 grid with float zero points holds exactly,
+# and those a symmetric int8 group-32 grid does.
 _INT4_EXACT_GGUF_TYPES = {"Q4_0", "Q4_1"}
+_INT8_EXACT_GGUF_TYPES = {"Q8_0"}
 _LINEAR_TENSOR_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                            "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 # bf16 dense weights are used where a bf16 GEMM (activation casts included) is at least this
@@ -73,8 +79,10 @@ class AutoPlan:
 
     @property
     def linear_kernel_max_rows(self) -> int:
-        """Rows up to which the int4 linears' kernel runs; more take the dense copies."""
-        return BF16_FROM_ROWS if self.dense_dtype == torch.bfloat16 else INT4_FP32_FROM_ROWS
+        """Rows up to which the quantized linears' kernel runs; more take the dense copies."""
+        if self.dense_dtype == torch.bfloat16:
+            return BF16_FROM_ROWS
+        return INT4_FP32_FROM_ROWS if self.quantization == "int4" else CPU_KERNEL_MAX_ROWS
 
     @property
     def head_kernel_max_rows(self) -> int:
@@ -110,15 +118,20 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
     types = {kind for name, kind in loaded.gguf_tensor_types.items() if name.endswith(_LINEAR_TENSOR_SUFFIXES)}
     if not types:
         return AutoPlan(reasons=["not a GGUF model: weights stay fp32 (bit-exact with transformers)"])
-    if not types <= _INT4_EXACT_GGUF_TYPES:
-        return AutoPlan(reasons=[f"GGUF linear types {sorted(types)} are not all Q4_0/Q4_1: weights stay fp32"])
+    if types <= _INT4_EXACT_GGUF_TYPES:
+        method, grid = "int4", "int4 group 32 reproduces the file's grid exactly and reads 4x fewer bytes"
+    elif types <= _INT8_EXACT_GGUF_TYPES:
+        method, grid = "int8", "int8 group 32 reproduces the file's grid exactly and reads 3.6x fewer bytes"
+    else:
+        return AutoPlan(reasons=[f"GGUF linear types {sorted(types)} are not all Q4_0/Q4_1 or all Q8_0: "
+                                 "weights stay fp32"])
     config = loaded.config
     speedup = bf16_gemm_speedup(config.hidden_size, config.intermediate_size)
     fast_bf16 = speedup >= BF16_MIN_SPEEDUP
     # lm_head false: the plan makes the int8 head copy itself (apply_plan), with its own dense
     # dtype and row limit.
     plan = AutoPlan(
-        quantization="int4", quantization_config={"group_size": 32, "lm_head": False}, keep_dense_weights=True,
+        quantization=method, quantization_config={"group_size": 32, "lm_head": False}, keep_dense_weights=True,
         dense_dtype=torch.bfloat16 if fast_bf16 else torch.float32, quantize_lm_head=True,
     )
     linear_rows, head_rows = plan.linear_kernel_max_rows, plan.head_kernel_max_rows
@@ -131,8 +144,8 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
         "GEMMs are the fast path)"
     )
     plan.reasons = [
-        f"CPU + GGUF {'/'.join(sorted(types))} linears: int4 group 32 reproduces the file's grid "
-        f"exactly and reads 4x fewer bytes per decode step (int4 kernel for <= {linear_rows} rows)",
+        f"CPU + GGUF {'/'.join(sorted(types))} linears: {grid} per decode step ({method} kernel for "
+        f"<= {linear_rows} rows)",
         dense_reason,
         f"int8 copy of the LM head for up to {head_rows} rows "
         "(4.7x less CPU time than its fp32 GEMV at one row)",

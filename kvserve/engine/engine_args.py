@@ -125,20 +125,21 @@ class EngineArgs:
         group.add_argument(
             "--quantization", default=None, choices=[AUTO, NONE, *QUANTIZATION_METHODS],
             help="Weight-only quantization of the linear layers, applied at load: int8 "
-            "(symmetric, per output channel; on CPU also an int8 copy of an fp32 LM head for "
+            "(symmetric, per output channel or group; on CPU also an int8 copy of an fp32 LM head for "
             "decode), int4 (asymmetric, group-wise), nf4 "
             "(bitsandbytes NormalFloat-4, per-block absmax), fp8 (float8_e4m3fn per output channel; "
             "on Hopper/Ada GPUs activations are quantized per token for torch._scaled_mm on "
             "prefill-sized inputs), gguf (run a GGUF file from its "
             "Q4_0/Q4_1/Q4_K/Q8_0/Q5_K/Q6_K blocks, repacked for the CPU kernels), auto (on "
-            "CPU, a Q4_0/Q4_1 GGUF runs as int4 group 32, which keeps its grid exactly, with an "
-            "int8 LM head for decode; otherwise none; the choice is logged), or none. Default: "
+            "CPU, a Q4_0/Q4_1 GGUF runs as int4 group 32 and a Q8_0 one as int8 group 32, which "
+            "keep its grid exactly, with an int8 LM head for decode; otherwise none; the choice is "
+            "logged), or none. Default: "
             "none (auto for serve; GPTQ/AWQ/compressed-tensors checkpoints are detected from "
             "config.json).",
         )
         group.add_argument(
             "--quantization-config", default=None, type=_json_dict,
-            help='JSON options of the quantization method, e.g. \'{"group_size": 32}\' for int4, '
+            help='JSON options of the quantization method, e.g. \'{"group_size": 32}\' for int4 or int8, '
             '\'{"lm_head": false}\' to keep the LM head in the run dtype alone (int8, int4 and fp8 add '
             'an int8 copy of it for decode on GPU, and int8 on CPU for fp32 heads), \'{"lm_head": "int4"}\' '
             'for an int4 copy with int4.',

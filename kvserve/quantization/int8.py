@@ -1,4 +1,5 @@
-"""int8: symmetric weight-only quantization with one scale per output channel."""
+"""int8: symmetric weight-only quantization with one scale per output channel, or per group
+of input columns (`quantization_config={"group_size": N}`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,18 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
     q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
+
+
+def quantize_int8_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale fp32 [N, K / group_size]): quantize_int8 for each group of
+    columns. Weights on a Q8_0 grid (GGUF: w = q d, d fp16, |q| = 127 somewhere in each
+    32-wide block, as llama.cpp's quantizer writes them) come back as exactly those q and d
+    with 32-wide groups: a block's largest |w| is 127 d."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // group_size, group_size)
+    scale = groups.abs().amax(dim=2).clamp(min=1e-12) / 127
+    q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), scale
 
 
 class Int8Linear(QuantizedLinear):
@@ -133,20 +146,33 @@ class GroupInt8Linear(QuantizedLinear):
 
 
 class Int8Method(QuantizationMethod):
-    """Per-channel int8 linears, and an int8 copy of the LM head for decode-sized inputs
-    (QuantizationMethod.lm_head_format: by default on CUDA and for fp32 heads on CPU). On CPU
-    the head is a fifth of SmolLM2's weight bytes: the copy makes single-stream decode ~1.25x
-    faster and costs +0.01% perplexity (BENCHMARKS.md), as llama.cpp's 8-bit files keep their
-    output matrix in Q8_0. `quantization_config={"lm_head": false}` leaves the head alone,
-    `true` asks for the copy in any dtype."""
+    """Per-channel int8 linears (`quantization_config={"group_size": N}`: one scale per N
+    input columns, GroupInt8Linear; 32 holds GGUF Q8_0 weights exactly), and an int8 copy of
+    the LM head for decode-sized inputs (QuantizationMethod.lm_head_format: by default on CUDA
+    and for fp32 heads on CPU). On CPU the head is a fifth of SmolLM2's weight bytes: the copy
+    makes single-stream decode ~1.25x faster and costs +0.01% perplexity (BENCHMARKS.md), as
+    llama.cpp's 8-bit files keep their output matrix in Q8_0. `quantization_config={"lm_head":
+    false}` leaves the head alone, `true` asks for the copy in any dtype."""
 
     name = "int8"
 
     def config_keys(self) -> tuple[str, ...]:
-        return ("lm_head",)
+        return ("group_size", "lm_head")
+
+    def check_layer(self, name: str, layer: nn.Linear) -> None:
+        group_size = self.config.get("group_size")
+        if group_size is not None and (not isinstance(group_size, int) or group_size <= 0
+                                       or layer.in_features % group_size):
+            raise ValueError(f"int8 group_size {group_size!r} does not divide the input size "
+                             f"{layer.in_features} of layer {name!r}")
 
     def quantize_linear(self, name: str, layer: nn.Linear) -> QuantizedLinear:
-        return Int8Linear(layer)
+        group_size = self.config.get("group_size")
+        if group_size is None:
+            return Int8Linear(layer)
+        self.check_layer(name, layer)
+        q, scale = quantize_int8_groups(layer.weight, group_size)
+        return GroupInt8Linear(q, scale, None, group_size, layer.bias)
 
     def quantize_lm_head(self, model: nn.Module) -> None:
         if self.lm_head_format(lm_head_as_linear(model).weight) == "int8":

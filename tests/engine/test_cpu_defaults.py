@@ -127,6 +127,42 @@ def _prefill_logits(model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Te
         return model.compute_logits(hidden)
 
 
+@pytest.fixture(scope="module")
+def q8_0_path(smollm2_path, tmp_path_factory):
+    """SmolLM2 with its Q4_1 linears requantized to Q8_0 by gguf's own quantizer: a real Q8_0
+    file (the tied embedding was Q8_0 already)."""
+    from gguf import GGMLQuantizationType
+
+    from kvserve.benchmarks.gguf_requantize import requantize
+
+    path = str(tmp_path_factory.mktemp("q8_0") / "smollm2-q8_0.gguf")
+    requantize(smollm2_path, path, GGMLQuantizationType.Q8_0)
+    return path
+
+
+def test_q8_0_gguf_becomes_int8_groups_holding_its_grid_exactly(q8_0_path):
+    """The Q8_0 file's plan: int8 with 32-wide groups (the file's blocks, exactly: against the
+    gguf package's dequantization in the fp32 load), the kernel for up to 16 rows on a CPU
+    whose fp32 GEMMs are the fast ones, the dense copy past that."""
+    plan, loaded = _load_with_plan(q8_0_path, 0.01)
+    assert (plan.quantization, plan.quantization_config) == ("int8", {"group_size": 32, "lm_head": False})
+    assert plan.dense_dtype == torch.float32 and plan.linear_kernel_max_rows == 16
+    reference = dict(load_model(q8_0_path, dtype=torch.float32).model.named_modules())
+    quantized = [(name, m) for name, m in loaded.model.named_modules()
+                 if isinstance(m, QuantizedLinear) and name != "quantized_lm_head"]
+    assert len(quantized) == 30 * 4
+    for name, module in quantized:
+        assert module.group_size == 32 and module.cpu_kernel_max_rows == 16
+        assert torch.equal(module.dequantize(), reference[name].weight), name
+    module = loaded.model.model.layers[2].mlp.down_proj
+    x = torch.randn(17, module.in_features)
+    assert torch.equal(module(x[:16]), module.kernel_matmul(x[:16]))
+    assert torch.equal(module(x), module.dense_weight.linear(x))
+    mixed = load_model(q8_0_path, dtype=torch.float32)
+    mixed.gguf_tensor_types["blk.0.attn_q.weight"] = "Q4_1"
+    assert resolve_auto_quantization(mixed, CPU).quantization is None
+
+
 def test_bf16_probe_measures_this_cpu():
     assert bf16_gemm_speedup(64, 128, rows=8) > 0
 

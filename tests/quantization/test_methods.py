@@ -16,6 +16,7 @@ from kvserve.model_executor.loader import load_model
 from kvserve.quantization import QuantizedLinear, get_quantization_method
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
 from kvserve.quantization.int4 import fits_fp16
+from kvserve.quantization.int8 import GroupInt8Linear
 
 # bitsandbytes' published NF4 table (bitsandbytes/functional.py, get_4bit_type("nf4")).
 BNB_NF4 = [
@@ -61,6 +62,38 @@ def test_int8_round_trip_and_matmul(shape):
     torch.testing.assert_close(quantized.dequantize(), reference, rtol=0, atol=1e-6)
     assert quantized.weight_bytes() < weight.numel() * 4 / 3.5
     _check_matmul(quantized, reference, layer.bias.detach())
+
+
+@pytest.mark.parametrize("shape, group_size", [((37, 64), 32), ((200, 576), 32), ((9, 48), 16), ((5, 60), 12)])
+def test_int8_groups_round_trip_and_matmul(shape, group_size):
+    """quantization_config={"group_size": N}: one scale per N columns (GroupInt8Linear); 12-wide
+    groups have no kernel and compute on the dequantized weight."""
+    layer = _linear(*shape, seed=2)
+    quantized = _quantize("int8", layer, group_size=group_size)
+    assert isinstance(quantized, GroupInt8Linear) and quantized.group_size == group_size
+    weight = layer.weight.detach()
+    n, k = weight.shape
+    step = weight.reshape(n, -1, group_size).abs().amax(dim=2, keepdim=True) / 127
+    reference = (torch.round(weight.reshape(n, -1, group_size) / step) * step).reshape(n, k)
+    torch.testing.assert_close(quantized.dequantize(), reference, rtol=0, atol=1e-6)
+    _check_matmul(quantized, reference, layer.bias.detach())
+
+
+def test_int8_groups_keep_a_q8_0_grid_exactly():
+    """Weights already on a Q8_0 grid (w = q * d per 32-block, d fp16, 127 reached in each
+    block as llama.cpp's quantizer leaves it) come back exact: q and d themselves."""
+    torch.manual_seed(4)
+    n, k, block = 64, 96, 32
+    q = torch.randint(-127, 128, (n, k // block, block)).float()
+    q[..., 0] = 127 * torch.sign(torch.randn(n, k // block))
+    d = (torch.rand(n, k // block, 1) * 0.01 + 1e-4).half().float()
+    weight = (q * d).reshape(n, k)
+    layer = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    quantized = _quantize("int8", layer, group_size=32)
+    assert torch.equal(quantized.dequantize(), weight)
+    assert torch.equal(quantized.qweight.float(), q.reshape(n, k)) and torch.equal(quantized.scale, d[..., 0])
 
 
 def _int4_reference(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,6 +227,10 @@ def test_group_size_that_does_not_divide_names_the_layer_at_load():
                        r"of layer 'model.layers.0.self_attn.qkv_proj'"):
         load_model(None, load_format="dummy", model_shape="smollm2-135m",
                    quantization="int4", quantization_config={"group_size": 100})
+    with pytest.raises(ValueError, match=r"int8 group_size 100 does not divide the input size 576 "
+                       r"of layer 'model.layers.0.self_attn.qkv_proj'"):
+        load_model(None, load_format="dummy", model_shape="smollm2-135m",
+                   quantization="int8", quantization_config={"group_size": 100})
     with pytest.raises(ValueError, match="unknown quantization 'fp4'"):
         load_model(None, load_format="dummy", model_shape="smollm2-135m", quantization="fp4")
 
