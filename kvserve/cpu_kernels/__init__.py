@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -53,7 +53,7 @@ def _built() -> bool:
     """Builds (or loads the cached build of) the kernels; False where that is impossible."""
     from torch.utils import cpp_extension
 
-    key = hashlib.sha1(f"{_cpu_flags()} {torch.__version__}".encode()).hexdigest()[:12]
+    key = hashlib.sha1(f"{cpu_flags()} {torch.__version__}".encode()).hexdigest()[:12]
     logger.info("loading kvserve's CPU kernels (built once per CPU and torch version: ~50 s "
                 "the first time)")
     try:

@@ -21,22 +21,29 @@ CPUs without AMX, see WORKLOADS.md). Measured on the 2-core development machine
 * Where the CPU's bf16 GEMMs are much faster than its fp32 ones (AMX: 4-6x at 64-512 rows
   on the Xeon of BENCHMARKS.md), that dense copy is kept in bf16 instead (prefill ~2x
   faster, half the memory), with a bf16 copy of the LM head, and both take every input of
-  more than BF16_FROM_ROWS rows, decode batches included. Measured at start-up on the
-  model's own shapes, since on CPUs without AMX the same bf16 GEMM is ~100x slower than fp32.
+  more than BF16_FROM_ROWS rows, decode batches included. Measured on the model's own
+  shapes, since on CPUs without AMX the same bf16 GEMM is ~100x slower than fp32, at the
+  first start on a CPU and kept (measured_bf16_speedup): a ratio near the threshold would
+  otherwise pick bf16 at one start and fp32 at the next.
 * The dense copies are packed in oneDNN's layout (quantization/cpu_dense.py).
 * Anything else, and every GPU run, keeps the weights in the run dtype.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvserve.cpu_kernels import cpu_flags
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
+from kvserve.utils import cache_root
 
 if TYPE_CHECKING:  # the CLI imports this module while building its parser: keep it light
     from kvserve.model_executor.loader import LoadedModel
@@ -111,6 +118,30 @@ def bf16_gemm_speedup(in_features: int, out_features: int, rows: int = _PROBE_RO
     return fp32 / bf16
 
 
+def measured_bf16_speedup(in_features: int, out_features: int) -> float:
+    """bf16_gemm_speedup, measured once per CPU, torch version, thread count and shape and
+    kept in cache_root()/cpu_probes.json, so every start on one machine makes one plan."""
+    key = hashlib.sha1(f"{cpu_flags()}|{torch.__version__}|{torch.get_num_threads()}|"
+                       f"{in_features}x{out_features}".encode()).hexdigest()[:16]
+    path = cache_root() / "cpu_probes.json"
+    try:
+        probes = json.loads(path.read_text())
+    except (OSError, ValueError):
+        probes = {}
+    if isinstance(probes.get(key), float):
+        return probes[key]
+    probes[key] = speedup = bf16_gemm_speedup(in_features, out_features)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(probes))
+        partial.replace(path)  # atomic: a concurrent start reads the old file or this one
+    except OSError as error:
+        logger.warning("could not keep the bf16 probe's result in %s (%s): it is measured again "
+                       "at the next start", path, error)
+    return speedup
+
+
 def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> AutoPlan:
     """The plan for a model loaded in the run dtype (no quantization yet)."""
     if device.type != "cpu":
@@ -126,7 +157,7 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
         return AutoPlan(reasons=[f"GGUF linear types {sorted(types)} are not all Q4_0/Q4_1 or all Q8_0: "
                                  "weights stay fp32"])
     config = loaded.config
-    speedup = bf16_gemm_speedup(config.hidden_size, config.intermediate_size)
+    speedup = measured_bf16_speedup(config.hidden_size, config.intermediate_size)
     fast_bf16 = speedup >= BF16_MIN_SPEEDUP
     # lm_head false: the plan makes the int8 head copy itself (apply_plan), with its own dense
     # dtype and row limit.
@@ -136,7 +167,7 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
     )
     linear_rows, head_rows = plan.linear_kernel_max_rows, plan.head_kernel_max_rows
     probe = (f"a {_PROBE_ROWS}x{config.hidden_size}x{config.intermediate_size} bf16 GEMM measured "
-             f"{speedup:.2f}x the fp32 one on this CPU")
+             f"{speedup:.2f}x the fp32 one on this CPU, at its first start")
     dense_reason = (
         f"packed bf16 copies of the linears and the LM head for inputs of more than "
         f"{linear_rows} rows ({probe}: AMX-class bf16)" if fast_bf16 else

@@ -19,12 +19,9 @@ from pathlib import Path
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from kvserve.utils import cache_root
+
 logger = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    """$KVSERVE_CACHE_DIR, else ~/.cache/kvserve."""
-    return Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
 
 
 def cached_tokenizer_dir(path: str) -> Path:

@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 def _load_with_plan(path: str, bf16_speedup: float):
     """The embedded model under the auto plan a CPU with this measured bf16 speedup gets."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_defaults, "bf16_gemm_speedup", lambda *shape: bf16_speedup)
+        patch.setattr(cpu_defaults, "measured_bf16_speedup", lambda *shape: bf16_speedup)
         loaded = load_model(path, dtype=torch.float32)
         plan = resolve_auto_quantization(loaded, CPU)
     apply_plan(loaded, plan)
@@ -165,6 +165,28 @@ def test_q8_0_gguf_becomes_int8_groups_holding_its_grid_exactly(q8_0_path):
 
 def test_bf16_probe_measures_this_cpu():
     assert bf16_gemm_speedup(64, 128, rows=8) > 0
+
+
+def test_bf16_probe_is_measured_once_per_cpu_threads_and_shape(tmp_path, monkeypatch):
+    """Kept under $KVSERVE_CACHE_DIR: a second start reads the first one's ratio (here 2.01,
+    just over the threshold, where two measurements could fall either side); another thread
+    count or shape measures again; an unreadable file is measured over."""
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    measured = iter([2.01, 1.5, 3.0, 0.5])
+    calls = []
+    monkeypatch.setattr(cpu_defaults, "bf16_gemm_speedup", lambda *shape: calls.append(shape) or next(measured))
+    assert cpu_defaults.measured_bf16_speedup(576, 1536) == 2.01
+    assert cpu_defaults.measured_bf16_speedup(576, 1536) == 2.01 and len(calls) == 1
+    assert cpu_defaults.measured_bf16_speedup(576, 3072) == 1.5 and len(calls) == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert cpu_defaults.measured_bf16_speedup(576, 1536) == 3.0
+    finally:
+        torch.set_num_threads(threads)
+    assert cpu_defaults.measured_bf16_speedup(576, 1536) == 2.01 and len(calls) == 3
+    (tmp_path / "cpu_probes.json").write_text("{not json")
+    assert cpu_defaults.measured_bf16_speedup(576, 1536) == 0.5 and len(calls) == 4
 
 
 def test_serve_defaults_are_auto_and_per_device_chunk():
