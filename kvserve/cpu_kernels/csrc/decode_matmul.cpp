@@ -30,6 +30,26 @@ inline float horizontal_sum(__m256 lanes) {
   const __m128 quad = _mm_add_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)));
 }
+
+#if defined(__FMA__)
+// Group-scaled dot products (int8 with group scales, int4): group g's int32 lane sums
+// isum[j][r] take weight row r's scale in fp32, into acc[j][r].
+template <int64_t X, int64_t R>
+inline void add_scaled_group(__m256i (&isum)[X][R], const float* scale, int64_t groups, int64_t g,
+                             __m256 (&acc)[X][R]) {
+  for (int64_t r = 0; r < R; ++r) {
+    const __m256 s = _mm256_set1_ps(scale[r * groups + g]);
+    for (int64_t j = 0; j < X; ++j) acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j][r]), s, acc[j][r]);
+  }
+}
+#endif
+
+// sums[j * R + r] = the sum of acc[j][r]'s eight lanes.
+template <int64_t X, int64_t R>
+inline void store_lane_sums(__m256 (&acc)[X][R], float* sums) {
+  for (int64_t j = 0; j < X; ++j)
+    for (int64_t r = 0; r < R; ++r) sums[j * R + r] = horizontal_sum(acc[j][r]);
+}
 #endif
 
 constexpr int64_t kRowsPerTile = 4;   // weight rows that share each load of x
@@ -189,13 +209,9 @@ void group_dot_rows(const int16_t* xq, int64_t x_stride, const int8_t* q, int64_
           isum[j][r] = _mm256_add_epi32(isum[j][r], _mm256_madd_epi16(weights[r], xv));
       }
     }
-    for (int64_t r = 0; r < R; ++r) {
-      const __m256 s = _mm256_set1_ps(scale[r * groups + g]);
-      for (int64_t j = 0; j < X; ++j) acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j][r]), s, acc[j][r]);
-    }
+    add_scaled_group<X, R>(isum, scale, groups, g, acc);
   }
-  for (int64_t j = 0; j < X; ++j)
-    for (int64_t r = 0; r < R; ++r) sums[j * R + r] = horizontal_sum(acc[j][r]);
+  store_lane_sums<X, R>(acc, sums);
 #else
   for (int64_t j = 0; j < X; ++j) {
     for (int64_t r = 0; r < R; ++r) {
@@ -399,16 +415,9 @@ void int4_dot(const int16_t* xq, int64_t k, const void* weights, int64_t row_byt
                                                                      _mm256_madd_epi16(odd, xo[j])));
       }
     }
-    for (int64_t r = 0; r < R; ++r) {
-      const __m256 s = _mm256_set1_ps(scale[r * groups + g]);
-      for (int64_t j = 0; j < X; ++j) acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j][r]), s, acc[j][r]);
-    }
+    add_scaled_group<X, R>(isum, scale, groups, g, acc);
   }
-  for (int64_t j = 0; j < X; ++j) {
-    for (int64_t r = 0; r < R; ++r) {
-      sums[j * R + r] = horizontal_sum(acc[j][r]);
-    }
-  }
+  store_lane_sums<X, R>(acc, sums);
 #else
   for (int64_t j = 0; j < X; ++j) {
     for (int64_t r = 0; r < R; ++r) {
@@ -525,11 +534,7 @@ void float_dot_rows(const float* x, int64_t x_stride, const float* w, int64_t k,
       for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_fmadd_ps(weights[r], xv, acc[j][r]);
     }
   }
-  for (int64_t j = 0; j < X; ++j) {
-    for (int64_t r = 0; r < R; ++r) {
-      out[j * R + r] = horizontal_sum(acc[j][r]);
-    }
-  }
+  store_lane_sums<X, R>(acc, out);
 #else
   for (int64_t e = 0; e < X * R; ++e) out[e] = 0.f;
 #endif
