@@ -12,8 +12,8 @@ CPUs without AMX, see WORKLOADS.md). Measured on the 2-core development machine
   to INT4_FP32_FROM_ROWS rows (torch's where ours is not built), larger ones the fp32 copy.
 * One whose linears are all Q8_0 is re-packed as int8 with group 32 (quantize_int8_groups
   gives back the file's blocks exactly), ~3.6x fewer bytes than fp32; kvserve's int8 kernel
-  runs decode batches of up to CPU_KERNEL_MAX_ROWS rows (a Q8_0 SmolLM2: 2.2x fp32 at one
-  row, 1.6x at 16, BENCHMARKS.md).
+  runs decode batches of up to CPU_KERNEL_MAX_ROWS rows (a Q8_0 SmolLM2 decodes ~3x faster
+  than on its fp32 weights at 1 and 16 rows, BENCHMARKS.md).
 * A dequantized fp32 copy of those weights is kept for prefill-sized inputs, where
   dequantizing per call would cost more than the GEMM.
 * The LM head (SmolLM2's tied embedding: 113 MB in fp32) gets an int8 per-channel copy for
