@@ -17,15 +17,13 @@ logger = logging.getLogger(__name__)
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [N, K] in [-127, 127], scale fp32 [N]) with weight ~= q * scale[:, None]."""
-    weight = weight.float()
-    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+    q, scale = quantize_int8_groups(weight, weight.shape[1])
+    return q, scale[:, 0]
 
 
 def quantize_int8_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [N, K], scale fp32 [N, K / group_size]): quantize_int8 for each group of
-    columns. Weights on a Q8_0 grid (GGUF: w = q d, d fp16, |q| = 127 somewhere in each
+    """(q int8 [N, K] in [-127, 127], scale fp32 [N, K / group_size]) with weight ~= q *
+    scale per group of columns: symmetric, the group's largest |w| to 127. Weights on a Q8_0 grid (GGUF: w = q d, d fp16, |q| = 127 somewhere in each
     32-wide block, as llama.cpp's quantizer writes them) come back as exactly those q and d
     with 32-wide groups: a block's largest |w| is 127 d."""
     n, k = weight.shape

@@ -101,15 +101,15 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
 // lanes of the vector loop stay in range (kFlushColumns) and go to fp32 before they are
 // added together: the sum of all eight lanes would not fit an int32. Columns past the last
 // whole vector (zero in xq, but not readable in q) are done one by one.
-template <int64_t X, int64_t R>
-void dot_chunk(const int16_t* xq, int64_t x_stride, const int8_t* q, int64_t k, int64_t begin, int64_t end,
-               float* sums, const int8_t* prefetch) {
-  const int64_t vector_end = begin + (end - begin) / kLanes * kLanes;
 #if defined(__AVX2__)
-  __m256i acc[X][R];
+// acc[j][r] = the int32 lane sums of q[r, c] * xq[j][c] over the whole vectors of columns
+// [begin, end): each weight vector is widened once and serves X rows of x.
+template <int64_t X, int64_t R>
+inline void int8_lane_sums(const int16_t* xq, int64_t x_stride, const int8_t* q, int64_t k, int64_t begin,
+                           int64_t end, const int8_t* prefetch, __m256i (&acc)[X][R]) {
   for (int64_t j = 0; j < X; ++j)
     for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_si256();
-  for (int64_t c = begin; c < vector_end; c += kLanes) {
+  for (int64_t c = begin; c < end; c += kLanes) {
     if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * R), _MM_HINT_T0);
     __m256i weights[R];
     for (int64_t r = 0; r < R; ++r)
@@ -119,6 +119,16 @@ void dot_chunk(const int16_t* xq, int64_t x_stride, const int8_t* q, int64_t k, 
       for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_add_epi32(acc[j][r], _mm256_madd_epi16(weights[r], xv));
     }
   }
+}
+#endif
+
+template <int64_t X, int64_t R>
+void dot_chunk(const int16_t* xq, int64_t x_stride, const int8_t* q, int64_t k, int64_t begin, int64_t end,
+               float* sums, const int8_t* prefetch) {
+  const int64_t vector_end = begin + (end - begin) / kLanes * kLanes;
+#if defined(__AVX2__)
+  __m256i acc[X][R];
+  int8_lane_sums<X, R>(xq, x_stride, q, k, begin, vector_end, prefetch, acc);
   for (int64_t j = 0; j < X; ++j) {
     for (int64_t r = 0; r < R; ++r) {
       sums[j * R + r] = horizontal_sum(_mm256_cvtepi32_ps(acc[j][r]));
@@ -196,19 +206,7 @@ void group_dot_rows(const int16_t* xq, int64_t x_stride, const int8_t* q, int64_
     for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256i isum[X][R];
-    for (int64_t j = 0; j < X; ++j)
-      for (int64_t r = 0; r < R; ++r) isum[j][r] = _mm256_setzero_si256();
-    for (int64_t c = g * group; c < (g + 1) * group; c += kLanes) {
-      if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * R), _MM_HINT_T0);
-      __m256i weights[R];
-      for (int64_t r = 0; r < R; ++r)
-        weights[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * k + c)));
-      for (int64_t j = 0; j < X; ++j) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * x_stride + c));
-        for (int64_t r = 0; r < R; ++r)
-          isum[j][r] = _mm256_add_epi32(isum[j][r], _mm256_madd_epi16(weights[r], xv));
-      }
-    }
+    int8_lane_sums<X, R>(xq, x_stride, q, k, g * group, (g + 1) * group, prefetch, isum);
     add_scaled_group<X, R>(isum, scale, groups, g, acc);
   }
   store_lane_sums<X, R>(acc, sums);
