@@ -10,6 +10,10 @@ from kvserve.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
+    # Whether forward takes RoPE (`rotary`) at a saving (the Triton backend fuses it into its
+    # decode attention kernel); if not, the model rotates q and k itself, in one launch.
+    fuses_rotary: bool
+
     def forward(
         self,
         query: torch.Tensor,  # [T, H, D]
@@ -19,8 +23,11 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # RoPE's (cos, sin) [T, D / 2] fp32
     ) -> torch.Tensor:  # [T, H, D]
         """Write this step's key/value at metadata.slot_mapping, then attend causally
         over each sequence's whole context read from the paged cache. A float8 cache
-        stores key / kv_scales[0] and value / kv_scales[1], saturated to its range."""
+        stores key / kv_scales[0] and value / kv_scales[1], saturated to its range.
+        Given rotary, query and key are rotated first (RoPE, as apply_rotary rounds it);
+        callers rotate themselves for a float8 cache, whose keys change basis after RoPE."""
         ...

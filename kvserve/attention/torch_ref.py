@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvserve import cpu_kernels
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.model_executor.layers.rotary import apply_rotary
 
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -77,6 +78,8 @@ class TorchReferenceBackend:
     reuse the plan, which takes ~10 small ops per layer off a CPU decode step. Given a
     DecodeContext instead (the compiled CPU decode), it attends without writing the cache."""
 
+    fuses_rotary = False
+
     def __init__(self, sliding_window: int | None = None, decode_kernel: bool = True) -> None:
         self.sliding_window = sliding_window
         # Decodes over an fp32 CPU cache go through kvserve's kernel where it is built
@@ -92,7 +95,10 @@ class TorchReferenceBackend:
         metadata: AttentionMetadata | DecodeContext,
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        if rotary is not None:
+            query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
         in_place = self.decode_kernel and attends_in_place(query, kv_cache)
         if isinstance(metadata, DecodeContext):
             return decode_context_attention(query, key, value, kv_cache, metadata, scale, in_place)

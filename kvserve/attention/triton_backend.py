@@ -11,10 +11,13 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.triton_kernels.kv_cache_write import write_kv_cache
 from kvserve.attention.triton_kernels.paged_attention import (
     DecodePlan,
+    NewKV,
     choose_decode_plan,
+    fuses_new_kv,
     paged_attention,
     warm_up as warm_up_kernels,
 )
+from kvserve.model_executor.layers.triton_ops import rotary_
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +27,10 @@ class TritonAttentionBackend:
     whole varlen batch: decode-only batches get a decode tile and, when few sequences
     would leave the chip idle, a split-KV (flash-decoding) pass (choose_decode_plan); other
     batches a prefill tile. No host sync: every launch size comes from the metadata's host
-    fields."""
+    fields. Given RoPE's (cos, sin), narrow decode batches rotate q and k and write the new
+    K/V inside the attention kernel (fuses_new_kv); other batches rotate them first."""
+
+    fuses_rotary = True
 
     def __init__(self, num_kv_splits: int | None = None) -> None:
         # None: chosen per decode batch; a number pins it (tests; CUDA graphs need one
@@ -47,19 +53,41 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if metadata.tree_masks:
             raise NotImplementedError(
                 "token-tree attention masks are implemented in the 'torch' attention backend only"
             )
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         if query.stride(-1) != 1:
             query = query.contiguous()
-        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         plan = metadata.decode_plan
         if plan is None:
             plan = (DecodePlan(self.num_kv_splits) if self.num_kv_splits is not None
                     else choose_decode_plan(metadata, kv_cache.shape[3], kv_cache.dtype, query.device))
+        assert rotary is None or kv_cache.element_size() > 1, "float8 caches take keys rotated and in their basis"
+        new_kv = None
+        if rotary is not None and fuses_new_kv(metadata, plan.tile, query.dtype, kv_cache.dtype):
+            new_kv = NewKV(key, value, *rotary)
+        else:
+            if rotary is not None:
+                _rotate_(query, key, *rotary)
+            write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         paged_attention(query, kv_cache, metadata, scale, output, plan.num_kv_splits, tile=plan.tile,
-                        kv_scales=kv_scales)
+                        kv_scales=kv_scales, new_kv=new_kv)
         return output
+
+
+def _rotate_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """RoPE on query [T, H, D] and key [T, KVH, D] in place: one launch where the key's heads
+    directly follow the query's (views of the fused q/k/v projection), else one each."""
+    heads_stride = query.stride(1)
+    adjacent = (key.dtype == query.dtype and key.stride() == query.stride() and key.stride(-1) == 1
+                and key.data_ptr() == query.data_ptr() + query.shape[1] * heads_stride * query.element_size())
+    if adjacent:
+        rotary_(torch.as_strided(query, (query.shape[0], query.shape[1] + key.shape[1], query.shape[2]),
+                                 query.stride()), cos, sin)
+    else:
+        rotary_(query, cos, sin)
+        rotary_(key, cos, sin)

@@ -29,7 +29,7 @@ def test_float8_decode_attention_compiles_for_sm90_with_v_through_ldmatrix(tile)
         paged_attention._paged_attention_kernel,
         dict(BLOCK_SIZE=16, SPLIT=True, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_M=tile.block_m,
              BLOCK_N=tile.block_n, DOT_PRECISION="tf32", FP16_DOTS=True, V_FLOAT8_ASM="e4m3", PDL=True,
-             EARLY_METADATA=tile in NARROW_TILES),
+             EARLY_METADATA=tile in NARROW_TILES, NEW_KV=False),
         num_warps=tile.num_warps, num_stages=tile.num_stages, types=TYPES, divisible=DIVISIBLE)
     registers, stack = resource_usage(compiled)
     assert stack == 0, f"{registers} registers and {stack} bytes of stack (spilled)"
@@ -42,3 +42,25 @@ def test_float8_decode_attention_compiles_for_sm90_with_v_through_ldmatrix(tile)
     first_load, wait = ptx.find("ld.global"), ptx.find("griddepcontrol.wait")
     assert min(first_load, wait) >= 0
     assert (first_load < wait) == (tile in NARROW_TILES)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "unsplit"])
+def test_decode_attention_with_rope_and_cache_write_compiles_for_sm90(split) -> None:
+    """The short-context tile applying RoPE and storing the new K/V itself (NEW_KV), bf16 over
+    a bf16 cache at llama3-8b's heads: no spill, and the metadata (with the token's cos, sin
+    and slot) still loads before the PDL wait."""
+    tile = paged_attention.SHORT_DECODE_TILE
+    types = {**TYPES, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "key_ptr": "*bf16", "value_ptr": "*bf16",
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_mapping_ptr": "*i64"}
+    compiled = compile_kernel(
+        paged_attention._paged_attention_kernel,
+        dict(BLOCK_SIZE=16, SPLIT=split, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_M=tile.block_m,
+             BLOCK_N=tile.block_n, DOT_PRECISION="tf32", FP16_DOTS=False, V_FLOAT8_ASM="", PDL=True,
+             EARLY_METADATA=True, NEW_KV=True),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, types=types,
+        divisible=(*DIVISIBLE, "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cs"))
+    registers, stack = resource_usage(compiled)
+    assert stack == 0, f"{registers} registers and {stack} bytes of stack (spilled)"
+    ptx = compiled.asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert wait >= 0 and ptx.count("ld.global", 0, wait) >= 4  # the sequence's metadata, cos, sin, slot

@@ -6,6 +6,7 @@ subprocess (tests/triton_interpreter.py). The full-size matrix runs on CUDA (mar
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import TorchReferenceBackend
+from kvserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 from tests.triton_interpreter import run_interpreted
 
 # Worst per-token relative error ||out - ref|| / ||ref|| against an fp32 reference.
@@ -32,6 +34,10 @@ class Case:
     block_size: int = 16
     num_kv_splits: int | None = None  # None: the backend's own choice
     cache_dtype: torch.dtype | None = None  # None: the query's; float8 caches store K/V / KV_SCALES
+    # q and k handed over unrotated, as adjacent heads of one q/k/v buffer (the model's
+    # layout), with RoPE's (cos, sin): narrow decode batches rotate and write inside the
+    # attention kernel, others rotate first.
+    rotary: bool = False
 
     @property
     def id(self) -> str:
@@ -40,7 +46,7 @@ class Case:
         cache = "" if self.cache_dtype is None else "-cache_" + str(self.cache_dtype).removeprefix("torch.")
         return (
             f"{self.scenario}-{dtype}-d{self.head_dim}-h{self.num_heads}kv{self.num_kv_heads}"
-            f"-bs{self.block_size}{splits}{cache}"
+            f"-bs{self.block_size}{splits}{cache}{'-rotary' if self.rotary else ''}"
         )
 
 
@@ -86,12 +92,28 @@ def make_batch(case: Case, device: str, seed: int = 0):
         seq_lens_cpu=seq_lens,
     )
     to = dict(device=device, dtype=case.dtype)
+    query, keys, values = query.to(**to), torch.cat(keys).to(**to), torch.cat(values).to(**to)
+    if case.rotary:
+        qkv = torch.cat([query, keys, values], dim=1)
+        query, keys, values = qkv.split([case.num_heads, kvh, kvh], dim=1)
     if case.cache_dtype is not None:
         scales = torch.tensor(KV_SCALES).view(2, 1, 1, 1, 1)
         kv_cache = (kv_cache / scales).to(case.cache_dtype)
     else:
         kv_cache = kv_cache.to(case.dtype)
-    return query.to(**to), torch.cat(keys).to(**to), torch.cat(values).to(**to), kv_cache.to(device), metadata
+    return query, keys, values, kv_cache.to(device), metadata
+
+
+def rope_cos_sin(metadata: AttentionMetadata, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, head_dim / 2] fp32 cos and sin at each new token's context position."""
+    positions = torch.cat([torch.arange(length - (end - start), length) for length, start, end in zip(
+        metadata.seq_lens_cpu, metadata.query_start_loc_cpu, metadata.query_start_loc_cpu[1:])])
+    return RotaryEmbedding(head_dim, 10000.0, None).cos_sin(positions)
+
+
+def torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary's torch path, in x's dtype (on CPU, where it does not dispatch to Triton)."""
+    return apply_rotary(x.cpu(), cos, sin).to(x.device)
 
 
 def check_case(case: Case, device: str) -> None:
@@ -101,13 +123,19 @@ def check_case(case: Case, device: str) -> None:
     scale = case.head_dim**-0.5
     float8 = case.cache_dtype is not None
     kv_scales = KV_SCALES if float8 else (1.0, 1.0)
+    rotary, ref_query, ref_key = None, query, key
+    if case.rotary:
+        cos, sin = rope_cos_sin(metadata, case.head_dim)
+        rotary = (cos.to(device), sin.to(device))
+        # The reference gets q and k rotated by the torch path, in the run dtype.
+        ref_query, ref_key = torch_rotary(query, cos, sin), torch_rotary(key, cos, sin)
     # A float8 reference cache stays float8 (the reference writes and reads it scaled).
     ref_cache = kv_cache.clone() if float8 else kv_cache.float()
     expected = TorchReferenceBackend().forward(
-        query.float(), key.float(), value.float(), ref_cache, metadata, scale, kv_scales=kv_scales
+        ref_query.float(), ref_key.float(), value.float(), ref_cache, metadata, scale, kv_scales=kv_scales
     )
     out = TritonAttentionBackend(case.num_kv_splits).forward(
-        query, key, value, kv_cache, metadata, scale, kv_scales=kv_scales
+        query, key, value, kv_cache, metadata, scale, kv_scales=kv_scales, rotary=rotary
     )
     assert out.shape == query.shape and out.dtype == query.dtype
     assert torch.isfinite(out).all(), "non-finite output"
@@ -116,6 +144,16 @@ def check_case(case: Case, device: str) -> None:
     # The cache equals the reference's: new slots written, every other slot untouched.
     if float8:
         assert torch.equal(kv_cache.view(torch.uint8), ref_cache.view(torch.uint8)), "KV cache differs"
+    elif case.rotary:
+        # Rotated keys may differ from the torch path's by an ulp or two of the tensor's scale
+        # on a GPU (as the rotary kernel's may, tests/model_executor/test_triton_ops.py).
+        ulps = 2 * torch.finfo(case.dtype).eps
+        torch.testing.assert_close(kv_cache.float(), ref_cache, rtol=0, atol=ulps * ref_cache.abs().max().item())
+        written = torch.zeros(kv_cache[0].numel() // (kv_cache.shape[-1] * kv_cache.shape[-2]), dtype=torch.bool,
+                              device=device)
+        written[metadata.slot_mapping] = True
+        got, ref = (c.view(2, -1, *c.shape[-2:])[:, ~written] for c in (kv_cache.float(), ref_cache))
+        assert torch.equal(got, ref), "a slot outside the step's was written"
     else:
         assert torch.equal(kv_cache.float(), ref_cache), "KV cache differs from the reference's"
 
@@ -152,7 +190,36 @@ SMALL_CASES = [
     Case("mixed", SMALL_SCENARIOS["mixed"], 8, 2, 64, torch.bfloat16, cache_dtype=torch.float8_e5m2),
     Case("prefill_prefix", SMALL_SCENARIOS["prefill_prefix"], 8, 2, 64, torch.float16,
          cache_dtype=torch.float8_e4m3fn),
+    # RoPE handed to the backend: decode batches on the short plan (4 splits of 32 keys, one
+    # of them empty), padded head groups among them, rotate and write inside the attention
+    # kernel; the 256-key tile (forced splits), prefill, mixed, wide and fp32 batches rotate
+    # first.
+    *(Case("decode", SMALL_SCENARIOS["decode"], h, kvh, 64, dtype, rotary=True)
+      for dtype in (torch.bfloat16, torch.float16) for h, kvh in ((8, 2), (7, 1))),
+    Case("decode", SMALL_SCENARIOS["decode"], 4, 1, 128, torch.bfloat16, num_kv_splits=3, rotary=True),
+    Case("decode", SMALL_SCENARIOS["decode"], 8, 2, 64, torch.float32, rotary=True),
+    Case("decode_wide", tuple((5 + 3 * i, 1) for i in range(16)), 8, 2, 64, torch.bfloat16, rotary=True),
+    Case("mixed", SMALL_SCENARIOS["mixed"], 8, 2, 64, torch.bfloat16, rotary=True),
+    Case("prefill_prefix", SMALL_SCENARIOS["prefill_prefix"], 7, 1, 64, torch.float16, rotary=True),
 ]
+
+
+def test_rotary_cases_take_both_paths() -> None:
+    """The small rotary cases cover RoPE inside the attention kernel (narrow decode batches)
+    and RoPE ahead of it (every other batch); the interpreter runs them."""
+    from kvserve.attention.triton_kernels.paged_attention import DecodePlan, choose_decode_plan, fuses_new_kv
+
+    fused = {}
+    for case in SMALL_CASES:
+        if case.rotary:
+            query, _, _, kv_cache, metadata = make_batch(case, "cpu")
+            plan = (DecodePlan(case.num_kv_splits) if case.num_kv_splits is not None
+                    else choose_decode_plan(metadata, case.num_kv_heads, kv_cache.dtype, torch.device("cpu")))
+            fused[case.id] = fuses_new_kv(metadata, plan.tile, query.dtype, kv_cache.dtype)
+    # The 16-bit "decode" cases (4 sequences) on the short plan fuse; forced splits (the 256-key
+    # tile), decode_wide (32 programs), mixed, prefill and fp32 batches do not.
+    assert fused == {id: id.startswith("decode-") and "float32" not in id and "splits" not in id for id in fused}
+    assert sum(fused.values()) == 4 and len(fused) == 9
 
 
 def run_small_cases() -> None:
@@ -166,10 +233,11 @@ def run_small_cases() -> None:
             results[case.id] = None
         except AssertionError as error:
             results[case.id] = str(error)
-    # The start-up warm-up launches its seven variants on a cache of one block and of many.
+    # The start-up warm-up launches its eight variants on a cache of one block and of many: seven,
+    # and the short-context plan taking RoPE and the cache write.
     launches = [warm_up(torch.zeros(2, blocks, 16, 2, 64, dtype=torch.float16), 8, torch.float16, 16)
                 for blocks in (1, 5)]
-    results["warm_up"] = None if launches == [7, 7] else f"launches {launches}"
+    results["warm_up"] = None if launches == [8, 8] else f"launches {launches}"
     print(json.dumps(results))
 
 
@@ -225,6 +293,10 @@ GPU_CASES = [
     for scenario, (seqs, block_size, splits) in GPU_SCENARIOS.items()
     for dtype, cache_dtype in ((torch.bfloat16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2),
                                (torch.float16, torch.float8_e4m3fn))
+] + [
+    Case(scenario, seqs, h, kvh, dim, dtype, block_size, splits, rotary=True)
+    for scenario, (seqs, block_size, splits) in GPU_SCENARIOS.items()
+    for dtype, dim, (h, kvh) in ((torch.bfloat16, 128, (32, 8)), (torch.float16, 64, (28, 4)))
 ]
 
 
@@ -265,10 +337,12 @@ def test_warm_up_leaves_nothing_to_compile(dtype: torch.dtype) -> None:
     for scenario, (seqs, block_size, splits) in GPU_SCENARIOS.items():
         if block_size != 16:
             continue
-        for forced in {splits, None}:
-            check_case(Case(scenario, seqs, 32, 8, 128, dtype, block_size, forced), "cuda")
-    for width in (1, 3, 16, 40):  # decode batches of these sizes, long contexts: chosen splits
-        check_case(Case("decode", tuple((1000 + 37 * i, 1) for i in range(width)), 32, 8, 128, dtype), "cuda")
+        for forced, rotary in itertools.product({splits, None}, (False, True)):
+            check_case(Case(scenario, seqs, 32, 8, 128, dtype, block_size, forced, rotary=rotary), "cuda")
+    for width, rotary in itertools.product((1, 3, 16, 40), (False, True)):
+        # Decode batches of these sizes, long contexts: chosen splits.
+        seqs = tuple((1000 + 37 * i, 1) for i in range(width))
+        check_case(Case("decode", seqs, 32, 8, 128, dtype, rotary=rotary), "cuda")
     assert [len(kernel.device_caches[device][0]) for kernel in jit_kernels] == compiled
 
 

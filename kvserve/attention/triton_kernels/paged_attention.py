@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kvserve import dependent_launch
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.model_executor.layers.triton_ops import rope_factor, rotate_pair
 
 LOG2_E = 1.4426950408889634
 
@@ -72,6 +73,11 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    key_ptr,  # NEW_KV: the step's keys [T, KVH, D], not yet rotated, and values
+    value_ptr,
+    cos_ptr,  # NEW_KV: RoPE's cos and sin [T, D / 2] fp32 at each token's position
+    sin_ptr,
+    slot_mapping_ptr,  # NEW_KV: each token's cache slot (< 0: padding, not stored)
     num_seqs,
     num_heads,
     num_kv_splits,
@@ -79,6 +85,11 @@ def _paged_attention_kernel(
     v_scale,
     stride_qt,
     stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
     stride_ot,
     stride_oh,
     stride_bt,
@@ -101,6 +112,11 @@ def _paged_attention_kernel(
     # dependents, fill it). For narrow decode batches, whose few programs wait on a chain of
     # loads; wide ones lost ~1% of W1 to the extra registers (BENCHMARKS.md).
     EARLY_METADATA: tl.constexpr,
+    # Decode batches (one query token a sequence) on the short-context tile (fuses_new_kv): q
+    # and k arrive unrotated, and this kernel applies RoPE to both and stores the new key and
+    # value in the cache itself (the program whose split holds the last key), using them from
+    # registers; two kernels a layer fewer (rotary, cache write) in the decode chain.
+    NEW_KV: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -120,6 +136,15 @@ def _paged_attention_kernel(
             tl.extra.cuda.gdc_wait()  # no program ends before the kernel it follows
         return
     seq_len = tl.load(seq_lens_ptr + seq)
+    dims = tl.arange(0, HEAD_DIM)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if NEW_KV:
+        # Also written ahead of the step's chain: the token's cos, sin and slot.
+        new_token = q_start.to(tl.int64)
+        halves = new_token * stride_cs + dims % HALF
+        cos = rope_factor(cos_ptr + halves, q_ptr.dtype.element_ty)
+        signed_sin = tl.where(dims < HALF, -1.0, 1.0) * rope_factor(sin_ptr + halves, q_ptr.dtype.element_ty)
+        new_slot = tl.load(slot_mapping_ptr + new_token)
     if PDL and EARLY_METADATA:
         tl.extra.cuda.gdc_wait()
 
@@ -129,13 +154,12 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + head_in_group
     row_valid = (q_idx < q_len) & (head_in_group < GROUP)
     q_pos = seq_len - q_len + q_idx  # context position of the row's token
-    dims = tl.arange(0, HEAD_DIM)
     token = q_start + q_idx
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=row_valid[:, None],
-        other=0.0,
-    )
+    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None], other=0.0)
+    if NEW_KV:
+        partner = tl.load(q_rows + (dims ^ HALF)[None, :], mask=row_valid[:, None], other=0.0)
+        q = rotate_pair(q, partner, cos[None, :], signed_sin[None, :], q_ptr.dtype.element_ty)
     if FP16_DOTS:
         # e4m3 and e5m2 convert to fp16 in one instruction for two values (to bf16 through
         # fp32); fp16 also holds q and the probabilities more precisely than bf16.
@@ -148,6 +172,19 @@ def _paged_attention_kernel(
     tile_start = split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
 
+    if NEW_KV:
+        new_pos = seq_len - 1  # the new token's key
+        owns_new = (new_pos // BLOCK_N >= tile_start) & (new_pos // BLOCK_N < tile_end)
+        new_k_row = key_ptr + new_token * stride_kt + kv_head * stride_kh
+        new_k = rotate_pair(tl.load(new_k_row + dims, mask=owns_new, other=0.0),
+                            tl.load(new_k_row + (dims ^ HALF), mask=owns_new, other=0.0),
+                            cos, signed_sin, k_cache_ptr.dtype.element_ty)
+        new_v = tl.load(value_ptr + new_token * stride_vt + kv_head * stride_vh + dims, mask=owns_new, other=0.0)
+        new_cache = new_slot * stride_cache_slot + kv_head * stride_cache_head + dims
+        stores_new = owns_new & (new_slot >= 0)
+        tl.store(k_cache_ptr + new_cache, new_k, mask=stores_new)
+        tl.store(v_cache_ptr + new_cache, new_v, mask=stores_new)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -155,14 +192,20 @@ def _paged_attention_kernel(
     for tile in range(tile_start, tile_end):
         k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         k_valid = k_pos < kv_len
+        if NEW_KV:
+            is_new = k_pos == new_pos
+            k_valid &= ~is_new  # not read back from the cache: it is in registers
         block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         # int64: a large cache holds more than 2**31 elements.
         slot = block * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_slot
         slot += kv_head * stride_cache_head
         k = tl.load(k_cache_ptr + slot[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
         v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
+        if NEW_KV:
+            k = tl.where(is_new[None, :], new_k[:, None], k)
+            v = tl.where(is_new[:, None], new_v[None, :], v)
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], s, float("-inf"))
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_len)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with nothing visible yet (padding rows) keep -inf; subtract 0 to avoid NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -272,6 +315,43 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# The tiles of narrow decode batches (one or two waves of programs at most): they read their
+# metadata before the PDL wait.
+NARROW_DECODE_TILES = (DECODE_TILE, SHORT_DECODE_TILE)
+
+
+class NewKV(NamedTuple):
+    """A decode step's unrotated keys and values [T, KVH, D] and RoPE's cos and sin [T, D / 2]
+    (fp32), for the attention kernel to rotate and store itself."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def decode_tile(metadata: AttentionMetadata, dtype: torch.dtype, tile: TileConfig | None) -> TileConfig:
+    """The tile a batch runs: `tile` if given, else the default for its shape and dtype."""
+    if tile is not None:
+        return tile
+    if metadata.max_query_len > 1:
+        return PREFILL_TILE
+    if dtype.itemsize > 2:
+        return FP32_DECODE_TILE
+    return WIDE_DECODE_TILE if metadata.num_seqs >= WIDE_BATCH else DECODE_TILE
+
+
+def fuses_new_kv(metadata: AttentionMetadata, tile: TileConfig | None, dtype: torch.dtype,
+                 kv_cache_dtype: torch.dtype) -> bool:
+    """Whether paged_attention takes this batch's RoPE and cache write (new_kv): a decode
+    batch (one query token a sequence) on the short-context tile, over a cache of the query's
+    dtype (a float8 cache's keys need a scale and a basis change first). On the 256-key tile
+    the new key and value held through the loop spill (sm_90: 172 -> 255 registers and a
+    stack); the 32-key tile takes them in 128 registers (80 without)."""
+    return (metadata.max_query_len == 1 and kv_cache_dtype == dtype
+            and decode_tile(metadata, dtype, tile) == SHORT_DECODE_TILE)
+
+
 class DecodePlan(NamedTuple):
     """How paged_attention runs a batch: its KV splits, and its key tile (None: the default
     for the batch). A CUDA graph pins one."""
@@ -330,25 +410,28 @@ def paged_attention(
     num_kv_splits: int = 1,
     tile: TileConfig | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    new_kv: NewKV | None = None,
 ) -> None:
     """output[T, H, D] = causal attention of query [T, H, D] over each sequence's paged
     context in kv_cache [2, num_blocks, block_size, KVH, D] (a float8 cache holds K/V
-    divided by kv_scales). Grid sizes come from the metadata's host-side fields only, so
-    no device sync happens here."""
+    divided by kv_scales). Given new_kv (decode batches, a cache of the query's dtype), the
+    query and the step's keys are unrotated: the kernel applies RoPE and stores the new keys
+    and values at metadata.slot_mapping (fuses_new_kv). Grid sizes come from the metadata's
+    host-side fields only, so no device sync happens here."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     assert num_heads % num_kv_heads == 0 and query.stride(-1) == 1 and output.stride(-1) == 1
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    if tile is None:
-        if metadata.max_query_len > 1:
-            tile = PREFILL_TILE
-        elif query.element_size() > 2:
-            tile = FP32_DECODE_TILE
-        else:
-            tile = WIDE_DECODE_TILE if metadata.num_seqs >= WIDE_BATCH else DECODE_TILE
+    tile = decode_tile(metadata, query.dtype, tile)
     block_m = max(tile.block_m, group_pad)
     num_q_blocks = num_tokens // (block_m // group_pad) + metadata.num_seqs
+    if new_kv is None:
+        key = value = cos = sin = query  # unused
+    else:
+        assert fuses_new_kv(metadata, tile, query.dtype, kv_cache.dtype), "not a batch the fused RoPE takes"
+        key, value, cos, sin = new_kv
+        assert key.stride(-1) == value.stride(-1) == 1 and cos.stride() == sin.stride() and cos.stride(-1) == 1
     split = num_kv_splits > 1
     if split:
         partial = torch.empty(
@@ -368,6 +451,11 @@ def paged_attention(
         metadata.block_tables,
         metadata.seq_lens,
         metadata.query_start_loc,
+        key,
+        value,
+        cos,
+        sin,
+        metadata.slot_mapping,
         metadata.num_seqs,
         num_heads,
         num_kv_splits,
@@ -375,6 +463,11 @@ def paged_attention(
         kv_scales[1],
         query.stride(0),
         query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        cos.stride(0),
         output.stride(0),
         output.stride(1),
         metadata.block_tables.stride(0),
@@ -391,7 +484,8 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         FP16_DOTS=kv_cache.element_size() == 1 and query.dtype == torch.bfloat16,
         V_FLOAT8_ASM=_float8_asm_format(kv_cache, query),
-        EARLY_METADATA=tile in (DECODE_TILE, SHORT_DECODE_TILE),
+        EARLY_METADATA=tile in NARROW_DECODE_TILES,
+        NEW_KV=new_kv is not None,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **dependent_launch.chained_options(query.device),
@@ -415,9 +509,11 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
     """Launch every kernel variant a step may pick for this model's shapes and dtypes once,
     so that Triton compiles them (or loads them from its cache) at start-up rather than
     during the first requests that need them: decode tiles for few and for WIDE_BATCH
-    sequences, verify-width prefill tiles, each unsplit and split, the merge, and (16- and
-    8-bit caches) the short-context plan's split tile. kv_cache is a layer's cache [2, blocks,
-    block_size, KVH, D] (read, not written). Returns the number of launches."""
+    sequences, verify-width prefill tiles, each unsplit and split, the merge, (16- and
+    8-bit caches) the short-context plan's split tile, and (a cache of the run dtype) that
+    tile taking RoPE and the cache write (new_kv). kv_cache is a layer's cache
+    [2, blocks, block_size, KVH, D] (read, not written: the new tokens' slots are padding).
+    Returns the number of launches."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     device = kv_cache.device
     blocks = list(range(min(2, kv_cache.shape[1])))
@@ -426,8 +522,10 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
     for num_seqs, query_len in ((1, 1), (WIDE_BATCH, 1), (1, 2)):
         num_tokens = num_seqs * query_len
         # The query as the model hands it over: a view of the fused q/k/v projection's rows.
-        query = torch.zeros(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype,
-                            device=device)[:, :num_heads]
+        query, key, value = torch.zeros(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype,
+                                        device=device).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        cos = torch.zeros(num_tokens, head_dim // 2, dtype=torch.float32, device=device)
+        new_kv = NewKV(key, value, cos, cos)
         starts = [i * query_len for i in range(num_seqs + 1)]
         metadata = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
@@ -441,7 +539,10 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
         if num_seqs == 1 and query_len == 1 and _short_plan_serves(kv_cache.dtype):
             plans.append(DecodePlan(2, SHORT_DECODE_TILE))
         for plan in plans:
-            output = torch.empty(query.shape, dtype=dtype, device=device)
-            paged_attention(query, kv_cache, metadata, head_dim**-0.5, output, plan.num_kv_splits, tile=plan.tile)
-            launches += 1
+            fused = (False, True) if fuses_new_kv(metadata, plan.tile, dtype, kv_cache.dtype) else (False,)
+            for with_new_kv in fused:
+                output = torch.empty(query.shape, dtype=dtype, device=device)
+                paged_attention(query, kv_cache, metadata, head_dim**-0.5, output, plan.num_kv_splits,
+                                tile=plan.tile, new_kv=new_kv if with_new_kv else None)
+                launches += 1
     return launches

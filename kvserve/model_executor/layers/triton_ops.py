@@ -60,6 +60,21 @@ def add_rms_norm(
 
 
 @triton.jit
+def rope_factor(ptrs, dtype: tl.constexpr):
+    """cos or sin values (fp32 in memory) cast to the run dtype, as the torch path does."""
+    return tl.load(ptrs).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def rotate_pair(x, partner, cos, signed_sin, dtype: tl.constexpr):
+    """RoPE of x given its rotate_half partner: x cos + partner (+-sin), each product rounded
+    to the run dtype as in the torch path (x1 cos - x2 sin for the first half, x2 cos + x1 sin
+    for the second); the result in the run dtype."""
+    return ((x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+            + (partner.to(tl.float32) * signed_sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr, cos_ptr, sin_ptr, num_heads, stride_t, stride_h, stride_cs,
     HALF: tl.constexpr, HEADS_PAD: tl.constexpr, PDL: tl.constexpr,
@@ -70,16 +85,13 @@ def _rotary_kernel(
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < num_heads
     dtype = x_ptr.dtype.element_ty
-    # cos/sin are cast to the run dtype and every product rounded, as in the torch path.
-    cos = tl.load(cos_ptr + token * stride_cs + dims).to(dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + token * stride_cs + dims).to(dtype).to(tl.float32)
+    cos = rope_factor(cos_ptr + token * stride_cs + dims, dtype)
+    sin = rope_factor(sin_ptr + token * stride_cs + dims, dtype)
     first = x_ptr + token * stride_t + heads * stride_h + dims
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(first, out1.to(dtype), mask=mask)
-    tl.store(first + HALF, out2.to(dtype), mask=mask)
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    tl.store(first, rotate_pair(x1, x2, cos, -sin, dtype), mask=mask)
+    tl.store(first + HALF, rotate_pair(x2, x1, cos, sin, dtype), mask=mask)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

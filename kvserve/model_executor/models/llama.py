@@ -56,21 +56,26 @@ class LlamaAttention(nn.Module):
         num_tokens = q_and_k.shape[0]
         heads = q_and_k.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        float8 = kv_cache.dtype in FLOAT8_DTYPES
+        q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
         if self.qk_norm:
-            q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
             q, k = self.q_norm(q), self.k_norm(k)
+        # The backend applies RoPE where it saves launches (at decode, inside its attention
+        # kernel); a float8 cache's keys change basis after RoPE, so those rotate here.
+        rotary = (cos, sin) if self.attn_backend.fuses_rotary and not float8 else None
+        if rotary is None and self.qk_norm:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            if kv_cache.dtype in FLOAT8_DTYPES:
+            if float8:
                 q, k = rotate_queries_and_keys(q, k)
-        else:
+        elif rotary is None:
             # q and k are adjacent heads of the fused projection: one rotary launch (and one
             # basis change for a float8 cache) covers both.
             heads = apply_rotary(heads, cos, sin)
-            if kv_cache.dtype in FLOAT8_DTYPES:
+            if float8:
                 heads = to_key_basis(heads)
             q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn_backend.forward(
-            q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales
+            q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales, rotary
         )
         return out.reshape(num_tokens, self.q_size)
 
