@@ -1,13 +1,16 @@
 """What one kernel can read: for each of llama3-8b's int4 g128 linears (packed weights plus
-fp32 scales and offsets), the time of a plain streaming read of as many bytes (each program
-XOR-reduces a contiguous run, Triton-pipelined loads; the best of a small grid), of a bf16
-cuBLAS GEMV of as many bytes, and of kvserve's int4 kernel at one row. CUDA graphs cycling
-through >= 256 MB of copies, as gpu_one_row_configs.py times them.
+fp32 scales and offsets) or fp8 ones (a byte a weight plus an fp32 scale a row), the time of
+a plain streaming read of as many bytes (each program XOR-reduces a contiguous run,
+Triton-pipelined loads; the best of a small grid), of a bf16 cuBLAS GEMV of as many bytes,
+and of kvserve's kernel for the format at one row. CUDA graphs cycling through >= 256 MB of
+copies, as gpu_one_row_configs.py times them.
 
-    python benchmarks/gpu_read_ceiling.py
+    python benchmarks/gpu_read_ceiling.py [--format int4|fp8]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import triton
@@ -45,11 +48,14 @@ def read_us(nbytes: int) -> tuple[float, str]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--format", default="int4", choices=("int4", "fp8"), help="The weights' format.")
+    fmt = parser.parse_args().format
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "us a call (CUDA graph over copies)", flush=True)
-    total = {"read": 0.0, "cublas": 0.0, "int4": 0.0}
+    total = {"read": 0.0, "cublas": 0.0, fmt: 0.0}
     for name, (n, k) in SHAPES.items():
-        nbytes = n * k // 2 + n * (k // 128) * 8
+        nbytes = n * k // 2 + n * (k // 128) * 8 if fmt == "int4" else n * k + n * 4
         us, how = read_us(nbytes)
         rows = nbytes // (2 * k)
         mats = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -57,12 +63,12 @@ def main() -> None:
         x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
         cublas = graph_us([lambda m=m: torch.mv(m, x) for m in mats])
         del mats
-        stored = weights("int4", n, k, max(2, -(-MIN_BYTES // nbytes)))
-        int4 = time_config(x[None], stored, None)
+        stored = weights(fmt, n, k, max(2, -(-MIN_BYTES // nbytes)))
+        kernel = time_config(x[None], stored, None)
         print(f"{name}: {nbytes / 1e6:.1f} MB; read {us:.2f} us ({nbytes / us / 1e6:.2f} TB/s; {how}); "
               f"bf16 cuBLAS GEMV of {rows} x {k} {cublas:.2f} us ({nbytes / cublas / 1e6:.2f} TB/s); "
-              f"int4 {int4:.2f} us ({nbytes / int4 / 1e6:.2f} TB/s)", flush=True)
-        for key, value in (("read", us), ("cublas", cublas), ("int4", int4)):
+              f"{fmt} {kernel:.2f} us ({nbytes / kernel / 1e6:.2f} TB/s)", flush=True)
+        for key, value in (("read", us), ("cublas", cublas), (fmt, kernel)):
             total[key] += value * 32 / 1e3
     print("one step's linears (ms): " + ", ".join(f"{key} {value:.3f}" for key, value in total.items()))
 

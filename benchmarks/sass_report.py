@@ -13,6 +13,7 @@ import collections
 import re
 
 from kvserve.quantization.weight_only import mma, words
+from kvserve.quantization.weight_only.matmul import WORD_KERNEL_MAX_REGISTERS
 from kvserve.triton_offline import compile_kernel, main_loop, resource_usage
 
 
@@ -36,17 +37,22 @@ def main() -> None:
     args = parser.parse_args()
     if args.kernel == "int4-fma":  # the production one-row config, 1x128x256
         kernel, constexprs = words.int4_gemv_kernel, dict(X_BF16=True, HAS_OFFSET=True, SPLIT=True, BLOCK_M=1,
-                                                          BLOCK_N=128, BLOCK_K=256, TWO_GROUPS=True, PDL=True)
+                                                          BLOCK_N=128, BLOCK_K=256, TWO_GROUPS=True, PDL=True, ROW_SCALE=False, PARTIALS=1,
+                                                          ADD_NORM=False)
     elif args.kernel == "int4-mma":
         kernel, constexprs = mma.int4_mma_kernel, dict(FP16=False, HAS_OFFSET=True, SPLIT=True,
                                                        ROW_TILES=args.row_tiles, NUM_WARPS=args.warps,
-                                                       X_TILES=args.x_tiles, LAUNCH_NEXT=True)
+                                                       X_TILES=args.x_tiles, LAUNCH_NEXT=True,
+                                                       ROW_SCALE=False, PARTIALS=1)
     else:
         kernel, constexprs = mma.fp8_mma_kernel, dict(X_BF16=True, SPLIT=True, ROW_TILES=args.row_tiles,
-                                                      NUM_WARPS=args.warps, X_TILES=args.x_tiles, PDL=True)
+                                                      NUM_WARPS=args.warps, X_TILES=args.x_tiles, PDL=True,
+                                                      ROW_SCALE=False, PARTIALS=1, ADD_NORM=False)
     if args.one_row:
         constexprs["M"] = 1
-    compiled = compile_kernel(kernel, constexprs, args.warps)
+    # The word kernel launches with an explicit register limit (matmul.WORD_KERNEL_MAX_REGISTERS).
+    maxnreg = WORD_KERNEL_MAX_REGISTERS if args.kernel == "int4-fma" else None
+    compiled = compile_kernel(kernel, constexprs, args.warps, maxnreg=maxnreg)
     tiles = f", {args.row_tiles} row tiles, {args.x_tiles} x tiles" if args.kernel != "int4-fma" else ""
     shared = ", shared memory" if "local_alloc" in compiled.asm["ttgir"] else ""
     rows = ", one row" if args.one_row else ""
