@@ -17,7 +17,7 @@ from kvserve.attention.triton_kernels.paged_attention import (
     paged_attention,
     warm_up as warm_up_kernels,
 )
-from kvserve.model_executor.layers.triton_ops import rotary_
+from kvserve.model_executor.layers.triton_ops import rotary_queries_and_keys_
 
 logger = logging.getLogger(__name__)
 
@@ -71,23 +71,10 @@ class TritonAttentionBackend:
             new_kv = NewKV(key, value, *rotary)
         else:
             if rotary is not None:
-                _rotate_(query, key, *rotary)
+                rotary_queries_and_keys_(query, key, *rotary)
             write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         paged_attention(query, kv_cache, metadata, scale, output, plan.num_kv_splits, tile=plan.tile,
                         kv_scales=kv_scales, new_kv=new_kv)
         return output
 
-
-def _rotate_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """RoPE on query [T, H, D] and key [T, KVH, D] in place: one launch where the key's heads
-    directly follow the query's (views of the fused q/k/v projection), else one each."""
-    heads_stride = query.stride(1)
-    adjacent = (key.dtype == query.dtype and key.stride() == query.stride() and key.stride(-1) == 1
-                and key.data_ptr() == query.data_ptr() + query.shape[1] * heads_stride * query.element_size())
-    if adjacent:
-        rotary_(torch.as_strided(query, (query.shape[0], query.shape[1] + key.shape[1], query.shape[2]),
-                                 query.stride()), cos, sin)
-    else:
-        rotary_(query, cos, sin)
-        rotary_(key, cos, sin)

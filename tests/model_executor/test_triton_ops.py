@@ -57,6 +57,7 @@ def check_shape(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict
 
     # q and k as strided views of one fused projection, as the model has them.
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    pristine = qkv.clone()  # on CPU, qkv.to(device) below is qkv itself, rotated in place
     positions = torch.randint(0, 4000, (tokens,), generator=gen)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]
@@ -71,6 +72,21 @@ def check_shape(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict
     errors["rotary"] = max(rel(q, q_ref), rel(k, k_ref))
     untouched = qkv_dev[:, (heads + kv_heads) * head_dim :].cpu()
     errors["rotary_leaves_v"] = rel(untouched, qkv[:, (heads + kv_heads) * head_dim :])
+    # The attention backend's form: q and k in one launch where k's heads follow q's (views
+    # of the projection), in two where they do not (separate tensors, e.g. after q/k norms).
+    for name, layout in (("adjacent", pristine.clone().to(device)), ("separate", None)):
+        if layout is None:
+            q = pristine[:, : heads * head_dim].reshape(tokens, heads, head_dim).clone().to(device)
+            k = pristine[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(
+                tokens, kv_heads, head_dim).clone().to(device)
+        else:
+            q = layout[:, : heads * head_dim].view(tokens, heads, head_dim)
+            k = layout[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        triton_ops.rotary_queries_and_keys_(q, k, cos.to(device), sin.to(device))
+        errors[f"rotary_queries_and_keys_{name}"] = max(rel(q, q_ref), rel(k, k_ref))
+        if layout is not None:
+            errors["rotary_queries_and_keys_leaves_v"] = rel(layout[:, (heads + kv_heads) * head_dim :],
+                                                             pristine[:, (heads + kv_heads) * head_dim :])
 
     gate_up = (torch.randn(tokens, 2 * inter, generator=gen) * 3).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -108,7 +124,7 @@ def interpreted_results() -> dict[str, dict[str, float]]:
 @pytest.mark.parametrize("shape", SMALL_SHAPES, ids=str)
 def test_interpreted_kernels_match_torch(shape, dtype, interpreted_results):
     errors = interpreted_results[f"{shape}-{dtype}"]
-    assert errors["rotary_leaves_v"] == 0
+    assert errors["rotary_leaves_v"] == errors["rotary_queries_and_keys_leaves_v"] == 0
     assert all(error <= MAX_EPS[dtype] for error in errors.values()), errors
 
 
@@ -119,5 +135,5 @@ def test_cuda_kernels_match_torch(shape, dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     errors = check_shape(shape, dtype, "cuda")
-    assert errors["rotary_leaves_v"] == 0
+    assert errors["rotary_leaves_v"] == errors["rotary_queries_and_keys_leaves_v"] == 0
     assert all(error <= MAX_EPS[dtype] for error in errors.values()), errors

@@ -107,6 +107,21 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x
 
 
+def rotary_queries_and_keys_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """RoPE on query [T, H, D] and key [T, KVH, D] in place: one launch where the key's heads
+    directly follow the query's (views of the fused q/k/v projection), else one each."""
+    # (A one-token view's first stride is whatever view() gave it: it is never stepped.)
+    same_strides = key.stride()[1:] == query.stride()[1:] and (query.shape[0] == 1 or key.stride(0) == query.stride(0))
+    adjacent = (key.dtype == query.dtype and same_strides and key.stride(-1) == 1
+                and key.data_ptr() == query.data_ptr() + query.shape[1] * query.stride(1) * query.element_size())
+    if adjacent:
+        rotary_(torch.as_strided(query, (query.shape[0], query.shape[1] + key.shape[1], query.shape[2]),
+                                 query.stride()), cos, sin)
+    else:
+        rotary_(query, cos, sin)
+        rotary_(key, cos, sin)
+
+
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
     dependent_launch.chained(PDL)
