@@ -330,7 +330,7 @@ class NewKV(NamedTuple):
     sin: torch.Tensor
 
 
-def decode_tile(metadata: AttentionMetadata, dtype: torch.dtype, tile: TileConfig | None) -> TileConfig:
+def batch_tile(metadata: AttentionMetadata, dtype: torch.dtype, tile: TileConfig | None) -> TileConfig:
     """The tile a batch runs: `tile` if given, else the default for its shape and dtype."""
     if tile is not None:
         return tile
@@ -349,7 +349,7 @@ def fuses_new_kv(metadata: AttentionMetadata, tile: TileConfig | None, dtype: to
     the new key and value held through the loop spill (sm_90: 172 -> 255 registers and a
     stack); the 32-key tile takes them in 128 registers (80 without)."""
     return (metadata.max_query_len == 1 and kv_cache_dtype == dtype
-            and decode_tile(metadata, dtype, tile) == SHORT_DECODE_TILE)
+            and batch_tile(metadata, dtype, tile) == SHORT_DECODE_TILE)
 
 
 class DecodePlan(NamedTuple):
@@ -423,7 +423,7 @@ def paged_attention(
     assert num_heads % num_kv_heads == 0 and query.stride(-1) == 1 and output.stride(-1) == 1
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    tile = decode_tile(metadata, query.dtype, tile)
+    tile = batch_tile(metadata, query.dtype, tile)
     block_m = max(tile.block_m, group_pad)
     num_q_blocks = num_tokens // (block_m // group_pad) + metadata.num_seqs
     if new_kv is None:
