@@ -34,10 +34,11 @@ class Case:
     block_size: int = 16
     num_kv_splits: int | None = None  # None: the backend's own choice
     cache_dtype: torch.dtype | None = None  # None: the query's; float8 caches store K/V / KV_SCALES
-    # q and k handed over unrotated, as adjacent heads of one q/k/v buffer (the model's
-    # layout), with RoPE's (cos, sin): narrow decode batches rotate and write inside the
-    # attention kernel, others rotate first.
+    # q and k handed over unrotated, with RoPE's (cos, sin): narrow decode batches rotate and
+    # write inside the attention kernel, others rotate first. qk_views: q, k and v as views of
+    # one q/k/v buffer (the model's layout); else separate tensors (as after q/k norms).
     rotary: bool = False
+    qk_views: bool = True
 
     @property
     def id(self) -> str:
@@ -47,6 +48,7 @@ class Case:
         return (
             f"{self.scenario}-{dtype}-d{self.head_dim}-h{self.num_heads}kv{self.num_kv_heads}"
             f"-bs{self.block_size}{splits}{cache}{'-rotary' if self.rotary else ''}"
+            f"{'' if self.qk_views else '-separate'}"
         )
 
 
@@ -93,7 +95,7 @@ def make_batch(case: Case, device: str, seed: int = 0):
     )
     to = dict(device=device, dtype=case.dtype)
     query, keys, values = query.to(**to), torch.cat(keys).to(**to), torch.cat(values).to(**to)
-    if case.rotary:
+    if case.rotary and case.qk_views:
         qkv = torch.cat([query, keys, values], dim=1)
         query, keys, values = qkv.split([case.num_heads, kvh, kvh], dim=1)
     if case.cache_dtype is not None:
@@ -201,6 +203,8 @@ SMALL_CASES = [
     Case("decode_wide", tuple((5 + 3 * i, 1) for i in range(16)), 8, 2, 64, torch.bfloat16, rotary=True),
     Case("mixed", SMALL_SCENARIOS["mixed"], 8, 2, 64, torch.bfloat16, rotary=True),
     Case("prefill_prefix", SMALL_SCENARIOS["prefill_prefix"], 7, 1, 64, torch.float16, rotary=True),
+    Case("decode", SMALL_SCENARIOS["decode"], 8, 2, 64, torch.bfloat16, rotary=True, qk_views=False),
+    Case("mixed", SMALL_SCENARIOS["mixed"], 8, 2, 64, torch.bfloat16, rotary=True, qk_views=False),
 ]
 
 
@@ -219,7 +223,7 @@ def test_rotary_cases_take_both_paths() -> None:
     # The 16-bit "decode" cases (4 sequences) on the short plan fuse; forced splits (the 256-key
     # tile), decode_wide (32 programs), mixed, prefill and fp32 batches do not.
     assert fused == {id: id.startswith("decode-") and "float32" not in id and "splits" not in id for id in fused}
-    assert sum(fused.values()) == 4 and len(fused) == 9
+    assert sum(fused.values()) == 5 and len(fused) == 11
 
 
 def run_small_cases() -> None:
