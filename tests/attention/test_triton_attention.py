@@ -301,6 +301,10 @@ GPU_CASES = [
     Case(scenario, seqs, h, kvh, dim, dtype, block_size, splits, rotary=True)
     for scenario, (seqs, block_size, splits) in GPU_SCENARIOS.items()
     for dtype, dim, (h, kvh) in ((torch.bfloat16, 128, (32, 8)), (torch.float16, 64, (28, 4)))
+] + [
+    # q and k as separate tensors (as after q/k norms): fused on the short plan, else rotated first.
+    Case(scenario, GPU_SCENARIOS[scenario][0], 32, 8, 128, torch.bfloat16, rotary=True, qk_views=False)
+    for scenario in ("decode_short", "mixed")
 ]
 
 
