@@ -23,9 +23,10 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_int8_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [N, K] in [-127, 127], scale fp32 [N, K / group_size]) with weight ~= q *
-    scale per group of columns: symmetric, the group's largest |w| to 127. Weights on a Q8_0 grid (GGUF: w = q d, d fp16, |q| = 127 somewhere in each
-    32-wide block, as llama.cpp's quantizer writes them) come back as exactly those q and d
-    with 32-wide groups: a block's largest |w| is 127 d."""
+    scale per group of columns: symmetric, the group's largest |w| to 127. Weights on a Q8_0
+    grid (GGUF: w = q d, d fp16, |q| = 127 somewhere in each 32-wide block, as llama.cpp's
+    quantizer writes them) come back as exactly those q and d with 32-wide groups: a block's
+    largest |w| is 127 d."""
     n, k = weight.shape
     groups = weight.float().reshape(n, k // group_size, group_size)
     scale = groups.abs().amax(dim=2).clamp(min=1e-12) / 127

@@ -194,6 +194,24 @@ const T* prefetch_target(const T* w, int64_t i, int64_t row, int64_t n, int64_t 
   return i == 0 && ahead + kRowsPerTile <= n ? w + ahead * k : nullptr;
 }
 
+// The portable form of the group-scaled dots (no AVX2): sums[j * R + r] = sum over groups g of
+// scale[r, g] * (weight(r, c) . xq[j, c] over the group's columns), int64 within a group.
+template <int64_t X, int64_t R, typename Weight>
+void scalar_group_dots(const int16_t* xq, int64_t x_stride, const float* scale, int64_t groups, int64_t group,
+                       float* sums, const Weight& weight) {
+  for (int64_t j = 0; j < X; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int64_t dot = 0;
+        for (int64_t c = g * group; c < (g + 1) * group; ++c) dot += weight(r, c) * xq[j * x_stride + c];
+        total += scale[r * groups + g] * static_cast<float>(dot);
+      }
+      sums[j * R + r] = total;
+    }
+  }
+}
+
 // sums[j * R + r] = sum over groups g of scale[r * groups + g] * (q[r, group g] . xq[j, group g])
 // for R rows of q and X rows of xq (`k` apart; `group` a multiple of kLanes, so no column
 // tail): int32 within a group (at most kFlushColumns wide), fp32 across.
@@ -211,18 +229,8 @@ void group_dot_rows(const int16_t* xq, int64_t x_stride, const int8_t* q, int64_
   }
   store_lane_sums<X, R>(acc, sums);
 #else
-  for (int64_t j = 0; j < X; ++j) {
-    for (int64_t r = 0; r < R; ++r) {
-      float total = 0.f;
-      for (int64_t g = 0; g < groups; ++g) {
-        int64_t dot = 0;
-        for (int64_t c = g * group; c < (g + 1) * group; ++c)
-          dot += static_cast<int64_t>(q[r * k + c]) * xq[j * x_stride + c];
-        total += scale[r * groups + g] * static_cast<float>(dot);
-      }
-      sums[j * R + r] = total;
-    }
-  }
+  scalar_group_dots<X, R>(xq, x_stride, scale, groups, group, sums,
+                          [&](int64_t r, int64_t c) { return static_cast<int64_t>(q[r * k + c]); });
 #endif
 }
 
@@ -417,27 +425,15 @@ void int4_dot(const int16_t* xq, int64_t k, const void* weights, int64_t row_byt
   }
   store_lane_sums<X, R>(acc, sums);
 #else
-  for (int64_t j = 0; j < X; ++j) {
-    for (int64_t r = 0; r < R; ++r) {
-      float total = 0.f;
-      for (int64_t g = 0; g < groups; ++g) {
-        int64_t dot = 0;
-        for (int64_t c = g * group; c < (g + 1) * group; ++c) {
-          const int64_t lane = c % kInt4Chunk;
-          int64_t value;
-          if constexpr (PACKED) {
-            const uint8_t byte = static_cast<const uint8_t*>(weights)[r * row_bytes + (c - lane) / 2 + lane % 16];
-            value = lane < 16 ? (byte & 15) : (byte >> 4);
-          } else {
-            value = static_cast<const int16_t*>(weights)[r * k + c];
-          }
-          dot += value * xq[j * k + c];
-        }
-        total += scale[r * groups + g] * static_cast<float>(dot);
-      }
-      sums[j * R + r] = total;
+  scalar_group_dots<X, R>(xq, k, scale, groups, group, sums, [&](int64_t r, int64_t c) -> int64_t {
+    if constexpr (PACKED) {
+      const int64_t lane = c % kInt4Chunk;
+      const uint8_t byte = static_cast<const uint8_t*>(weights)[r * row_bytes + (c - lane) / 2 + lane % 16];
+      return lane < 16 ? (byte & 15) : (byte >> 4);
+    } else {
+      return static_cast<const int16_t*>(weights)[r * k + c];
     }
-  }
+  });
 #endif
 }
 
