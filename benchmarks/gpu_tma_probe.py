@@ -27,7 +27,7 @@ def _int4_tma_kernel(
     col0 = tl.program_id(0) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    first, last = split_tiles(num_tiles, tiles_per_split)
+    first, last = split_tiles(num_tiles, tiles_per_split, False)
     words = tl.arange(0, WORDS)
     second_half = (words >= WORDS // 2)[None, :]
     x_words = x_ptr.to(tl.pointer_type(tl.int32)) + 4 * words  # bf16 pairs: 8 values a weight word

@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch import nn
 
 from kvserve.quantization import base
@@ -21,6 +24,8 @@ from kvserve.quantization.fp8_activation import quantize_per_token
 from kvserve.quantization.int4 import Int4Linear, dequantize_int4, quantize_int4
 from kvserve.quantization.int8 import GroupInt8Linear, Int8Linear
 from kvserve.quantization.weight_only import LaunchConfig, unpack_weight, weight_only_matmul
+from kvserve.quantization.weight_only.matmul import split_k
+from kvserve.quantization.weight_only.tiles import split_tiles
 from tests.triton_interpreter import run_interpreted
 
 # Worst relative error ||y - ref|| / ||ref|| per row against fp64 on the same weights.
@@ -112,7 +117,8 @@ class WordsCase(NamedTuple):
     """A call of the int4 int32-word kernels: `config` None takes default_config; variant
     "unaligned" hands x as a view at an odd element offset (bf16 pairs cannot load as one
     int32), "no_offset" drops the minimums (W = q * scale), "fp16_scales" passes scales and
-    minimums in fp16 (as Int4Linear stores them on CUDA)."""
+    minimums in fp16 (as Int4Linear stores them on CUDA), "even_splits" spreads K's tiles
+    over the splits as evenly as they go (LaunchConfig.even_splits)."""
     kernel: str | None
     rows: int
     n: int
@@ -148,6 +154,9 @@ WORDS_CASES = [
     WordsCase("fma", 2, 33, 256, 128, (2, 16, 128, 2), "no_offset"),
     WordsCase("fma", 1, 37, 512, 128, (1, 32, 256, 2), "fp16_scales"),
     WordsCase("fma", 3, 19, 384, 64, (4, 16, 64, 3), "fp16_scales"),
+    # 16 tiles in 6 splits: runs of 3, 3, 3, 3, 3, 1, and as even splits 3, 3, 3, 3, 2, 2.
+    WordsCase("fma", 1, 37, 512, 32, (1, 16, 32, 6)),
+    WordsCase("fma", 1, 37, 512, 32, (1, 16, 32, 6), "even_splits"),
     WordsCase("dot", 1, 37, 128, 32, (16, 16, 32, None)),
     WordsCase("dot", 2, 45, 256, 64, (16, 32, 32, 3)),
     WordsCase("dot", 3, 33, 384, 128, (16, 16, 128, 3)),
@@ -165,7 +174,7 @@ WORDS_DTYPES = (torch.bfloat16, torch.float16)
 class Fp8WordsCase(WordsCase):
     """A call of the fp8 int32-word kernels: group_size None is per-channel scales;
     `config` None takes default_config (odd K then falls back to the byte kernels);
-    variant "unaligned" hands x as a view at an odd element offset."""
+    variants "unaligned" and "even_splits" as for WordsCase."""
 
     __slots__ = ()
 
@@ -179,6 +188,7 @@ class Fp8WordsCase(WordsCase):
 FP8_WORDS_CASES = [
     Fp8WordsCase("fma", 1, 37, 320, None, (1, 16, 64, 3)),
     Fp8WordsCase("fma", 1, 45, 256, 64, (1, 32, 128, 2)),
+    Fp8WordsCase("fma", 1, 37, 512, None, (1, 16, 32, 6), "even_splits"),
     Fp8WordsCase("fma", 3, 33, 384, 128, (4, 16, 128, 3)),
     Fp8WordsCase("fma", 16, 21, 128, None, (16, 16, 32, None)),
     Fp8WordsCase("fma", 5, 37, 192, 32, (2, 32, 32, 4), "unaligned"),
@@ -211,7 +221,8 @@ def _words_inputs(case: WordsCase, dtype: torch.dtype) -> tuple[torch.Tensor, La
     config = None
     if case.config is not None:
         block_m, block_n, block_k, split = case.config
-        config = LaunchConfig(block_m, block_n, block_k, split_k=split, words=case.kernel)
+        config = LaunchConfig(block_m, block_n, block_k, split_k=split, words=case.kernel,
+                              even_splits=case.variant == "even_splits")
     return x, config
 
 
@@ -283,6 +294,8 @@ def run_small_cases() -> None:
             y = weight_only_matmul(x, *kernel_args(layer), config=config)
             assert y.dtype == dtype and y.shape == (m, n)
             results[_case_id(case, dtype)] = relative_error(y, x, layer.dequantize(torch.float64))
+    for num_tiles, splits, even in SPLIT_TILES_CASES:
+        results[f"split-tiles-{num_tiles}-{splits}-{even}"] = split_tile_ranges(num_tiles, splits, even)
     for m, k in PER_TOKEN_SHAPES:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16) * 3
         x[0] = 0  # an all-zero row keeps a finite scale
@@ -333,6 +346,28 @@ def unpack_error(kind: str, n: int, k: int, group_size: int, device: str) -> str
     return None
 
 
+# (K tiles, splits, even_splits): llama3-8b's fp8 down at one row on an H100 (112 in 23),
+# int4's qkv (16 in 6), and others uneven and even.
+SPLIT_TILES_CASES = [(tiles, splits, even) for tiles, splits in ((112, 23), (16, 6), (5, 3), (7, 7), (8, 4), (3, 1))
+                     for even in (False, True)]
+
+
+@triton.jit
+def _split_tiles_kernel(out_ptr, num_tiles, tiles_per_split, EVEN_SPLITS: tl.constexpr):
+    first, last = split_tiles(num_tiles, tiles_per_split, EVEN_SPLITS)
+    tl.store(out_ptr + 2 * tl.program_id(2), first)
+    tl.store(out_ptr + 2 * tl.program_id(2) + 1, last)
+
+
+def split_tile_ranges(num_tiles: int, splits: int, even: bool) -> list[list[int]]:
+    """Each split's [first, last) K tiles as split_tiles gives them (grid axis 2), for the
+    splits split_k makes of a fixed split_k."""
+    splits, tiles_per_split = split_k(LaunchConfig(1, 16, 32, split_k=splits), num_tiles, 1, torch.device("cpu"))
+    out = torch.full((splits, 2), -1, dtype=torch.int32)
+    _split_tiles_kernel[(1, 1, splits)](out, num_tiles, tiles_per_split, EVEN_SPLITS=even)
+    return out.tolist()
+
+
 @pytest.fixture(scope="module")
 def interpreted_errors() -> dict[str, float | bool]:
     pytest.importorskip("triton")
@@ -363,6 +398,19 @@ def test_interpreted_fp8_word_kernels_match_reference(case, dtype, interpreted_e
 def test_interpreted_fp8_word_kernels_read_every_e4m3_code_exactly(case, grouped, dtype, interpreted_errors) -> None:
     kernel, block_m, split = case
     assert interpreted_errors[f"fp8-codes-{kernel}-{block_m}-{split}-{grouped}-{str(dtype).removeprefix('torch.')}"]
+
+
+@pytest.mark.parametrize("case", SPLIT_TILES_CASES, ids=lambda c: "{}-tiles-{}-splits-even{}".format(*c))
+def test_interpreted_splits_cover_k_in_the_chosen_runs(case, interpreted_errors) -> None:
+    """Consecutive runs covering every tile once: as even as they go, longer runs first (as
+    numpy's array_split), or runs of ceil(tiles / splits) with the remainder last."""
+    num_tiles, splits, even = case
+    if even:
+        runs = [(int(run[0]), int(run[-1]) + 1) for run in np.array_split(np.arange(num_tiles), splits)]
+    else:
+        size = -(-num_tiles // splits)
+        runs = [(first, min(first + size, num_tiles)) for first in range(0, num_tiles, size)]
+    assert interpreted_errors[f"split-tiles-{num_tiles}-{splits}-{even}"] == [list(run) for run in runs]
 
 
 @pytest.mark.parametrize("kind", UNPACK_KINDS)
@@ -517,14 +565,19 @@ def test_gpu_sweep_configs_match_reference(fmt, rows) -> None:
                     assert torch.equal(y, weight_only_matmul(x, *kernel_args(layer), config=config)), config
 
 
+# (split_k, even_splits) of the mma kernels' GPU tests: one split, the default's, and 6
+# fixed (16 or 32 K tiles: a short last split, or runs of 3 and 2, 6 and 5) both ways.
+SPLIT_LAYOUTS = ((1, False), (None, False), (None, True), (6, False), (6, True))
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_gpu_int4_mma_kernel_matches_reference(dtype) -> None:
     """The mma.sync kernel at every row count of one x tile and across 2-4 tiles (9-32 rows),
     with and without offsets, 128- and 256-wide groups and one group a row, weight rows that
-    are not whole warp tiles, one split and several: against the fp64 dequantized weight, and
-    deterministic."""
+    are not whole warp tiles, one split and several (SPLIT_LAYOUTS): against the fp64
+    dequantized weight, and deterministic."""
     cases = [(m, 200, 512, 128, True, 128, 4) for m in (*range(1, 10), 15, 16, 17, 31, 32)] + [
         (8, 96, 1024, 256, False, 128, 4), (5, 1000, 2048, 2048, True, 256, 8), (2, 37, 256, 128, True, 64, 2),
         (1, 4096, 4096, 128, True, 64, 4), (4, 14336, 4096, 128, True, 128, 4), (24, 96, 1024, 256, False, 64, 4),
@@ -539,8 +592,9 @@ def test_gpu_int4_mma_kernel_matches_reference(dtype) -> None:
         qweight = q[:, 0::2] | (q[:, 1::2] << 4)  # low nibble: even k
         offset = offset if has_offset else None
         x = torch.randn(m, k, device="cuda").to(dtype)
-        for split in (1, None):
-            config = LaunchConfig(8, block_n, 256, num_warps=warps, num_stages=1, split_k=split, words="mma")
+        for split, even in SPLIT_LAYOUTS:
+            config = LaunchConfig(8, block_n, 256, num_warps=warps, num_stages=1, split_k=split, words="mma",
+                                  even_splits=even)
             y = weight_only_matmul(x, qweight, scale, offset, group, four_bit=True, config=config)
             error = relative_error(y, x, reference)
             assert error <= TOLERANCE[dtype], f"{(m, n, k, group, has_offset, block_n, split)}: {error:.2e}"
@@ -554,8 +608,8 @@ def test_gpu_int4_mma_kernel_matches_reference(dtype) -> None:
 def test_gpu_fp8_mma_kernel_matches_reference(dtype) -> None:
     """The fp8 mma.sync kernel at every row count of one x tile and across 2-4 tiles (9-32
     rows), per-channel and 128-wide group scales, weight rows that are not whole warp tiles,
-    one split and several: against the fp64 dequantized weight, and deterministic; every
-    finite e4m3 code read exactly."""
+    one split and several (SPLIT_LAYOUTS): against the fp64 dequantized weight, and
+    deterministic; every finite e4m3 code read exactly."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 kernels need compute capability 8.9")
     cases = [(m, 200, 512, 0, 128, 4) for m in (*range(1, 10), 15, 16, 17, 31, 32)] + [
@@ -569,8 +623,9 @@ def test_gpu_fp8_mma_kernel_matches_reference(dtype) -> None:
         layer = Fp8Linear(q, scale, None)
         reference = layer.dequantize(torch.float64)
         x = torch.randn(m, k, device="cuda").to(dtype)
-        for split in (1, None):
-            config = LaunchConfig(8, block_n, 128, num_warps=warps, num_stages=1, split_k=split, words="mma")
+        for split, even in SPLIT_LAYOUTS:
+            config = LaunchConfig(8, block_n, 128, num_warps=warps, num_stages=1, split_k=split, words="mma",
+                                  even_splits=even)
             y = weight_only_matmul(x, *kernel_args(layer)[:4], config=config)
             error = relative_error(y, x, reference)
             assert error <= TOLERANCE[dtype], f"{(m, n, k, group, block_n, split)}: {error:.2e}"

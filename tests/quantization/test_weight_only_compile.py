@@ -18,20 +18,23 @@ from kvserve.triton_offline import WEIGHT_ONLY_POINTERS, compile_kernel, main_lo
 # (name, kernel, constexprs): the decode kernels as the configs launch them; "M": 1 is how
 # Triton specializes a launch of one row of x.
 NO_NORM = dict(ROW_SCALE=False, PARTIALS=1)
-FP8_MMA_ONE_ROW = dict(X_BF16=True, SPLIT=True, ROW_TILES=2, NUM_WARPS=4, X_TILES=1, PDL=True, M=1)
-INT4_MMA_ONE_ROW = dict(FP16=False, HAS_OFFSET=True, SPLIT=True, ROW_TILES=2, NUM_WARPS=4, X_TILES=1, LAUNCH_NEXT=True,
-                        M=1)
-INT4_FMA_ONE_ROW = dict(X_BF16=True, HAS_OFFSET=True, SPLIT=True, BLOCK_M=1, BLOCK_N=128, BLOCK_K=256, TWO_GROUPS=True,
-                        PDL=True, M=1)
+FP8_MMA_ONE_ROW = dict(X_BF16=True, SPLIT=True, EVEN_SPLITS=True, ROW_TILES=2, NUM_WARPS=4, X_TILES=1, PDL=True, M=1)
+INT4_MMA_ONE_ROW = dict(FP16=False, HAS_OFFSET=True, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=4,
+                        X_TILES=1, LAUNCH_NEXT=True, M=1)
+INT4_FMA_ONE_ROW = dict(X_BF16=True, HAS_OFFSET=True, SPLIT=True, EVEN_SPLITS=False, BLOCK_M=1, BLOCK_N=128,
+                        BLOCK_K=256, TWO_GROUPS=True, PDL=True, M=1)
 DECODE_KERNELS = [
     ("int4-mma-one-row", mma.int4_mma_kernel, INT4_MMA_ONE_ROW | NO_NORM),
     ("int4-mma-8-rows", mma.int4_mma_kernel,
-     dict(FP16=False, HAS_OFFSET=True, SPLIT=True, ROW_TILES=2, NUM_WARPS=4, X_TILES=1, LAUNCH_NEXT=True) | NO_NORM),
+     dict(FP16=False, HAS_OFFSET=True, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=4, X_TILES=1,
+          LAUNCH_NEXT=True) | NO_NORM),
     ("int4-mma-16-rows-fp16-no-offset", mma.int4_mma_kernel,
-     dict(FP16=True, HAS_OFFSET=False, SPLIT=True, ROW_TILES=2, NUM_WARPS=4, X_TILES=2, LAUNCH_NEXT=True) | NO_NORM),
+     dict(FP16=True, HAS_OFFSET=False, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=4, X_TILES=2,
+          LAUNCH_NEXT=True) | NO_NORM),
     ("fp8-mma-one-row", mma.fp8_mma_kernel, FP8_MMA_ONE_ROW | NO_NORM | dict(ADD_NORM=False)),
     ("fp8-mma-16-rows", mma.fp8_mma_kernel,
-     dict(X_BF16=True, SPLIT=True, ROW_TILES=2, NUM_WARPS=4, X_TILES=2, PDL=True, ADD_NORM=False) | NO_NORM),
+     dict(X_BF16=True, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=4, X_TILES=2, PDL=True,
+          ADD_NORM=False) | NO_NORM),
     ("int4-fma-one-row", words.int4_gemv_kernel, INT4_FMA_ONE_ROW | NO_NORM | dict(ADD_NORM=False)),
     # The fused RMSNorm (PendingNorm) as llama3-8b's one-row step runs it: gate/up and qkv
     # finish a norm (32 partial sums), o_proj and down leave one.

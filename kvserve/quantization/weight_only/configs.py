@@ -26,6 +26,16 @@ class LaunchConfig:
     # None (and int8 weights): block_m 1 is the CUDA-core kernel, one row per program (reads
     # W once per row), else tl.dot tiles.
     words: str | None = None
+    # Split-K's layout (the word and mma kernels: tiles.split_tiles): runs of ceil(tiles /
+    # splits) tiles with the remainder in the last split (False), or runs as even as they go,
+    # the shorter ones last (True). The splits launched last are the programs that overflow
+    # the first wave, and the layout decides how long they run. fp8's one-row mma kernel (5
+    # programs an SM) runs llama3-8b's down in 23 splits of 112 tiles, 76 programs past the
+    # first wave, which take 4 tiles each rather than 5 (W2 fp8 GPU step 3.50 -> 3.39 ms on
+    # an H100, 2.84 -> 2.73 on an H200). The int4 word kernel's qkv (2 programs an SM, 24
+    # past the wave) wants its 1-tile remainder there instead (even splits everywhere: int4
+    # 2.43 -> 2.49 ms on the H100). BENCHMARKS.md, fourteenth session.
+    even_splits: bool = False
 
 
 # 4-bit weights, (most rows, config): the first entry that covers the row count. The fastest
@@ -68,12 +78,13 @@ WIDE_AT_ONE_ROW_OUT_FEATURES = 16384
 # BENCHMARKS.md): mma.sync for the narrow ones, the byte kernel for the wide gate/up below.
 # At one row they split K for about 6 programs an SM, chosen inside the decode step rather than
 # alone (W2 fp8 GPU step, 4 -> 6: H200 3.01 -> 2.94 ms, H100 3.63-3.64 -> 3.61-3.62; 8 and 12
-# are slower on both): qkv 11 -> 16 splits, down 16 -> 23, o stays at 16.
+# are slower on both): qkv 11 -> 16 splits, down 16 -> 23, o stays at 16; 5 an SM instead:
+# no faster (H100). Even splits: see LaunchConfig.even_splits.
 FP8_MMA_CONFIG = LaunchConfig(16, 128, 128, num_warps=4, num_stages=1, waves=2, words="mma")
 
 
 FP8_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
-    (1, LaunchConfig(8, 128, 128, num_warps=4, num_stages=1, waves=6, words="mma")),
+    (1, LaunchConfig(8, 128, 128, num_warps=4, num_stages=1, waves=6, words="mma", even_splits=True)),
     (SMALL_ROWS, FP8_MMA_CONFIG),
 )
 

@@ -76,7 +76,8 @@ def _block_k(config: LaunchConfig, in_features: int, group_size: int, grouped: b
 
 def split_k(config: LaunchConfig, num_tiles: int, programs: int, device: torch.device) -> tuple[int, int]:
     """(splits, tiles per split): config.split_k, else enough splits for about `waves`
-    programs per SM on CUDA; every split gets at least one tile."""
+    programs per SM on CUDA; every split gets at least one tile. The word and mma kernels
+    with config.even_splits spread the tiles over those splits as evenly as they go."""
     split = config.split_k or 1
     if config.split_k is None and device.type == "cuda":
         split = max(1, min(num_tiles, triton.cdiv(config.waves * _num_sms(device.index or 0), programs)))
@@ -140,7 +141,7 @@ def _words_matmul(
             rows, words, scale, partial, out, split_counters(rows.device), *norm_pointers,
             m, n, num_tiles, tiles_per_split, group_size,
             rows.stride(0), words.stride(0), scale.stride(0), m * n, n, *norm_args,
-            X_BF16=rows.dtype == torch.bfloat16, SPLIT=split > 1,
+            X_BF16=rows.dtype == torch.bfloat16, SPLIT=split > 1, EVEN_SPLITS=config.even_splits,
             ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
             ADD_NORM=add_norm is not None, num_warps=config.num_warps, num_stages=1,
             # A programmatic dependent: waits for the previous kernel after its first tile.
@@ -153,7 +154,7 @@ def _words_matmul(
             rows, words, scale, offset if offset is not None else scale, partial, out, split_counters(rows.device),
             pending_sums, m, n, num_tiles, tiles_per_split, group_size, 0x64006400 if fp16 else 0x43004300,
             rows.stride(0), words.stride(0), scale.stride(0), m * n, n, *norm_args,
-            FP16=fp16, HAS_OFFSET=offset is not None, SPLIT=split > 1,
+            FP16=fp16, HAS_OFFSET=offset is not None, SPLIT=split > 1, EVEN_SPLITS=config.even_splits,
             ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
             LAUNCH_NEXT=dependent_launch.enabled(rows.device), num_warps=config.num_warps, num_stages=1,
             **norm_flags,
@@ -193,7 +194,8 @@ def _words_matmul(
         rows, words, *pointers, partial, out, split_counters(rows.device), *norm_pointers,
         m, n, num_tiles, tiles_per_split, max(1, group_size // block_k), *one_bits,
         rows.stride(0), words.stride(0), scale.stride(0), m * n, n, *norm_scalars,
-        SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        SPLIT=split > 1, EVEN_SPLITS=config.even_splits, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        BLOCK_K=block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **flags, **launch,
     )
     return out, sums

@@ -259,8 +259,8 @@ def int4_mma_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr, pending_ptr,
     M, N, num_tiles, tiles_per_split, group_size, magic,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om, pending_partials, norm_eps,
-    FP16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr,
-    NUM_WARPS: tl.constexpr, X_TILES: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
+    FP16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr,
+    ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr, X_TILES: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
     ROW_SCALE: tl.constexpr, PARTIALS: tl.constexpr,
 ):
     """Up to 8 X_TILES rows of x against ROW_TILES x 16 weight rows a warp on tensor cores,
@@ -284,7 +284,7 @@ def int4_mma_kernel(
     ONES: tl.constexpr = 0x3C003C00 if FP16 else 0x3F803F80
     BIAS: tl.constexpr = 1024.0 if FP16 else 128.0
     g, t, w_row, w_row8 = _mma_weight_rows(ROW_TILES, NUM_WARPS)
-    first, last = split_tiles(num_tiles, tiles_per_split)
+    first, last = split_tiles(num_tiles, tiles_per_split, EVEN_SPLITS)
     # Thread (g, t) loads words 16 h + 4 t .. + 3 of weight rows g and g + 8 (of each row
     # tile) in half h of a tile, and x rows 8 j + g's bf16 pairs of the same words.
     w_g, w_g8, row_mask, row_mask8 = _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N)
@@ -382,9 +382,9 @@ def fp8_mma_kernel(
     pending_ptr, residual_ptr, norm_weight_ptr, sum_squares_ptr,
     M, N, num_tiles, tiles_per_split, group_size,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om, pending_partials, norm_eps,
-    X_BF16: tl.constexpr, SPLIT: tl.constexpr, ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr,
-    X_TILES: tl.constexpr, PDL: tl.constexpr, ROW_SCALE: tl.constexpr, PARTIALS: tl.constexpr,
-    ADD_NORM: tl.constexpr,
+    X_BF16: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr, ROW_TILES: tl.constexpr,
+    NUM_WARPS: tl.constexpr, X_TILES: tl.constexpr, PDL: tl.constexpr, ROW_SCALE: tl.constexpr,
+    PARTIALS: tl.constexpr, ADD_NORM: tl.constexpr,
 ):
     """Up to 8 X_TILES rows of x against e4m3 weights on tensor cores, as int4_mma_kernel
     lays them out: each thread converts its own words into its A fragment (a word is four
@@ -399,7 +399,7 @@ def fp8_mma_kernel(
     if PDL:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     g, t, w_row, w_row8 = _mma_weight_rows(ROW_TILES, NUM_WARPS)
-    first, last = split_tiles(num_tiles, tiles_per_split)
+    first, last = split_tiles(num_tiles, tiles_per_split, EVEN_SPLITS)
     # Thread (g, t): words 16 h + 4 t .. + 3 of weight rows g and g + 8 in half h of a tile,
     # and x rows 8 j + g's pairs 32 h + 8 t .. + 7 (the same 16 k).
     w_g, w_g8, row_mask, row_mask8 = _mma_weight_pointers(w_ptr, w_row, t, stride_wn, N)

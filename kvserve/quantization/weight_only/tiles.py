@@ -103,19 +103,30 @@ def _store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, st
 
 
 @triton.jit
-def split_tiles(num_tiles, tiles_per_split):
-    """This program's K tiles first..last (grid axis 2: the splits of K)."""
-    first = tl.program_id(2) * tiles_per_split
-    return first, tl.minimum(first + tiles_per_split, num_tiles)
+def split_tiles(num_tiles, tiles_per_split, EVEN_SPLITS: tl.constexpr):
+    """This program's K tiles first..last (grid axis 2: the splits of K): runs of
+    tiles_per_split with the remainder in the last split, or (EVEN_SPLITS) runs as even as
+    they go, the longer ones first (LaunchConfig.even_splits)."""
+    split = tl.program_id(2)
+    if EVEN_SPLITS:
+        shorter = num_tiles // tl.num_programs(2)
+        longer_runs = num_tiles - shorter * tl.num_programs(2)
+        first = split * shorter + tl.minimum(split, longer_runs)
+        last = first + shorter + (split < longer_runs).to(tl.int32)
+    else:
+        first = split * tiles_per_split
+        last = tl.minimum(first + tiles_per_split, num_tiles)
+    return first, last
 
 
 @triton.jit
-def program_block(M, N, num_tiles, tiles_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def program_block(M, N, num_tiles, tiles_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  EVEN_SPLITS: tl.constexpr):
     """This program's rows of x and output columns (grid: column blocks, row blocks,
     splits of K) with their masks, and its K tiles first..last."""
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    first, last = split_tiles(num_tiles, tiles_per_split)
+    first, last = split_tiles(num_tiles, tiles_per_split, EVEN_SPLITS)
     return rows, cols, rows < M, cols < N, first, last
 
 

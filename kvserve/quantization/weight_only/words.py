@@ -26,7 +26,7 @@ def int4_gemv_kernel(
     pending_ptr, residual_ptr, norm_weight_ptr, sum_squares_ptr,
     M, N, num_tiles, tiles_per_split, tiles_per_group, one_bits,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om, pending_partials, norm_eps,
-    X_BF16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr,
+    X_BF16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO_GROUPS: tl.constexpr,
     PDL: tl.constexpr, ROW_SCALE: tl.constexpr, PARTIALS: tl.constexpr, ADD_NORM: tl.constexpr,
 ):
@@ -49,7 +49,7 @@ def int4_gemv_kernel(
     if PDL:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     rows, cols, row_mask, col_mask, first, last = program_block(M, N, num_tiles, tiles_per_split,
-                                                                 BLOCK_M, BLOCK_N)
+                                                                 BLOCK_M, BLOCK_N, EVEN_SPLITS)
     WORDS: tl.constexpr = BLOCK_K // 8
     TILE_GROUPS: tl.constexpr = 2 if TWO_GROUPS else 1
     words = tl.arange(0, WORDS)
@@ -128,7 +128,7 @@ def int4_dot_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr,
     M, N, num_tiles, tiles_per_split, tiles_per_group, one_bits,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
-    HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The same words and 1 + q / 128 values on tensor cores, computed transposed (W x^T:
@@ -136,7 +136,7 @@ def int4_dot_kernel(
     BLOCK_M >= 16 padded rows of x as its N side). The values 1 + q / 128 are exact in
     bf16 and fp16."""
     rows, cols, row_mask, col_mask, first, last = program_block(M, N, num_tiles, tiles_per_split,
-                                                                 BLOCK_M, BLOCK_N)
+                                                                 BLOCK_M, BLOCK_N, EVEN_SPLITS)
     WORDS: tl.constexpr = BLOCK_K // 8
     w_ptrs, w_mask, x_ptrs, x_mask = dot_tile_pointers(x_ptr, w_ptr, rows, cols, row_mask, col_mask, first,
                                                         stride_xm, stride_wn, WORDS, BLOCK_K)
@@ -174,7 +174,7 @@ def fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, partial_ptr, out_ptr, count_ptr,
     M, N, num_tiles, tiles_per_split, tiles_per_group,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
-    X_BF16: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr,
+    X_BF16: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """e4m3 weights as int32 words of 4 values, multiplied on the CUDA cores against up to
@@ -185,7 +185,7 @@ def fp8_gemv_kernel(
     if PDL:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     rows, cols, row_mask, col_mask, first, last = program_block(M, N, num_tiles, tiles_per_split,
-                                                                 BLOCK_M, BLOCK_N)
+                                                                 BLOCK_M, BLOCK_N, EVEN_SPLITS)
     WORDS: tl.constexpr = BLOCK_K // 4
     words = tl.arange(0, WORDS)
     w_ptrs = w_ptr + cols[None, :, None].to(tl.int64) * stride_wn + (first * WORDS + words[None, None, :])
@@ -235,14 +235,14 @@ def fp8_dot_kernel(
     x_ptr, w_ptr, scale_ptr, partial_ptr, out_ptr, count_ptr,
     M, N, num_tiles, tiles_per_split, tiles_per_group,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om,
-    GROUPED: tl.constexpr, SPLIT: tl.constexpr,
+    GROUPED: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The e4m3 words upcast to x's dtype and multiplied on tensor cores, transposed as in
     int4_dot_kernel (W x^T: on sm_90 a wgmma of BLOCK_N weight rows against BLOCK_M >= 16
     padded rows of x)."""
     rows, cols, row_mask, col_mask, first, last = program_block(M, N, num_tiles, tiles_per_split,
-                                                                 BLOCK_M, BLOCK_N)
+                                                                 BLOCK_M, BLOCK_N, EVEN_SPLITS)
     WORDS: tl.constexpr = BLOCK_K // 4
     w_ptrs, w_mask, x_ptrs, x_mask = dot_tile_pointers(x_ptr, w_ptr, rows, cols, row_mask, col_mask, first,
                                                         stride_xm, stride_wn, WORDS, BLOCK_K)
