@@ -1,13 +1,16 @@
 """`kvserve bench latency` (W2): a batch of identical-length requests, prompt 128 and 256
 output tokens by default, greedy, ignore_eos. Reports TTFT and time per output token beside
 the floor: the bytes a decode step must read (weights once plus the live KV) over the copy
-bandwidth measured on the same device in the same run."""
+bandwidth measured on the same device in the same run, and the decode steps' median and
+slowest wall times (a mean TPOT above the median step is a few slow steps; at the median,
+every step slower)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import time
 from dataclasses import asdict, dataclass
 
 from kvserve.benchmarks.roofline import (
@@ -19,6 +22,7 @@ from kvserve.benchmarks.roofline import (
 from kvserve.benchmarks.throughput import make_requests
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
+from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 
@@ -37,6 +41,11 @@ class LatencyResult:
     # copies, the gaps between them; benchmarks/gpu_decode_timeline.py splits it up), less
     # what the earlier steps' shorter contexts save.
     gpu_step_ms: float | None = None
+    # Wall time of the engine steps from every request's first token to the last finish
+    # (one token a request each): the median and the slowest, and how many there were.
+    step_ms_median: float | None = None
+    step_ms_max: float | None = None
+    decode_steps: int = 0
 
 
 def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
@@ -45,7 +54,9 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
     requests = make_requests(batch_size, (input_len, input_len), (output_len, output_len),
                              engine.model_config.vocab_size, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params)
+    outputs, step_ends = _generate_timing_steps(llm, [r.prompt_token_ids for r in requests], params)
+    steps = decode_step_times(step_ends, max(o.metrics.first_token_time for o in outputs),
+                              min(o.metrics.finished_time for o in outputs))
     ttfts, tpots = [], []
     for output in outputs:
         times = output.metrics
@@ -60,7 +71,35 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
     )
     return LatencyResult(batch_size, input_len, output_len, statistics.median(ttfts) * 1e3,
                          tpot * 1e3, batch_size / tpot, floor * 1e3, floor / tpot,
-                         graph_replay_ms(llm))
+                         graph_replay_ms(llm), statistics.median(steps) * 1e3 if steps else None,
+                         max(steps) * 1e3 if steps else None, len(steps))
+
+
+def _generate_timing_steps(llm: LLM, prompts: list[list[int]],
+                           params: SamplingParams) -> tuple[list[RequestOutput], list[float]]:
+    """LLM.generate's outputs for token-id prompts, and the time.time() at which each engine
+    step returned (the clock of RequestMetrics)."""
+    engine = llm.engine
+    request_ids = [engine.add_request(None, {"prompt_token_ids": prompt}, params).request_id
+                   for prompt in prompts]
+    finished: dict[str, RequestOutput] = {}
+    step_ends = []
+    while len(finished) < len(request_ids):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("the engine finished without every benchmark request")
+        for output in engine.step(final_only=True):
+            if output.finished:
+                finished[output.request_id] = output
+        step_ends.append(time.time())
+    return [finished[request_id] for request_id in request_ids], step_ends
+
+
+def decode_step_times(step_ends: list[float], decode_start: float, decode_end: float) -> list[float]:
+    """The durations of the steps after the one that gave the batch's last first token,
+    through the one in which the first request finished (s)."""
+    first = next(i for i, t in enumerate(step_ends) if t >= decode_start)
+    last = next(i for i, t in enumerate(step_ends) if t >= decode_end)
+    return [b - a for a, b in zip(step_ends[first:last], step_ends[first + 1:last + 1])]
 
 
 def graph_replay_ms(llm: LLM) -> float | None:
@@ -93,11 +132,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         _profile_host(llm, args.input_len, args.output_len)
     print(f"\nmeasured copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
     print(f"{'batch':>5s} {'TTFT ms':>9s} {'TPOT ms':>9s} {'out tok/s':>10s} {'floor ms':>9s} "
-          f"{'of floor':>9s} {'GPU ms':>7s}")
+          f"{'of floor':>9s} {'GPU ms':>7s} {'step p50':>8s} {'step max':>8s}")
     for r in results:
         gpu = f"{r.gpu_step_ms:7.2f}" if r.gpu_step_ms is not None else f"{'-':>7s}"
+        steps = (f"{r.step_ms_median:8.2f} {r.step_ms_max:8.2f}" if r.step_ms_median is not None
+                 else f"{'-':>8s} {'-':>8s}")
         print(f"{r.batch_size:5d} {r.ttft_ms_median:9.1f} {r.tpot_ms_median:9.2f} "
-              f"{r.output_tok_s:10.1f} {r.floor_ms:9.2f} {r.fraction_of_floor:9.0%} {gpu}")
+              f"{r.output_tok_s:10.1f} {r.floor_ms:9.2f} {r.fraction_of_floor:9.0%} {gpu} {steps}")
     stats = llm.engine.spec_decode_stats
     if stats is not None:
         print(f"speculative decoding: {stats.num_drafts} verify runs, acceptance "

@@ -61,6 +61,22 @@ def test_latency_result_is_consistent(kv_cache_dtype):
     live_kv = 3 * (24 + 8 / 2) * kv_per_token
     assert result.floor_ms == pytest.approx((weights + live_kv) / bandwidth * 1e3)
     assert result.fraction_of_floor == pytest.approx(result.floor_ms / result.tpot_ms_median)
+    # One prefill step for the three prompts, then one step a token: 7 decode steps, which
+    # tile the span TPOT averages (so TPOT, their mean, lies between the shortest and the
+    # longest, and the longest is under the whole span).
+    assert result.decode_steps == 7
+    assert 0 < result.step_ms_median <= result.step_ms_max
+    assert result.tpot_ms_median <= result.step_ms_max * 1.05
+    assert result.step_ms_max <= result.tpot_ms_median * 7 * 1.05
+
+
+def test_decode_step_times_span_first_token_to_first_finish():
+    """Steps that returned at 0, 1 (the batch's first tokens at 0.9), 3, 6 and 10 (the first
+    finish at 9.5) and 12: the decode steps are 1 -> 3 -> 6 -> 10."""
+    from kvserve.benchmarks.latency import decode_step_times
+
+    assert decode_step_times([0.0, 1.0, 3.0, 6.0, 10.0, 12.0], 0.9, 9.5) == [2.0, 3.0, 4.0]
+    assert decode_step_times([0.0, 1.0], 0.5, 0.5) == []
 
 
 def test_linear_flops_count_every_weight_once():
