@@ -41,8 +41,8 @@ class LatencyResult:
     # copies, the gaps between them; benchmarks/gpu_decode_timeline.py splits it up), less
     # what the earlier steps' shorter contexts save.
     gpu_step_ms: float | None = None
-    # Wall time of the engine steps from every request's first token to the last finish
-    # (one token a request each): the median and the slowest, and how many there were.
+    # Wall time of the engine steps from the batch's last first token to its first finish
+    # (a token a request each, more with speculative decoding): median, slowest, how many.
     step_ms_median: float | None = None
     step_ms_max: float | None = None
     decode_steps: int = 0
