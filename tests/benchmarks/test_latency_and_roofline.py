@@ -115,3 +115,23 @@ def test_offline_floor_sums_steps_by_hand(float8):
     extra = (torch.float8_e4m3fn, linear_peak) if float8 else ()
     got = offline_floor_s([3, 5], [2, 4], config, weight_bytes, bandwidth, peak, *extra)
     assert got == pytest.approx(expected)
+
+
+def test_bench_latency_cli_writes_the_step_columns(tmp_path, capsys):
+    """`kvserve bench latency` end to end: the table's step columns and the JSON's fields, 3
+    decode steps for 4 output tokens (after its own warm-up run)."""
+    import json
+
+    from kvserve.entrypoints.cli import main
+
+    out = tmp_path / "w2.json"
+    assert main(["bench", "latency", "--load-format", "dummy", "--model-shape", "smollm2-135m",
+                 "--kv-cache-memory", "64MiB", "--input-len", "8", "--output-len", "4",
+                 "--batch-sizes", "1,2", "--output-json", str(out)]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("batch"))
+    assert header.split()[-4:] == ["step", "p50", "step", "max"]
+    results = json.loads(out.read_text())["results"]
+    assert [r["batch_size"] for r in results] == [1, 2]
+    for r in results:
+        assert r["decode_steps"] == 3
+        assert 0 < r["step_ms_median"] <= r["step_ms_max"]
