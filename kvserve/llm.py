@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -40,7 +40,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        on_step: Callable[[], None] | None = None,
     ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`; `on_step` is called after each engine step
+        (benchmarks time the steps with it)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -59,7 +62,7 @@ class LLM:
             self.engine.add_request(None, prompt, params, priority=prio).request_id
             for prompt, params, prio in zip(prompt_list, params_list, priorities)
         ]
-        return self._run(request_ids, use_tqdm)
+        return self._run(request_ids, use_tqdm, on_step)
 
     def chat(
         self,
@@ -86,7 +89,8 @@ class LLM:
             )["input_ids"]
         )
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool,
+             on_step: Callable[[], None] | None = None) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         pending = set(request_ids)
         with tqdm(total=len(request_ids), disable=not use_tqdm, desc="Generating") as bar:
@@ -98,6 +102,8 @@ class LLM:
                         finished[output.request_id] = output
                         pending.discard(output.request_id)
                         bar.update(1)
+                if on_step is not None:
+                    on_step()
         return [finished[request_id] for request_id in request_ids]
 
 

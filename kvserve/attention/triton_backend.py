@@ -77,4 +77,3 @@ class TritonAttentionBackend:
         paged_attention(query, kv_cache, metadata, scale, output, plan.num_kv_splits, tile=plan.tile,
                         kv_scales=kv_scales, new_kv=new_kv)
         return output
-

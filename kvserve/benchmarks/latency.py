@@ -22,7 +22,6 @@ from kvserve.benchmarks.roofline import (
 from kvserve.benchmarks.throughput import make_requests
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
-from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 
@@ -54,7 +53,9 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
     requests = make_requests(batch_size, (input_len, input_len), (output_len, output_len),
                              engine.model_config.vocab_size, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    outputs, step_ends = _generate_timing_steps(llm, [r.prompt_token_ids for r in requests], params)
+    step_ends: list[float] = []  # time.time(), the clock of RequestMetrics
+    outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params,
+                           on_step=lambda: step_ends.append(time.time()))
     steps = decode_step_times(step_ends, max(o.metrics.first_token_time for o in outputs),
                               min(o.metrics.finished_time for o in outputs))
     ttfts, tpots = [], []
@@ -73,25 +74,6 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
                          tpot * 1e3, batch_size / tpot, floor * 1e3, floor / tpot,
                          graph_replay_ms(llm), statistics.median(steps) * 1e3 if steps else None,
                          max(steps) * 1e3 if steps else None, len(steps))
-
-
-def _generate_timing_steps(llm: LLM, prompts: list[list[int]],
-                           params: SamplingParams) -> tuple[list[RequestOutput], list[float]]:
-    """LLM.generate's outputs for token-id prompts, and the time.time() at which each engine
-    step returned (the clock of RequestMetrics)."""
-    engine = llm.engine
-    request_ids = [engine.add_request(None, {"prompt_token_ids": prompt}, params).request_id
-                   for prompt in prompts]
-    finished: dict[str, RequestOutput] = {}
-    step_ends = []
-    while len(finished) < len(request_ids):
-        if not engine.has_unfinished_requests():
-            raise RuntimeError("the engine finished without every benchmark request")
-        for output in engine.step(final_only=True):
-            if output.finished:
-                finished[output.request_id] = output
-        step_ends.append(time.time())
-    return [finished[request_id] for request_id in request_ids], step_ends
 
 
 def decode_step_times(step_ends: list[float], decode_start: float, decode_end: float) -> list[float]:

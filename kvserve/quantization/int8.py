@@ -169,7 +169,6 @@ class Int8Method(QuantizationMethod):
         group_size = self.config.get("group_size")
         if group_size is None:
             return Int8Linear(layer)
-        self.check_layer(name, layer)
         q, scale = quantize_int8_groups(layer.weight, group_size)
         return GroupInt8Linear(q, scale, None, group_size, layer.bias)
 
