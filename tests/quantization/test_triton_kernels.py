@@ -157,6 +157,8 @@ WORDS_CASES = [
     # 16 tiles in 6 splits: runs of 3, 3, 3, 3, 3, 1, and as even splits 3, 3, 3, 3, 2, 2.
     WordsCase("fma", 1, 37, 512, 32, (1, 16, 32, 6)),
     WordsCase("fma", 1, 37, 512, 32, (1, 16, 32, 6), "even_splits"),
+    # 32 tiles in 11 splits: the last split sums their partials 8 at a time (summed_splits).
+    WordsCase("fma", 1, 37, 1024, 32, (1, 16, 32, 11)),
     WordsCase("dot", 1, 37, 128, 32, (16, 16, 32, None)),
     WordsCase("dot", 2, 45, 256, 64, (16, 32, 32, 3)),
     WordsCase("dot", 3, 33, 384, 128, (16, 16, 128, 3)),
@@ -189,6 +191,7 @@ FP8_WORDS_CASES = [
     Fp8WordsCase("fma", 1, 37, 320, None, (1, 16, 64, 3)),
     Fp8WordsCase("fma", 1, 45, 256, 64, (1, 32, 128, 2)),
     Fp8WordsCase("fma", 1, 37, 512, None, (1, 16, 32, 6), "even_splits"),
+    Fp8WordsCase("fma", 1, 37, 1024, None, (1, 16, 32, 11), "even_splits"),
     Fp8WordsCase("fma", 3, 33, 384, 128, (4, 16, 128, 3)),
     Fp8WordsCase("fma", 16, 21, 128, None, (16, 16, 32, None)),
     Fp8WordsCase("fma", 5, 37, 192, 32, (2, 32, 32, 4), "unaligned"),

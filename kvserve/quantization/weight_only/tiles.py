@@ -7,6 +7,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Split-K partials the word kernels' last split loads at once (summed_splits): all of an int4
+# one-row call's (at most 8 splits). W2 int4 on an H200, GPU step 2.28 -> 2.26 ms (two
+# rounds); llama3-8b's linears alone at one row (24 at once): q/o 6.7 -> 6.2 us, k/v 4.7 ->
+# 4.1, down 15.5 -> 15.2. The mma.sync kernels keep the compiler's loop (unrolled by 4): fp8's
+# one-row kernel with 8 at once, at the same 92 registers, made W2 fp8 slower (2.74 -> 2.83),
+# and int4's took more registers (one row 128 -> 138). BENCHMARKS.md, fifteenth session.
+WORD_SPLITS_IN_FLIGHT: tl.constexpr = tl.constexpr(8)
+
 
 @triton.jit
 def nibble(w, i: tl.constexpr, one_bits):
@@ -77,11 +85,21 @@ def arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
 
 
 @triton.jit
-def summed_splits(partial_ptr, offs, mask, stride_ps):
-    """The splits' partials of one block, summed in split order (deterministic)."""
+def summed_splits(partial_ptr, offs, mask, stride_ps, IN_FLIGHT: tl.constexpr = 1):
+    """The splits' partials of one block, summed in split order (deterministic). This sum is
+    the tail a split-K call ends on; IN_FLIGHT > 1 issues that many partials' loads at once
+    (masked past the last split) rather than leaving the loop to the compiler (which unrolls
+    it by 4 at most): the word kernels, WORD_SPLITS_IN_FLIGHT."""
     total = tl.zeros(offs.shape, dtype=tl.float32)
-    for s in range(tl.num_programs(2)):
-        total += tl.load(partial_ptr + s * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    if IN_FLIGHT == 1:
+        for s in range(tl.num_programs(2)):
+            total += tl.load(partial_ptr + s * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        for first in range(0, tl.num_programs(2), IN_FLIGHT):
+            for i in tl.static_range(IN_FLIGHT):
+                split = first + i
+                total += tl.load(partial_ptr + split * stride_ps + offs, mask=mask & (split < tl.num_programs(2)),
+                                 other=0.0, cache_modifier=".cg")
     return total
 
 
@@ -92,12 +110,12 @@ def rearm(count_ptr):
 
 
 @triton.jit
-def _store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, stride_ps):
+def _store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, stride_ps, IN_FLIGHT: tl.constexpr):
     """Split-K without a second kernel: every split leaves its partials, and the last of an
     output tile's splits to arrive sums them all, writes the output and re-arms the counter."""
     if arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
         for i in tl.static_range(len(accs)):
-            total = summed_splits(partial_ptr, offss[i], masks[i], stride_ps)
+            total = summed_splits(partial_ptr, offss[i], masks[i], stride_ps, IN_FLIGHT)
             tl.store(out_ptr + offss[i], total.to(out_ptr.dtype.element_ty), mask=masks[i])
         rearm(count_ptr)
 
@@ -141,11 +159,12 @@ def dot_tile_pointers(x_ptr, w_ptr, rows, cols, row_mask, col_mask, first, strid
 
 
 @triton.jit
-def store_output(accs, offss, masks, partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT: tl.constexpr):
+def store_output(accs, offss, masks, partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT: tl.constexpr,
+                 IN_FLIGHT: tl.constexpr = 1):
     """The program's blocks (tuples of values, offsets and masks) into out, or with split K
-    their partials, summed by the last split to finish."""
+    their partials, summed by the last split to finish (summed_splits' IN_FLIGHT)."""
     if SPLIT:
-        _store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, stride_ps)
+        _store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, stride_ps, IN_FLIGHT)
     else:
         for i in tl.static_range(len(accs)):
             tl.store(out_ptr + offss[i], accs[i].to(out_ptr.dtype.element_ty), mask=masks[i])
@@ -162,7 +181,7 @@ def store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count
     else:
         offs = rows[:, None] * stride_om + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
-    store_output((acc,), (offs,), (mask,), partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT)
+    store_output((acc,), (offs,), (mask,), partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT, WORD_SPLITS_IN_FLIGHT)
 
 
 @triton.jit
@@ -195,7 +214,7 @@ def store_block_add_norm(y, rows, cols, row_mask, col_mask, partial_ptr, out_ptr
         offs = rows[:, None] * stride_om + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
         if arrives_last((y,), partial_ptr, count_ptr, (offs,), (mask,), stride_ps):
-            _add_norm_store(summed_splits(partial_ptr, offs, mask, stride_ps), rows, cols, row_mask, col_mask,
+            _add_norm_store(summed_splits(partial_ptr, offs, mask, stride_ps, WORD_SPLITS_IN_FLIGHT), rows, cols, row_mask, col_mask,
                             out_ptr, stride_om, residual_ptr, norm_weight_ptr, sum_squares_ptr)
             rearm(count_ptr)
     else:
