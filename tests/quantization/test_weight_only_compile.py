@@ -8,6 +8,7 @@ values spilled around the loop, as the int4 kernel at one row does, cost nothing
 from __future__ import annotations
 
 import re
+import statistics
 
 import pytest
 
@@ -89,3 +90,19 @@ def test_decode_kernels_compile_for_sm90_without_spilling_in_their_loop(name, ke
         assert 0 <= trigger < wait < first_product, (trigger, wait, first_product)
     else:
         assert trigger >= 0 and wait < 0
+
+
+@pytest.mark.parametrize("name", ["int4-fma-one-row", "int4-fma-one-row-pending-norm", "int4-fma-one-row-add-norm"])
+def test_one_row_word_kernel_loads_its_next_tile_mid_loop(name) -> None:
+    """At 254-255 registers ptxas pipelines the one-row int4 word kernel's weight loads one
+    of two ways, and which one follows from the epilogue's code, not the loop's: most of the
+    next tile's loads in the loop's second half (median position 0.66-0.69 of the loop, the
+    kernel every W2 measurement ran), or clustered at its start (0.08-0.10). Both epilogues
+    of the fifteenth session that got the second form ran W2 int4 slower than their changes
+    predict (BENCHMARKS.md: split-K without its tail 2.46-2.47 ms of GPU step against
+    2.41-2.43 with it, a fence-free tail no faster than the fenced one), so an epilogue change
+    that flips it needs a measurement of its own."""
+    constexprs = next(constexprs for case, _, constexprs in DECODE_KERNELS if case == name)
+    loop = main_loop(_compiled(name, words.int4_gemv_kernel, constexprs))
+    loads = [i / len(loop) for i, text in enumerate(loop) if re.match(r"(@!?P\d+\s+)?LDG", text)]
+    assert len(loads) >= 16 and statistics.median(loads) > 0.5, (len(loads), statistics.median(loads))
