@@ -214,8 +214,9 @@ def store_block_add_norm(y, rows, cols, row_mask, col_mask, partial_ptr, out_ptr
         offs = rows[:, None] * stride_om + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
         if arrives_last((y,), partial_ptr, count_ptr, (offs,), (mask,), stride_ps):
-            _add_norm_store(summed_splits(partial_ptr, offs, mask, stride_ps, WORD_SPLITS_IN_FLIGHT), rows, cols, row_mask, col_mask,
-                            out_ptr, stride_om, residual_ptr, norm_weight_ptr, sum_squares_ptr)
+            total = summed_splits(partial_ptr, offs, mask, stride_ps, WORD_SPLITS_IN_FLIGHT)
+            _add_norm_store(total, rows, cols, row_mask, col_mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr,
+                            sum_squares_ptr)
             rearm(count_ptr)
     else:
         _add_norm_store(y, rows, cols, row_mask, col_mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr,
