@@ -10,7 +10,7 @@ import triton.language as tl
 # Split-K partials the word kernels' last split loads at once (summed_splits): all of an int4
 # one-row call's (at most 8 splits). W2 int4 on an H200, GPU step 2.28 -> 2.26 ms (two
 # rounds); llama3-8b's linears alone at one row (24 at once): q/o 6.7 -> 6.2 us, k/v 4.7 ->
-# 4.1, down 15.5 -> 15.2. The mma.sync kernels keep the compiler's loop (unrolled by 4): fp8's
+# 4.1, down 15.5 -> 15.2. The mma.sync kernels load one at a time (unrolled by 4): fp8's
 # one-row kernel with 8 at once, at the same 92 registers, made W2 fp8 slower (2.74 -> 2.83),
 # and int4's took more registers (one row 128 -> 138). BENCHMARKS.md, fifteenth session.
 WORD_SPLITS_IN_FLIGHT: tl.constexpr = tl.constexpr(8)
@@ -87,19 +87,15 @@ def arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
 @triton.jit
 def summed_splits(partial_ptr, offs, mask, stride_ps, IN_FLIGHT: tl.constexpr = 1):
     """The splits' partials of one block, summed in split order (deterministic). This sum is
-    the tail a split-K call ends on; IN_FLIGHT > 1 issues that many partials' loads at once
-    (masked past the last split) rather than leaving the loop to the compiler (which unrolls
-    it by 4 at most): the word kernels, WORD_SPLITS_IN_FLIGHT."""
+    the tail a split-K call ends on; the loads go out IN_FLIGHT at a time (masked past the
+    last split): the word kernels WORD_SPLITS_IN_FLIGHT, the mma.sync kernels 1 (the
+    compiler unrolls that loop by 4; the same sm_90 code as a plain loop)."""
     total = tl.zeros(offs.shape, dtype=tl.float32)
-    if IN_FLIGHT == 1:
-        for s in range(tl.num_programs(2)):
-            total += tl.load(partial_ptr + s * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        for first in range(0, tl.num_programs(2), IN_FLIGHT):
-            for i in tl.static_range(IN_FLIGHT):
-                split = first + i
-                total += tl.load(partial_ptr + split * stride_ps + offs, mask=mask & (split < tl.num_programs(2)),
-                                 other=0.0, cache_modifier=".cg")
+    for first in range(0, tl.num_programs(2), IN_FLIGHT):
+        for i in tl.static_range(IN_FLIGHT):
+            split = first + i
+            total += tl.load(partial_ptr + split * stride_ps + offs, mask=mask & (split < tl.num_programs(2)),
+                             other=0.0, cache_modifier=".cg")
     return total
 
 
