@@ -679,10 +679,13 @@ def test_gpu_scaled_mm_accumulates_the_fp8_operands_closely() -> None:
 def test_gpu_int4_checkpoint_layout_is_repacked_on_the_device() -> None:
     layer = make_layer("int4", 128, 256)  # built on the CPU in torch's CPU kernel layout
     assert layer.kernel_layout
-    weight = layer.dequantize()
+    weight, codes, scale, minimum = layer.dequantize(), layer.unpacked(), layer.scale, layer.minimum
     layer = layer.cuda()
     assert not layer.kernel_layout and not hasattr(layer, "kernel_scales_and_zeros")
-    assert torch.equal(layer.dequantize().cpu(), weight)
+    # The codes survive the repacking exactly; the scales and minimums are kept to fp16's
+    # precision on CUDA (Int4Linear.compact_scales).
+    assert torch.equal(layer.unpacked().cpu(), codes)
+    assert torch.equal(layer.scale.cpu(), scale.half()) and torch.equal(layer.minimum.cpu(), minimum.half())
     x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
     assert relative_error(layer(x), x, weight.cuda()) <= TOLERANCE[torch.bfloat16]
 
