@@ -54,7 +54,10 @@ def int4_gemv_kernel(
     TILE_GROUPS: tl.constexpr = 2 if TWO_GROUPS else 1
     words = tl.arange(0, WORDS)
     # [rows, cols, words] throughout: the weight load fixes the layout (4 words a thread,
-    # every row of x in each thread), so nothing moves between threads inside the loop.
+    # every row of x in each thread). Only the group scales and offsets move between threads
+    # inside the loop: loaded one column a thread, each goes through shared memory into the
+    # tile's layout, two barriers a value a tile. With them hoisted out of the loop (wrong
+    # outputs, timing only) a W2 int4 step ran 0.05 ms faster (BENCHMARKS.md, sixteenth session).
     w_offsets = cols[None, :, None] * stride_wn + words[None, None, :]
     w_tile = w_ptr + first * WORDS
     w_mask = col_mask[None, :, None]
