@@ -21,6 +21,19 @@ from kvserve.quantization.weight_only.tiles import (
 
 
 @triton.jit
+def _paired(low, high):
+    """Two fp32 [N] blocks as one int64 block, low's bits in the low word."""
+    low_bits = low.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    return low_bits | (high.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+
+
+@triton.jit
+def _unpaired(pair):
+    """_paired's two fp32 blocks back."""
+    return pair.to(tl.int32).to(tl.float32, bitcast=True), (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def int4_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr,
     pending_ptr, residual_ptr, norm_weight_ptr, sum_squares_ptr,
@@ -55,9 +68,10 @@ def int4_gemv_kernel(
     words = tl.arange(0, WORDS)
     # [rows, cols, words] throughout: the weight load fixes the layout (4 words a thread,
     # every row of x in each thread). Only the group scales and offsets move between threads
-    # inside the loop: loaded one column a thread, each goes through shared memory into the
-    # tile's layout, two barriers a value a tile. With them hoisted out of the loop (wrong
-    # outputs, timing only) a W2 int4 step ran 0.05 ms faster (BENCHMARKS.md, sixteenth session).
+    # inside the loop: loaded one column a thread, they go through shared memory into the
+    # tile's layout, two barriers a conversion. Two groups' scales (and offsets) convert as
+    # one int64, 4 barriers a tile instead of 8: W2 int4 0.05 ms a step faster, as fast as
+    # with the scales hoisted out of the loop (BENCHMARKS.md, seventeenth session).
     w_offsets = cols[None, :, None] * stride_wn + words[None, None, :]
     w_tile = w_ptr + first * WORDS
     w_mask = col_mask[None, :, None]
@@ -95,8 +109,10 @@ def int4_gemv_kernel(
             f_x += nibble(w, 2 * pair + 1, one_bits) * x_odd
             x_sum += x_even + x_odd
         if TWO_GROUPS:
-            acc += (f_x * tl.where(second_half, scale2[None, :, None], scale[None, :, None])
-                    + x_sum * tl.where(second_half, offset2[None, :, None], offset[None, :, None]))
+            scale_lo, scale_hi = _unpaired(_paired(scale, scale2)[None, :, None])
+            offset_lo, offset_hi = _unpaired(_paired(offset, offset2)[None, :, None])
+            acc += (f_x * tl.where(second_half, scale_hi, scale_lo)
+                    + x_sum * tl.where(second_half, offset_hi, offset_lo))
         else:
             acc += f_x * scale[None, :, None] + x_sum * offset[None, :, None]
         w, scale, offset, scale2, offset2 = w_next, scale_next, offset_next, scale2_next, offset2_next
