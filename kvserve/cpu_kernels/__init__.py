@@ -19,16 +19,20 @@ few rows of a decode step:
 The build (torch's cpp_extension, ~50 s once, cached under ~/.cache/torch_extensions) uses
 -march=native, so the cache key includes the CPU's flags: a cache shared between machines
 never hands one CPU another's instructions. Where there is no compiler, the ops are None
-and callers keep torch's kernels.
+and callers keep torch's kernels. Processes build one at a time (_exclusive_build), and a
+build interrupted by a kill does not hang the next start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import os
 import platform
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -48,20 +52,55 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+def build_directory() -> Path:
+    """Where the kernels for this CPU, torch and Python are built: one directory per key under
+    TORCH_EXTENSIONS_DIR or torch's default root."""
+    from torch.utils import cpp_extension
+
+    key = hashlib.sha1(f"{cpu_flags()} {torch.__version__} {sys.version_info[:2]}".encode()).hexdigest()[:12]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"kvserve_cpu_kernels_{key}"
+
+
+@contextlib.contextmanager
+def _exclusive_build(directory: Path) -> Iterator[None]:
+    """Holds an flock on `directory` while the kernels build or load. torch's own lock is a
+    file that waiters poll until it is gone, so a process killed mid-build (Ctrl-C during
+    the first start) leaves it behind and every later start waits forever. The OS releases
+    an flock when its holder dies, so a torch lock file seen while holding the flock is such
+    a leftover, and goes."""
+    import fcntl
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "kvserve.flock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process to finish building kvserve's CPU kernels")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        leftover = directory / "lock"
+        if leftover.exists():
+            logger.warning("removing %s, left by an interrupted build of kvserve's CPU kernels", leftover)
+            leftover.unlink()
+        yield
+
+
 @functools.cache
 def _built() -> bool:
     """Builds (or loads the cached build of) the kernels; False where that is impossible."""
     from torch.utils import cpp_extension
 
-    key = hashlib.sha1(f"{cpu_flags()} {torch.__version__}".encode()).hexdigest()[:12]
-    logger.info("loading kvserve's CPU kernels (built once per CPU and torch version: ~50 s "
+    directory = build_directory()
+    logger.info("loading kvserve's CPU kernels (built once per CPU, torch and Python version: ~50 s "
                 "the first time)")
     try:
-        cpp_extension.load(
-            name=f"kvserve_cpu_kernels_{key}", sources=[str(path) for path in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
-        )
-    except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja
+        with _exclusive_build(directory):
+            cpp_extension.load(
+                name=directory.name, sources=[str(path) for path in _SOURCES], build_directory=str(directory),
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
+    except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja; no flock
         logger.warning("kvserve's CPU kernels not built (%s); using torch's kernels", error)
         return False
     # Shapes for torch.compile: the compiled CPU decode graph calls the ops like any kernel.
