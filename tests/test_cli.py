@@ -52,15 +52,14 @@ def test_bad_flag_value_is_a_clear_error_not_a_traceback():
     assert "top_p" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.slow  # the CLI path is covered by test_generate_*; keeps CI within 10 minutes
-def test_chat_streams_the_same_reply_as_llm_chat(smollm2_llm):
+def test_chat_streams_the_same_reply_as_llm_chat_and_quits_on_exit(smollm2_llm):
     conversation = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0.0, max_tokens=16)
     expected = smollm2_llm.chat(conversation, params)[0].outputs[0].text
     result = subprocess.run(
         [sys.executable, "-m", "kvserve.entrypoints.cli", "--log-level", "WARNING", "chat",
          "--temperature", "0", "--max-tokens", "16", "--kv-cache-memory", "64MiB"],
-        input="What is the capital of France?\n\n", capture_output=True, text=True, timeout=300,
+        input="What is the capital of France?\n/exit\nAnd of Spain?\n", capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout == expected + "\n"
+    assert result.stdout == expected + "\n"  # one reply: /exit quit before the second message

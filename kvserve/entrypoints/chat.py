@@ -8,6 +8,9 @@ from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
 
+# What other chat CLIs quit on (llama.cpp, ollama), besides an empty line and Ctrl-D.
+QUIT_COMMANDS = frozenset({"/exit", "/quit", "/bye"})
+
 
 def run_chat(engine_args: EngineArgs, params: SamplingParams, system_prompt: str | None) -> int:
     llm = LLM(**vars(engine_args))
@@ -17,13 +20,13 @@ def run_chat(engine_args: EngineArgs, params: SamplingParams, system_prompt: str
         conversation.append({"role": "system", "content": system_prompt})
     interactive = sys.stdin.isatty()
     if interactive:
-        print("kvserve chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+        print("kvserve chat: type a message; an empty line, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
         try:
             line = input("> " if interactive else "")
         except EOFError:
             return 0
-        if not line.strip():
+        if not line.strip() or line.strip() in QUIT_COMMANDS:
             return 0
         conversation.append({"role": "user", "content": line})
         prompt_ids = llm.apply_chat_template(conversation)
