@@ -52,6 +52,16 @@ def test_bad_flag_value_is_a_clear_error_not_a_traceback():
     assert "top_p" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_missing_file_is_a_clear_error_not_a_traceback(tmp_path):
+    missing = tmp_path / "missing.txt"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.entrypoints.cli", "eval", "perplexity", "--file", str(missing)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2
+    assert str(missing) in result.stderr and "Traceback" not in result.stderr
+
+
 def test_chat_streams_the_same_reply_as_llm_chat_and_quits_on_exit(smollm2_llm):
     conversation = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0.0, max_tokens=16)

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.handler(args)
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # bad input, a file that cannot be read or written
         print(f"kvserve: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
