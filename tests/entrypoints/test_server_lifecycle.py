@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -126,3 +129,17 @@ def test_sigterm_drains_in_flight_request_then_exits_0(small_server):
     chunks = [json.loads(e) for e in events[1:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "".join(c["choices"][0]["text"] for c in chunks)  # the whole stream arrived
+
+
+def test_a_port_in_use_is_an_error_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr and "Loading" not in result.stderr  # nothing loaded

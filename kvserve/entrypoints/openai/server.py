@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
 from contextlib import asynccontextmanager
 from types import FrameType
@@ -149,6 +150,19 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model starts loading: a port in use is an error
+    at once, not after the load (uvicorn binds only after the app's startup)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror or error}") from error
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     state = ServerState(
@@ -165,8 +179,9 @@ def run_server(args: argparse.Namespace) -> int:
         # Drained requests have finished by now; this only bounds flushing the last bytes.
         timeout_graceful_shutdown=1,
     )
+    sock = _listening_socket(args.host, args.port)
     server = _DrainingServer(config, state, args.shutdown_timeout)
     state.request_exit = lambda: setattr(server, "should_exit", True)
-    logger.info("kvserve listening on http://%s:%d (loading the model)", args.host, args.port)
-    server.run()
+    logger.info("kvserve listening on http://%s:%d (loading the model)", args.host, sock.getsockname()[1])
+    server.run(sockets=[sock])
     return 1 if state.load_error is not None else 0
