@@ -65,9 +65,23 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
 
     def resolved_device(self) -> torch.device:
+        """The device to run on; one that is not here is an error before anything loads."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as error:
+            raise ValueError(f"device={self.device!r} is not a device name (cpu, cuda, cuda:N or auto)") from error
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+                raise ValueError(f"device={self.device!r}, but CUDA is not available here (torch "
+                                 f"{torch.__version__}, {build}); use --device cpu or auto")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"device={self.device!r}, but there are {torch.cuda.device_count()} CUDA devices")
+        elif device.type != "cpu":
+            raise ValueError(f"device={self.device!r}: kvserve runs on cpu, cuda, cuda:N or auto")
+        return device
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         # bf16 GEMMs with more than one row are ~100x slower than fp32 on CPUs without

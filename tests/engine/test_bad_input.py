@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve import SamplingParams
 
@@ -68,3 +69,14 @@ def test_one_bad_prompt_in_a_batch_schedules_nothing(smollm2_llm):
         smollm2_llm.generate(["Hello", ""], VALID)
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+
+
+@pytest.mark.parametrize(("device", "expected"), [("tpu", "not a device name"), ("mps", "runs on cpu, cuda"),
+                                                  ("cuda:99", "cuda:99")])
+def test_a_device_that_is_not_here_is_an_error_before_loading(device, expected):
+    from kvserve import LLM
+
+    if device == "cuda:99" and not torch.cuda.is_available():
+        expected = "CUDA is not available"
+    with pytest.raises(ValueError, match=expected):
+        LLM(model="/nonexistent", device=device)  # the device is checked before the model path
