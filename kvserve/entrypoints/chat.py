@@ -8,8 +8,8 @@ from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
 
-# What other chat CLIs quit on (llama.cpp, ollama), besides an empty line and Ctrl-D.
-QUIT_COMMANDS = frozenset({"/exit", "/quit", "/bye"})
+# Lines that end the chat (as does Ctrl-D): an empty one, and what llama.cpp and ollama quit on.
+QUIT_LINES = frozenset({"", "/exit", "/quit", "/bye"})
 
 
 def run_chat(engine_args: EngineArgs, params: SamplingParams, system_prompt: str | None) -> int:
@@ -26,7 +26,7 @@ def run_chat(engine_args: EngineArgs, params: SamplingParams, system_prompt: str
             line = input("> " if interactive else "")
         except EOFError:
             return 0
-        if not line.strip() or line.strip() in QUIT_COMMANDS:
+        if line.strip() in QUIT_LINES:
             return 0
         conversation.append({"role": "user", "content": line})
         prompt_ids = llm.apply_chat_template(conversation)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve import SamplingParams
+from kvserve import LLM, SamplingParams
 
 VALID = SamplingParams(temperature=0.0, max_tokens=4)
 
@@ -74,8 +74,6 @@ def test_one_bad_prompt_in_a_batch_schedules_nothing(smollm2_llm):
 @pytest.mark.parametrize(("device", "expected"), [("tpu", "not a device name"), ("mps", "runs on cpu, cuda"),
                                                   ("cuda:99", "cuda:99")])
 def test_a_device_that_is_not_here_is_an_error_before_loading(device, expected):
-    from kvserve import LLM
-
     if device == "cuda:99" and not torch.cuda.is_available():
         expected = "CUDA is not available"
     with pytest.raises(ValueError, match=expected):

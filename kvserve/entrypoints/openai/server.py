@@ -152,7 +152,8 @@ class _DrainingServer(uvicorn.Server):
 
 def _listening_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model starts loading: a port in use is an error
-    at once, not after the load (uvicorn binds only after the app's startup)."""
+    at once, not after the load (uvicorn binds only after the app's startup, and its own
+    Config.bind_socket exits the process instead of raising)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
