@@ -31,6 +31,28 @@ def test_every_flag_has_help():
     assert missing == []
 
 
+def test_help_shows_every_default():
+    """Each flag with a value by default shows it in --help, unless its text says it in words."""
+    missing = []
+    for parser in _all_parsers(build_parser()):
+        help_text = " ".join(parser.format_help().split())  # unwrapped
+        for action in parser._actions:
+            default = action.default
+            if not action.option_strings or default in (None, False, argparse.SUPPRESS):
+                continue
+            shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+            if "default" not in (action.help or "").lower() and f"(default: {shown})" not in help_text:
+                missing.append(f"{parser.prog} {action.option_strings[0]}")
+    assert missing == []
+    serve_help = " ".join(_subparser(build_parser(), "serve").format_help().split())
+    assert "Port to listen on. (default: 8000)" in serve_help
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
 def test_generate_prints_the_greedy_completion(smollm2_llm):
     prompt = "The capital of France is"
     expected = smollm2_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12))[0]

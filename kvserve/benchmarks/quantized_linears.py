@@ -258,7 +258,7 @@ def sweep(bandwidth: float, formats: list[str], row_counts: list[int]) -> list[d
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="1,16", help="Comma-separated row counts (batch of tokens).")
-    parser.add_argument("--formats", default=",".join(FORMATS), help=f"Comma-separated, of {', '.join(FORMATS)}.")
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"Comma-separated, of {', '.join(FORMATS)} (default: all).")
     parser.add_argument("--sweep", action="store_true",
                         help="Also time some of the Triton kernels' launch configs (at the --rows counts it has "
                              "configs for).")

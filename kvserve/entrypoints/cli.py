@@ -10,6 +10,31 @@ import sys
 from kvserve.engine.engine_args import EngineArgs
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Help text ending in the flag's default value, unless the text already says what the
+    default is or there is none to show (None, a store_true flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is False
+                or default is argparse.SUPPRESS or "default" in help.lower()):
+            return help
+        if isinstance(default, (list, tuple)):
+            default = " ".join(map(str, default))
+        # help is a %-format string: a literal % in the default must survive it.
+        return f"{help} (default: {str(default).replace('%', '%%')})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help shows defaults; its subcommands' parsers are of this class
+    too (add_subparsers builds them with the parent's class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpWithDefaults)
+        super().__init__(*args, **kwargs)
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=256, help="Most tokens to generate.")
@@ -89,9 +114,7 @@ _TOOL_GROUPS = {"bench": "Benchmarks.", "eval": "Quality evaluations."}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvserve", description="LLM inference engine with a paged KV cache."
-    )
+    parser = _Parser(prog="kvserve", description="LLM inference engine with a paged KV cache.")
     parser.add_argument("--log-level", default="INFO", help="Logging level (DEBUG, INFO, WARNING).")
     commands = parser.add_subparsers(dest="command", required=True)
 
