@@ -30,6 +30,10 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
     # Mistral: a token attends only to the last `sliding_window` positions (itself included).
     sliding_window: int | None = None
+    # Mixtral: a sparse mixture of this many expert MLPs a layer (0: one dense MLP), of which
+    # each token runs num_experts_per_tok.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: torch.dtype = torch.float32

@@ -97,6 +97,12 @@ def gguf_model_config(reader: GGUFReader, path: str, dtype: torch.dtype) -> Mode
             f"{path}: unsupported GGUF architecture {arch!r}; "
             f"supported: {', '.join(sorted(_GGUF_ARCHITECTURES))}"
         )
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if experts:
+        raise ModelLoadError(
+            f"{path}: a mixture-of-experts GGUF file ({experts} experts a layer) is not supported; "
+            "Mixtral loads from its Hugging Face safetensors directory"
+        )
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: no token_embd.weight tensor")

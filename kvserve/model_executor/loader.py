@@ -81,7 +81,9 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
     if os.path.isfile(generation_path):
         eos = _read_json(generation_path).get("eos_token_id", eos)
     num_heads = cfg["num_attention_heads"]
-    sliding_window = cfg.get("sliding_window") if architecture == "MistralForCausalLM" else None
+    mistral_attention = architecture in ("MistralForCausalLM", "MixtralForCausalLM")
+    sliding_window = cfg.get("sliding_window") if mistral_attention else None
+    moe = architecture == "MixtralForCausalLM"
     if cfg.get("use_sliding_window"):
         raise ModelLoadError(
             f"{config_path}: use_sliding_window=true ({architecture} with per-layer windows) "
@@ -106,6 +108,8 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
             attention_bias=architecture == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
             qk_norm=architecture == "Qwen3ForCausalLM",
             sliding_window=sliding_window,
+            num_experts=cfg["num_local_experts"] if moe else 0,
+            num_experts_per_tok=cfg["num_experts_per_tok"] if moe else 0,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(eos),
             dtype=dtype,

@@ -133,8 +133,8 @@ class ModelRunner:
             return None
         if not supported:
             raise ValueError(
-                "--compile-decode needs the CPU, the torch attention backend and a KV cache "
-                "that is not float8"
+                "--compile-decode needs the CPU, the torch attention backend, a KV cache "
+                "that is not float8 and dense MLPs (not a mixture of experts)"
             )
         compiled = CompiledDecode(self.model, self.kv_caches, self.model_config.sliding_window)
         if compile_decode:
@@ -164,8 +164,9 @@ class ModelRunner:
 
     def _can_use_cuda_graphs(self, enforce_eager: bool) -> bool:
         """Only the Triton backend launches from device-side metadata alone; the torch
-        reference loops over host copies of it, which a replay would not update."""
-        return not enforce_eager and self._triton_attention()
+        reference loops over host copies of it, which a replay would not update. A mixture
+        of experts picks the experts it runs on the host (SparseMoE)."""
+        return not enforce_eager and self._triton_attention() and not self.model_config.num_experts
 
     def _triton_attention(self) -> bool:
         if self.device.type != "cuda":

@@ -11,6 +11,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -36,6 +38,9 @@ ARCHITECTURES = {
     "mistral-sliding-window": lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=7)),
     "qwen2-tied-bias": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, tie_word_embeddings=True)),
     "qwen3-qk-norm": lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=32)),
+    # Top 2 of 4 experts: over 27 tokens every expert runs, each on some tokens only.
+    "mixtral-moe": lambda: MixtralForCausalLM(
+        MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
 }
 
 

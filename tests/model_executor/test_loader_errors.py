@@ -38,6 +38,22 @@ def test_unknown_architecture(tmp_path) -> None:
         load_model(str(tmp_path))
 
 
+def test_mixture_of_experts_gguf(tmp_path) -> None:
+    """llama.cpp writes Mixtral as architecture "llama" with an expert count."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = str(tmp_path / "mixtral.gguf")
+    writer = GGUFWriter(path, "llama")
+    writer.add_expert_count(8)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"mixtral.gguf: a mixture-of-experts GGUF file \(8 experts"):
+        load_model(path)
+
+
 def test_registry_lists_supported() -> None:
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
         get_model_class("FalconForCausalLM")

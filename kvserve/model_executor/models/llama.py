@@ -1,5 +1,6 @@
-"""One Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) on a paged
-KV cache, parameterised by ModelConfig. q/k/v and gate/up are fused into single linears."""
+"""One Llama-family decoder (Llama 2/3, Mistral, Mixtral, Qwen2/2.5, Qwen3, SmolLM2) on a
+paged KV cache, parameterised by ModelConfig. q/k/v and gate/up are fused into single
+linears; Mixtral's experts keep Hugging Face's layout (layers/moe.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.activation import SiluAndMul
 from kvserve.model_executor.layers.layernorm import PendingNorm, RMSNorm
 from kvserve.model_executor.layers.linear import Linear, lm_head_logits
+from kvserve.model_executor.layers.moe import SparseMoE
 from kvserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -99,7 +101,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, attn_backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        # Named as in Hugging Face's checkpoints, whose weight names the loader maps.
+        if config.num_experts:
+            self.block_sparse_moe = SparseMoE(config.hidden_size, config.intermediate_size,
+                                              config.num_experts, config.num_experts_per_tok)
+        else:
+            self.mlp = LlamaMLP(config)
 
     def forward(
         self,
@@ -117,6 +124,12 @@ class LlamaDecoderLayer(nn.Module):
         the LM head), and that stream. Each residual add is fused into the norm after it, and
         each norm, where the kernels can, into the linears around it (RMSNorm.add_after)."""
         attn_out = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
+        if hasattr(self, "block_sparse_moe"):
+            # The whole mixture stands where down_proj does; its input is a plain tensor.
+            hidden_states, residual = self.post_attention_layernorm.add_after(
+                self.self_attn.o_proj, attn_out, residual, None
+            )
+            return next_norm.add_after(self.block_sparse_moe, hidden_states, residual, next_linear)
         hidden_states, residual = self.post_attention_layernorm.add_after(
             self.self_attn.o_proj, attn_out, residual, self.mlp.gate_up_proj
         )
