@@ -6,7 +6,7 @@ import gc
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from kvserve import LLM, SamplingParams
 
@@ -37,6 +37,35 @@ def test_greedy_matches_transformers_on_gpu(save_hf_model):
               gpu_memory_utilization=0.5)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                            SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_mixtral_greedy_matches_transformers_on_gpu(save_hf_model):
+    """Sparse experts on the GPU: eager steps (no CUDA graphs), Triton attention."""
+    config = MixtralConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=384, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+    )
+    reference = MixtralForCausalLM(config)
+    model_dir = save_hf_model(reference)
+    reference = reference.cuda().eval()
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (7, 30, 61)]
+    expected = []
+    with torch.inference_mode():
+        for ids in prompts:
+            input_ids = torch.tensor([ids], device="cuda")
+            out = reference.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                     do_sample=False, max_new_tokens=24, min_new_tokens=24,
+                                     pad_token_id=0)
+            expected.append(out[0, len(ids):].tolist())
+
+    llm = LLM(model=model_dir, dtype="float32", device="cuda", max_num_batched_tokens=64,
+              gpu_memory_utilization=0.5)
+    assert llm.engine.runner.cuda_graphs is None
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
