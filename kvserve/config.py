@@ -30,10 +30,15 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
     # Mistral: a token attends only to the last `sliding_window` positions (itself included).
     sliding_window: int | None = None
-    # Mixtral: a sparse mixture of this many expert MLPs a layer (0: one dense MLP), of which
-    # each token runs num_experts_per_tok.
+    # Mixtral, Qwen2-MoE, Qwen3-MoE: a sparse mixture of this many expert MLPs a layer (0: one
+    # dense MLP), of which each token runs num_experts_per_tok, their router weights scaled to
+    # sum to one where norm_topk_prob; Qwen2-MoE adds a shared expert every token runs.
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    dense_mlp_layers: tuple[int, ...] = ()  # layers of a mixture model with a dense MLP
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: torch.dtype = torch.float32

@@ -83,7 +83,6 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
     num_heads = cfg["num_attention_heads"]
     mistral_attention = architecture in ("MistralForCausalLM", "MixtralForCausalLM")
     sliding_window = cfg.get("sliding_window") if mistral_attention else None
-    moe = architecture == "MixtralForCausalLM"
     if cfg.get("use_sliding_window"):
         raise ModelLoadError(
             f"{config_path}: use_sliding_window=true ({architecture} with per-layer windows) "
@@ -105,17 +104,36 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; others say so with attention_bias.
-            attention_bias=architecture == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            attention_bias=(architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+                            or cfg.get("attention_bias", False)),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding_window,
-            num_experts=cfg["num_local_experts"] if moe else 0,
-            num_experts_per_tok=cfg["num_experts_per_tok"] if moe else 0,
+            **_mixture_fields(architecture, cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(eos),
             dtype=dtype,
         )
     except KeyError as e:
         raise ModelLoadError(f"{config_path}: missing required key {e}") from None
+
+
+def _mixture_fields(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a config.json (none for dense models)."""
+    if architecture == "MixtralForCausalLM":
+        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    # Dense layers: those listed in mlp_only_layers, and all but every decoder_sparse_step-th.
+    step, only_mlp = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only_mlp or (i + 1) % step)
+    # Qwen's own configs say num_experts; transformers 5 writes num_local_experts.
+    experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+    return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=cfg.get("norm_topk_prob", False),
+                shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+                dense_mlp_layers=dense)
 
 
 def _safetensors_files(model_dir: str) -> list[str]:

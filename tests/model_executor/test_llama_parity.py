@@ -15,8 +15,12 @@ from transformers import (
     MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from kvserve.model_executor.loader import load_model
@@ -41,6 +45,14 @@ ARCHITECTURES = {
     # Top 2 of 4 experts: over 27 tokens every expert runs, each on some tokens only.
     "mixtral-moe": lambda: MixtralForCausalLM(
         MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    # A shared expert, top-k weights not renormalised, and layer 0 dense (mlp_only_layers).
+    "qwen2-moe-shared-expert": lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80, norm_topk_prob=False, mlp_only_layers=[0])),
+    # Renormalised top-k, q/k norms, every second layer sparse (decoder_sparse_step).
+    "qwen3-moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **{**SMALL, "num_hidden_layers": 3}, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=40, norm_topk_prob=True, decoder_sparse_step=2)),
 }
 
 

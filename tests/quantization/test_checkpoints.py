@@ -48,7 +48,7 @@ def layer_weights(loaded: LoadedModel) -> dict[str, torch.Tensor]:
             continue
         weight = module.dequantize() if isinstance(module, QuantizedLinear) else module.weight.detach()
         shards = loaded.model.hf_shard_names(name)
-        sizes = loaded.model._shard_sizes(name.split(".", 3)[-1]) if len(shards) > 1 else [weight.shape[0]]
+        sizes = loaded.model.shard_sizes(name)
         weights.update(zip(shards, weight.split(sizes)))
     return weights
 

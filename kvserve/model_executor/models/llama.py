@@ -1,9 +1,10 @@
-"""One Llama-family decoder (Llama 2/3, Mistral, Mixtral, Qwen2/2.5, Qwen3, SmolLM2) on a
-paged KV cache, parameterised by ModelConfig. q/k/v and gate/up are fused into single
-linears; Mixtral's experts keep Hugging Face's layout (layers/moe.py)."""
+"""One Llama-family decoder (Llama 2/3, Mistral, Mixtral, Qwen2/2.5, Qwen2-MoE, Qwen3,
+Qwen3-MoE, SmolLM2) on a paged KV cache, parameterised by ModelConfig. q/k/v and gate/up are
+fused into single linears, in experts too (layers/moe.py)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -14,9 +15,9 @@ from kvserve.attention.key_rotation import rotate_queries_and_keys, to_key_basis
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, TorchReferenceBackend
 from kvserve.config import ModelConfig
-from kvserve.model_executor.layers.activation import SiluAndMul
 from kvserve.model_executor.layers.layernorm import PendingNorm, RMSNorm
 from kvserve.model_executor.layers.linear import Linear, lm_head_logits
+from kvserve.model_executor.layers.mlp import GatedMLP
 from kvserve.model_executor.layers.moe import SparseMoE
 from kvserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -82,31 +83,22 @@ class LlamaAttention(nn.Module):
         return out.reshape(num_tokens, self.q_size)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        """down_proj's input, the activation (the decoder layer applies down_proj, fused
-        with the norm after it where it can)."""
-        return self.act(self.gate_up_proj(x))
-
-
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, attn_backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Named as in Hugging Face's checkpoints, whose weight names the loader maps.
-        if config.num_experts:
-            self.block_sparse_moe = SparseMoE(config.hidden_size, config.intermediate_size,
-                                              config.num_experts, config.num_experts_per_tok)
+        # The MLP, dense or a mixture, under its Hugging Face name ("mlp"; Mixtral's mixture
+        # "block_sparse_moe"), so that checkpoint names map to ours.
+        if config.num_experts and index not in config.dense_mlp_layers:
+            self.mlp_name = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+            self.add_module(self.mlp_name, SparseMoE(
+                config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                config.num_experts_per_tok, config.norm_topk_prob, config.shared_expert_intermediate_size))
         else:
-            self.mlp = LlamaMLP(config)
+            self.mlp_name = "mlp"
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(
         self,
@@ -124,16 +116,17 @@ class LlamaDecoderLayer(nn.Module):
         the LM head), and that stream. Each residual add is fused into the norm after it, and
         each norm, where the kernels can, into the linears around it (RMSNorm.add_after)."""
         attn_out = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
-        if hasattr(self, "block_sparse_moe"):
+        mlp = getattr(self, self.mlp_name)
+        if isinstance(mlp, SparseMoE):
             # The whole mixture stands where down_proj does; its input is a plain tensor.
             hidden_states, residual = self.post_attention_layernorm.add_after(
                 self.self_attn.o_proj, attn_out, residual, None
             )
-            return next_norm.add_after(self.block_sparse_moe, hidden_states, residual, next_linear)
+            return next_norm.add_after(mlp, hidden_states, residual, next_linear)
         hidden_states, residual = self.post_attention_layernorm.add_after(
-            self.self_attn.o_proj, attn_out, residual, self.mlp.gate_up_proj
+            self.self_attn.o_proj, attn_out, residual, mlp.gate_up_proj
         )
-        return next_norm.add_after(self.mlp.down_proj, self.mlp(hidden_states), residual, next_linear)
+        return next_norm.add_after(mlp.down_proj, mlp(hidden_states), residual, next_linear)
 
 
 class LlamaModel(nn.Module):
@@ -141,7 +134,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, attn_backend, index) for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -167,14 +160,10 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-# Hugging Face projection name -> (our fused parameter, shard index within it).
-_FUSED_SHARDS = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
+# Our fused linears -> the Hugging Face linears stacked into them (by output rows), in order.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Where a checkpoint names an expert's linears otherwise than Llama's MLP.
+_EXPERT_LINEAR_NAMES = {"MixtralForCausalLM": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -213,33 +202,37 @@ class LlamaForCausalLM(nn.Module):
         )
         return lm_head_logits(hidden_states, weight)
 
-    def _shard_sizes(self, fused_part: str) -> list[int]:
+    def shard_sizes(self, module_name: str) -> list[int]:
+        """Output rows of each Hugging Face linear stacked into one of ours (hf_shard_names)."""
         c = self.config
-        if fused_part == "self_attn.qkv_proj":
+        leaf = module_name.rpartition(".")[2]
+        if leaf == "qkv_proj":
             kv = c.num_key_value_heads * c.head_dim
             return [c.num_attention_heads * c.head_dim, kv, kv]
-        return [c.intermediate_size, c.intermediate_size]
+        rows = self.get_submodule(module_name).out_features
+        return [rows // 2, rows // 2] if leaf == "gate_up_proj" else [rows]
 
     def hf_shard_names(self, module_name: str) -> list[str]:
         """Hugging Face names of the linears stacked (by output rows) into one of ours."""
-        prefix, _, part = module_name.rpartition(".")
-        parent = prefix.rpartition(".")[2]
-        shards = [hf for hf, (fused, _) in _FUSED_SHARDS.items() if fused == f"{parent}.{part}"]
-        base = prefix.rpartition(".")[0]
-        return [f"{base}.{hf}" for hf in shards] if shards else [module_name]
+        prefix, _, leaf = module_name.rpartition(".")
+        leaves = _FUSED.get(leaf, (leaf,))
+        if ".experts." in f".{prefix}.":
+            renames = _EXPERT_LINEAR_NAMES.get(self.config.architecture, {})
+            leaves = tuple(renames.get(name, name) for name in leaves)
+        return [f"{prefix}.{name}" if prefix else name for name in leaves]
 
     def hf_weight_views(self) -> dict[str, torch.Tensor]:
         """Hugging Face parameter name -> the view of our parameter it fills."""
         targets: dict[str, torch.Tensor] = {}
         for name, param in self.named_parameters():
-            fused = [(hf, part, i) for hf, (part, i) in _FUSED_SHARDS.items() if f".{part}." in name]
-            if not fused:
+            module_name, _, kind = name.rpartition(".")
+            if module_name.rpartition(".")[2] not in _FUSED and ".experts." not in name:
                 targets[name] = param
-            for hf_part, fused_part, index in fused:
-                sizes = self._shard_sizes(fused_part)
-                targets[name.replace(fused_part, hf_part)] = param.narrow(
-                    0, sum(sizes[:index]), sizes[index]
-                )
+                continue
+            shards = self.hf_shard_names(module_name)
+            sizes = self.shard_sizes(module_name) if len(shards) > 1 else [param.shape[0]]
+            for hf_name, start, size in zip(shards, itertools.accumulate([0] + sizes), sizes):
+                targets[f"{hf_name}.{kind}"] = param.narrow(0, start, size)
         return targets
 
     @torch.no_grad()
