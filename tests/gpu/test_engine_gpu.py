@@ -6,7 +6,14 @@ import gc
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+)
 
 from kvserve import LLM, SamplingParams
 
@@ -40,14 +47,21 @@ def test_greedy_matches_transformers_on_gpu(save_hf_model):
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-def test_mixtral_greedy_matches_transformers_on_gpu(save_hf_model):
+_MOE_SHAPE = dict(vocab_size=512, hidden_size=256, num_hidden_layers=3, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=1024, num_experts_per_tok=2)
+MIXTURES = {
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(
+        **_MOE_SHAPE, intermediate_size=384, num_local_experts=8, sliding_window=None)),
+    "qwen2-moe": lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        **_MOE_SHAPE, intermediate_size=384, moe_intermediate_size=192, num_experts=8,
+        shared_expert_intermediate_size=320, mlp_only_layers=[1])),
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(MIXTURES))
+def test_mixture_of_experts_greedy_matches_transformers_on_gpu(save_hf_model, architecture):
     """Sparse experts on the GPU: eager steps (no CUDA graphs), Triton attention."""
-    config = MixtralConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=384, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-        num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
-    )
-    reference = MixtralForCausalLM(config)
+    reference = MIXTURES[architecture]()
     model_dir = save_hf_model(reference)
     reference = reference.cuda().eval()
     generator = torch.Generator().manual_seed(4)
