@@ -20,6 +20,19 @@ from kvserve import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
+def _transformers_greedy(reference, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt alone, on the GPU."""
+    continuations = []
+    with torch.inference_mode():
+        for ids in prompts:
+            input_ids = torch.tensor([ids], device="cuda")
+            out = reference.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                     do_sample=False, max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, pad_token_id=0)
+            continuations.append(out[0, len(ids):].tolist())
+    return continuations
+
+
 def test_greedy_matches_transformers_on_gpu(save_hf_model):
     config = LlamaConfig(
         vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -31,14 +44,7 @@ def test_greedy_matches_transformers_on_gpu(save_hf_model):
 
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (5, 17, 33, 64, 100)]
-    expected = []
-    with torch.inference_mode():
-        for ids in prompts:
-            input_ids = torch.tensor([ids], device="cuda")
-            out = reference.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                     do_sample=False, max_new_tokens=32, min_new_tokens=32,
-                                     pad_token_id=0)
-            expected.append(out[0, len(ids):].tolist())
+    expected = _transformers_greedy(reference, prompts, 32)
 
     llm = LLM(model=model_dir, dtype="float32", device="cuda", max_num_batched_tokens=64,
               gpu_memory_utilization=0.5)
@@ -66,14 +72,7 @@ def test_mixture_of_experts_greedy_matches_transformers_on_gpu(save_hf_model, ar
     reference = reference.cuda().eval()
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (7, 30, 61)]
-    expected = []
-    with torch.inference_mode():
-        for ids in prompts:
-            input_ids = torch.tensor([ids], device="cuda")
-            out = reference.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                     do_sample=False, max_new_tokens=24, min_new_tokens=24,
-                                     pad_token_id=0)
-            expected.append(out[0, len(ids):].tolist())
+    expected = _transformers_greedy(reference, prompts, 24)
 
     llm = LLM(model=model_dir, dtype="float32", device="cuda", max_num_batched_tokens=64,
               gpu_memory_utilization=0.5)
