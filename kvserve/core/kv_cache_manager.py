@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from kvserve.core.block_pool import BlockPool, KVBlock
@@ -20,6 +21,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.block_tables: dict[str, list[KVBlock]] = {}
+        # Each table's block ids as C ints, kept in step with it: a step's inputs copy them
+        # as they are (block_id_array) instead of converting every id again.
+        self._block_ids: dict[str, array] = {}
         # Hashes of each sequence's full blocks, in order (a prefix of its block table).
         self._block_hashes: dict[str, list[int]] = {}
 
@@ -34,7 +38,12 @@ class KVCacheManager:
         return self.pool.usage
 
     def block_ids(self, seq_id: str) -> list[int]:
-        return [block.block_id for block in self.block_tables.get(seq_id, ())]
+        return self._block_ids.get(seq_id, array("i")).tolist()
+
+    def block_id_array(self, seq_id: str) -> array:
+        """The sequence's block ids as an int32 array, not a copy: read it before the table
+        changes again (a step's inputs are built from it at once)."""
+        return self._block_ids.get(seq_id, array("i"))
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -99,17 +108,21 @@ class KVCacheManager:
             for block in adopted:
                 self.pool.acquire(block)
             table = self.block_tables[seq_id] = adopted
+            self._block_ids[seq_id] = array("i", [block.block_id for block in adopted])
             self._block_hashes[seq_id] = [block.block_hash for block in adopted]
 
+        ids = self._block_ids[seq_id]
         copies: list[BlockCopy] = []
         if needs_copy:
             shared = table[first_write_block]
             private = self.pool.allocate()
             self.pool.release(shared)
             table[first_write_block] = private
+            ids[first_write_block] = private.block_id
             copies.append((shared.block_id, private.block_id))
         for _ in range(num_new_blocks):
             table.append(self.pool.allocate())
+            ids.append(table[-1].block_id)
         return copies
 
     def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
@@ -139,8 +152,10 @@ class KVCacheManager:
         keep = self.num_blocks_needed(num_tokens)
         if len(self._block_hashes[seq_id]) > keep:
             raise RuntimeError(f"{seq_id}: trimming would drop a block registered as cached")
+        ids = self._block_ids[seq_id]
         while len(table) > keep:
             self.pool.release(table.pop())
+            ids.pop()
 
     # -- sharing and release ---------------------------------------------------------------
 
@@ -150,10 +165,12 @@ class KVCacheManager:
         for block in table:
             self.pool.acquire(block)
         self.block_tables[child_id] = list(table)
+        self._block_ids[child_id] = array("i", self._block_ids[parent_id])
         self._block_hashes[child_id] = list(self._block_hashes[parent_id])
 
     def free(self, seq_id: str) -> None:
         table = self.block_tables.pop(seq_id, None)
+        self._block_ids.pop(seq_id, None)
         self._block_hashes.pop(seq_id, None)
         if table is None:
             return

@@ -6,6 +6,7 @@ import itertools
 from dataclasses import replace
 import logging
 import time
+from array import array
 from typing import Any
 
 import torch
@@ -305,8 +306,8 @@ class LLMEngine:
         self._inflight = self._launch_ahead(inflight)
         return self._finish_inflight(inflight, final_only)
 
-    def _block_tables(self, seqs: list[Sequence]) -> dict[str, list[int]]:
-        return {seq.seq_id: self.kv_cache.block_ids(seq.seq_id) for seq in seqs}
+    def _block_tables(self, seqs: list[Sequence]) -> dict[str, array]:
+        return {seq.seq_id: self.kv_cache.block_id_array(seq.seq_id) for seq in seqs}
 
     def _run_step(self, sched: SchedulerOutput, final_only: bool) -> list[RequestOutput]:
         """A step from schedule to outputs, waiting for the device."""

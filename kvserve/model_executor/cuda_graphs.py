@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 
 import torch
 
@@ -33,6 +32,7 @@ from kvserve.attention.triton_kernels.paged_attention import (
     DecodePlan,
     choose_decode_plan,
 )
+from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class CudaGraphRunner:
         self,
         query_tokens: list[list[int]],
         start_positions: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[BlockTable],
         device_token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [sum of query lengths, vocab] fp32 of B sequences: sequence i feeds
@@ -224,15 +224,8 @@ class CudaGraphRunner:
                 raise ValueError("device token ids are for decode steps (one token each)")
             self.token_inputs[0, :batch].copy_(device_token_ids)
         self.seq_lens[:bucket].copy_(staging_lens[:bucket], non_blocking=True)
-        table_width = max(len(table) for table in block_tables)
-        # One flat int32 array built in C is several times faster than a nested torch.tensor.
-        flat = array("i")
-        padding = [0] * table_width
-        for table in block_tables:
-            flat.extend(table)
-            flat.extend(padding[: table_width - len(table)])
-        tables = torch.frombuffer(flat, dtype=torch.int32).view(batch, table_width)
-        self.block_tables[:batch, :table_width].copy_(tables.pin_memory(), non_blocking=True)
+        tables = pack_block_tables(block_tables)
+        self.block_tables[:batch, : tables.shape[1]].copy_(tables.pin_memory(), non_blocking=True)
 
         max_seq_len = max(start_positions) + width
         key = (bucket, width, self._plan(bucket, width, max_seq_len))

@@ -17,6 +17,7 @@ from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.model_executor.compiled_decode import CompiledDecode
+from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
 from kvserve.sample.argmax import row_argmax
 from kvserve.cpu_kernels import float_matmul_op
@@ -298,7 +299,7 @@ class ModelRunner:
         positions: torch.Tensor,
         query_start_loc: list[int],
         seq_lens: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[BlockTable],
         slot_positions: torch.Tensor | None = None,
         tree_masks: dict[int, torch.Tensor] | None = None,
     ) -> AttentionMetadata:
@@ -306,10 +307,8 @@ class ModelRunner:
         position (token-tree drafts); defaults to `positions`."""
         if slot_positions is None:
             slot_positions = positions
-        max_blocks = max(len(table) for table in block_tables)
-        padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]
         query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
-        block_tables_t = torch.tensor(padded, dtype=torch.int32, device=self.device)
+        block_tables_t = pack_block_tables(block_tables).to(self.device)
         # Each token's cache slot: its sequence's block for the position, plus the offset.
         # output_size is known on the host; without it the GPU would sync to learn it.
         seq_index = torch.repeat_interleave(
@@ -356,7 +355,7 @@ class ModelRunner:
             width = max(width, num)
         return width > 0 and self.cuda_graphs.can_run(len(sched.scheduled_seqs), width)
 
-    def _execute_graph(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
+    def _execute_graph(self, sched: SchedulerOutput, block_tables: dict[str, BlockTable]) -> StepLogits:
         seqs = sched.scheduled_seqs
         num_rows = [sched.num_scheduled_tokens[seq.seq_id] for seq in seqs]
         self._copy_blocks(sched.block_copies)
@@ -371,7 +370,7 @@ class ModelRunner:
     def execute_ahead(
         self,
         seqs: list[Sequence],
-        block_tables: dict[str, list[int]],
+        block_tables: dict[str, BlockTable],
         block_copies: list[tuple[int, int]],
         token_ids: torch.Tensor,
     ) -> torch.Tensor:
@@ -391,7 +390,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
+    def execute(self, sched: SchedulerOutput, block_tables: dict[str, BlockTable]) -> StepLogits:
         if self.cuda_graphs is not None and self._graph_can_run(sched):
             return self._execute_graph(sched, block_tables)
         input_ids: list[int] = []

@@ -74,6 +74,20 @@ def test_table_covers_ceil_tokens_over_block_size():
     mgr.free("a")  # freeing twice is a no-op
 
 
+def test_trim_returns_the_tail_blocks_and_keeps_the_id_array_in_step():
+    """A speculative step's blocks past the accepted tokens go back (KVCacheManager.trim)."""
+    # Drafts are never registered as cached, so no automatic caching here.
+    mgr = _KVCacheManager(num_blocks=10, block_size=4)
+    assert mgr.allocate_slots("a", list(range(14)), 0, 14) == []  # 4 blocks
+    kept = mgr.block_ids("a")[:2]
+    mgr.trim("a", 7)
+    assert mgr.block_ids("a") == kept and mgr.block_id_array("a").tolist() == kept
+    assert mgr.num_free_blocks == 8
+    assert mgr.allocate_slots("a", list(range(9)), 7, 2) == []  # grows again from there
+    assert mgr.block_id_array("a").tolist() == [b.block_id for b in mgr.block_tables["a"]]
+    assert len(mgr.block_ids("a")) == 3
+
+
 def test_allocate_slots_none_changes_nothing():
     mgr = KVCacheManager(num_blocks=3, block_size=2)
     fill(mgr, "a", [1, 2, 3, 4])
@@ -417,6 +431,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         mgr, pool = self.mgr, self.mgr.pool
         assert {sid: mgr.block_ids(sid) for sid in mgr.block_tables} == self.tables
+        # The int32 ids a step's inputs copy mirror the tables of blocks themselves.
+        for sid, blocks in mgr.block_tables.items():
+            assert mgr.block_id_array(sid).tolist() == [b.block_id for b in blocks]
         held = Counter(b for t in self.tables.values() for b in t)
         for block in pool.blocks:
             assert block.ref_count == held.get(block.block_id, 0)
