@@ -202,3 +202,35 @@ def test_decode_window_stays_small(bpe_tokenizer) -> None:
     detok, _, _ = stream(Recording(), prompt, ids, SamplingParams())
     assert len(ids) > 200 and detok.output_text == bpe_tokenizer.decode(ids)
     assert max(window_sizes) <= 12
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_backend_decoder_equals_the_tokenizers_decode(bpe_tokenizer, sp_tokenizer, skip_special_tokens):
+    """The fast path (the Rust backend, without transformers' wrapper) gives the wrapper's
+    text, special tokens included; a class with its own decode keeps that decode."""
+    import random
+
+    from kvserve.engine.detokenizer import decoder
+
+    rng = random.Random(0)
+    for tokenizer in (bpe_tokenizer, sp_tokenizer):
+        fast = decoder(tokenizer, skip_special_tokens)
+        assert fast.__closure__ is not None and any(
+            cell.cell_contents is tokenizer.backend_tokenizer for cell in fast.__closure__)
+        special = list(tokenizer.all_special_ids)
+        for _ in range(200):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 12))]
+            ids += rng.sample(special, k=min(2, len(special)))
+            rng.shuffle(ids)
+            assert fast(ids) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                                 clean_up_tokenization_spaces=False)
+
+    class Shouting(type(sp_tokenizer)):
+        def decode(self, *args, **kwargs):
+            return super().decode(*args, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=sp_tokenizer.backend_tokenizer, bos_token="<s>", eos_token="</s>",
+                        unk_token="<unk>", clean_up_tokenization_spaces=False)
+    ids = sp_tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    text = decoder(shouting, skip_special_tokens)(ids)
+    assert text == "THE QUICK BROWN FOX"
