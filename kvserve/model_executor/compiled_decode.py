@@ -109,11 +109,11 @@ class CompiledDecode:
     def supports(model: nn.Module, kv_caches: list[torch.Tensor], device: torch.device) -> bool:
         """CPU, the torch reference attention (the only one that reads a DecodeContext),
         a cache that stores keys/values as computed (not float8), the layers' caches views of
-        one tensor, and dense MLPs (a mixture of experts picks its experts on the host)."""
+        one tensor, and a model whose steps a graph can hold (graph_capturable)."""
         backend = model.model.layers[0].self_attn.attn_backend
         return (device.type == "cpu" and isinstance(backend, TorchReferenceBackend)
                 and kv_caches[0].dtype not in FLOAT8_DTYPES and layer_stack(kv_caches) is not None
-                and not model.config.num_experts)
+                and model.graph_capturable)
 
     def applies(self, metadata: AttentionMetadata) -> bool:
         """One token per sequence, at most MAX_ROWS, with a cached context of at least

@@ -165,9 +165,8 @@ class ModelRunner:
 
     def _can_use_cuda_graphs(self, enforce_eager: bool) -> bool:
         """Only the Triton backend launches from device-side metadata alone; the torch
-        reference loops over host copies of it, which a replay would not update. A mixture
-        of experts picks the experts it runs on the host (SparseMoE)."""
-        return not enforce_eager and self._triton_attention() and not self.model_config.num_experts
+        reference loops over host copies of it, which a replay would not update."""
+        return not enforce_eager and self._triton_attention() and self.model.graph_capturable
 
     def _triton_attention(self) -> bool:
         if self.device.type != "cuda":

@@ -187,6 +187,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a step's work is fixed by its input shapes, as CUDA graphs and
+        torch.compile need: not for a mixture of experts, which reads on the host which
+        experts to run (SparseMoE)."""
+        return not self.config.num_experts
+
     def set_attn_backend(self, attn_backend: AttentionBackend) -> None:
         """Swap the attention implementation (the model runner picks it per device)."""
         for layer in self.model.layers:
@@ -226,11 +233,11 @@ class LlamaForCausalLM(nn.Module):
         targets: dict[str, torch.Tensor] = {}
         for name, param in self.named_parameters():
             module_name, _, kind = name.rpartition(".")
-            if module_name.rpartition(".")[2] not in _FUSED and ".experts." not in name:
-                targets[name] = param
-                continue
             shards = self.hf_shard_names(module_name)
-            sizes = self.shard_sizes(module_name) if len(shards) > 1 else [param.shape[0]]
+            if len(shards) == 1:
+                targets[f"{shards[0]}.{kind}"] = param
+                continue
+            sizes = self.shard_sizes(module_name)
             for hf_name, start, size in zip(shards, itertools.accumulate([0] + sizes), sizes):
                 targets[f"{hf_name}.{kind}"] = param.narrow(0, start, size)
         return targets
