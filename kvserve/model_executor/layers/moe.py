@@ -28,8 +28,8 @@ class SparseMoE(nn.Module):
     experts' outputs weighted by them; Qwen2-MoE adds a shared expert, weighted by the
     sigmoid of its own gate, that every token runs. Each expert is a GatedMLP (plain linears,
     so weight-only quantization and checkpoint loading treat them like any). Only the experts
-    some token picked run, each on its tokens alone; which ones is read on the host, so a
-    model with this layer runs eagerly (no CUDA graphs, no compiled CPU decode)."""
+    some token picked run, each on its tokens alone; how many tokens each got is read on the
+    host, so a model with this layer runs eagerly (no CUDA graphs, no compiled CPU decode)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, shared_intermediate_size: int = 0) -> None:
@@ -49,11 +49,19 @@ class SparseMoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        # (token, slot) pairs grouped by expert, tokens ascending within each: the counts are
+        # the layer's one read on the host (a torch.where per expert would be one each).
+        order = torch.argsort(chosen.flatten(), stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
+        tokens, weights = order // self.top_k, weights.flatten()[order]
         out = torch.zeros_like(x)
-        for expert in torch.unique(chosen).tolist():
-            tokens, slots = torch.where(chosen == expert)
-            y = self.experts[expert].output(x[tokens]) * weights[tokens, slots, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = tokens[start : start + count]
+                y = expert.output(x[rows]) * weights[start : start + count, None]
+                out.index_add_(0, rows, y.to(out.dtype))
+                start += count
         if hasattr(self, "shared_expert"):
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.output(x)
         return out
