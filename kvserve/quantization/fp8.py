@@ -4,12 +4,14 @@ elements, as block-wise fp8 checkpoints store them).
 Where the product runs:
 * CPU: the weight upcast to the activation dtype (fp32 there); per-channel scales
   commute with the matmul, so only the output is scaled.
-* CUDA (capability >= 8.9), up to GPU_KERNEL_MAX_ROWS rows (decode): the Triton
-  weight-only kernel reads the fp8 bytes once and upcasts them in the loop;
-  `torch._scaled_mm` is far from the bandwidth floor there (BENCHMARKS.md).
-* CUDA (>= 8.9), more rows (prefill), bf16, per-channel scales: activations quantized to
-  fp8 per token (dynamic scales, one Triton kernel) and `torch._scaled_mm` on the fp8
-  tensor cores.
+* CUDA (capability >= 8.9), up to 16 rows (decode): the Triton weight-only kernels read
+  the fp8 bytes once and upcast them in the loop; `torch._scaled_mm` is far from the
+  bandwidth floor there (BENCHMARKS.md).
+* Hopper (>= 9.0), per-channel scales, bf16/fp16 x of 17-128 rows (wide decode batches):
+  x quantized to fp8 per token (dynamic scales, one Triton kernel) and kvserve's split-K
+  W8A8 kernel on the fp8 tensor cores (fp8_w8a8.py), where it beats cuBLAS.
+* CUDA (>= 8.9), more rows (prefill), bf16, per-channel scales: the same per-token
+  quantization and `torch._scaled_mm` on the fp8 tensor cores.
 * Otherwise (older GPUs, fp16 prefill, block scales) the weight is dequantized to the
   activation dtype per call.
 
@@ -21,6 +23,7 @@ it by scaling their output rows.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,9 @@ from torch import nn
 from kvserve.quantization import base
 from kvserve.quantization.base import KernelWeight, QuantizationMethod, QuantizedLinear, lm_head_as_linear
 from kvserve.quantization.int8 import add_int8_lm_head
+
+if TYPE_CHECKING:
+    from kvserve.quantization.fp8_w8a8 import W8A8Config
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -47,6 +53,12 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _fp8_capable(device_index: int) -> bool:
     """Hopper / Ada (8.9+): fp8 tensor cores for _scaled_mm and e4m3 conversions in Triton."""
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(device_index: int) -> bool:
+    """9.0+: the fp8 wgmma tiles fp8_w8a8 was measured on (Ada's fp8 dots are not)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 class Fp8Linear(QuantizedLinear):
@@ -80,6 +92,9 @@ class Fp8Linear(QuantizedLinear):
         weight = self.kernel_weight(x.device)
         if weight is None:
             return None  # dequantize instead
+        w8a8 = self._w8a8_config(x)
+        if w8a8 is not None:
+            return self._w8a8(x, w8a8)
         if self.gpu_kernel_applies(x):
             from kvserve.quantization.weight_only import weight_only_matmul
 
@@ -92,6 +107,24 @@ class Fp8Linear(QuantizedLinear):
         if device.type != "cuda" or not _fp8_capable(device.index or 0):
             return None  # no e4m3 conversions in Triton below 8.9
         return KernelWeight(self.qweight, self.scale, None, self.group_size, four_bit=False)
+
+    def _w8a8_config(self, x: torch.Tensor) -> W8A8Config | None:
+        """fp8_w8a8's launch configuration for x, or None where it does not run x."""
+        if not (base.gpu_kernels_enabled and self.per_channel and x.dtype in (torch.bfloat16, torch.float16)
+                and _hopper(x.device.index or 0)):
+            return None
+        from kvserve.quantization.fp8_w8a8 import w8a8_config
+
+        return w8a8_config(x.numel() // self.in_features, self.out_features, self.in_features)
+
+    def _w8a8(self, x: torch.Tensor, config: W8A8Config) -> torch.Tensor:
+        from kvserve.quantization.fp8_activation import quantize_per_token
+        from kvserve.quantization.fp8_w8a8 import fp8_w8a8_matmul
+
+        rows = x.reshape(-1, self.in_features)
+        x_fp8, x_scale = quantize_per_token(rows if rows.stride(-1) == 1 else rows.contiguous())
+        y = fp8_w8a8_matmul(x_fp8, x_scale, self.qweight, self.scale, config, out_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def _scaled_mm_applies(self, x: torch.Tensor) -> bool:
         # Row-wise scaled _scaled_mm: bf16 output, both dims multiples of 16.

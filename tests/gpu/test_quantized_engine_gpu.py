@@ -11,7 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvserve import LLM, SamplingParams
-from kvserve.quantization import base
+from kvserve.quantization import base, fp8_w8a8
+from kvserve.quantization.fp8_w8a8 import W8A8_MIN_ROWS
 
 pytestmark = pytest.mark.gpu
 
@@ -29,9 +30,10 @@ def test_kernels_score_like_the_dense_path(save_hf_model, method, monkeypatch):
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (17, 40, 100, 250)]
     # Teacher forcing: every path scores the same tokens, so a near-tie flipping one greedy
-    # choice cannot make the paths diverge. Steps of at most 64 tokens keep every prefill
-    # step on the kernels (fp8 included, never _scaled_mm's fp8 activations).
+    # choice cannot make the paths diverge. Steps of at most 64 tokens (fp8: 16) keep every
+    # prefill step on the weight-only kernels (never fp8 activations: fp8_w8a8, _scaled_mm).
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    step_tokens = W8A8_MIN_ROWS - 1 if method == "fp8" else base.GPU_KERNEL_MAX_ROWS
 
     def run(dtype: str, kernels: bool) -> torch.Tensor:
         monkeypatch.setattr(base, "gpu_kernels_enabled", kernels)
@@ -39,7 +41,7 @@ def test_kernels_score_like_the_dense_path(save_hf_model, method, monkeypatch):
         # only the kernel run would compute with.
         llm = LLM(model=model_dir, dtype=dtype, device="cuda", quantization=method,
                   quantization_config={"lm_head": False}, gpu_memory_utilization=0.3,
-                  max_num_batched_tokens=base.GPU_KERNEL_MAX_ROWS)
+                  max_num_batched_tokens=step_tokens)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         logprobs = torch.tensor([
             entry[token] for o in outputs
@@ -59,6 +61,52 @@ def test_kernels_score_like_the_dense_path(save_hf_model, method, monkeypatch):
     # Both carry bf16 activations; the kernels keep the dequantized weights unrounded, the
     # dense path rounds them to bf16. A wrong kernel is off by far more than either.
     assert kernel_error <= 2 * dense_error + 1e-3
+
+
+def test_fp8_w8a8_kernel_scores_like_scaled_mm(save_hf_model, monkeypatch):
+    """fp8 at 17-128 rows: kvserve's W8A8 kernel (fp8_w8a8) against `_scaled_mm` on the same
+    per-token fp8 activations, both scored against an fp32 run of the quantized weights.
+    Prefill chunks of 100 tokens: o_proj and down (4096 wide) take the kernel, qkv and gate/up
+    cuBLAS (w8a8_config); with the kernel routed off, all take cuBLAS."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("fp8_w8a8 runs on Hopper")
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=4096, intermediate_size=4096, num_hidden_layers=2,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1024,
+    )
+    model_dir = save_hf_model(LlamaForCausalLM(config).to(torch.bfloat16))
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (100, 300)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    calls = []
+    kernel = fp8_w8a8.fp8_w8a8_matmul
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_w8a8, "fp8_w8a8_matmul", counted)
+
+    def run(dtype: str, w8a8: bool) -> torch.Tensor:
+        if not w8a8:
+            monkeypatch.setattr(fp8_w8a8, "w8a8_config", lambda *args: None)
+        llm = LLM(model=model_dir, dtype=dtype, device="cuda", quantization="fp8",
+                  quantization_config={"lm_head": False}, gpu_memory_utilization=0.3,
+                  max_num_batched_tokens=100, enforce_eager=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return torch.tensor([entry[token] for o in outputs
+                             for token, entry in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])])
+
+    reference = run("float32", w8a8=True)  # fp32 activations: the dense path
+    kernel_error = (run("bfloat16", w8a8=True) - reference).abs().mean().item()
+    assert calls and all(17 <= rows <= 128 for rows in calls)
+    scaled_mm_error = (run("bfloat16", w8a8=False) - reference).abs().mean().item()
+    print(f"mean |logprob - fp32|: fp8_w8a8 {kernel_error:.4f}, _scaled_mm {scaled_mm_error:.4f}")
+    # The same fp8 operands, both accumulating without fp32 promotion: as close as cuBLAS.
+    assert kernel_error <= 1.5 * scaled_mm_error + 1e-3
 
 
 @pytest.mark.parametrize("quantization", ["int4", "fp8"])

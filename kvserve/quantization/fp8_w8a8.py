@@ -1,0 +1,126 @@
+"""fp8 x fp8 matmul on the fp8 tensor cores for decode batches too wide for the weight-only
+kernels and too narrow for `torch._scaled_mm` (W1's 65-256 rows): y = (x_q @ W_q^T) *
+x_scale[m] * w_scale[n], x quantized per token (fp8_activation.quantize_per_token), W per
+output channel.
+
+At those rows cuBLAS runs one 128 x 128 tile per program: llama3-8b's o_proj and down are
+32 programs on 132 SMs, each reading all of K, and the step's linears reach 42% of the bytes
+floor (BENCHMARKS.md). Here the row tile covers the batch, so every weight tile is read
+once, and K is split until the GPU is full; the splits' fp32 partials are summed inside the
+kernel in split order by the last split of each output tile (tiles.store_output), so the
+result does not depend on which split finishes first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.quantization.weight_only.matmul import split_counters, split_k
+from kvserve.quantization.weight_only.configs import LaunchConfig
+from kvserve.quantization.weight_only.tiles import split_tiles, store_output
+
+
+@dataclass(frozen=True)
+class W8A8Config:
+    block_m: int
+    block_n: int
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    waves: int = 1  # split K until about this many programs per SM
+    split_k: int | None = None  # a fixed split (tests); None: from `waves`
+
+
+@triton.jit
+def fp8_w8a8_kernel(
+    x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, partial_ptr, out_ptr, count_ptr,
+    M, N, num_tiles, tiles_per_split, stride_xm, stride_wn, stride_om, stride_ps,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Grid (column blocks x row blocks, 1, splits of K), the row blocks of a column block
+    # adjacent in launch order: they read the same weight tiles at about the same time.
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = tl.program_id(0) % num_m
+    pid_n = tl.program_id(0) // num_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    first, last = split_tiles(num_tiles, tiles_per_split, False)
+    kk = first * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + kk[None, :]
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + kk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(first, last):
+        x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+        # Weights are read once per step: keep them from evicting the activations and partials.
+        w = tl.load(w_ptrs, mask=col_mask[:, None], other=0.0, eviction_policy="evict_first")
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    # Both scales commute with the sum over K: each split scales its own partial.
+    x_scale = tl.load(x_scale_ptr + rows, mask=row_mask, other=0.0)
+    w_scale = tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)
+    acc = acc * x_scale[:, None] * w_scale[None, :]
+    offs = rows[:, None] * stride_om + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    store_output((acc,), (offs,), (mask,), partial_ptr, out_ptr, count_ptr, stride_ps, SPLIT)
+
+
+def fp8_w8a8_matmul(
+    x_fp8: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+    config: W8A8Config, out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """x_fp8 [M, K] float8_e4m3fn with x_scale [M] (or [M, 1]) fp32, qweight [N, K]
+    float8_e4m3fn with w_scale [N] (or [N, 1]) fp32 -> [M, N] in out_dtype. K must be whole
+    config.block_k tiles."""
+    m, k = x_fp8.shape
+    n = qweight.shape[0]
+    if k % config.block_k or qweight.shape[1] != k:
+        raise ValueError(f"fp8_w8a8_matmul: K={k} (weight {tuple(qweight.shape)}) is not whole "
+                         f"{config.block_k}-wide tiles")
+    out = torch.empty((m, n), dtype=out_dtype, device=x_fp8.device)
+    if m == 0:
+        return out
+    num_tiles = k // config.block_k
+    programs = triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m)
+    split, tiles_per_split = split_k(
+        LaunchConfig(config.block_m, config.block_n, config.block_k, waves=config.waves, split_k=config.split_k),
+        num_tiles, programs, x_fp8.device)
+    partial = torch.empty((split, m, n), dtype=torch.float32, device=x_fp8.device) if split > 1 else out
+    fp8_w8a8_kernel[(programs, 1, split)](
+        x_fp8, qweight, x_scale.reshape(-1), w_scale.reshape(-1), partial, out, split_counters(x_fp8.device),
+        m, n, num_tiles, tiles_per_split, x_fp8.stride(0), qweight.stride(0), out.stride(0), m * n,
+        SPLIT=split > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+
+# Rows the kernel takes: above them `torch._scaled_mm` (prefill sizes, where cuBLAS's large
+# tiles fill the GPU); below, the weight-only mma.sync kernel (up to 16 rows).
+W8A8_MIN_ROWS = 17
+W8A8_MAX_ROWS = 128
+# From `python benchmarks/gpu_fp8_w8a8_sweep.py` on an H100 (llama3-8b's linears,
+# BENCHMARKS.md): 64 x 64 tiles 256 deep, row tiles adjacent in launch order, one wave.
+DECODE_CONFIG = W8A8Config(64, 64, 256, num_warps=4, num_stages=3, waves=1)
+# Past 64 rows cuBLAS keeps the wide linears at least as fast (gate/up 57.8 against 59.3 us
+# at 128 rows, qkv 20.4 against 22.9); the long-K down (K 14336: 39.3 against 46.2) and
+# o_proj (17.8 / 18.4) gain from split K.
+_WIDE_OUT_FEATURES = 6144
+_LONG_IN_FEATURES = 8192
+
+
+def w8a8_config(rows: int, out_features: int, in_features: int) -> W8A8Config | None:
+    """The launch configuration for `rows` rows of x against a [out_features, in_features]
+    weight, or None where `torch._scaled_mm` or the weight-only kernels are the faster."""
+    if not W8A8_MIN_ROWS <= rows <= W8A8_MAX_ROWS or in_features % DECODE_CONFIG.block_k:
+        return None
+    if rows > 64 and out_features >= _WIDE_OUT_FEATURES and in_features < _LONG_IN_FEATURES:
+        return None
+    return DECODE_CONFIG
