@@ -1,6 +1,7 @@
 """`kvserve bench quantized-linears`: device time of llama3-8b's decoder-layer linears per
 weight format (bf16 cuBLAS, the Triton W8A16 / W4A16 / fp8-weight kernels, fp8
-torch._scaled_mm, and the dequantize-then-cuBLAS path) at a few row counts, beside the
+torch._scaled_mm and kvserve's fp8 W8A8 kernel (both with the per-token quantization of
+x), and the dequantize-then-cuBLAS path) at a few row counts, beside the
 floor: the bytes each call must move (weights as stored, activations in and out) over the
 copy bandwidth measured in the same run. `--sweep` also times the Triton kernels' launch
 configs on the linears as the engine runs them (q/k/v and gate/up fused), beside bf16, and
@@ -26,6 +27,7 @@ from torch import nn
 from kvserve.benchmarks.roofline import copy_bandwidth
 from kvserve.quantization.base import QuantizedLinear
 from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
+from kvserve.quantization.fp8_w8a8 import DECODE_CONFIG
 from kvserve.quantization.int4 import Int4Linear, quantize_int4
 from kvserve.quantization.int8 import Int8Linear
 from kvserve.quantization.weight_only import LaunchConfig, weight_only_matmul
@@ -40,7 +42,7 @@ LLAMA3_8B_LAYERS = 32
 LLAMA3_8B_ENGINE_LINEARS = [
     ("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096), ("down_proj", 4096, 14336),
 ]
-FORMATS = ("bf16", "int8", "int4", "fp8-triton", "fp8-scaled_mm", "int8-dequant", "int4-dequant")
+FORMATS = ("bf16", "int8", "int4", "fp8-triton", "fp8-scaled_mm", "fp8-w8a8", "int8-dequant", "int4-dequant")
 SWEEP_FORMATS = ("int8", "int4", "fp8-triton")
 L2_BYTES = 256 * 2**20  # cycle over at least this many weight bytes (H200 L2: 60 MB)
 # Launch configs compared by --sweep, per format and row count. int8: the one-row CUDA-core
@@ -151,6 +153,8 @@ def _call(fmt: str, layer: nn.Module, x: torch.Tensor, config: LaunchConfig | No
         return lambda: layer.dense_matmul(x)
     if fmt == "fp8-scaled_mm":
         return lambda: layer._scaled_mm(x)
+    if fmt == "fp8-w8a8":
+        return lambda: layer._w8a8(x, DECODE_CONFIG)
     if isinstance(layer, Int4Linear):
         q = layer.qweight.view(layer.out_features, layer.in_features // 2)
         return lambda: weight_only_matmul(x, q, layer.scale, layer.minimum, layer.group_size, True, config)
@@ -187,7 +191,7 @@ def time_calls(calls: list[Callable[[], object]], repeats: int = 20) -> float:
 
 
 def _stored_format(fmt: str) -> str:
-    return fmt.removesuffix("-dequant").removesuffix("-triton").removesuffix("-scaled_mm")
+    return fmt.split("-")[0]
 
 
 def measure(fmt: str, name: str, n: int, k: int, rows: int, bandwidth: float,
