@@ -17,40 +17,44 @@ from kvserve.quantization.fp8_w8a8 import W8A8_MIN_ROWS
 pytestmark = pytest.mark.gpu
 
 
+def _prompt_logprobs(model_dir: str, prompts: list[list[int]], **llm_args) -> torch.Tensor:
+    """Each prompt's logprobs of its own tokens, teacher-forced: every run scores the same
+    tokens, so a near-tie flipping one greedy choice cannot make two runs diverge. The
+    linears alone: without the int8 LM head copy CUDA adds by default."""
+    llm = LLM(model=model_dir, device="cuda", quantization_config={"lm_head": False}, gpu_memory_utilization=0.3,
+              **llm_args)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.tensor([entry[token] for o in outputs
+                         for token, entry in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])])
+
+
+def _random_llama(save_hf_model, seed: int, prompt_lengths: tuple[int, ...], **config) -> tuple[str, list[list[int]]]:
+    """A random Llama of 256 tokens saved in bf16 (so that fp32 and bf16 runs quantize the
+    same weight values), and random prompts of the given lengths."""
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, max_position_embeddings=1024, **config))
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in prompt_lengths]
+    return save_hf_model(model.to(torch.bfloat16)), prompts
+
+
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_kernels_score_like_the_dense_path(save_hf_model, method, monkeypatch):
     if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 kernels need compute capability 8.9")
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-    )
-    # Saved in bf16, so that the fp32 and the bf16 runs quantize the same weight values.
-    model_dir = save_hf_model(LlamaForCausalLM(config).to(torch.bfloat16))
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (17, 40, 100, 250)]
-    # Teacher forcing: every path scores the same tokens, so a near-tie flipping one greedy
-    # choice cannot make the paths diverge. Steps of at most 64 tokens (fp8: 16) keep every
-    # prefill step on the weight-only kernels (never fp8 activations: fp8_w8a8, _scaled_mm).
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    model_dir, prompts = _random_llama(save_hf_model, 0, (17, 40, 100, 250), hidden_size=512, intermediate_size=1536,
+                                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
+    # Steps of at most 64 tokens (fp8: 16) keep every prefill step on the weight-only
+    # kernels (never fp8 activations: fp8_w8a8, _scaled_mm).
     step_tokens = W8A8_MIN_ROWS - 1 if method == "fp8" else base.GPU_KERNEL_MAX_ROWS
 
     def run(dtype: str, kernels: bool) -> torch.Tensor:
         monkeypatch.setattr(base, "gpu_kernels_enabled", kernels)
-        # The linears alone: without the int8 LM head copy that CUDA adds by default, which
-        # only the kernel run would compute with.
-        llm = LLM(model=model_dir, dtype=dtype, device="cuda", quantization=method,
-                  quantization_config={"lm_head": False}, gpu_memory_utilization=0.3,
-                  max_num_batched_tokens=step_tokens)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        logprobs = torch.tensor([
-            entry[token] for o in outputs
-            for token, entry in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])
-        ])
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-        return logprobs
+        return _prompt_logprobs(model_dir, prompts, dtype=dtype, quantization=method,
+                                max_num_batched_tokens=step_tokens)
 
     reference = run("float32", kernels=False)  # fp32 activations: the dense path
     dense = run("bfloat16", kernels=False)
@@ -70,14 +74,8 @@ def test_fp8_w8a8_kernel_scores_like_scaled_mm(save_hf_model, monkeypatch):
     cuBLAS (w8a8_config); with the kernel routed off, all take cuBLAS."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("fp8_w8a8 runs on Hopper")
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=4096, intermediate_size=4096, num_hidden_layers=2,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1024,
-    )
-    model_dir = save_hf_model(LlamaForCausalLM(config).to(torch.bfloat16))
-    generator = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (100, 300)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    model_dir, prompts = _random_llama(save_hf_model, 2, (100, 300), hidden_size=4096, intermediate_size=4096,
+                                       num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8)
     calls = []
     kernel = fp8_w8a8.fp8_w8a8_matmul
 
@@ -90,15 +88,8 @@ def test_fp8_w8a8_kernel_scores_like_scaled_mm(save_hf_model, monkeypatch):
     def run(dtype: str, w8a8: bool) -> torch.Tensor:
         if not w8a8:
             monkeypatch.setattr(fp8_w8a8, "w8a8_config", lambda *args: None)
-        llm = LLM(model=model_dir, dtype=dtype, device="cuda", quantization="fp8",
-                  quantization_config={"lm_head": False}, gpu_memory_utilization=0.3,
-                  max_num_batched_tokens=100, enforce_eager=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-        return torch.tensor([entry[token] for o in outputs
-                             for token, entry in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])])
+        return _prompt_logprobs(model_dir, prompts, dtype=dtype, quantization="fp8", max_num_batched_tokens=100,
+                                enforce_eager=True)
 
     reference = run("float32", w8a8=True)  # fp32 activations: the dense path
     kernel_error = (run("bfloat16", w8a8=True) - reference).abs().mean().item()
@@ -120,14 +111,8 @@ def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch, q
     from kvserve.quantization.int4 import Int4Linear
 
     linear_class = Int4Linear if quantization == "int4" else Fp8Linear
-
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=512, intermediate_size=8192, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-    )
-    model_dir = save_hf_model(LlamaForCausalLM(config).to(torch.bfloat16))
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (9, 33)]
+    model_dir, prompts = _random_llama(save_hf_model, 1, (9, 33), hidden_size=512, intermediate_size=8192,
+                                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
     add_norm_matmul = linear_class.add_norm_matmul
     fused_calls = []
 
