@@ -16,7 +16,7 @@ from triton.testing import do_bench
 
 from kvserve.quantization.fp8 import quantize_fp8
 from kvserve.quantization.fp8_activation import quantize_per_token
-from kvserve.quantization.fp8_w8a8 import W8A8Config, fp8_w8a8_matmul
+from kvserve.quantization.fp8_w8a8 import fp8_w8a8_matmul
 from kvserve.quantization.weight_only import LaunchConfig, default_config, weight_only_matmul
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -26,7 +26,7 @@ MMA_32 = LaunchConfig(32, 128, 128, num_warps=4, num_stages=1, waves=2, words="m
 
 TILES = [(64, 64, 256, 4, 3), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 4, 4),
          (128, 64, 128, 8, 4), (128, 128, 128, 8, 3)]
-CONFIGS = [W8A8Config(*tile, waves=waves) for tile, waves in itertools.product(TILES, (1, 2, 4))]
+CONFIGS = [LaunchConfig(*tile, waves=waves) for tile, waves in itertools.product(TILES, (1, 2, 4))]
 
 
 def us(fn) -> float:

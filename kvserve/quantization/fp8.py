@@ -34,7 +34,7 @@ from kvserve.quantization.base import KernelWeight, QuantizationMethod, Quantize
 from kvserve.quantization.int8 import add_int8_lm_head
 
 if TYPE_CHECKING:
-    from kvserve.quantization.fp8_w8a8 import W8A8Config
+    from kvserve.quantization.weight_only.configs import LaunchConfig
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -108,7 +108,7 @@ class Fp8Linear(QuantizedLinear):
             return None  # no e4m3 conversions in Triton below 8.9
         return KernelWeight(self.qweight, self.scale, None, self.group_size, four_bit=False)
 
-    def _w8a8_config(self, x: torch.Tensor) -> W8A8Config | None:
+    def _w8a8_config(self, x: torch.Tensor) -> LaunchConfig | None:
         """fp8_w8a8's launch configuration for x, or None where it does not run x."""
         if not (base.gpu_kernels_enabled and self.per_channel and x.dtype in (torch.bfloat16, torch.float16)
                 and _hopper(x.device.index or 0)):
@@ -117,7 +117,7 @@ class Fp8Linear(QuantizedLinear):
 
         return w8a8_config(x.numel() // self.in_features, self.out_features, self.in_features)
 
-    def _w8a8(self, x: torch.Tensor, config: W8A8Config) -> torch.Tensor:
+    def _w8a8(self, x: torch.Tensor, config: LaunchConfig) -> torch.Tensor:
         from kvserve.quantization.fp8_activation import quantize_per_token
         from kvserve.quantization.fp8_w8a8 import fp8_w8a8_matmul
 

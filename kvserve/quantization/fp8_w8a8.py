@@ -1,38 +1,26 @@
 """fp8 x fp8 matmul on the fp8 tensor cores for decode batches too wide for the weight-only
-kernels and too narrow for `torch._scaled_mm` (W1's 65-256 rows): y = (x_q @ W_q^T) *
-x_scale[m] * w_scale[n], x quantized per token (fp8_activation.quantize_per_token), W per
-output channel.
+mma.sync kernel (17-128 rows): y = (x_q @ W_q^T) * x_scale[m] * w_scale[n], x quantized per
+token (fp8_activation.quantize_per_token), W per output channel.
 
-At those rows cuBLAS runs one 128 x 128 tile per program: llama3-8b's o_proj and down are
-32 programs on 132 SMs, each reading all of K, and the step's linears reach 42% of the bytes
-floor (BENCHMARKS.md). Here the row tile covers the batch, so every weight tile is read
-once, and K is split until the GPU is full; the splits' fp32 partials are summed inside the
-kernel in split order by the last split of each output tile (tiles.store_output), so the
-result does not depend on which split finishes first.
+At those rows the weight-only tl.dot tiles convert every e4m3 weight to bf16 in the loop and
+took 6-11 ms a llama3-8b step's linears on an H100; cuBLAS (`torch._scaled_mm`) runs one
+128 x 128 tile per program, so o_proj and down are 32 programs on 132 SMs, each reading all
+of K (BENCHMARKS.md). Here the e4m3 tiles go to the tensor cores as loaded, the row tiles of
+a column block run next to each other (the weight tile comes from DRAM once), and K is split
+until the GPU is full; the splits' fp32 partials are summed inside the kernel in split order
+by the last split of each output tile (tiles.store_output), so the result does not depend on
+which split finishes first.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kvserve.quantization.weight_only.matmul import split_counters, split_k
 from kvserve.quantization.weight_only.configs import LaunchConfig
+from kvserve.quantization.weight_only.matmul import split_counters, split_k
 from kvserve.quantization.weight_only.tiles import split_tiles, store_output
-
-
-@dataclass(frozen=True)
-class W8A8Config:
-    block_m: int
-    block_n: int
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 4
-    waves: int = 1  # split K until about this many programs per SM
-    split_k: int | None = None  # a fixed split (tests); None: from `waves`
 
 
 @triton.jit
@@ -73,11 +61,12 @@ def fp8_w8a8_kernel(
 
 def fp8_w8a8_matmul(
     x_fp8: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
-    config: W8A8Config, out_dtype: torch.dtype = torch.bfloat16,
+    config: LaunchConfig, out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """x_fp8 [M, K] float8_e4m3fn with x_scale [M] (or [M, 1]) fp32, qweight [N, K]
     float8_e4m3fn with w_scale [N] (or [N, 1]) fp32 -> [M, N] in out_dtype. K must be whole
-    config.block_k tiles."""
+    config.block_k tiles; config's tile, warps, stages, waves and split_k apply (not its
+    `words` or `even_splits`)."""
     m, k = x_fp8.shape
     n = qweight.shape[0]
     if k % config.block_k or qweight.shape[1] != k:
@@ -88,9 +77,7 @@ def fp8_w8a8_matmul(
         return out
     num_tiles = k // config.block_k
     programs = triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m)
-    split, tiles_per_split = split_k(
-        LaunchConfig(config.block_m, config.block_n, config.block_k, waves=config.waves, split_k=config.split_k),
-        num_tiles, programs, x_fp8.device)
+    split, tiles_per_split = split_k(config, num_tiles, programs, x_fp8.device)
     partial = torch.empty((split, m, n), dtype=torch.float32, device=x_fp8.device) if split > 1 else out
     fp8_w8a8_kernel[(programs, 1, split)](
         x_fp8, qweight, x_scale.reshape(-1), w_scale.reshape(-1), partial, out, split_counters(x_fp8.device),
@@ -101,22 +88,21 @@ def fp8_w8a8_matmul(
     return out
 
 
-
 # Rows the kernel takes: above them `torch._scaled_mm` (prefill sizes, where cuBLAS's large
 # tiles fill the GPU); below, the weight-only mma.sync kernel (up to 16 rows).
 W8A8_MIN_ROWS = 17
 W8A8_MAX_ROWS = 128
 # From `python benchmarks/gpu_fp8_w8a8_sweep.py` on an H100 (llama3-8b's linears,
 # BENCHMARKS.md): 64 x 64 tiles 256 deep, row tiles adjacent in launch order, one wave.
-DECODE_CONFIG = W8A8Config(64, 64, 256, num_warps=4, num_stages=3, waves=1)
-# Past 64 rows cuBLAS keeps the wide linears at least as fast (gate/up 57.8 against 59.3 us
-# at 128 rows, qkv 20.4 against 22.9); the long-K down (K 14336: 39.3 against 46.2) and
-# o_proj (17.8 / 18.4) gain from split K.
+DECODE_CONFIG = LaunchConfig(64, 64, 256, num_warps=4, num_stages=3, waves=1)
+# Past 64 rows cuBLAS keeps the wide linears as fast or faster (at 128 rows gate/up 58.6 us
+# against 59.4, qkv 21.2 / 21.2); the long-K down (K 14336: 38.8 against 47.0) and o_proj
+# (18.0 / 18.7) gain from split K.
 _WIDE_OUT_FEATURES = 6144
 _LONG_IN_FEATURES = 8192
 
 
-def w8a8_config(rows: int, out_features: int, in_features: int) -> W8A8Config | None:
+def w8a8_config(rows: int, out_features: int, in_features: int) -> LaunchConfig | None:
     """The launch configuration for `rows` rows of x against a [out_features, in_features]
     weight, or None where `torch._scaled_mm` or the weight-only kernels are the faster."""
     if not W8A8_MIN_ROWS <= rows <= W8A8_MAX_ROWS or in_features % DECODE_CONFIG.block_k:

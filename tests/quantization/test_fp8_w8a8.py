@@ -11,17 +11,18 @@ import torch
 
 from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from kvserve.quantization.fp8_activation import quantize_per_token
-from kvserve.quantization.fp8_w8a8 import DECODE_CONFIG, W8A8Config, fp8_w8a8_matmul, w8a8_config
+from kvserve.quantization.fp8_w8a8 import DECODE_CONFIG, fp8_w8a8_matmul, w8a8_config
+from kvserve.quantization.weight_only import LaunchConfig
 from tests.triton_interpreter import run_interpreted
 
 # (rows, out features, in features, config): rows and columns that are not whole tiles,
 # one row, several row tiles, K in 1-3 splits (a remainder split too), 256-wide K tiles.
 SMALL_CASES = (
-    (37, 80, 384, W8A8Config(32, 32, 128, split_k=1)),
-    (37, 80, 384, W8A8Config(32, 32, 128, split_k=2)),
-    (70, 48, 640, W8A8Config(32, 16, 128, split_k=3)),
-    (1, 24, 256, W8A8Config(16, 16, 128, split_k=2)),
-    (19, 40, 512, W8A8Config(16, 32, 256, split_k=2)),
+    (37, 80, 384, LaunchConfig(32, 32, 128, split_k=1)),
+    (37, 80, 384, LaunchConfig(32, 32, 128, split_k=2)),
+    (70, 48, 640, LaunchConfig(32, 16, 128, split_k=3)),
+    (1, 24, 256, LaunchConfig(16, 16, 128, split_k=2)),
+    (19, 40, 512, LaunchConfig(16, 32, 256, split_k=2)),
 )
 
 # Relative to the output's largest magnitude: bf16 rounding of the output (2^-9) with room
@@ -71,7 +72,7 @@ def test_interpreted_matches_fp64_product(case, dtype, interpreted_errors) -> No
 def test_rejects_k_that_is_not_whole_tiles() -> None:
     x_q, x_scale, w_q, w_scale, _ = _operands(4, 8, 200, seed=0)
     with pytest.raises(ValueError, match="K=200"):
-        fp8_w8a8_matmul(x_q, x_scale, w_q, w_scale, W8A8Config(16, 16, 128))
+        fp8_w8a8_matmul(x_q, x_scale, w_q, w_scale, LaunchConfig(16, 16, 128))
 
 
 def test_routing_takes_wide_decode_batches_where_the_sweep_found_it_faster() -> None:
@@ -95,8 +96,8 @@ GPU_TOLERANCE = 1.5e-2
 
 GPU_CONFIGS = (
     DECODE_CONFIG,
-    W8A8Config(128, 64, 128, num_warps=8, num_stages=4, waves=2),
-    W8A8Config(64, 128, 128, num_warps=4, num_stages=3, split_k=5),
+    LaunchConfig(128, 64, 128, num_warps=8, num_stages=4, waves=2),
+    LaunchConfig(64, 128, 128, num_warps=4, num_stages=3, split_k=5),
 )
 
 
