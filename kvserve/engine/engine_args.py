@@ -43,6 +43,8 @@ class EngineArgs:
     model: str | None = None
     load_format: str = "auto"
     model_shape: str | None = None
+    tokenizer: str | None = None  # None: the model's own
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -131,6 +133,16 @@ class EngineArgs:
             help="Shape for --load-format dummy: llama3-8b, qwen2.5-0.5b or smollm2-135m.",
         )
         group.add_argument(
+            "--tokenizer", default=None,
+            help="Tokenizer directory (or .gguf file) to use instead of the model's own, e.g. "
+            "for a checkpoint directory without tokenizer files.",
+        )
+        group.add_argument(
+            "--skip-tokenizer-init", action="store_true",
+            help="Load no tokenizer: prompts must be token ids, outputs carry token ids and no "
+            "text, and stop strings and chat requests are refused.",
+        )
+        group.add_argument(
             "--dtype", default="auto", choices=["auto", *_DTYPES],
             help="Compute dtype (auto: bfloat16 on GPU, float32 on CPU).",
         )
@@ -142,8 +154,8 @@ class EngineArgs:
             "(symmetric, per output channel or group; on CPU also an int8 copy of an fp32 LM head for "
             "decode), int4 (asymmetric, group-wise), nf4 "
             "(bitsandbytes NormalFloat-4, per-block absmax), fp8 (float8_e4m3fn per output channel; "
-            "on Hopper/Ada GPUs activations are quantized per token for torch._scaled_mm on "
-            "prefill-sized inputs), gguf (run a GGUF file from its "
+            "on Hopper/Ada GPUs inputs of more than 16 rows are quantized per token too, for "
+            "kvserve's W8A8 kernel (Hopper, up to 128 rows) or torch._scaled_mm), gguf (run a GGUF file from its "
             "Q4_0/Q4_1/Q4_K/Q8_0/Q5_K/Q6_K blocks, repacked for the CPU kernels), auto (on "
             "CPU, a Q4_0/Q4_1 GGUF runs as int4 group 32 and a Q8_0 one as int8 group 32, which "
             "keep its grid exactly, with an int8 LM head for decode; otherwise none; the choice is "

@@ -33,6 +33,8 @@ from kvserve.utils import to_device_async
 
 logger = logging.getLogger(__name__)
 
+NO_TOKENIZER = "this engine has no tokenizer (dummy weights or skip_tokenizer_init)"
+
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -58,7 +60,8 @@ class LLMEngine:
         if loaded is None:
             loaded = load_model(
                 args.model, load_format=args.load_format, model_shape=args.model_shape,
-                dtype=dtype, device=self.device, seed=args.seed,
+                dtype=dtype, device=self.device, seed=args.seed, tokenizer=args.tokenizer,
+                skip_tokenizer_init=args.skip_tokenizer_init,
                 quantization=None if auto else args.quantization,
                 quantization_config=None if auto else args.quantization_config,
             )
@@ -167,7 +170,7 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (dummy weights): pass token ids")
+                raise ValueError(f"{NO_TOKENIZER}: pass token ids")
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, (list, tuple)) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
@@ -188,6 +191,8 @@ class LLMEngine:
                 f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
             )
         params.verify_token_ids(vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"{NO_TOKENIZER}: stop strings {params.stop!r} cannot be matched; use stop_token_ids")
         num_prompt = len(prompt_token_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:

@@ -35,7 +35,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
-    tokenizer: PreTrainedTokenizerBase | None  # None only for dummy weights without a model dir
+    tokenizer: PreTrainedTokenizerBase | None  # None: dummy weights without a model dir, or skip_tokenizer_init
     quantization: str | None = None  # the checkpoint's own quant_method (GPTQ, AWQ, ...)
     # GGUF block type names of the file's tensors (e.g. {"Q4_1", "Q8_0", "F32"}), by tensor
     # name; empty for other formats. Lets `quantization=auto` see the source grid.
@@ -189,16 +189,39 @@ def _load_into(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tenso
         raise ModelLoadError(f"{source}: {e}") from e
 
 
+# A Hugging Face directory holds its tokenizer in one of these.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_tokenizer(
     source: str, load: Callable[[str], PreTrainedTokenizerBase] = AutoTokenizer.from_pretrained,
 ) -> PreTrainedTokenizerBase:
+    if os.path.isdir(source) and not any(os.path.exists(os.path.join(source, f)) for f in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{source}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass tokenizer=<directory> "
+            "(--tokenizer) for one kept elsewhere, or skip_tokenizer_init=True (--skip-tokenizer-init) "
+            "to run on token ids"
+        )
     try:
         return load(source)
     except Exception as e:
         raise ModelLoadError(f"{source}: cannot load the tokenizer ({e})") from e
 
 
-def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+def _load_tokenizer_at(source: str) -> PreTrainedTokenizerBase:
+    """An explicitly chosen tokenizer: a Hugging Face directory or a GGUF file's vocabulary."""
+    if not os.path.exists(source):
+        raise ModelLoadError(f"tokenizer {source}: no such file or directory")
+    if os.path.isfile(source):
+        from kvserve.model_executor.gguf_tokenizer import load_gguf_tokenizer
+
+        return _load_tokenizer(source, load=load_gguf_tokenizer)
+    return _load_tokenizer(source)
+
+
+def _load_hf_dir(
+    model_dir: str, dtype: torch.dtype, device: str | torch.device, with_tokenizer: bool
+) -> LoadedModel:
     config = hf_model_config(model_dir, dtype)
     config_path = os.path.join(model_dir, "config.json")
     quantization_config = _read_json(config_path).get("quantization_config")
@@ -206,7 +229,7 @@ def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device)
     if not quantization_config:
         model = _empty_model(config, device)
         _load_into(model, _iter_safetensors(files), model_dir)
-        return LoadedModel(model, config, _load_tokenizer(model_dir))
+        return LoadedModel(model, config, _load_tokenizer(model_dir) if with_tokenizer else None)
     try:
         fmt = get_checkpoint_format(quantization_config, config_path)
     except ValueError as e:
@@ -222,7 +245,8 @@ def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device)
         raise ModelLoadError(f"{model_dir}: {e}") from e
     model = _materialize(model, device)
     _load_into(model, iter(tensors.items()), model_dir)
-    return LoadedModel(model, config, _load_tokenizer(model_dir), quantization=fmt.quant_method)
+    tokenizer = _load_tokenizer(model_dir) if with_tokenizer else None
+    return LoadedModel(model, config, tokenizer, quantization=fmt.quant_method)
 
 
 def _install_checkpoint_layers(
@@ -247,7 +271,9 @@ def _install_checkpoint_layers(
             setattr(model.get_submodule(parent), attr, layer)
 
 
-def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed: bool) -> LoadedModel:
+def _load_gguf(
+    path: str, dtype: torch.dtype, device: str | torch.device, packed: bool, with_tokenizer: bool
+) -> LoadedModel:
     # Imported here so that safetensors and dummy loading work without the gguf package.
     from kvserve.model_executor.gguf_loader import (
         gguf_architecture,
@@ -271,19 +297,20 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed
     else:
         model, consumed = _empty_model(config, device), set()
     _load_into(model, iter_gguf_weights(reader, path, config, arch, skip=consumed), path)
-    tokenizer = _load_tokenizer(path, load=load_gguf_tokenizer)
+    tokenizer = _load_tokenizer(path, load=load_gguf_tokenizer) if with_tokenizer else None
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     return LoadedModel(model, config, tokenizer, gguf_tensor_types=types)
 
 
 def _load_dummy(
     model: str | None, model_shape: str | None, dtype: torch.dtype,
-    device: str | torch.device, seed: int,
+    device: str | torch.device, seed: int, with_tokenizer: bool,
 ) -> LoadedModel:
     if model_shape is not None:
         config, tokenizer = dummy_model_config(model_shape, dtype), None
     elif model is not None and os.path.isdir(model):
-        config, tokenizer = hf_model_config(model, dtype), _load_tokenizer(model)
+        config = hf_model_config(model, dtype)
+        tokenizer = _load_tokenizer(model) if with_tokenizer else None
     else:
         raise ValueError("load_format='dummy' needs model_shape or a model directory")
     net = _empty_model(config, device)
@@ -301,14 +328,24 @@ def load_model(
     seed: int = 0,
     quantization: str | None = None,
     quantization_config: dict[str, Any] | None = None,
+    tokenizer: str | None = None,
+    skip_tokenizer_init: bool = False,
 ) -> LoadedModel:
     """Load a model for inference. `model` is a Hugging Face directory, a .gguf file, or
     None for the embedded default (SmolLM2-135M-Instruct Q4_1). `quantization` names a
-    weight-only method applied to the linear layers once the weights are loaded."""
-    # Resolved first so that a bad method or config fails before any weight is read.
+    weight-only method applied to the linear layers once the weights are loaded. The
+    tokenizer is the model's own, or the one at `tokenizer` (a directory or .gguf file), or
+    none with `skip_tokenizer_init`."""
+    if tokenizer is not None and skip_tokenizer_init:
+        raise ValueError("tokenizer and skip_tokenizer_init exclude each other: give one")
+    # Resolved first so that a bad method, config or tokenizer fails before any weight is read.
     method = get_quantization_method(quantization, quantization_config)
     gguf_packed = method is not None and method.name == "gguf"
-    loaded = _load_weights(model, load_format, model_shape, dtype, device, seed, gguf_packed)
+    chosen_tokenizer = None if tokenizer is None else _load_tokenizer_at(tokenizer)
+    with_tokenizer = tokenizer is None and not skip_tokenizer_init
+    loaded = _load_weights(model, load_format, model_shape, dtype, device, seed, gguf_packed, with_tokenizer)
+    if chosen_tokenizer is not None:
+        loaded.tokenizer = chosen_tokenizer
     if gguf_packed:
         packed = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
         logger.info(
@@ -336,7 +373,7 @@ def load_model(
 
 def _load_weights(
     model: str | None, load_format: str, model_shape: str | None, dtype: torch.dtype,
-    device: str | torch.device, seed: int, gguf_packed: bool,
+    device: str | torch.device, seed: int, gguf_packed: bool, with_tokenizer: bool,
 ) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
@@ -346,7 +383,7 @@ def _load_weights(
             f"{'dummy weights' if load_format == 'dummy' else 'the directory ' + repr(model)}"
         )
     if load_format == "dummy":
-        return _load_dummy(model, model_shape, dtype, device, seed)
+        return _load_dummy(model, model_shape, dtype, device, seed, with_tokenizer)
     if model is None:
         try:
             model = default_model_path()
@@ -357,7 +394,7 @@ def _load_weights(
     if load_format == "gguf" or (load_format == "auto" and os.path.isfile(model)):
         if os.path.isdir(model):
             raise ModelLoadError(f"{model}: load_format='gguf' needs a .gguf file, got a directory")
-        return _load_gguf(model, dtype, device, gguf_packed)
+        return _load_gguf(model, dtype, device, gguf_packed, with_tokenizer)
     if not os.path.isdir(model):
         raise ModelLoadError(f"{model}: expected a Hugging Face model directory")
-    return _load_hf_dir(model, dtype, device)
+    return _load_hf_dir(model, dtype, device, with_tokenizer)

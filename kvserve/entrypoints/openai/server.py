@@ -21,7 +21,7 @@ from kvserve.entrypoints.openai.errors import OpenAIError, install_error_handler
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
-from kvserve.entrypoints.openai.serving import ServerState
+from kvserve.entrypoints.openai.serving import ServerState, require_tokenizer
 from kvserve.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from kvserve.entrypoints.openai.serving_completion import create_completion
 
@@ -98,7 +98,8 @@ def build_app(state: ServerState) -> FastAPI:
         if request.messages is not None:
             tokens = apply_chat_template(engine.tokenizer, request.messages, request.add_generation_prompt)
         else:
-            tokens = engine.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids
+            tokenizer = require_tokenizer(engine, "tokenizing a prompt", "prompt")
+            tokens = tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
 
     @api.post("/detokenize")
@@ -110,7 +111,8 @@ def build_app(state: ServerState) -> FastAPI:
         if bad:
             raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
                               param="tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
+        tokenizer = require_tokenizer(engine, "detokenizing", "tokens")
+        return JSONResponse({"prompt": tokenizer.decode(request.tokens)})
 
     app.include_router(api)
     return app

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.engine_args import EngineArgs
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.llm_engine import NO_TOKENIZER, LLMEngine
 from kvserve.entrypoints.openai.errors import OpenAIError, bad_request
 from kvserve.entrypoints.openai.protocol import SamplingRequest
 from kvserve.metrics import ServerMetrics
@@ -184,8 +184,16 @@ def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
 
 
 def token_text(tokenizer, token_id: int) -> str:
-    """One token's own text, for logprob listings (the generated text comes from the engine)."""
-    return tokenizer.decode([token_id])
+    """One token's own text, for logprob listings (the generated text comes from the engine);
+    without a tokenizer "token_id:<id>", as vLLM writes token ids in place of text."""
+    return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
+
+
+def require_tokenizer(engine: LLMEngine, needs: str, param: str):
+    """The engine's tokenizer, or a 400 naming what needed one (skip_tokenizer_init, dummy weights)."""
+    if engine.tokenizer is None:
+        raise OpenAIError(400, f"{NO_TOKENIZER}: {needs} needs one", param=param)
+    return engine.tokenizer
 
 
 def usage(prompts: list[list[int]], finals: list[RequestOutput]) -> dict[str, int]:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
+from kvserve.engine.llm_engine import NO_TOKENIZER
 from kvserve.entrypoints.openai.errors import OpenAIError
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from kvserve.entrypoints.openai.serving import (
@@ -19,7 +20,10 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 
 
 def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-    if tokenizer is None or not tokenizer.chat_template:
+    if tokenizer is None:
+        raise OpenAIError(400, f"{NO_TOKENIZER}: chat needs one (its template and the message text)",
+                          param="messages")
+    if not tokenizer.chat_template:
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
     conversation = [
         {"role": "system" if m.role == "developer" else m.role,

@@ -12,7 +12,7 @@ from kvserve.entrypoints.openai.errors import OpenAIError
 from kvserve.entrypoints.openai.protocol import CompletionRequest
 from kvserve.entrypoints.openai.serving import (
     ServerState, StreamThrottle, collect_final, generate_all, sampling_params, sse_stream,
-    token_text, top_entries, usage, validate_prompt,
+    require_tokenizer, token_text, top_entries, usage, validate_prompt,
 )
 from kvserve.outputs import RequestOutput
 
@@ -67,7 +67,8 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> J
     token_lists = [validate_prompt(engine, prompt, params) for prompt in prompts]
     state.admit(len(token_lists))
     # Echo repeats the prompt as sent; token-id prompts are shown decoded.
-    prompt_texts = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts] if echo else []
+    prompt_texts = [p if isinstance(p, str) else require_tokenizer(engine, "echo of token ids", "echo").decode(p)
+                    for p in prompts] if echo else []
     logprobs = _LogprobsBuilder(engine.tokenizer, num_logprobs) if num_logprobs is not None else None
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
