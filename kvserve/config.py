@@ -42,6 +42,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: torch.dtype = torch.float32
+    # The model creator's sampling values from generation_config.json (temperature, top_p,
+    # top_k, min_p, repetition_penalty: those it sets), SamplingParams' names.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

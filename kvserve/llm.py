@@ -43,10 +43,11 @@ class LLM:
         on_step: Callable[[], None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`; `on_step` is called after each engine step
-        (benchmarks time the steps with it)."""
+        (benchmarks time the steps with it). Without `sampling_params`, the model's sampling
+        defaults (generation_config.json) apply where it has them."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.engine.default_sampling_params()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):

@@ -45,6 +45,7 @@ class EngineArgs:
     model_shape: str | None = None
     tokenizer: str | None = None  # None: the model's own
     skip_tokenizer_init: bool = False
+    generation_config: str = "auto"  # auto: the model's sampling defaults; none: kvserve's
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -141,6 +142,13 @@ class EngineArgs:
             "--skip-tokenizer-init", action="store_true",
             help="Load no tokenizer: prompts must be token ids, outputs carry token ids and no "
             "text, and stop strings and chat requests are refused.",
+        )
+        group.add_argument(
+            "--generation-config", default="auto", choices=["auto", "none"],
+            help="auto: requests that leave temperature, top_p, top_k, min_p or "
+            "repetition_penalty unset take the values the model's generation_config.json sets "
+            "(as vLLM does; logged at start); none: SamplingParams' own defaults. `kvserve "
+            "generate` and `chat` always use their flags' values.",
         )
         group.add_argument(
             "--dtype", default="auto", choices=["auto", *_DTYPES],

@@ -81,6 +81,7 @@ class LLMEngine:
             )
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.sampling_defaults = self._sampling_defaults(args.generation_config)
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         self.cache_config = CacheConfig(
             block_size=args.block_size,
@@ -155,6 +156,26 @@ class LLMEngine:
     @property
     def spec_decode_stats(self) -> SpecDecodeStats | None:
         return None if self.speculator is None else self.speculator.stats
+
+    def _sampling_defaults(self, generation_config: str) -> dict[str, float]:
+        """What requests that leave a sampling value unset take (--generation-config)."""
+        if generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config must be auto or none; got {generation_config!r}")
+        defaults = dict(self.model_config.sampling_defaults) if generation_config == "auto" else {}
+        if defaults:
+            try:
+                SamplingParams(**defaults)
+            except ValueError as e:
+                raise ValueError(f"the model's generation_config.json sampling values {defaults}: {e} "
+                                 "(--generation-config none ignores them)") from None
+            logger.info("sampling defaults from the model's generation_config.json: %s "
+                        "(requests that set a value keep theirs; --generation-config none ignores them)",
+                        ", ".join(f"{k}={v}" for k, v in defaults.items()))
+        return defaults
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams for a request that sets nothing: the model's defaults where it has them."""
+        return SamplingParams(**self.sampling_defaults)
 
     # -- requests --------------------------------------------------------------------------
 

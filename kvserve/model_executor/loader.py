@@ -78,8 +78,8 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
         rope_scaling = None
     eos = cfg.get("eos_token_id")
     generation_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(generation_path):
-        eos = _read_json(generation_path).get("eos_token_id", eos)
+    generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
+    eos = generation.get("eos_token_id", eos)
     num_heads = cfg["num_attention_heads"]
     mistral_attention = architecture in ("MistralForCausalLM", "MixtralForCausalLM")
     sliding_window = cfg.get("sliding_window") if mistral_attention else None
@@ -112,9 +112,26 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(eos),
             dtype=dtype,
+            sampling_defaults=sampling_defaults(generation),
         )
     except KeyError as e:
         raise ModelLoadError(f"{config_path}: missing required key {e}") from None
+
+
+# generation_config.json keys that are sampling values, as SamplingParams names them.
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation: dict[str, Any]) -> dict[str, float]:
+    """The sampling values a generation_config.json sets. `do_sample: false` means greedy
+    decoding in transformers, whatever temperature it lists: temperature 0 then."""
+    defaults = {key: generation[key] for key in SAMPLING_DEFAULT_KEYS if generation.get(key) is not None}
+    if defaults.get("top_k") == 0:  # transformers' "no top-k"
+        defaults["top_k"] = -1
+    if generation.get("do_sample") is False:
+        defaults = {"temperature": 0.0, **({"repetition_penalty": defaults["repetition_penalty"]}
+                                           if "repetition_penalty" in defaults else {})}
+    return defaults
 
 
 def _mixture_fields(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]:

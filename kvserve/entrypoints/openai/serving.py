@@ -95,9 +95,10 @@ class ServerState:
                 code="rate_limit_exceeded")
 
 
-def sampling_params(request: SamplingRequest, **overrides: object) -> SamplingParams:
-    """SamplingParams from the request's non-null fields; a bad value is a 400 naming it."""
-    values = {
+def sampling_params(request: SamplingRequest, defaults: dict[str, float], **overrides: object) -> SamplingParams:
+    """SamplingParams from the request's non-null fields, else the model's `defaults`
+    (LLMEngine.sampling_defaults); a bad value is a 400 naming it."""
+    values = defaults | {
         name: getattr(request, name)
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "stop",

@@ -61,7 +61,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     num_top = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    params = sampling_params(request, max_tokens=max_tokens, logprobs=num_top)
+    params = sampling_params(request, engine.sampling_defaults, max_tokens=max_tokens, logprobs=num_top)
     prompt_ids = validate_prompt(engine, apply_chat_template(engine.tokenizer, request.messages), params)
     state.admit(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

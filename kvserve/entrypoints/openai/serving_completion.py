@@ -60,7 +60,7 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> J
     num_logprobs = request.logprobs
     echo = bool(request.echo)
     params = sampling_params(
-        request, max_tokens=request.max_tokens, logprobs=num_logprobs,
+        request, engine.sampling_defaults, max_tokens=request.max_tokens, logprobs=num_logprobs,
         prompt_logprobs=num_logprobs if echo else None,
     )
     prompts = _prompt_list(request.prompt)
