@@ -23,7 +23,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.model_executor.loader import LoadedModel, load_model
 from kvserve.model_executor.model_runner import ModelRunner, kv_cache_bytes_per_block
-from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.outputs import CompletionOutput, GrowingListPrefix, RequestMetrics, RequestOutput
 from kvserve.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import SpeculativeConfig
@@ -560,13 +560,15 @@ class LLMEngine:
 
     def _make_output(self, request: Request) -> RequestOutput:
         wants_logprobs = request.params.logprobs is not None
+        # Finished: lists of its own. Streaming: views of what the sequence holds now.
+        snapshot = list if request.finished else GrowingListPrefix
         completions = [
             CompletionOutput(
                 index=seq.index,
                 text=seq.emitted_text,
-                token_ids=list(seq.output_token_ids),
+                token_ids=snapshot(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                logprobs=list(seq.logprobs) if wants_logprobs else None,
+                logprobs=snapshot(seq.logprobs) if wants_logprobs else None,
                 finish_reason=seq.status.value if seq.status.is_finished else None,
                 stop_reason=seq.stop_reason,
             )
