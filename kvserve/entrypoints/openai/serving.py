@@ -10,6 +10,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
 
+from transformers import PreTrainedTokenizerBase
+
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.llm_engine import NO_TOKENIZER, LLMEngine
@@ -190,7 +192,7 @@ def token_text(tokenizer, token_id: int) -> str:
     return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
 
 
-def require_tokenizer(engine: LLMEngine, needs: str, param: str):
+def require_tokenizer(engine: LLMEngine, needs: str, param: str) -> PreTrainedTokenizerBase:
     """The engine's tokenizer, or a 400 naming what needed one (skip_tokenizer_init, dummy weights)."""
     if engine.tokenizer is None:
         raise OpenAIError(400, f"{NO_TOKENIZER}: {needs} needs one", param=param)
