@@ -129,8 +129,7 @@ def sampling_defaults(generation: dict[str, Any]) -> dict[str, float]:
     if defaults.get("top_k") == 0:  # transformers' "no top-k"
         defaults["top_k"] = -1
     if generation.get("do_sample") is False:
-        defaults = {"temperature": 0.0, **({"repetition_penalty": defaults["repetition_penalty"]}
-                                           if "repetition_penalty" in defaults else {})}
+        return {"temperature": 0.0} | {k: v for k, v in defaults.items() if k == "repetition_penalty"}
     return defaults
 
 
@@ -226,7 +225,7 @@ def _load_tokenizer(
 
 
 def _load_tokenizer_at(source: str) -> PreTrainedTokenizerBase:
-    """An explicitly chosen tokenizer: a Hugging Face directory or a GGUF file's vocabulary."""
+    """The tokenizer of a Hugging Face directory or a GGUF file (its vocabulary)."""
     if not os.path.exists(source):
         raise ModelLoadError(f"tokenizer {source}: no such file or directory")
     if os.path.isfile(source):
@@ -236,9 +235,7 @@ def _load_tokenizer_at(source: str) -> PreTrainedTokenizerBase:
     return _load_tokenizer(source)
 
 
-def _load_hf_dir(
-    model_dir: str, dtype: torch.dtype, device: str | torch.device, with_tokenizer: bool
-) -> LoadedModel:
+def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
     config = hf_model_config(model_dir, dtype)
     config_path = os.path.join(model_dir, "config.json")
     quantization_config = _read_json(config_path).get("quantization_config")
@@ -246,7 +243,7 @@ def _load_hf_dir(
     if not quantization_config:
         model = _empty_model(config, device)
         _load_into(model, _iter_safetensors(files), model_dir)
-        return LoadedModel(model, config, _load_tokenizer(model_dir) if with_tokenizer else None)
+        return LoadedModel(model, config, None)
     try:
         fmt = get_checkpoint_format(quantization_config, config_path)
     except ValueError as e:
@@ -262,8 +259,7 @@ def _load_hf_dir(
         raise ModelLoadError(f"{model_dir}: {e}") from e
     model = _materialize(model, device)
     _load_into(model, iter(tensors.items()), model_dir)
-    tokenizer = _load_tokenizer(model_dir) if with_tokenizer else None
-    return LoadedModel(model, config, tokenizer, quantization=fmt.quant_method)
+    return LoadedModel(model, config, None, quantization=fmt.quant_method)
 
 
 def _install_checkpoint_layers(
@@ -288,9 +284,7 @@ def _install_checkpoint_layers(
             setattr(model.get_submodule(parent), attr, layer)
 
 
-def _load_gguf(
-    path: str, dtype: torch.dtype, device: str | torch.device, packed: bool, with_tokenizer: bool
-) -> LoadedModel:
+def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed: bool) -> LoadedModel:
     # Imported here so that safetensors and dummy loading work without the gguf package.
     from kvserve.model_executor.gguf_loader import (
         gguf_architecture,
@@ -299,7 +293,6 @@ def _load_gguf(
         iter_gguf_weights,
         open_gguf,
     )
-    from kvserve.model_executor.gguf_tokenizer import load_gguf_tokenizer
 
     reader = open_gguf(path)
     config = gguf_model_config(reader, path, dtype)
@@ -314,25 +307,23 @@ def _load_gguf(
     else:
         model, consumed = _empty_model(config, device), set()
     _load_into(model, iter_gguf_weights(reader, path, config, arch, skip=consumed), path)
-    tokenizer = _load_tokenizer(path, load=load_gguf_tokenizer) if with_tokenizer else None
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    return LoadedModel(model, config, tokenizer, gguf_tensor_types=types)
+    return LoadedModel(model, config, None, gguf_tensor_types=types)
 
 
 def _load_dummy(
     model: str | None, model_shape: str | None, dtype: torch.dtype,
-    device: str | torch.device, seed: int, with_tokenizer: bool,
+    device: str | torch.device, seed: int,
 ) -> LoadedModel:
     if model_shape is not None:
-        config, tokenizer = dummy_model_config(model_shape, dtype), None
+        config = dummy_model_config(model_shape, dtype)
     elif model is not None and os.path.isdir(model):
         config = hf_model_config(model, dtype)
-        tokenizer = _load_tokenizer(model) if with_tokenizer else None
     else:
         raise ValueError("load_format='dummy' needs model_shape or a model directory")
     net = _empty_model(config, device)
     init_dummy_weights(net, seed)
-    return LoadedModel(net, config, tokenizer)
+    return LoadedModel(net, config, None)
 
 
 def load_model(
@@ -359,10 +350,11 @@ def load_model(
     method = get_quantization_method(quantization, quantization_config)
     gguf_packed = method is not None and method.name == "gguf"
     chosen_tokenizer = None if tokenizer is None else _load_tokenizer_at(tokenizer)
-    with_tokenizer = tokenizer is None and not skip_tokenizer_init
-    loaded = _load_weights(model, load_format, model_shape, dtype, device, seed, gguf_packed, with_tokenizer)
+    loaded, source = _load_weights(model, load_format, model_shape, dtype, device, seed, gguf_packed)
     if chosen_tokenizer is not None:
         loaded.tokenizer = chosen_tokenizer
+    elif source is not None and not skip_tokenizer_init:
+        loaded.tokenizer = _load_tokenizer_at(source)
     if gguf_packed:
         packed = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
         logger.info(
@@ -390,8 +382,10 @@ def load_model(
 
 def _load_weights(
     model: str | None, load_format: str, model_shape: str | None, dtype: torch.dtype,
-    device: str | torch.device, seed: int, gguf_packed: bool, with_tokenizer: bool,
-) -> LoadedModel:
+    device: str | torch.device, seed: int, gguf_packed: bool,
+) -> tuple[LoadedModel, str | None]:
+    """The weights (no tokenizer yet) and where the model's own tokenizer is: the GGUF file
+    or directory loaded, None for dummy weights in a named shape."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
     if gguf_packed and (load_format == "dummy" or (model is not None and os.path.isdir(model))):
@@ -400,7 +394,7 @@ def _load_weights(
             f"{'dummy weights' if load_format == 'dummy' else 'the directory ' + repr(model)}"
         )
     if load_format == "dummy":
-        return _load_dummy(model, model_shape, dtype, device, seed, with_tokenizer)
+        return _load_dummy(model, model_shape, dtype, device, seed), None if model_shape is not None else model
     if model is None:
         try:
             model = default_model_path()
@@ -411,7 +405,7 @@ def _load_weights(
     if load_format == "gguf" or (load_format == "auto" and os.path.isfile(model)):
         if os.path.isdir(model):
             raise ModelLoadError(f"{model}: load_format='gguf' needs a .gguf file, got a directory")
-        return _load_gguf(model, dtype, device, gguf_packed, with_tokenizer)
+        return _load_gguf(model, dtype, device, gguf_packed), model
     if not os.path.isdir(model):
         raise ModelLoadError(f"{model}: expected a Hugging Face model directory")
-    return _load_hf_dir(model, dtype, device, with_tokenizer)
+    return _load_hf_dir(model, dtype, device), model

@@ -50,15 +50,10 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_capable(device_index: int) -> bool:
-    """Hopper / Ada (8.9+): fp8 tensor cores for _scaled_mm and e4m3 conversions in Triton."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper(device_index: int) -> bool:
-    """9.0+: the fp8 wgmma tiles fp8_w8a8 was measured on (Ada's fp8 dots are not)."""
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+def _capability(device_index: int) -> tuple[int, int]:
+    """Ada / Hopper (8.9+) have fp8 tensor cores for _scaled_mm and e4m3 conversions in Triton;
+    fp8_w8a8's wgmma tiles were measured on Hopper (9.0+) only."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 class Fp8Linear(QuantizedLinear):
@@ -104,14 +99,14 @@ class Fp8Linear(QuantizedLinear):
         return None
 
     def kernel_weight(self, device: torch.device) -> KernelWeight | None:
-        if device.type != "cuda" or not _fp8_capable(device.index or 0):
+        if device.type != "cuda" or _capability(device.index or 0) < (8, 9):
             return None  # no e4m3 conversions in Triton below 8.9
         return KernelWeight(self.qweight, self.scale, None, self.group_size, four_bit=False)
 
     def _w8a8_config(self, x: torch.Tensor) -> LaunchConfig | None:
         """fp8_w8a8's launch configuration for x, or None where it does not run x."""
         if not (base.gpu_kernels_enabled and self.per_channel and x.dtype in (torch.bfloat16, torch.float16)
-                and _hopper(x.device.index or 0)):
+                and _capability(x.device.index or 0) >= (9, 0)):
             return None
         from kvserve.quantization.fp8_w8a8 import w8a8_config
 
