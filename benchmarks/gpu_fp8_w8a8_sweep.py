@@ -1,5 +1,5 @@
-"""fp8 linears at W1's decode rows (32-256): kvserve's split-K W8A8 kernel (fp8_w8a8) over a
-grid of tiles, against what runs there now: `torch._scaled_mm` (row-wise scales, fast
+"""fp8 linears at decode rows (2-256): kvserve's split-K W8A8 kernel (fp8_w8a8) over a
+grid of tiles (at up to 32 rows also row tiles of 16 and 32 in the MMA's N slot, swap_ab), against what runs there now: `torch._scaled_mm` (row-wise scales, fast
 accumulation) above 64 rows, the weight-only kernels at up to 64 (at up to 32 the mma.sync
 one with 4 tiles of x too); both W8A8 forms after the
 per-token quantization, timed with it and alone. llama3-8b's four linears, one step's 32
@@ -27,6 +27,10 @@ MMA_32 = LaunchConfig(32, 128, 128, num_warps=4, num_stages=1, waves=2, words="m
 TILES = [(64, 64, 256, 4, 3), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 4, 4),
          (128, 64, 128, 8, 4), (128, 128, 128, 8, 3)]
 CONFIGS = [LaunchConfig(*tile, waves=waves) for tile, waves in itertools.product(TILES, (1, 2, 4))]
+# Narrow row tiles (swap_ab: the weight's columns fill wgmma's 64-wide M).
+SMALL_TILES = [(16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (16, 128, 256, 4, 3), (16, 64, 128, 4, 4),
+               (32, 64, 256, 4, 3), (32, 128, 128, 4, 3)]
+SMALL_CONFIGS = [LaunchConfig(*tile, waves=waves) for tile, waves in itertools.product(SMALL_TILES, (1, 2, 4))]
 
 
 def us(fn) -> float:
@@ -65,7 +69,8 @@ def main() -> None:
                 mma = lambda: weight_only_matmul(x, wq, sw[:, None], None, k, config=MMA_32)  # noqa: E731
                 row["weight_only mma"] = us(mma)
             results = []
-            for config in CONFIGS:
+            configs = (SMALL_CONFIGS if m <= 32 else []) + (CONFIGS if m > 16 else CONFIGS[:1])
+            for config in configs:
                 if config.block_m > max(m, 64) or k % config.block_k:
                     continue
                 fn = lambda: fp8_w8a8_matmul(xq, sx, wq, sw, config)  # noqa: E731

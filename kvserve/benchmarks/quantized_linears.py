@@ -27,7 +27,7 @@ from torch import nn
 from kvserve.benchmarks.roofline import copy_bandwidth
 from kvserve.quantization.base import QuantizedLinear
 from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
-from kvserve.quantization.fp8_w8a8 import DECODE_CONFIG
+from kvserve.quantization.fp8_w8a8 import decode_config
 from kvserve.quantization.int4 import Int4Linear, quantize_int4
 from kvserve.quantization.int8 import Int8Linear
 from kvserve.quantization.weight_only import LaunchConfig, weight_only_matmul
@@ -154,7 +154,7 @@ def _call(fmt: str, layer: nn.Module, x: torch.Tensor, config: LaunchConfig | No
     if fmt == "fp8-scaled_mm":
         return lambda: layer._scaled_mm(x)
     if fmt == "fp8-w8a8":
-        return lambda: layer._w8a8(x, DECODE_CONFIG)
+        return lambda: layer._w8a8(x, decode_config(x.shape[0]))
     if isinstance(layer, Int4Linear):
         q = layer.qweight.view(layer.out_features, layer.in_features // 2)
         return lambda: weight_only_matmul(x, q, layer.scale, layer.minimum, layer.group_size, True, config)

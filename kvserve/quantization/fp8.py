@@ -4,12 +4,13 @@ elements, as block-wise fp8 checkpoints store them).
 Where the product runs:
 * CPU: the weight upcast to the activation dtype (fp32 there); per-channel scales
   commute with the matmul, so only the output is scaled.
-* CUDA (capability >= 8.9), up to 16 rows (decode): the Triton weight-only kernels read
-  the fp8 bytes once and upcast them in the loop; `torch._scaled_mm` is far from the
-  bandwidth floor there (BENCHMARKS.md).
-* Hopper (>= 9.0), per-channel scales, bf16/fp16 x of 17-128 rows (wide decode batches):
+* Hopper (>= 9.0), per-channel scales, bf16/fp16 x of 2-128 rows (decode batches):
   x quantized to fp8 per token (dynamic scales, one Triton kernel) and kvserve's split-K
-  W8A8 kernel on the fp8 tensor cores (fp8_w8a8.py), where it beats cuBLAS.
+  W8A8 kernel on the fp8 tensor cores (fp8_w8a8.py), where it beats cuBLAS and the
+  weight-only kernels.
+* CUDA (capability >= 8.9), one row on Hopper and up to 16 on Ada (decode): the Triton
+  weight-only kernels read the fp8 bytes once and upcast them in the loop;
+  `torch._scaled_mm` is far from the bandwidth floor there (BENCHMARKS.md).
 * CUDA (>= 8.9), more rows (prefill), bf16, per-channel scales: the same per-token
   quantization and `torch._scaled_mm` on the fp8 tensor cores.
 * Otherwise (older GPUs, fp16 prefill, block scales) the weight is dequantized to the

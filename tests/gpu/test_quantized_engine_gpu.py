@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvserve import LLM, SamplingParams
 from kvserve.quantization import base, fp8_w8a8
-from kvserve.quantization.fp8_w8a8 import W8A8_MIN_ROWS
+from kvserve.quantization.fp8 import Fp8Linear
 
 pytestmark = pytest.mark.gpu
 
@@ -47,9 +47,10 @@ def test_kernels_score_like_the_dense_path(save_hf_model, method, monkeypatch):
         pytest.skip("fp8 kernels need compute capability 8.9")
     model_dir, prompts = _random_llama(save_hf_model, 0, (17, 40, 100, 250), hidden_size=512, intermediate_size=1536,
                                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
-    # Steps of at most 64 tokens (fp8: 16) keep every prefill step on the weight-only
-    # kernels (never fp8 activations: fp8_w8a8, _scaled_mm).
-    step_tokens = W8A8_MIN_ROWS - 1 if method == "fp8" else base.GPU_KERNEL_MAX_ROWS
+    # Steps of at most 64 tokens (fp8: 16, as on Ada, without fp8_w8a8) keep every prefill
+    # step on the weight-only kernels (never fp8 activations: fp8_w8a8, _scaled_mm).
+    step_tokens = 16 if method == "fp8" else base.GPU_KERNEL_MAX_ROWS
+    monkeypatch.setattr(fp8_w8a8, "W8A8_MIN_ROWS", step_tokens + 1)
 
     def run(dtype: str, kernels: bool) -> torch.Tensor:
         monkeypatch.setattr(base, "gpu_kernels_enabled", kernels)
@@ -67,11 +68,13 @@ def test_kernels_score_like_the_dense_path(save_hf_model, method, monkeypatch):
     assert kernel_error <= 2 * dense_error + 1e-3
 
 
-def test_fp8_w8a8_kernel_scores_like_scaled_mm(save_hf_model, monkeypatch):
-    """fp8 at 17-128 rows: kvserve's W8A8 kernel (fp8_w8a8) against `_scaled_mm` on the same
+@pytest.mark.parametrize("step_tokens", (100, 12))
+def test_fp8_w8a8_kernel_scores_like_scaled_mm(save_hf_model, monkeypatch, step_tokens):
+    """fp8 at 2-128 rows: kvserve's W8A8 kernel (fp8_w8a8) against `_scaled_mm` on the same
     per-token fp8 activations, both scored against an fp32 run of the quantized weights.
     Prefill chunks of 100 tokens: o_proj and down (4096 wide) take the kernel, qkv and gate/up
-    cuBLAS (w8a8_config); with the kernel routed off, all take cuBLAS."""
+    cuBLAS (w8a8_config); chunks of 12 (and a last one of 4): all take its 16-row tile. With
+    the kernel routed off, all take cuBLAS."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("fp8_w8a8 runs on Hopper")
     model_dir, prompts = _random_llama(save_hf_model, 2, (100, 300), hidden_size=4096, intermediate_size=4096,
@@ -86,14 +89,15 @@ def test_fp8_w8a8_kernel_scores_like_scaled_mm(save_hf_model, monkeypatch):
     monkeypatch.setattr(fp8_w8a8, "fp8_w8a8_matmul", counted)
 
     def run(dtype: str, w8a8: bool) -> torch.Tensor:
-        if not w8a8:
+        if not w8a8:  # every step on _scaled_mm, 12 rows too (not the weight-only kernel)
             monkeypatch.setattr(fp8_w8a8, "w8a8_config", lambda *args: None)
-        return _prompt_logprobs(model_dir, prompts, dtype=dtype, quantization="fp8", max_num_batched_tokens=100,
-                                enforce_eager=True)
+            monkeypatch.setattr(Fp8Linear, "gpu_kernel_max_rows", 0)
+        return _prompt_logprobs(model_dir, prompts, dtype=dtype, quantization="fp8",
+                                max_num_batched_tokens=step_tokens, enforce_eager=True)
 
     reference = run("float32", w8a8=True)  # fp32 activations: the dense path
     kernel_error = (run("bfloat16", w8a8=True) - reference).abs().mean().item()
-    assert calls and all(17 <= rows <= 128 for rows in calls)
+    assert calls and all(rows <= step_tokens for rows in calls)
     scaled_mm_error = (run("bfloat16", w8a8=False) - reference).abs().mean().item()
     print(f"mean |logprob - fp32|: fp8_w8a8 {kernel_error:.4f}, _scaled_mm {scaled_mm_error:.4f}")
     # The same fp8 operands, both accumulating without fp32 promotion: as close as cuBLAS.
@@ -107,7 +111,6 @@ def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch, q
     on the byte kernel) and qkv (int4: the word kernel; fp8: mma.sync) finish it. Each decode
     run is scored against the unfused engine's teacher-forced logprobs of the tokens it chose;
     the fused run is as close as the unfused decode is."""
-    from kvserve.quantization.fp8 import Fp8Linear
     from kvserve.quantization.int4 import Int4Linear
 
     linear_class = Int4Linear if quantization == "int4" else Fp8Linear

@@ -52,8 +52,9 @@ def run_small_cases() -> None:
     for i, (m, n, k, config) in enumerate(SMALL_CASES):
         x_q, x_scale, w_q, w_scale, reference = _operands(m, n, k, seed=i)
         for dtype in (torch.float32, torch.bfloat16):
-            y = fp8_w8a8_matmul(x_q, x_scale, w_q, w_scale, config, out_dtype=dtype)
-            errors[f"{i}-{dtype}"] = _error(y, reference) if y.shape == reference.shape else 1.0
+            for swap_ab in (False, True):
+                y = fp8_w8a8_matmul(x_q, x_scale, w_q, w_scale, config, out_dtype=dtype, swap_ab=swap_ab)
+                errors[f"{i}-{dtype}-{swap_ab}"] = _error(y, reference) if y.shape == reference.shape else 1.0
     print(json.dumps(errors))
 
 
@@ -62,11 +63,13 @@ def interpreted_errors() -> dict[str, float]:
     return json.loads(run_interpreted("tests.quantization.test_fp8_w8a8", "run_small_cases"))
 
 
+@pytest.mark.parametrize("swap_ab", (False, True), ids=("x-w", "w-x"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("case", range(len(SMALL_CASES)), ids=lambda i: "{}x{}x{}".format(*SMALL_CASES[i][:3]))
-def test_interpreted_matches_fp64_product(case, dtype, interpreted_errors) -> None:
+def test_interpreted_matches_fp64_product(case, dtype, swap_ab, interpreted_errors) -> None:
     # fp32 output: only the fp32 accumulation order differs from fp64.
-    assert interpreted_errors[f"{case}-{dtype}"] < (1e-5 if dtype == torch.float32 else BF16_TOLERANCE)
+    error = interpreted_errors[f"{case}-{dtype}-{swap_ab}"]
+    assert error < (1e-5 if dtype == torch.float32 else BF16_TOLERANCE)
 
 
 def test_rejects_k_that_is_not_whole_tiles() -> None:
@@ -75,15 +78,18 @@ def test_rejects_k_that_is_not_whole_tiles() -> None:
         fp8_w8a8_matmul(x_q, x_scale, w_q, w_scale, LaunchConfig(16, 16, 128))
 
 
-def test_routing_takes_wide_decode_batches_where_the_sweep_found_it_faster() -> None:
-    """17-64 rows on every llama3-8b linear; 65-128 on o_proj (N 4096) and down (K 14336),
-    not on qkv and gate/up, which cuBLAS runs as fast; never past 128 rows or below 17
-    (the weight-only mma.sync kernel), nor K in part-tiles."""
+def test_routing_takes_decode_batches_where_the_sweep_found_it_faster() -> None:
+    """2-64 rows on every llama3-8b linear; 65-128 on o_proj (N 4096) and down (K 14336),
+    not on qkv and gate/up, which cuBLAS runs as fast; never past 128 rows or at one (the
+    weight-only kernel with the norms fused in), nor K in part-tiles. Up to 16 rows in one
+    16-row tile."""
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-    taken = {name: [rows for rows in (16, 17, 64, 65, 128, 129) if w8a8_config(rows, n, k)]
+    taken = {name: [rows for rows in (1, 2, 16, 17, 64, 65, 128, 129) if w8a8_config(rows, n, k)]
              for name, (n, k) in shapes.items()}
-    assert taken == {"qkv": [17, 64], "o": [17, 64, 65, 128], "gate_up": [17, 64], "down": [17, 64, 65, 128]}
+    assert taken == {"qkv": [2, 16, 17, 64], "o": [2, 16, 17, 64, 65, 128], "gate_up": [2, 16, 17, 64],
+                     "down": [2, 16, 17, 64, 65, 128]}
     assert w8a8_config(32, 4096, 4096 + 128) is None
+    assert [w8a8_config(rows, 4096, 4096).block_m for rows in (2, 16, 17, 128)] == [16, 16, 64, 64]
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -98,13 +104,14 @@ GPU_CONFIGS = (
     DECODE_CONFIG,
     LaunchConfig(128, 64, 128, num_warps=8, num_stages=4, waves=2),
     LaunchConfig(64, 128, 128, num_warps=4, num_stages=3, split_k=5),
+    LaunchConfig(16, 128, 256, num_warps=4, num_stages=3, waves=2),  # swap_ab
 )
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}")
-@pytest.mark.parametrize("rows", (17, 65, 100, 128, 200))
+@pytest.mark.parametrize("rows", (3, 16, 17, 65, 100, 128, 200))
 @pytest.mark.parametrize("shape", ((6144, 4096), (4096, 14336), (28672, 4096)), ids=str)
 def test_gpu_matches_fp64_product(rows, shape, config) -> None:
     n, k = shape
@@ -117,9 +124,9 @@ def test_gpu_matches_fp64_product(rows, shape, config) -> None:
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("rows", (17, 48, 100, 128))
-def test_gpu_fp8_layer_runs_wide_decode_batches_on_the_kernel(rows, monkeypatch) -> None:
-    """Fp8Linear at 17-128 rows takes fp8_w8a8 (for llama3-8b's down at every such row count)
+@pytest.mark.parametrize("rows", (2, 16, 17, 48, 100, 128))
+def test_gpu_fp8_layer_runs_decode_batches_on_the_kernel(rows, monkeypatch) -> None:
+    """Fp8Linear at 2-128 rows takes fp8_w8a8 (for llama3-8b's down at every such row count)
     and matches the fp64 product of its own quantized x and weight."""
     from kvserve.quantization import fp8_w8a8
 
