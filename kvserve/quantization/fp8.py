@@ -18,7 +18,8 @@ Where the product runs:
 
 At one decode row on CUDA the RMSNorms between linears run inside them (PendingNorm):
 mma.sync leaves the next norm pending in its epilogue, mma.sync and the byte kernel finish
-it by scaling their output rows.
+it by scaling their output rows. At 2-128 rows on Hopper the RMSNorm and SwiGLU kernels
+before qkv, gate/up and down quantize their own output (Fp8Rows, `takes_fp8_rows`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model_executor.layers.fp8_rows import Fp8Rows
 from kvserve.quantization import base
 from kvserve.quantization.base import KernelWeight, QuantizationMethod, QuantizedLinear, lm_head_as_linear
 from kvserve.quantization.int8 import add_int8_lm_head
 
 if TYPE_CHECKING:
+    from kvserve.model_executor.layers.layernorm import PendingNorm
     from kvserve.quantization.weight_only.configs import LaunchConfig
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -106,12 +109,31 @@ class Fp8Linear(QuantizedLinear):
 
     def _w8a8_config(self, x: torch.Tensor) -> LaunchConfig | None:
         """fp8_w8a8's launch configuration for x, or None where it does not run x."""
-        if not (base.gpu_kernels_enabled and self.per_channel and x.dtype in (torch.bfloat16, torch.float16)
-                and _capability(x.device.index or 0) >= (9, 0)):
+        return self._w8a8_rows_config(x.numel() // self.in_features, x.dtype, x.device)
+
+    def _w8a8_rows_config(self, rows: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig | None:
+        if not (base.gpu_kernels_enabled and self.per_channel and device.type == "cuda"
+                and dtype in (torch.bfloat16, torch.float16) and _capability(device.index or 0) >= (9, 0)):
             return None
         from kvserve.quantization.fp8_w8a8 import w8a8_config
 
-        return w8a8_config(x.numel() // self.in_features, self.out_features, self.in_features)
+        return w8a8_config(rows, self.out_features, self.in_features)
+
+    def takes_fp8_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether `rows` rows of `dtype` x run on fp8_w8a8, whose input the kernel before
+        this layer may then quantize (Fp8Rows)."""
+        return self._w8a8_rows_config(rows, dtype, self.qweight.device) is not None
+
+    def apply(self, x: torch.Tensor | PendingNorm | Fp8Rows) -> torch.Tensor:
+        if not isinstance(x, Fp8Rows):
+            return super().apply(x)
+        config = self._w8a8_rows_config(x.values.shape[0], x.dtype, x.values.device)
+        if config is None:  # only where takes_fp8_rows promised what this layer now declines
+            return super().apply(x.dequantize())
+        from kvserve.quantization.fp8_w8a8 import fp8_w8a8_matmul
+
+        y = fp8_w8a8_matmul(x.values, x.scales, self.qweight, self.scale, config, out_dtype=x.dtype)
+        return y if self.bias is None else y + self.bias
 
     def _w8a8(self, x: torch.Tensor, config: LaunchConfig) -> torch.Tensor:
         from kvserve.quantization.fp8_activation import quantize_per_token

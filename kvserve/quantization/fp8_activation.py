@@ -1,6 +1,7 @@
-"""Dynamic per-token fp8 quantization of activations for torch._scaled_mm, one Triton
+"""Dynamic per-token fp8 quantization of activations for the fp8 x fp8 matmuls, one Triton
 kernel per call: the torch form (abs, amax, divide, clamp, cast) is about seven kernels,
-which at prefill sizes cost as much as the fp8 matmul they feed."""
+which at prefill sizes cost as much as the fp8 matmul they feed. `quantize_row` is the same
+rounding for kernels that quantize their own output (Fp8Rows)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,24 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 @triton.jit
+def quantize_row(x, FP8_MAX: tl.constexpr):
+    """One fp32 row -> (its e4m3 values as uint8 bits, its fp32 scale): the row's absolute
+    maximum maps to FP8_MAX. Correctly rounded divisions (Triton's `/` is approximate): the
+    same bits as torch's."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), FP8_MAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), scale
+
+
+@triton.jit
 def _per_token_fp8_kernel(x_ptr, q_ptr, scale_ptr, num_cols, stride_x, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    # Correctly rounded divisions (Triton's `/` is approximate): the same bits as torch's.
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), FP8_MAX)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    bits, scale = quantize_row(x, FP8_MAX)
     # Stored through uint8 bits (the pointer is a uint8 view of the fp8 output).
-    tl.store(q_ptr + row * num_cols + cols, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+    tl.store(q_ptr + row * num_cols + cols, bits, mask=mask)
     tl.store(scale_ptr + row, scale)
 
 

@@ -162,3 +162,47 @@ def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch, q
     fused_error, unfused_error = error(fused_runs), error(unfused_runs)
     print(f"mean |decode logprob - teacher-forced|: fused {fused_error:.4f}, unfused {unfused_error:.4f}")
     assert fused_error <= 2 * unfused_error + 2e-3
+
+
+def test_fp8_rows_from_the_norm_and_swiglu_kernels_change_no_bit(save_hf_model, monkeypatch):
+    """At 2-128 rows on Hopper the RMSNorm and SwiGLU kernels before qkv, gate/up and down
+    quantize their own output (Fp8Rows) for fp8_w8a8: the same bits as each linear quantizing
+    its input. Prefill chunks of 12 and 100 rows (eager) and a batch of 6 decoding through
+    CUDA graphs give the same logprobs with the fused quantization as without it."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("fp8_w8a8 runs on Hopper")
+    from kvserve.model_executor.layers.fp8_rows import Fp8Rows
+
+    model_dir, prompts = _random_llama(save_hf_model, 3, (30, 75, 140, 9, 50, 21), hidden_size=512,
+                                       intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,
+                                       num_key_value_heads=2)
+    fp8_rows_inputs = []
+    apply = Fp8Linear.apply
+
+    def counted(self, x):
+        fp8_rows_inputs.append(isinstance(x, Fp8Rows))
+        return apply(self, x)
+
+    monkeypatch.setattr(Fp8Linear, "apply", counted)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        scored = [_prompt_logprobs(model_dir, prompts, quantization="fp8", max_num_batched_tokens=step,
+                                   enforce_eager=True) for step in (12, 100)]
+        llm = LLM(model=model_dir, device="cuda", quantization="fp8", quantization_config={"lm_head": False},
+                  gpu_memory_utilization=0.3)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))
+        del llm
+        gc.collect()
+        decoded = torch.tensor([[entry[token] for token, entry in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                                for o in outputs])
+        return *scored, decoded
+
+    fused = run()
+    assert sum(fp8_rows_inputs) > 0
+    fp8_rows_inputs.clear()
+    monkeypatch.setattr(Fp8Linear, "takes_fp8_rows", lambda self, rows, dtype: False)
+    unfused = run()
+    assert sum(fp8_rows_inputs) == 0
+    for a, b in zip(fused, unfused, strict=True):
+        assert torch.equal(a, b)

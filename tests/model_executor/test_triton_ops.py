@@ -1,26 +1,28 @@
 """The fused Triton elementwise kernels against the torch path they replace.
 
 Without a GPU the kernels run under Triton's interpreter (fp32 and fp16, small shapes) in
-one subprocess, because TRITON_INTERPRET must be set before triton is imported; the
-bf16 and real-size cases run on CUDA (marked gpu).
+one subprocess (tests.triton_interpreter); the bf16 and real-size cases run on CUDA
+(marked gpu). The norm and SwiGLU kernels' fp8 outputs (Fp8Rows) must be exactly the
+torch per-token quantization of their unfused outputs.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvserve.model_executor.layers.layernorm import RMSNorm
+from tests.fp8_reference import fp8_mismatches
+from tests.triton_interpreter import run_interpreted
 
 # (tokens, hidden, heads, kv heads, head dim, intermediate)
 SMALL_SHAPES = [(1, 64, 4, 2, 16, 96), (7, 96, 6, 2, 32, 200)]
 GPU_SHAPES = [(1, 4096, 32, 8, 128, 14336), (37, 896, 14, 2, 64, 4864), (300, 576, 9, 3, 64, 1536)]
+# The kernels quantize 16-bit rows only (what the fp8 linears take).
+FP8_ROWS_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -54,6 +56,15 @@ def check_shape(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict
     errors["add_rms_norm"] = max(rel(got, ref_out), rel(got_residual, ref_residual))
     errors["rms_norm"] = rel(triton_ops.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5),
                              norm(x))
+    if dtype in FP8_ROWS_DTYPES:
+        # Fp8Rows: the unfused kernel's rows quantized per token (exact), the residual as unfused.
+        fp8_residual = residual.clone().to(device)
+        rows = triton_ops.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5, fp8_residual, fp8=True)
+        errors["add_rms_norm_fp8_mismatches"] = fp8_mismatches(rows.values, rows.scales, got) + int(
+            (fp8_residual.cpu() != got_residual.cpu()).sum())
+        rows = triton_ops.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5, fp8=True)
+        errors["rms_norm_fp8_mismatches"] = fp8_mismatches(
+            rows.values, rows.scales, triton_ops.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5))
 
     # q and k as strided views of one fused projection, as the model has them.
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
@@ -90,13 +101,24 @@ def check_shape(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict
 
     gate_up = (torch.randn(tokens, 2 * inter, generator=gen) * 3).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    errors["silu_and_mul"] = rel(triton_ops.silu_and_mul(gate_up.to(device)), F.silu(gate) * up)
-    return {name: error / torch.finfo(dtype).eps for name, error in errors.items()}
+    activation = triton_ops.silu_and_mul(gate_up.to(device))
+    errors["silu_and_mul"] = rel(activation, F.silu(gate) * up)
+    if dtype in FP8_ROWS_DTYPES:
+        rows = triton_ops.silu_and_mul(gate_up.to(device), fp8=True)
+        errors["silu_and_mul_fp8_mismatches"] = fp8_mismatches(rows.values, rows.scales, activation)
+    return {name: error if name.endswith("_mismatches") else error / torch.finfo(dtype).eps
+            for name, error in errors.items()}
 
 
 # In eps of the dtype: the kernels round where the torch path rounds, so they differ by at
 # most an ulp or two (fp32: transcendental and reduction order).
 MAX_EPS = {torch.float32: 64, torch.float16: 2, torch.bfloat16: 2}
+
+
+def assert_kernels_match(errors: dict[str, float], dtype: torch.dtype) -> None:
+    assert errors["rotary_leaves_v"] == errors["rotary_queries_and_keys_leaves_v"] == 0
+    assert all(error == 0 for name, error in errors.items() if name.endswith("_mismatches")), errors
+    assert all(error <= MAX_EPS[dtype] for error in errors.values()), errors
 
 
 def run_small_cases() -> None:
@@ -110,22 +132,13 @@ def run_small_cases() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, dict[str, float]]:
-    pytest.importorskip("triton")
-    proc = subprocess.run(
-        [sys.executable, "-c", "import test_triton_ops as t; t.run_small_cases()"],
-        check=False, cwd=os.path.dirname(__file__), env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(run_interpreted("tests.model_executor.test_triton_ops", "run_small_cases"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", SMALL_SHAPES, ids=str)
 def test_interpreted_kernels_match_torch(shape, dtype, interpreted_results):
-    errors = interpreted_results[f"{shape}-{dtype}"]
-    assert errors["rotary_leaves_v"] == errors["rotary_queries_and_keys_leaves_v"] == 0
-    assert all(error <= MAX_EPS[dtype] for error in errors.values()), errors
+    assert_kernels_match(interpreted_results[f"{shape}-{dtype}"], dtype)
 
 
 @pytest.mark.gpu
@@ -134,6 +147,4 @@ def test_interpreted_kernels_match_torch(shape, dtype, interpreted_results):
 def test_cuda_kernels_match_torch(shape, dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    errors = check_shape(shape, dtype, "cuda")
-    assert errors["rotary_leaves_v"] == errors["rotary_queries_and_keys_leaves_v"] == 0
-    assert all(error <= MAX_EPS[dtype] for error in errors.values()), errors
+    assert_kernels_match(check_shape(shape, dtype, "cuda"), dtype)

@@ -170,3 +170,18 @@ def test_gpu_replays_in_a_cuda_graph() -> None:
     x_q, x_scale = quantize_per_token(x)
     reference = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t()
     assert _error(y, reference) < GPU_TOLERANCE
+
+
+def test_fp8_rows_go_only_to_layers_that_run_the_kernel() -> None:
+    """takes_fp8_rows is off on the CPU (no producer quantizes there) and for non-linears;
+    Fp8Rows that reach a layer which declines them are dequantized, not misread."""
+    from kvserve.model_executor.layers.fp8_rows import Fp8Rows, takes_fp8_rows
+
+    q, scale = quantize_fp8(torch.randn(48, 256) * 0.05)
+    layer = Fp8Linear(q, scale[:, None], None)
+    assert not layer.takes_fp8_rows(8, torch.bfloat16)
+    assert not takes_fp8_rows(None, 8, torch.bfloat16) and not takes_fp8_rows(torch.nn.ReLU(), 8, torch.bfloat16)
+    x_q, x_scale, _, _, _ = _operands(5, 48, 256, seed=3)
+    rows = Fp8Rows(x_q, x_scale, torch.float32)
+    reference = (x_q.double() * x_scale.double()) @ layer.dequantize(torch.float64).t()
+    assert _error(layer.apply(rows), reference) < 1e-5

@@ -26,6 +26,7 @@ from kvserve.quantization.int8 import GroupInt8Linear, Int8Linear
 from kvserve.quantization.weight_only import LaunchConfig, unpack_weight, weight_only_matmul
 from kvserve.quantization.weight_only.matmul import split_k
 from kvserve.quantization.weight_only.tiles import split_tiles
+from tests.fp8_reference import per_token_reference
 from tests.triton_interpreter import run_interpreted
 
 # Worst relative error ||y - ref|| / ||ref|| per row against fp64 on the same weights.
@@ -74,15 +75,6 @@ def kernel_args(layer) -> tuple:
         qweight = layer.qweight.view(layer.out_features, layer.in_features // 2)
         return qweight, layer.scale, layer.minimum, layer.group_size, True
     return layer.qweight, layer.scale, None, layer.group_size, False
-
-
-def per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Correctly rounded fp32 divisions (through fp64, on the CPU: CUDA torch divides by a
-    scalar as a multiplication by its rounded reciprocal), then e4m3 to nearest even."""
-    x = x.cpu().double()
-    scale = (x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448).float()
-    q = (x / scale.double()).float().clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q, scale
 
 
 def per_token_matches(x: torch.Tensor) -> bool:

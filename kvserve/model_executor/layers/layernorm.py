@@ -1,6 +1,6 @@
 """RMSNorm, computed in fp32 as Hugging Face Llama does, optionally fused with the
-residual add that precedes it (one Triton kernel on CUDA), or with the linears on either
-side of it (PendingNorm)."""
+residual add that precedes it (one Triton kernel on CUDA), with the linears on either side
+of it (PendingNorm), or with the next linear's fp8 quantization (Fp8Rows)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from kvserve.model_executor.layers.fp8_rows import Fp8Rows, takes_fp8_rows
 
 
 class PendingNorm(NamedTuple):
@@ -49,21 +51,28 @@ class RMSNorm(nn.Module):
         return self._norm(x)
 
     def add_after(
-        self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, consumer: nn.Module | None
-    ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+        self, linear: nn.Module, x: torch.Tensor | Fp8Rows, residual: torch.Tensor, consumer: nn.Module | None
+    ) -> tuple[torch.Tensor | PendingNorm | Fp8Rows, torch.Tensor]:
         """(norm(residual + linear(x)), residual + linear(x)), the norm's output going to
         `consumer` (a linear; None: anything else). Where both kernels can (the quantized
         layers' `add_norm_matmul` and `folds_pending_norm`), the add and the norm's sums run
         in the linear's epilogue and the result is a PendingNorm that the consumer finishes;
-        residual is updated in place either way on CUDA."""
+        where the consumer multiplies fp8 by fp8, the norm's kernel quantizes its output
+        (Fp8Rows). residual is updated in place either way on CUDA."""
         add_norm_matmul = getattr(linear, "add_norm_matmul", None)
         folds_pending_norm = getattr(consumer, "folds_pending_norm", None)
-        if add_norm_matmul is not None and folds_pending_norm is not None and folds_pending_norm(
-                x.shape[0], x.dtype):
+        if isinstance(x, torch.Tensor) and add_norm_matmul is not None and folds_pending_norm is not None \
+                and folds_pending_norm(x.shape[0], x.dtype):
             fused = add_norm_matmul(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused, residual
-        return self(linear(x), residual)
+        y = linear(x)
+        if y.is_cuda and y.dim() == 2 and self.weight.dtype == y.dtype and takes_fp8_rows(
+                consumer, y.shape[0], y.dtype):
+            from kvserve.model_executor.layers.triton_ops import add_rms_norm
+
+            return add_rms_norm(y, self.weight, self.eps, residual, fp8=True), residual
+        return self(y, residual)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype

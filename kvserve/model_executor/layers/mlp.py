@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kvserve.model_executor.layers.activation import SiluAndMul
+from kvserve.model_executor.layers.fp8_rows import Fp8Rows, takes_fp8_rows
 from kvserve.model_executor.layers.layernorm import PendingNorm
 from kvserve.model_executor.layers.linear import Linear
 
@@ -17,10 +18,12 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        """down_proj's input, the activation: a dense layer applies down_proj itself, fused
-        with the norm after it where it can (LlamaDecoderLayer)."""
-        return self.act(self.gate_up_proj(x))
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor | Fp8Rows:
+        """down_proj's input, the activation (quantized by its kernel where down_proj
+        multiplies fp8 by fp8): a dense layer applies down_proj itself, fused with the norm
+        after it where it can (LlamaDecoderLayer)."""
+        h = self.gate_up_proj(x)
+        return self.act(h, fp8=h.is_cuda and takes_fp8_rows(self.down_proj, h.shape[0], h.dtype))
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """The whole MLP, down_proj included (an expert's output)."""
