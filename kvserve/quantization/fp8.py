@@ -130,19 +130,21 @@ class Fp8Linear(QuantizedLinear):
         config = self._w8a8_rows_config(x.values.shape[0], x.dtype, x.values.device)
         if config is None:  # only where takes_fp8_rows promised what this layer now declines
             return super().apply(x.dequantize())
-        from kvserve.quantization.fp8_w8a8 import fp8_w8a8_matmul
-
-        y = fp8_w8a8_matmul(x.values, x.scales, self.qweight, self.scale, config, out_dtype=x.dtype)
+        y = self._w8a8_rows(x, config)
         return y if self.bias is None else y + self.bias
 
     def _w8a8(self, x: torch.Tensor, config: LaunchConfig) -> torch.Tensor:
+        """fp8_w8a8 on x quantized here (per token, one kernel)."""
         from kvserve.quantization.fp8_activation import quantize_per_token
-        from kvserve.quantization.fp8_w8a8 import fp8_w8a8_matmul
 
         rows = x.reshape(-1, self.in_features)
-        x_fp8, x_scale = quantize_per_token(rows if rows.stride(-1) == 1 else rows.contiguous())
-        y = fp8_w8a8_matmul(x_fp8, x_scale, self.qweight, self.scale, config, out_dtype=x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        fp8_rows = Fp8Rows(*quantize_per_token(rows if rows.stride(-1) == 1 else rows.contiguous()), x.dtype)
+        return self._w8a8_rows(fp8_rows, config).reshape(*x.shape[:-1], self.out_features)
+
+    def _w8a8_rows(self, x: Fp8Rows, config: LaunchConfig) -> torch.Tensor:
+        from kvserve.quantization.fp8_w8a8 import fp8_w8a8_matmul
+
+        return fp8_w8a8_matmul(x.values, x.scales, self.qweight, self.scale, config, out_dtype=x.dtype)
 
     def _scaled_mm_applies(self, x: torch.Tensor) -> bool:
         # Row-wise scaled _scaled_mm: bf16 output, both dims multiples of 16.

@@ -2,15 +2,15 @@
 y = (x_q @ W_q^T) * x_scale[m] * w_scale[n], x quantized per token
 (fp8_activation.quantize_per_token), W per output channel.
 
-At those rows the weight-only kernels convert every e4m3 weight to bf16 in the loop (at
-17-64 rows 6-11 ms a llama3-8b step's linears on an H100, at 2-16 the mma.sync kernel too
-is slower); cuBLAS (`torch._scaled_mm`) runs one
-128 x 128 tile per program, so o_proj and down are 32 programs on 132 SMs, each reading all
-of K (BENCHMARKS.md). Here the e4m3 tiles go to the tensor cores as loaded, the row tiles of
-a column block run next to each other (the weight tile comes from DRAM once), and K is split
-until the GPU is full; the splits' fp32 partials are summed inside the kernel in split order
-by the last split of each output tile (tiles.store_output), so the result does not depend on
-which split finishes first.
+At those rows the weight-only kernels convert every e4m3 weight to bf16 in the loop (a
+llama3-8b step's linears on an H100: 4.1-5.5 ms at 2-16 rows on mma.sync, 6-11 ms at 17-64
+on tl.dot tiles), and cuBLAS (`torch._scaled_mm`) runs one 128 x 128 tile per program, so
+o_proj and down are 32 programs on 132 SMs, each reading all of K (BENCHMARKS.md). Here the
+e4m3 tiles go to the tensor cores as loaded, the row tiles of a column block run next to
+each other (the weight tile comes from DRAM once), and K is split until the GPU is full; the
+splits' fp32 partials are summed inside the kernel in split order by the last split of each
+output tile (tiles.store_output), so the result does not depend on which split finishes
+first. x may come quantized from the kernel before the linear (Fp8Rows).
 """
 
 from __future__ import annotations

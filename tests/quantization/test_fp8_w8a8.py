@@ -13,6 +13,7 @@ from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from kvserve.quantization.fp8_activation import quantize_per_token
 from kvserve.quantization.fp8_w8a8 import DECODE_CONFIG, fp8_w8a8_matmul, w8a8_config
 from kvserve.quantization.weight_only import LaunchConfig
+from tests.fp8_reference import per_token_reference
 from tests.triton_interpreter import run_interpreted
 
 # (rows, out features, in features, config): rows and columns that are not whole tiles,
@@ -55,6 +56,13 @@ def run_small_cases() -> None:
             for swap_ab in (False, True):
                 y = fp8_w8a8_matmul(x_q, x_scale, w_q, w_scale, config, out_dtype=dtype, swap_ab=swap_ab)
                 errors[f"{i}-{dtype}-{swap_ab}"] = _error(y, reference) if y.shape == reference.shape else 1.0
+    # The layer's own path: x [2, 3, K] in bf16, quantized per token by the Triton kernel.
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    w_q, w_scale = quantize_fp8(torch.randn(40, 256, generator=torch.Generator().manual_seed(8)) * 0.05)
+    x_q, x_scale = per_token_reference(x.reshape(6, 256))
+    reference = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t()
+    y = Fp8Linear(w_q, w_scale[:, None], None)._w8a8(x, LaunchConfig(16, 16, 128, split_k=2))
+    errors["layer"] = _error(y.reshape(6, 40), reference) if y.shape == (2, 3, 40) else 1.0
     print(json.dumps(errors))
 
 
@@ -70,6 +78,10 @@ def test_interpreted_matches_fp64_product(case, dtype, swap_ab, interpreted_erro
     # fp32 output: only the fp32 accumulation order differs from fp64.
     error = interpreted_errors[f"{case}-{dtype}-{swap_ab}"]
     assert error < (1e-5 if dtype == torch.float32 else BF16_TOLERANCE)
+
+
+def test_interpreted_layer_quantizes_and_multiplies_its_input(interpreted_errors) -> None:
+    assert interpreted_errors["layer"] < BF16_TOLERANCE
 
 
 def test_rejects_k_that_is_not_whole_tiles() -> None:
