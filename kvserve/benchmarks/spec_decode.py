@@ -13,8 +13,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from kvserve.engine.engine_args import EngineArgs
+from kvserve.engine.llm_engine import load_engine_model
 from kvserve.llm import LLM
-from kvserve.model_executor.loader import load_model
 from kvserve.sampling_params import SamplingParams
 
 DEFAULT_SPECULATIVE_CONFIG = {
@@ -118,12 +118,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     spec_config = engine_args.speculative_config or DEFAULT_SPECULATIVE_CONFIG
-    device = engine_args.resolved_device()
-    loaded = load_model(
-        engine_args.model, load_format=engine_args.load_format, model_shape=engine_args.model_shape,
-        dtype=engine_args.resolved_dtype(device), device=device, seed=engine_args.seed,
-        quantization=engine_args.quantization, quantization_config=engine_args.quantization_config,
-    )
+    loaded = load_engine_model(engine_args)
     base = {k: v for k, v in vars(engine_args).items() if k not in ("model", "speculative_config")}
     plain = LLM(loaded=loaded, **base)
     spec = LLM(loaded=loaded, speculative_config=spec_config, **base)

@@ -48,6 +48,29 @@ def context_length_error(max_model_len: int, num_prompt: int, max_tokens: int) -
     )
 
 
+def load_engine_model(args: EngineArgs) -> LoadedModel:
+    """The model as an engine built from `args` runs it: loaded, and quantized as
+    `args.quantization` says ("auto": the per-device plan of cpu_defaults, logged; "none":
+    not at all). Benchmarks that compare engine configurations on one copy of the weights
+    load it once with this and pass it to each engine."""
+    device = args.resolved_device()
+    quantization = None if args.quantization == NONE else args.quantization
+    auto = quantization == AUTO
+    loaded = load_model(
+        args.model, load_format=args.load_format, model_shape=args.model_shape,
+        dtype=args.resolved_dtype(device), device=device, seed=args.seed, tokenizer=args.tokenizer,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        quantization=None if auto else quantization,
+        quantization_config=None if auto else args.quantization_config,
+    )
+    if auto:
+        plan = resolve_auto_quantization(loaded, device)
+        for reason in plan.reasons:
+            logger.info("quantization=auto: %s", reason)
+        apply_plan(loaded, plan)
+    return loaded
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
         """`loaded` lets several engines (e.g. configurations under comparison) share weights."""
@@ -56,20 +79,8 @@ class LLMEngine:
         dtype = args.resolved_dtype(self.device)
         if args.quantization == NONE:
             args = replace(args, quantization=None)
-        auto = args.quantization == AUTO
         if loaded is None:
-            loaded = load_model(
-                args.model, load_format=args.load_format, model_shape=args.model_shape,
-                dtype=dtype, device=self.device, seed=args.seed, tokenizer=args.tokenizer,
-                skip_tokenizer_init=args.skip_tokenizer_init,
-                quantization=None if auto else args.quantization,
-                quantization_config=None if auto else args.quantization_config,
-            )
-            if auto:
-                plan = resolve_auto_quantization(loaded, self.device)
-                for reason in plan.reasons:
-                    logger.info("quantization=auto: %s", reason)
-                apply_plan(loaded, plan)
+            loaded = load_engine_model(args)
         if self.device.type == "cpu":  # after loading: its transients are not kept
             retain_freed_memory()
         if args.max_num_batched_tokens is None:

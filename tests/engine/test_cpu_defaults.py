@@ -202,3 +202,16 @@ def test_serve_defaults_are_auto_and_per_device_chunk():
                                                            "--no-compile-decode"]))
     assert explicit.quantization == "none" and explicit.resolved_max_num_batched_tokens(CPU) == 1024
     assert explicit.compile_decode is False
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none", "int8"])
+def test_benchmarks_load_the_model_as_an_engine_would(smollm2_path, quantization):
+    """load_engine_model (what `bench prefix` and `bench spec-decode` load once for several
+    engines) applies "auto"'s plan and reads "none" as no quantization, as LLMEngine does;
+    before it, those benchmarks passed "auto" to load_model, which rejected it."""
+    from kvserve.engine.llm_engine import load_engine_model
+
+    loaded = load_engine_model(EngineArgs(model=smollm2_path, quantization=quantization))
+    kinds = {type(m).__name__ for m in loaded.model.modules() if isinstance(m, QuantizedLinear)}
+    # auto on this Q4_1 file: int4 linears and an int8 copy of the LM head.
+    assert kinds == {"auto": {"Int4Linear", "Int8Linear"}, "none": set(), "int8": {"Int8Linear"}}[quantization]
