@@ -103,6 +103,8 @@ _TOOLS = [
      "kvserve.benchmarks.quantized_linears", False),
     ("bench", "spec-decode", "W5: batch-1 greedy tok/s with and without speculative decoding.",
      "kvserve.benchmarks.spec_decode", True),
+    ("bench", "prefix", "W4: shared-prefix TTFT and throughput with the prefix cache on and off.",
+     "kvserve.benchmarks.shared_prefix", True),
     ("bench", "serve", "Online serving load test against any OpenAI-compatible server.",
      "kvserve.benchmarks.serve", False),
     ("bench", "cpu-compare", "CPU serving side by side with llama.cpp's llama-server on the same GGUF.",
