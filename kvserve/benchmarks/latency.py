@@ -3,7 +3,9 @@ output tokens by default, greedy, ignore_eos. Reports TTFT and time per output t
 the floor: the bytes a decode step must read (weights once plus the live KV) over the copy
 bandwidth measured on the same device in the same run, and the decode steps' median and
 slowest wall times (a mean TPOT above the median step is a few slow steps; at the median,
-every step slower)."""
+every step slower). With CUDA graphs, also their device time: the last decode step's graph
+replayed back to back (GPU ms) and the median of the graphs as the run replayed them
+(graph p50)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ class LatencyResult:
     # copies, the gaps between them; benchmarks/gpu_decode_timeline.py splits it up), less
     # what the earlier steps' shorter contexts save.
     gpu_step_ms: float | None = None
+    # Median device time of the decode graphs as the run replayed them, one a step (CUDA
+    # events around each replay). At batch 64 on an H100 the served steps' profile showed
+    # ~1.2 ms more GPU work than gpu_step_ms (BENCHMARKS.md, twentieth session).
+    served_graph_ms: float | None = None
     # Wall time of the engine steps from the batch's last first token to its first finish
     # (a token a request each, more with speculative decoding): median, slowest, how many.
     step_ms_median: float | None = None
@@ -54,8 +60,16 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
                              engine.model_config.vocab_size, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     step_ends: list[float] = []  # time.time(), the clock of RequestMetrics
-    outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params,
-                           on_step=lambda: step_ends.append(time.time()))
+    graphs = engine.runner.cuda_graphs
+    if graphs is not None:
+        graphs.replay_events = []
+    try:
+        outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params,
+                               on_step=lambda: step_ends.append(time.time()))
+        served = graphs.served_replay_ms() if graphs is not None else []
+    finally:
+        if graphs is not None:
+            graphs.replay_events = None
     steps = decode_step_times(step_ends, max(o.metrics.first_token_time for o in outputs),
                               min(o.metrics.finished_time for o in outputs))
     ttfts, tpots = [], []
@@ -72,8 +86,10 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
     )
     return LatencyResult(batch_size, input_len, output_len, statistics.median(ttfts) * 1e3,
                          tpot * 1e3, batch_size / tpot, floor * 1e3, floor / tpot,
-                         graph_replay_ms(llm), statistics.median(steps) * 1e3 if steps else None,
-                         max(steps) * 1e3 if steps else None, len(steps))
+                         gpu_step_ms=graph_replay_ms(llm),
+                         served_graph_ms=statistics.median(served) if served else None,
+                         step_ms_median=statistics.median(steps) * 1e3 if steps else None,
+                         step_ms_max=max(steps) * 1e3 if steps else None, decode_steps=len(steps))
 
 
 def decode_step_times(step_ends: list[float], decode_start: float, decode_end: float) -> list[float]:
@@ -114,9 +130,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         _profile_host(llm, args.input_len, args.output_len)
     print(f"\nmeasured copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
     print(f"{'batch':>5s} {'TTFT ms':>9s} {'TPOT ms':>9s} {'out tok/s':>10s} {'floor ms':>9s} "
-          f"{'of floor':>9s} {'GPU ms':>7s} {'step p50':>8s} {'step max':>8s}")
+          f"{'of floor':>9s} {'GPU ms':>7s} {'graph p50':>9s} {'step p50':>8s} {'step max':>8s}")
     for r in results:
         gpu = f"{r.gpu_step_ms:7.2f}" if r.gpu_step_ms is not None else f"{'-':>7s}"
+        gpu += f" {r.served_graph_ms:9.2f}" if r.served_graph_ms is not None else f" {'-':>9s}"
         steps = (f"{r.step_ms_median:8.2f} {r.step_ms_max:8.2f}" if r.step_ms_median is not None
                  else f"{'-':>8s} {'-':>8s}")
         print(f"{r.batch_size:5d} {r.ttft_ms_median:9.1f} {r.tpot_ms_median:9.2f} "

@@ -81,6 +81,9 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int, DecodePlan], DecodeGraph] = {}  # (bucket, width, plan)
         self.num_replays = 0
         self.last_key: tuple[int, int, DecodePlan] | None = None  # the graph the last run replayed
+        # (start, end) CUDA events around each replay while a benchmark times the served
+        # graphs (a list: served_replay_ms); None: replays are not timed.
+        self.replay_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         self.pool = torch.cuda.graph_pool_handle()
         n = self.max_batch
         # Persistent inputs. int64 rows: token ids, positions, KV slots, copied in one go.
@@ -234,13 +237,28 @@ class CudaGraphRunner:
             # Capturing overwrites the persistent inputs with padding: redo the copies after.
             graph = self.graphs[key] = self._capture(*key)
             return self.run(query_tokens, start_positions, block_tables, device_token_ids)
-        graph.graph.replay()
+        if self.replay_events is None:
+            graph.graph.replay()
+        else:
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
+            graph.graph.replay()
+            events[1].record()
+            self.replay_events.append(events)
         self.num_replays += 1
         self.last_key = key
         if all(length == width for length in lengths):
             return graph.logits[: batch * width]
         rows = [i * width + j for i, length in enumerate(lengths) for j in range(length)]
         return graph.logits[torch.tensor(rows, device=self.device)]
+
+    def served_replay_ms(self) -> list[float]:
+        """Device time of each replay timed since replay_events was set to a list, in order:
+        the graphs as steps ran them, between the steps' input copies and sampling."""
+        events = self.replay_events or []
+        if events:
+            events[-1][1].synchronize()
+        return [start.elapsed_time(end) for start, end in events]
 
     @torch.inference_mode()
     def replay_last_ms(self, repeats: int = 50) -> float:
