@@ -11,12 +11,12 @@ import argparse
 import gc
 import json
 import random
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from kvserve.benchmarks.serve_metrics import summarize_ms
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.llm_engine import load_engine_model
 from kvserve.llm import LLM
@@ -47,22 +47,18 @@ def shared_prefix_prompts(num_requests: int, prefix_len: int, question_len: int,
     return [prefix + [rng.randrange(10, vocab_size) for _ in range(question_len)] for _ in range(num_requests)]
 
 
-def _percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1] if len(values) > 1 else values[0]
-
-
 def run_prefix(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[PrefixRunResult, list[list[int]]]:
     """All prompts submitted at once; (the run's numbers, each request's output tokens)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.time()
     outputs: list[RequestOutput] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     wall = max(o.metrics.finished_time for o in outputs) - start
-    ttfts = [(o.metrics.first_token_time - o.metrics.arrival_time) * 1e3 for o in outputs]
+    ttft = summarize_ms([o.metrics.first_token_time - o.metrics.arrival_time for o in outputs])
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(p) for p in prompts)
     result = PrefixRunResult(
-        llm.engine.cache_config.enable_prefix_caching, len(prompts), wall, _percentile(ttfts, 50),
-        _percentile(ttfts, 90), _percentile(ttfts, 99), generated / wall, (generated + prompt_tokens) / wall,
+        llm.engine.cache_config.enable_prefix_caching, len(prompts), wall, ttft["p50"], ttft["p90"], ttft["p99"],
+        generated / wall, (generated + prompt_tokens) / wall,
         sum(o.num_cached_tokens for o in outputs), prompt_tokens,
     )
     return result, [list(o.outputs[0].token_ids) for o in outputs]
