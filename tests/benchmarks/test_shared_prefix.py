@@ -40,9 +40,11 @@ def test_a_run_counts_the_prompt_tokens_the_cache_served() -> None:
 
 
 def test_the_command_runs_both_ways_and_writes_json(tmp_path, capsys) -> None:
+    """A step budget of one 36-token prompt: the first request computes the prefix alone and
+    the other two find it; the warm-up request must not have cached any of it."""
     path = tmp_path / "w4.json"
     assert main(["--log-level", "WARNING", "bench", "prefix", "--load-format", "dummy", "--model-shape",
-                 "smollm2-135m", "--kv-cache-memory", "64MiB", "--max-num-batched-tokens", "40",
+                 "smollm2-135m", "--kv-cache-memory", "64MiB", "--max-num-batched-tokens", "36",
                  "--num-requests", "3", "--prefix-len", "32", "--question-len", "4", "--output-len", "3",
                  "--output-json", str(path)]) == 0
     report = json.loads(path.read_text())
