@@ -27,6 +27,11 @@ CPUs without AMX, see WORKLOADS.md). Measured on the 2-core development machine
   otherwise pick bf16 at one start and fp32 at the next.
 * The dense copies are packed in oneDNN's layout (quantization/cpu_dense.py).
 * Anything else, and every GPU run, keeps the weights in the run dtype.
+* All of the above starts from the fp32 dequantized model and keeps it (or its bf16 copy):
+  about 4.5 bytes a parameter. A GGUF whose fp32 weights would take more than
+  AUTO_DEQUANTIZE_MAX_FRACTION of the memory available at start (an 8B Q4_0 file: 32 GB)
+  runs from its packed blocks instead (quantization=gguf: no fp32 copy; prefill-sized inputs
+  dequantize per call, slower but within memory).
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 NONE = "none"  # explicit "no quantization", e.g. to override serve's auto default
+# The most of the memory available at start that auto's fp32 dequantized weights may take;
+# the rest is for its int4/int8 copies, the KV cache, activations and torch itself.
+AUTO_DEQUANTIZE_MAX_FRACTION = 0.5
 # GGUF block types whose values an int4 group-32 grid with float zero points holds exactly,
 # and those a symmetric int8 group-32 grid does.
 _INT4_EXACT_GGUF_TYPES = {"Q4_0", "Q4_1"}
@@ -140,6 +148,38 @@ def measured_bf16_speedup(in_features: int, out_features: int) -> float:
         logger.warning("could not keep the bf16 probe's result in %s (%s): it is measured again "
                        "at the next start", path, error)
     return speedup
+
+
+def available_memory_bytes() -> int | None:
+    """Memory a new allocation can get without swapping: MemAvailable (Linux, counting
+    reclaimable page cache), else the free physical pages; None where neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gguf_too_large_to_dequantize(path: str) -> str | None:
+    """Why auto should run this GGUF from its packed blocks rather than dequantize it to
+    fp32 (its fp32 weights would take more than AUTO_DEQUANTIZE_MAX_FRACTION of the memory
+    available now), or None."""
+    from kvserve.model_executor.gguf_loader import open_gguf
+
+    fp32_bytes = 4 * sum(int(tensor.n_elements) for tensor in open_gguf(path).tensors)
+    available = available_memory_bytes()
+    if available is None or fp32_bytes <= AUTO_DEQUANTIZE_MAX_FRACTION * available:
+        return None
+    return (f"the dequantized model would take {fp32_bytes / 1e9:.1f} GB in fp32, more than "
+            f"{AUTO_DEQUANTIZE_MAX_FRACTION:.0%} of the {available / 1e9:.1f} GB available: running the "
+            "GGUF's packed blocks instead (quantization=gguf; no fp32 copy, so prefill-sized inputs "
+            "dequantize per call)")
 
 
 def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> AutoPlan:

@@ -14,13 +14,20 @@ import torch
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
-from kvserve.engine.cpu_defaults import AUTO, NONE, apply_plan, resolve_auto_quantization
+from kvserve.engine.cpu_defaults import (
+    AUTO,
+    NONE,
+    apply_plan,
+    gguf_too_large_to_dequantize,
+    resolve_auto_quantization,
+)
 from kvserve.engine.cpu_malloc import retain_freed_memory
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.overlap import InflightStep, can_sample_ahead
 from kvserve.engine.request import Request
 from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.model_executor.default_model import default_model_path
 from kvserve.model_executor.loader import LoadedModel, load_model
 from kvserve.model_executor.model_runner import ModelRunner, kv_cache_bytes_per_block
 from kvserve.outputs import CompletionOutput, GrowingListPrefix, RequestMetrics, RequestOutput
@@ -56,6 +63,12 @@ def load_engine_model(args: EngineArgs) -> LoadedModel:
     device = args.resolved_device()
     quantization = None if args.quantization == NONE else args.quantization
     auto = quantization == AUTO
+    if auto and device.type == "cpu" and args.load_format != "dummy":
+        path = args.model or default_model_path()
+        too_large = gguf_too_large_to_dequantize(path) if path.endswith(".gguf") else None
+        if too_large is not None:
+            logger.warning("quantization=auto: %s", too_large)
+            quantization, auto = "gguf", False
     loaded = load_model(
         args.model, load_format=args.load_format, model_shape=args.model_shape,
         dtype=args.resolved_dtype(device), device=device, seed=args.seed, tokenizer=args.tokenizer,

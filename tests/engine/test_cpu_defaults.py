@@ -215,3 +215,27 @@ def test_benchmarks_load_the_model_as_an_engine_would(smollm2_path, quantization
     kinds = {type(m).__name__ for m in loaded.model.modules() if isinstance(m, QuantizedLinear)}
     # auto on this Q4_1 file: int4 linears and an int8 copy of the LM head.
     assert kinds == {"auto": {"Int4Linear", "Int8Linear"}, "none": set(), "int8": {"Int8Linear"}}[quantization]
+
+
+def test_auto_runs_a_gguf_too_large_to_dequantize_from_its_packed_blocks(smollm2_path, monkeypatch, caplog):
+    """auto keeps the fp32 dequantized model (0.54 GB for SmolLM2's 135M parameters). With
+    1 GB available that is more than half, so it loads the file's packed blocks instead
+    (quantization=gguf: no fp32 copies) and says why; with 2 GB, its usual plan."""
+    import logging
+
+    from kvserve.engine.llm_engine import load_engine_model
+
+    monkeypatch.setattr(cpu_defaults, "available_memory_bytes", lambda: 10**9)
+    with caplog.at_level(logging.WARNING):
+        loaded = load_engine_model(EngineArgs(model=smollm2_path, quantization="auto"))
+    linears = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and all(m.dense_weight is None for m in linears)
+    assert "0.5 GB in fp32" in caplog.text and "running the GGUF's packed blocks" in caplog.text
+    monkeypatch.setattr(cpu_defaults, "available_memory_bytes", lambda: 2 * 10**9)
+    planned = load_engine_model(EngineArgs(model=smollm2_path, quantization="auto"))
+    assert any(m.dense_weight is not None for m in planned.model.modules() if isinstance(m, QuantizedLinear))
+
+
+def test_available_memory_is_read_from_the_system():
+    available = cpu_defaults.available_memory_bytes()
+    assert available is not None and 0 < available < 2**50
