@@ -22,7 +22,8 @@ A fragment from the words it loaded (two nibbles a LOP3, as bf16/fp16 magic + q)
 halves the instructions a weight against the CUDA-core loop and serves 8 rows of x for the
 price of one; 9-32 rows take 2-4 such tiles of x against each fragment, unpacked once
 (mma.int4_mma_kernel). fp8 weights likewise at 2-16 rows (mma.fp8_mma_kernel: e4m3 to
-fp16 by the hardware, x's bf16 pairs to fp16, fp16 MMAs).
+fp16 by the hardware, x's bf16 pairs to fp16, fp16 MMAs) where the GPU is not a Hopper: on
+Hopper, Fp8Linear sends 2-128 rows to the fp8 x fp8 kernel (quantization/fp8_w8a8.py).
 fp8: 4 e4m3 values a load, each byte converted by the hardware (exact); per-channel scales
 apply once at the end, group scales once per tile. Their split-K partials are summed
 inside the kernel, in split order, by the last split to finish: one launch per linear.
