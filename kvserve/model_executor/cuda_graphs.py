@@ -237,14 +237,15 @@ class CudaGraphRunner:
             # Capturing overwrites the persistent inputs with padding: redo the copies after.
             graph = self.graphs[key] = self._capture(*key)
             return self.run(query_tokens, start_positions, block_tables, device_token_ids)
-        if self.replay_events is None:
+        timed = self.replay_events
+        if timed is None:
             graph.graph.replay()
         else:
-            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            events[0].record()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             graph.graph.replay()
-            events[1].record()
-            self.replay_events.append(events)
+            end.record()
+            timed.append((start, end))
         self.num_replays += 1
         self.last_key = key
         if all(length == width for length in lengths):
