@@ -4,6 +4,10 @@ time is what a decode step pays, launch latency included. Every config's output 
 against the default tile's.
 
     python benchmarks/gpu_decode_tile_sweep.py        # BLOCK_N=128,256 picks the key counts
+    CASES=64:192,64:384 SPLITS=1,2 python benchmarks/gpu_decode_tile_sweep.py   # batch:context pairs
+
+SPLITS (default: choose_num_kv_splits' count) also sweeps the KV splits, and the default
+tile compared against is the one the batch gets (batch_tile).
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ import torch
 
 from kvserve.attention.triton_kernels.bench_decode import make_batch
 from kvserve.attention.triton_kernels.paged_attention import (
-    DECODE_TILE,
     TileConfig,
+    batch_tile,
     choose_num_kv_splits,
     paged_attention,
 )
 
 LAYERS = 32
 BLOCK_N = tuple(int(n) for n in os.environ.get("BLOCK_N", "32,64,128").split(","))
+CASES = tuple(tuple(int(v) for v in case.split(":")) for case in os.environ.get("CASES", "1:192,1:1024,8:192").split(","))
+SPLITS = tuple(int(n) for n in os.environ["SPLITS"].split(",")) if os.environ.get("SPLITS") else None
 
 
 def step_us(calls) -> float:
@@ -43,20 +49,21 @@ def step_us(calls) -> float:
 def main() -> None:
     torch.manual_seed(0)
     configs = [TileConfig(16, n, w, s) for n, w, s in itertools.product(BLOCK_N, (2, 4, 8), (1, 2, 3))]
-    for num_seqs, context in ((1, 192), (1, 1024), (8, 192)):
+    for num_seqs, context in CASES:
         layers = [make_batch(num_seqs, context, 1) for _ in range(LAYERS)]
         outputs = [torch.empty_like(q) for q, *_ in layers]
         scale = layers[0][0].shape[-1] ** -0.5
         splits = choose_num_kv_splits(layers[0][4], layers[0][3].shape[3], torch.device("cuda"))  # as for the default tile
+        default_tile = batch_tile(layers[0][4], layers[0][0].dtype, None)
         reference = []
         for (q, _, _, cache, metadata), out in zip(layers, outputs):
-            paged_attention(q, cache, metadata, scale, out, splits, tile=DECODE_TILE)
+            paged_attention(q, cache, metadata, scale, out, splits, tile=default_tile)
             reference.append(out.clone())
         results = []
-        for tile in configs:
-            def calls(tile=tile):
+        for tile, tile_splits in itertools.product(configs + [default_tile], SPLITS or (splits,)):
+            def calls(tile=tile, tile_splits=tile_splits):
                 for (q, _, _, cache, metadata), out in zip(layers, outputs):
-                    paged_attention(q, cache, metadata, scale, out, splits, tile=tile)
+                    paged_attention(q, cache, metadata, scale, out, tile_splits, tile=tile)
             try:
                 calls()
                 torch.cuda.synchronize()
@@ -64,14 +71,14 @@ def main() -> None:
                 print(f"  {tile}: {type(error).__name__}", flush=True)
                 continue
             worst = max((out.float() - ref.float()).abs().max().item() for out, ref in zip(outputs, reference))
-            results.append((step_us(calls), tile, worst))
+            results.append((step_us(calls), tile, tile_splits, worst))
         results.sort(key=lambda r: r[0])
-        default = next(us for us, tile, _ in results if tile == DECODE_TILE)
-        print(f"batch {num_seqs}, context {context}, {splits} KV splits: default {DECODE_TILE} {default:.1f} us a step "
-              f"({default / LAYERS:.2f} us a layer)", flush=True)
-        for us, tile, worst in results[:6]:
-            print(f"  {us:7.1f} us  block_n {tile.block_n:3d} warps {tile.num_warps} stages {tile.num_stages}"
-                  f"  max |diff| vs default {worst:.1e}", flush=True)
+        default = next(us for us, tile, tile_splits, _ in results if tile == default_tile and tile_splits == splits)
+        print(f"batch {num_seqs}, context {context}, {splits} KV splits: default {default_tile} {default:.1f} us a "
+              f"step ({default / LAYERS:.2f} us a layer)", flush=True)
+        for us, tile, tile_splits, worst in results[:8]:
+            print(f"  {us:7.1f} us  block_n {tile.block_n:3d} warps {tile.num_warps} stages {tile.num_stages} "
+                  f"splits {tile_splits}  max |diff| vs default {worst:.1e}", flush=True)
 
 
 if __name__ == "__main__":

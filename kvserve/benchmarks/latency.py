@@ -3,9 +3,9 @@ output tokens by default, greedy, ignore_eos. Reports TTFT and time per output t
 the floor: the bytes a decode step must read (weights once plus the live KV) over the copy
 bandwidth measured on the same device in the same run, and the decode steps' median and
 slowest wall times (a mean TPOT above the median step is a few slow steps; at the median,
-every step slower). With CUDA graphs, also their device time: the last decode step's graph
-replayed back to back (GPU ms) and the median of the graphs as the run replayed them
-(graph p50)."""
+every step slower). With CUDA graphs, also their device time: the graph the run replayed
+most (the whole batch's) replayed back to back (GPU ms) and the median of the graphs as the
+run replayed them (graph p50)."""
 
 from __future__ import annotations
 
@@ -37,14 +37,15 @@ class LatencyResult:
     output_tok_s: float  # batch_size / TPOT
     floor_ms: float  # at the mean context length of the decode phase
     fraction_of_floor: float  # floor / measured; 1.0 would be at the floor
-    # Device time of the last decode step's CUDA graph alone (replayed back to back), when
-    # graphs are in use. TPOT minus this is what runs between graphs (sampling, the input
-    # copies, the gaps between them; benchmarks/gpu_decode_timeline.py splits it up), less
-    # what the earlier steps' shorter contexts save.
+    # Device time of the decode graph the run replayed most (the whole batch's: with its
+    # prefill split over several steps, a batch's last steps run fewer sequences), alone and
+    # replayed back to back, when graphs are in use. TPOT minus this is what runs between
+    # graphs (sampling, the input copies, the gaps between them;
+    # benchmarks/gpu_decode_timeline.py splits it up), less what the earlier steps' shorter
+    # contexts save.
     gpu_step_ms: float | None = None
     # Median device time of the decode graphs as the run replayed them, one a step (CUDA
-    # events around each replay). At batch 64 on an H100 the served steps' profile showed
-    # ~1.2 ms more GPU work than gpu_step_ms (BENCHMARKS.md, twentieth session).
+    # events around each replay).
     served_graph_ms: float | None = None
     # Wall time of the engine steps from the batch's last first token to its first finish
     # (a token a request each, more with speculative decoding): median, slowest, how many.
@@ -63,10 +64,13 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
     graphs = engine.runner.cuda_graphs
     if graphs is not None:
         graphs.replay_events = []
+        replays_before = graphs.replays.copy()
     try:
         outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params,
                                on_step=lambda: step_ends.append(time.time()))
         served = graphs.served_replay_ms() if graphs is not None else []
+        gpu_step_ms = graphs.replay_ms((graphs.replays - replays_before).most_common(1)[0][0]) \
+            if graphs is not None and graphs.replays != replays_before else None
     finally:
         if graphs is not None:
             graphs.replay_events = None
@@ -86,7 +90,7 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
     )
     return LatencyResult(batch_size, input_len, output_len, statistics.median(ttfts) * 1e3,
                          tpot * 1e3, batch_size / tpot, floor * 1e3, floor / tpot,
-                         gpu_step_ms=graph_replay_ms(llm),
+                         gpu_step_ms=gpu_step_ms,
                          served_graph_ms=statistics.median(served) if served else None,
                          step_ms_median=statistics.median(steps) * 1e3 if steps else None,
                          step_ms_max=max(steps) * 1e3 if steps else None, decode_steps=len(steps))
@@ -98,12 +102,6 @@ def decode_step_times(step_ends: list[float], decode_start: float, decode_end: f
     first = next(i for i, t in enumerate(step_ends) if t >= decode_start)
     last = next(i for i, t in enumerate(step_ends) if t >= decode_end)
     return [b - a for a, b in zip(step_ends[first:last], step_ends[first + 1:last + 1])]
-
-
-def graph_replay_ms(llm: LLM) -> float | None:
-    """The last decode step's graph (its batch, its attention plan) replayed back to back."""
-    graphs = llm.engine.runner.cuda_graphs
-    return None if graphs is None or graphs.last_key is None else graphs.replay_last_ms()
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

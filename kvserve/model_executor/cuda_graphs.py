@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 
@@ -79,7 +80,7 @@ class CudaGraphRunner:
         self.kv_cache_dtype = kv_caches[0].dtype
         self.max_width = max_width
         self.graphs: dict[tuple[int, int, DecodePlan], DecodeGraph] = {}  # (bucket, width, plan)
-        self.num_replays = 0
+        self.replays: Counter[tuple[int, int, DecodePlan]] = Counter()  # replays of each graph
         self.last_key: tuple[int, int, DecodePlan] | None = None  # the graph the last run replayed
         # (start, end) CUDA events around each replay while a benchmark times the served
         # graphs (a list: served_replay_ms); None: replays are not timed.
@@ -246,12 +247,16 @@ class CudaGraphRunner:
             graph.graph.replay()
             end.record()
             timed.append((start, end))
-        self.num_replays += 1
+        self.replays[key] += 1
         self.last_key = key
         if all(length == width for length in lengths):
             return graph.logits[: batch * width]
         rows = [i * width + j for i, length in enumerate(lengths) for j in range(length)]
         return graph.logits[torch.tensor(rows, device=self.device)]
+
+    @property
+    def num_replays(self) -> int:
+        return self.replays.total()
 
     def served_replay_ms(self) -> list[float]:
         """Device time of each replay timed since replay_events was set to a list, in order:
@@ -265,7 +270,13 @@ class CudaGraphRunner:
     def replay_last_ms(self, repeats: int = 50) -> float:
         """Device time of the graph the last run replayed, on the same inputs (it rewrites
         the same KV slots with the same values), replayed back to back."""
-        return _replay_time_ms(self.graphs[self.last_key].graph, repeats)
+        return self.replay_ms(self.last_key, repeats)
+
+    @torch.inference_mode()
+    def replay_ms(self, key: tuple[int, int, DecodePlan], repeats: int = 50) -> float:
+        """replay_last_ms for the graph of `key` (its inputs as the last run of any graph
+        left them)."""
+        return _replay_time_ms(self.graphs[key].graph, repeats)
 
 
 def _replay_time_ms(graph: torch.cuda.CUDAGraph, repeats: int) -> float:

@@ -232,15 +232,20 @@ def test_overlap_scheduling_equals_one_step_at_a_time(save_hf_model, eager):
 def test_latency_times_each_served_decode_graph():
     """bench latency's served-graph timing: one (start, end) event pair per graph replay of
     the run, each a positive device time no longer than the wall time of a step, and the
-    runner back to untimed replays afterwards."""
+    runner back to untimed replays afterwards. With the prefill split over steps (8 prompts
+    of 24 tokens, 64 a step) the last steps run fewer sequences: "GPU ms" replays the whole
+    batch's graph, not the last one."""
     from kvserve.benchmarks.latency import run_latency
 
-    llm = LLM(load_format="dummy", model_shape="smollm2-135m", device="cuda", gpu_memory_utilization=0.3)
+    llm = LLM(load_format="dummy", model_shape="smollm2-135m", device="cuda", gpu_memory_utilization=0.3,
+              max_num_batched_tokens=64)
     graphs = llm.engine.runner.cuda_graphs
     replays = graphs.num_replays
-    result = run_latency(llm, batch_size=2, input_len=24, output_len=12, bandwidth=1e12)
+    result = run_latency(llm, batch_size=8, input_len=24, output_len=12, bandwidth=1e12)
     assert graphs.replay_events is None and graphs.num_replays > replays
     assert result.served_graph_ms is not None and 0 < result.served_graph_ms <= result.step_ms_max
+    assert graphs.last_key[0] < 8 and graphs.replays.most_common(1)[0][0][0] == 8
+    assert result.gpu_step_ms is not None and 0 < result.gpu_step_ms
     del llm
     gc.collect()
     torch.cuda.empty_cache()
