@@ -8,6 +8,8 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.triton_kernels.paged_attention import (
     SHORT_DECODE_TILE,
+    WIDE_SHORT_BATCH,
+    WIDE_SHORT_CONTEXT,
     DecodePlan,
     choose_decode_plan,
     choose_num_kv_splits,
@@ -52,3 +54,18 @@ def test_other_batches_keep_the_default_tile_and_split_rule(seq_lens, num_kv_hea
     metadata = _metadata(seq_lens, query_len)
     plan = choose_decode_plan(metadata, num_kv_heads, dtype, CPU)
     assert plan == DecodePlan(choose_num_kv_splits(metadata, num_kv_heads, CPU))
+
+
+def test_wide_short_decodes_take_the_short_tile_unsplit() -> None:
+    """64 or more sequences over at most 384 keys and a 16-bit cache: the 32-key tile, one
+    split; fewer sequences, a longer context, a float8 or fp32 cache or a verify step keep the
+    default."""
+    short = [WIDE_SHORT_CONTEXT - 3 * i for i in range(WIDE_SHORT_BATCH)]
+    for dtype in (torch.bfloat16, torch.float16):
+        assert choose_decode_plan(_metadata(short), 8, dtype, CPU) == DecodePlan(1, SHORT_DECODE_TILE)
+        assert choose_decode_plan(_metadata(short + [9] * 100), 8, dtype, CPU) == DecodePlan(1, SHORT_DECODE_TILE)
+    for seq_lens, dtype, query_len in [(short[1:], torch.bfloat16, 1), (short + [WIDE_SHORT_CONTEXT + 1], torch.bfloat16, 1),
+                                       (short, torch.float8_e4m3fn, 1), (short, torch.float32, 1),
+                                       (short, torch.bfloat16, 3)]:
+        metadata = _metadata(seq_lens, query_len)
+        assert choose_decode_plan(metadata, 8, dtype, CPU) == DecodePlan(choose_num_kv_splits(metadata, 8, CPU))

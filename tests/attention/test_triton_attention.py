@@ -201,6 +201,8 @@ SMALL_CASES = [
     Case("decode", SMALL_SCENARIOS["decode"], 4, 1, 128, torch.bfloat16, num_kv_splits=3, rotary=True),
     Case("decode", SMALL_SCENARIOS["decode"], 8, 2, 64, torch.float32, rotary=True),
     Case("decode_wide", tuple((5 + 3 * i, 1) for i in range(16)), 8, 2, 64, torch.bfloat16, rotary=True),
+    # 64 sequences of at most 384 keys: the 32-key tile unsplit, rotating and writing inside.
+    Case("decode_many", tuple((1 + 37 * i % 90, 1) for i in range(64)), 4, 1, 64, torch.bfloat16, rotary=True),
     Case("mixed", SMALL_SCENARIOS["mixed"], 8, 2, 64, torch.bfloat16, rotary=True),
     Case("prefill_prefix", SMALL_SCENARIOS["prefill_prefix"], 7, 1, 64, torch.float16, rotary=True),
     Case("decode", SMALL_SCENARIOS["decode"], 8, 2, 64, torch.bfloat16, rotary=True, qk_views=False),
@@ -220,10 +222,12 @@ def test_rotary_cases_take_both_paths() -> None:
             plan = (DecodePlan(case.num_kv_splits) if case.num_kv_splits is not None
                     else choose_decode_plan(metadata, case.num_kv_heads, kv_cache.dtype, torch.device("cpu")))
             fused[case.id] = fuses_new_kv(metadata, plan.tile, query.dtype, kv_cache.dtype)
-    # The 16-bit "decode" cases (4 sequences) on the short plan fuse; forced splits (the 256-key
-    # tile), decode_wide (32 programs), mixed, prefill and fp32 batches do not.
-    assert fused == {id: id.startswith("decode-") and "float32" not in id and "splits" not in id for id in fused}
-    assert sum(fused.values()) == 5 and len(fused) == 11
+    # The 16-bit "decode" cases (4 sequences) and decode_many (64) on the short plan fuse;
+    # forced splits (the 256-key tile), decode_wide (32 programs), mixed, prefill and fp32
+    # batches do not.
+    assert fused == {id: id.startswith(("decode-", "decode_many-")) and "float32" not in id and "splits" not in id
+                     for id in fused}
+    assert sum(fused.values()) == 6 and len(fused) == 12
 
 
 def run_small_cases() -> None:
@@ -280,6 +284,8 @@ GPU_SCENARIOS: dict[str, tuple[tuple[tuple[int, int], ...], int, int | None]] = 
     # wherever the cache is not fp32 and there are at most 16 (sequence, KV head) programs.
     "decode_short": (((1000, 1),), 16, None),
     "decode_short_pair": (((700, 1), (40, 1)), 16, None),
+    # 64 sequences of at most 384 keys (16-bit caches: the 32-key tile unsplit).
+    "decode_many_short": (_random_seqs(4, 64, 384, lambda r: 1), 16, None),
     "verify_split": (((5000, 5), (17, 5), (3, 3), (1203, 2)), 16, 7),
     "prefill": (((300, 300), (1, 1), (77, 77), (513, 513)), 16, None),
     "prefill_prefix": (((1500, 200), (700, 2), (64, 63), (2100, 129)), 16, None),

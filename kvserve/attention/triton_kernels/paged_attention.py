@@ -299,6 +299,15 @@ SHORT_DECODE_TILE = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1
 SHORT_PROGRAMS = 16
 SHORT_CONTEXT = 1024
 MAX_SHORT_SPLITS = 16
+# Decode batches of WIDE_SHORT_BATCH sequences or more over at most WIDE_SHORT_CONTEXT keys
+# and a 16-bit cache: the 32-key tile unsplit (their programs fill the GPU several times),
+# which also takes the step's RoPE and KV write (fuses_new_kv). H100, llama3-8b: the
+# attention alone, 32 layers in one graph, against WIDE_DECODE_TILE: batch 64 at 192 keys
+# 26.6 -> 22.9 us a layer, 384 keys 42.1 -> 41.0, and at 640 keys (batch 256) no faster; W2
+# (128-384 keys) graph p50 at batch 64 fp8 5.40 -> 5.25 ms, bf16 7.29 -> 7.20, but at batch
+# 16 (128 programs, under one wave) 4.22 -> 4.36 and 6.59 -> 6.67 (BENCHMARKS.md).
+WIDE_SHORT_BATCH = 64
+WIDE_SHORT_CONTEXT = 384
 PREFILL_TILE = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 MAX_KV_SPLITS = 64
 KV_SPLIT_WAVES = 4
@@ -374,6 +383,9 @@ def choose_decode_plan(metadata: AttentionMetadata, num_kv_heads: int, kv_cache_
     if (metadata.max_query_len == 1 and metadata.num_seqs * num_kv_heads <= SHORT_PROGRAMS
             and _short_plan_serves(kv_cache_dtype) and 1 < tiles and metadata.max_seq_len <= SHORT_CONTEXT):
         return DecodePlan(min(triton.next_power_of_2(tiles), MAX_SHORT_SPLITS), SHORT_DECODE_TILE)
+    if (metadata.max_query_len == 1 and metadata.num_seqs >= WIDE_SHORT_BATCH and kv_cache_dtype.itemsize == 2
+            and metadata.max_seq_len <= WIDE_SHORT_CONTEXT):
+        return DecodePlan(1, SHORT_DECODE_TILE)
     return DecodePlan(choose_num_kv_splits(metadata, num_kv_heads, device))
 
 
