@@ -10,23 +10,13 @@ kernel name.
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from gpu_step_kernels import kernel_totals, print_kernel_diff  # benchmarks/ is the script's directory
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
-
-
-def _totals(prof) -> dict[str, list[float]]:
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals[event.name[:80]]
-            entry[0] += 1
-            entry[1] += event.device_time_total
-    return totals
 
 
 def _served(llm: LLM, prompts: list[dict], max_tokens: int) -> dict[str, list[float]]:
@@ -34,7 +24,7 @@ def _served(llm: LLM, prompts: list[dict], max_tokens: int) -> dict[str, list[fl
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         torch.cuda.synchronize()
-    return _totals(prof)
+    return kernel_totals(prof)
 
 
 def _print_replay_forms(graph: torch.cuda.CUDAGraph, repeats: int) -> None:
@@ -96,19 +86,12 @@ def main() -> None:
         for _ in range(args.steps):
             graph.replay()
         torch.cuda.synchronize()
-    replayed = _totals(prof)
+    replayed = kernel_totals(prof)
     steps = args.steps
     _print_replay_forms(graph, steps)
     print(f"{args.quantization or 'bf16'}, batch {args.batch}, graph {graphs.last_key}: us a step "
           f"(served: {steps} decode steps; replayed: the last graph {steps} times)")
-    print(f"{'served':>9} {'replayed':>9} {'diff':>8} {'calls':>6}  kernel")
-    names = sorted(set(served) | set(replayed), key=lambda n: -(served[n][1] - replayed[n][1]))
-    for name in names:
-        s, r = served[name][1] / steps, replayed[name][1] / steps
-        if max(s, r) >= 2.0:
-            print(f"{s:9.1f} {r:9.1f} {s - r:8.1f} {served[name][0] / steps:6.1f}  {name}")
-    print(f"{sum(v[1] for v in served.values()) / steps:9.1f} {sum(v[1] for v in replayed.values()) / steps:9.1f}"
-          "          all kernels")
+    print_kernel_diff(("replayed", "served"), replayed, served, steps)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,11 @@ def kernel_times(llm: LLM, prompt: list[dict], params: SamplingParams | list[Sam
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompt, params)
         torch.cuda.synchronize()
+    return kernel_totals(prof)
+
+
+def kernel_totals(prof: profile) -> dict[str, list[float]]:
+    """A finished profile's device work: name -> [calls, total microseconds]."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -59,6 +64,20 @@ def kernel_times(llm: LLM, prompt: list[dict], params: SamplingParams | list[Sam
             entry[0] += 1
             entry[1] += event.device_time_total
     return totals
+
+
+def print_kernel_diff(labels: tuple[str, str], left: dict[str, list[float]], right: dict[str, list[float]],
+                      per: int, min_us: float = 2.0) -> None:
+    """Two kernel_totals side by side in us per `per` (steps, replays), the kernels whose
+    time grew most first (right minus left), with the right side's calls each."""
+    print(f"{labels[0]:>9} {labels[1]:>9} {'diff':>8} {'calls':>6}  kernel")
+    empty = [0, 0.0]
+    for name in sorted(set(left) | set(right), key=lambda n: -(right.get(n, empty)[1] - left.get(n, empty)[1])):
+        a, b = left.get(name, empty)[1] / per, right.get(name, empty)[1] / per
+        if max(a, b) >= min_us:
+            print(f"{a:9.1f} {b:9.1f} {b - a:8.1f} {right.get(name, empty)[0] / per:6.1f}  {name}")
+    print(f"{sum(v[1] for v in left.values()) / per:9.1f} {sum(v[1] for v in right.values()) / per:9.1f}"
+          "                 all kernels")
 
 if __name__ == "__main__":
     main()

@@ -9,26 +9,22 @@ llama3-8b dummy weights.
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from gpu_step_kernels import kernel_totals, print_kernel_diff  # benchmarks/ is the script's directory
 from kvserve.llm import LLM
 
 
-def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int) -> dict[str, float]:
-    """us a replay by kernel name."""
+def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int) -> dict[str, list[float]]:
+    """kernel_totals of `replays` replays of the graph."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    totals: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name[:80]] += event.device_time_total / replays
-    return totals
+    return kernel_totals(prof)
 
 
 @torch.inference_mode()
@@ -50,13 +46,7 @@ def main() -> None:
         kernels.append(graph_kernels(graphs.graphs[graphs.last_key].graph, args.replays))
     plain, verify = kernels
     print(f"{args.quantization or 'bf16'}: us a step by kernel, plain decode (1 token) and verify (1 + {args.k})")
-    print(f"{'plain':>8} {'verify':>8} {'diff':>8}  kernel")
-    for name in sorted(set(plain) | set(verify), key=lambda n: -(verify.get(n, 0) - plain.get(n, 0))):
-        p, v = plain.get(name, 0.0), verify.get(name, 0.0)
-        if max(p, v) >= 3.0:
-            print(f"{p:8.1f} {v:8.1f} {v - p:8.1f}  {name}")
-    print(f"{sum(plain.values()):8.1f} {sum(verify.values()):8.1f} {sum(verify.values()) - sum(plain.values()):8.1f}"
-          "  all kernels")
+    print_kernel_diff(("plain", "verify"), plain, verify, args.replays)
 
 
 if __name__ == "__main__":
