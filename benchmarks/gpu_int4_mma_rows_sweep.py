@@ -1,0 +1,86 @@
+"""int4-g128 linears at 9-16 decode rows (two 8-row tiles of x on mma.sync): launch configs
+of the mma kernel against the default (configs.INT4_DECODE_CONFIGS), llama3-8b's four
+linears, each call on its own weight copy (8 copies, more bytes than L2), 32 calls (a step's
+layers) captured in one CUDA graph; outputs checked against the fp64 product of the
+dequantized weights. GPU only:
+python benchmarks/gpu_int4_mma_rows_sweep.py [--rows 8,9,16]"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from kvserve.quantization.int4 import _pack_nibbles, dequantize_int4, quantize_int4
+from kvserve.quantization.weight_only import LaunchConfig, default_config, weight_only_matmul
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LAYERS = 32
+COPIES = 8
+REPLAYS = 10
+# block_n = 16 x row tiles x warps; all rows in one program (block_m 16: two x tiles).
+CONFIGS = [LaunchConfig(16, 16 * row_tiles * warps, 256, num_warps=warps, num_stages=1, waves=waves, words="mma")
+           for row_tiles, warps, waves in itertools.product((1, 2, 4), (2, 4), (1, 2, 4))]
+
+
+def graph_us(calls) -> float:
+    """us a call of `calls` captured in one CUDA graph."""
+    for call in calls:
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / REPLAYS / len(calls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="8,9,16", help="Comma-separated row counts.")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    layers = {}
+    for name, (n, k) in SHAPES.items():
+        q, scale, minimum = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, 128)
+        scale, minimum = scale.half(), minimum.half()
+        packed = _pack_nibbles(q).view(n, k // 2)
+        layers[name] = ([(packed.clone(), scale.clone(), minimum.clone()) for _ in range(COPIES)],
+                        dequantize_int4(q, scale.float(), minimum.float()).double())
+    print(torch.cuda.get_device_name(), "| us a call; step = 32 layers x 4 linears, ms")
+    for m in (int(r) for r in args.rows.split(",")):
+        default_step, per_config = 0.0, [0.0] * len(CONFIGS)
+        for name, (copies, weight) in layers.items():
+            x = torch.randn(m, weight.shape[1], device="cuda", dtype=torch.bfloat16)
+            ref = x.double() @ weight.t()
+            rounds = copies * (LAYERS // COPIES)
+            default = graph_us([lambda c=c: weight_only_matmul(x, *c, 128, four_bit=True) for c in rounds])
+            default_step += default
+            results = []
+            for i, config in enumerate(CONFIGS):
+                y = weight_only_matmul(x, *copies[0], 128, four_bit=True, config=config)
+                assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2, (name, m, config)
+                t = graph_us([lambda c=c, config=config: weight_only_matmul(x, *c, 128, four_bit=True, config=config)
+                              for c in rounds])
+                per_config[i] += t
+                results.append((t, config))
+            results.sort(key=lambda r: r[0])
+            t, best = results[0]
+            print(f"rows {m:2d} {name:8s} default {default:6.1f} us | best {t:6.1f} (block_n {best.block_n} "
+                  f"warps {best.num_warps} waves {best.waves})", flush=True)
+        i = min(range(len(CONFIGS)), key=per_config.__getitem__)
+        c = CONFIGS[i]
+        print(f"rows {m:2d} step: default {default_step * LAYERS / 1e3:.2f} ms ({default_config(m, True, False)}), "
+              f"best single config {per_config[i] * LAYERS / 1e3:.2f} (block_n {c.block_n} warps {c.num_warps} "
+              f"waves {c.waves})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
