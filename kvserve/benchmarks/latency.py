@@ -13,7 +13,9 @@ import argparse
 import json
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from kvserve.benchmarks.roofline import (
     copy_bandwidth,
@@ -25,6 +27,9 @@ from kvserve.benchmarks.throughput import make_requests
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.model_executor.cuda_graphs import CudaGraphRunner
 
 
 @dataclass
@@ -69,8 +74,7 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
         outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params,
                                on_step=lambda: step_ends.append(time.time()))
         served = graphs.served_replay_ms() if graphs is not None else []
-        gpu_step_ms = graphs.replay_ms((graphs.replays - replays_before).most_common(1)[0][0]) \
-            if graphs is not None and graphs.replays != replays_before else None
+        gpu_step_ms = _most_replayed_ms(graphs, replays_before) if graphs is not None else None
     finally:
         if graphs is not None:
             graphs.replay_events = None
@@ -102,6 +106,13 @@ def decode_step_times(step_ends: list[float], decode_start: float, decode_end: f
     first = next(i for i, t in enumerate(step_ends) if t >= decode_start)
     last = next(i for i, t in enumerate(step_ends) if t >= decode_end)
     return [b - a for a, b in zip(step_ends[first:last], step_ends[first + 1:last + 1])]
+
+
+def _most_replayed_ms(graphs: CudaGraphRunner, replays_before: Counter) -> float | None:
+    """The device time of the graph replayed most since `replays_before` (the runner's replay
+    counts then), replayed back to back; None if none was."""
+    replayed = graphs.replays - replays_before
+    return graphs.replay_ms(replayed.most_common(1)[0][0]) if replayed else None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

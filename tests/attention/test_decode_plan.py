@@ -64,7 +64,8 @@ def test_wide_short_decodes_take_the_short_tile_unsplit() -> None:
     for dtype in (torch.bfloat16, torch.float16):
         assert choose_decode_plan(_metadata(short), 8, dtype, CPU) == DecodePlan(1, SHORT_DECODE_TILE)
         assert choose_decode_plan(_metadata(short + [9] * 100), 8, dtype, CPU) == DecodePlan(1, SHORT_DECODE_TILE)
-    for seq_lens, dtype, query_len in [(short[1:], torch.bfloat16, 1), (short + [WIDE_SHORT_CONTEXT + 1], torch.bfloat16, 1),
+    longer = short + [WIDE_SHORT_CONTEXT + 1]
+    for seq_lens, dtype, query_len in [(short[1:], torch.bfloat16, 1), (longer, torch.bfloat16, 1),
                                        (short, torch.float8_e4m3fn, 1), (short, torch.float32, 1),
                                        (short, torch.bfloat16, 3)]:
         metadata = _metadata(seq_lens, query_len)

@@ -304,8 +304,9 @@ MAX_SHORT_SPLITS = 16
 # which also takes the step's RoPE and KV write (fuses_new_kv). H100, llama3-8b: the
 # attention alone, 32 layers in one graph, against WIDE_DECODE_TILE: batch 64 at 192 keys
 # 26.6 -> 22.9 us a layer, 384 keys 42.1 -> 41.0, and at 640 keys (batch 256) no faster; W2
-# (128-384 keys) graph p50 at batch 64 fp8 5.40 -> 5.25 ms, bf16 7.29 -> 7.20, but at batch
-# 16 (128 programs, under one wave) 4.22 -> 4.36 and 6.59 -> 6.67 (BENCHMARKS.md).
+# (128-384 keys) graph p50 at batch 64, two rounds: fp8 5.38 -> 5.28 ms, bf16 7.28-7.35 ->
+# 7.18-7.20; at batch 16 (128 programs, under one wave) slower: 4.22 -> 4.36, 6.59 -> 6.67;
+# with 256 keys as the limit batch 64 gained less (BENCHMARKS.md).
 WIDE_SHORT_BATCH = 64
 WIDE_SHORT_CONTEXT = 384
 PREFILL_TILE = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
