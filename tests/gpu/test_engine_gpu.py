@@ -249,3 +249,51 @@ def test_latency_times_each_served_decode_graph():
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_wide_short_decode_plan_scores_like_the_wide_tile(save_hf_model, monkeypatch):
+    """64 sequences over at most 384 keys (bf16 cache) decode on the 32-key tile unsplit, with
+    RoPE and the KV write inside the attention (choose_decode_plan). Each run's decode
+    logprobs are scored against the teacher-forced logprobs of the tokens it chose (prefill
+    rows, never the decode plans): the new plan's run is as close as the wide tile's."""
+    from kvserve.attention.triton_kernels import paged_attention
+    from kvserve.attention.triton_kernels.paged_attention import SHORT_DECODE_TILE
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    model_dir = save_hf_model(LlamaForCausalLM(config).to(torch.bfloat16))
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (20 + 5 * i,), generator=generator).tolist() for i in range(64)]
+    batch_size = paged_attention.WIDE_SHORT_BATCH
+
+    def decode(short_tile: bool) -> list[tuple[list[int], list[float]]]:
+        monkeypatch.setattr(paged_attention, "WIDE_SHORT_BATCH", batch_size if short_tile else 10**9)
+        llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", max_num_seqs=64, gpu_memory_utilization=0.3)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0))
+        graphs = llm.engine.runner.cuda_graphs
+        took_short = any(bucket == 64 and plan == paged_attention.DecodePlan(1, SHORT_DECODE_TILE)
+                         for bucket, _, plan in graphs.replays)
+        assert took_short == short_tile
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return [(o.outputs[0].token_ids, [entry[t] for t, entry in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                for o in outputs]
+
+    runs = {short: decode(short) for short in (True, False)}
+    reference = LLM(model=model_dir, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+    def error(run) -> float:
+        scored = reference.generate([{"prompt_token_ids": prompt + tokens} for prompt, (tokens, _) in zip(prompts, run)],
+                                    params)
+        diffs = []
+        for prompt, (tokens, logprobs), out in zip(prompts, run, scored, strict=True):
+            forced = [entry[t] for t, entry in zip(out.prompt_token_ids[len(prompt):], out.prompt_logprobs[len(prompt):])]
+            diffs += [abs(a - b) for a, b in zip(logprobs, forced, strict=True)]
+        return sum(diffs) / len(diffs)
+
+    short_error, wide_error = error(runs[True]), error(runs[False])
+    print(f"mean |decode logprob - teacher-forced|: 32-key tile {short_error:.4f}, wide tile {wide_error:.4f}")
+    assert short_error <= 2 * wide_error + 2e-3
