@@ -1,8 +1,8 @@
 """int4-g128 linears at 9-16 decode rows (two 8-row tiles of x on mma.sync): launch configs
 of the mma kernel against the default (configs.INT4_DECODE_CONFIGS), llama3-8b's four
 linears, each call on its own weight copy (8 copies, more bytes than L2), 32 calls (a step's
-layers) captured in one CUDA graph; outputs checked against the fp64 product of the
-dequantized weights. GPU only:
+layers) captured in one CUDA graph (gpu_one_row_configs.graph_us); outputs checked against
+the fp64 product of the dequantized weights. GPU only:
 python benchmarks/gpu_int4_mma_rows_sweep.py [--rows 9,12,16]"""
 
 from __future__ import annotations
@@ -12,34 +12,16 @@ import itertools
 
 import torch
 
+from gpu_one_row_configs import graph_us  # benchmarks/ is the script's directory
 from kvserve.quantization.int4 import _pack_nibbles, dequantize_int4, quantize_int4
 from kvserve.quantization.weight_only import LaunchConfig, default_config, weight_only_matmul
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32
 COPIES = 8
-REPLAYS = 10
 # block_n = 16 x row tiles x warps; all rows in one program (block_m 16: two x tiles).
 CONFIGS = [LaunchConfig(16, 16 * row_tiles * warps, 256, num_warps=warps, num_stages=1, waves=waves, words="mma")
            for row_tiles, warps, waves in itertools.product((1, 2, 4), (2, 4), (1, 2, 4))]
-
-
-def graph_us(calls) -> float:
-    """us a call of `calls` captured in one CUDA graph."""
-    for call in calls:
-        call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / REPLAYS / len(calls)
 
 
 def main() -> None:
