@@ -13,7 +13,6 @@ import argparse
 import json
 import statistics
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +28,8 @@ from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from collections import Counter
+
     from kvserve.model_executor.cuda_graphs import CudaGraphRunner
 
 
