@@ -479,7 +479,7 @@ GPU_KINDS = ("int8", "group_int8", "int4", "fp8", "fp8_group")
 # llama3-8b's linears (gate/up fused as kvserve runs them), and odd ones (K % 128 != 0).
 GPU_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096), (14336, 4096),
               (4000, 4160), (37, 96)]
-GPU_ROWS = (1, 3, 8, 16, 24, 33, 64, 65, 200)
+GPU_ROWS = (1, 3, 8, 12, 16, 24, 33, 64, 65, 200)
 
 
 @pytest.mark.gpu
@@ -581,7 +581,7 @@ def test_gpu_int4_mma_kernel_matches_reference(dtype) -> None:
     cases = [(m, 200, 512, 128, True, 128, 4) for m in (*range(1, 10), 15, 16, 17, 31, 32)] + [
         (8, 96, 1024, 256, False, 128, 4), (5, 1000, 2048, 2048, True, 256, 8), (2, 37, 256, 128, True, 64, 2),
         (1, 4096, 4096, 128, True, 64, 4), (4, 14336, 4096, 128, True, 128, 4), (24, 96, 1024, 256, False, 64, 4),
-        (28, 1000, 2048, 2048, True, 32, 2), (32, 14336, 4096, 128, True, 64, 4),
+        (28, 1000, 2048, 2048, True, 32, 2), (32, 14336, 4096, 128, True, 64, 4), (12, 4096, 4096, 128, True, 64, 2),
     ]
     for m, n, k, group, has_offset, block_n, warps in cases:
         weight = _float_linear(n, k, 0, "cuda").weight.detach()

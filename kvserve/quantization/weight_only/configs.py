@@ -58,7 +58,10 @@ INT4_TILE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
 INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (1, LaunchConfig(1, 128, 256, num_stages=1, waves=2, words="fma")),
     (8, INT4_MMA_CONFIG),
-    (16, LaunchConfig(16, 32, 256, num_warps=2, num_stages=1, waves=4, words="mma")),
+    # 9-16 rows (two x tiles): every config at 9, 12 and 16 rows (H100, twenty-second
+    # session): 64 weight rows on 2 warps, 2 programs an SM, is ahead at each row count (3.06 /
+    # 3.16 / 3.30 ms a step's linears against 3.08 / 3.22 / 3.58 for 32 rows, 4 an SM).
+    (16, LaunchConfig(16, 64, 256, num_warps=2, num_stages=1, waves=2, words="mma")),
     (32, LaunchConfig(32, 128, 256, num_warps=4, num_stages=1, waves=2, words="mma")),
     INT4_TILE_CONFIGS[-1],
 )
