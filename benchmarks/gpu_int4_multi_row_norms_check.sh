@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Twenty-second session: int4's mma.sync kernel leaves the RMSNorm pending at 2-32 rows (o_proj
+# and down), so a verify step's 64 add + RMSNorm kernels go. PART=tests: the GPU tests of the
+# fused chains, the int4 mma kernel and the engine's fused decode (batch 1 and 5). PART=bench:
+# the verify step (k = 4, 8, 15: 5, 9, 16 rows) against a plain decode step, the parent tree
+# (ab_base, HEAD~1) and this one alternating, ROUNDS rounds (default 2). llama3-8b dummy
+# weights. Results in $OUT.
+source "$(dirname "$0")/device_common.sh"
+if [ "${PART:-tests}" = tests ]; then
+  timeout 420 python -m pytest -q -m gpu -p no:cacheprovider --durations=8 tests/quantization/test_fused_norm.py \
+    tests/gpu/test_quantized_engine_gpu.py::test_fused_norms_decode_like_the_unfused_chain \
+    "tests/quantization/test_triton_kernels.py::test_gpu_int4_mma_kernel_matches_reference" 2>&1 \
+    | tail -20 | tee "$OUT/tests.txt"
+  exit
+fi
+rm -rf ab_base && mkdir ab_base && git archive HEAD~1 kvserve | tar -x -C ab_base
+for round in $(seq "${ROUNDS:-2}"); do
+  for tree in ab_base .; do
+    for k in ${KS:-4 8 15}; do
+      echo "== round $round tree $tree k=$k" | tee -a "$OUT/verify_cost.txt"
+      (cd "$ROOT/$tree" && PYTHONPATH=$PWD timeout 120 python -m kvserve.benchmarks.verify_cost --load-format dummy \
+         --model-shape llama3-8b -k $k --quantization int4 2>&1 | grep -v Generating | tail -1 | tee -a "$OUT/verify_cost.txt")
+    done
+  done
+done
