@@ -3,7 +3,7 @@
 # and down), so a verify step's 64 add + RMSNorm kernels go. PART=tests: the GPU tests of the
 # fused chains, the int4 mma kernel and the engine's fused decode (batch 1 and 5). PART=bench:
 # the verify step (k = 4, 8, 15: 5, 9, 16 rows) against a plain decode step, the parent tree
-# (ab_base, HEAD~1) and this one alternating, ROUNDS rounds (default 2). llama3-8b dummy
+# (ab_base, BASE: default HEAD~1) and this one alternating, ROUNDS rounds (default 2). llama3-8b dummy
 # weights. Results in $OUT.
 source "$(dirname "$0")/device_common.sh"
 if [ "${PART:-tests}" = tests ]; then
@@ -13,7 +13,7 @@ if [ "${PART:-tests}" = tests ]; then
     | tail -20 | tee "$OUT/tests.txt"
   exit
 fi
-rm -rf ab_base && mkdir ab_base && git archive HEAD~1 kvserve | tar -x -C ab_base
+rm -rf ab_base && mkdir ab_base && git archive "${BASE:-HEAD~1}" kvserve | tar -x -C ab_base
 for round in $(seq "${ROUNDS:-2}"); do
   for tree in ab_base .; do
     for k in ${KS:-4 8 15}; do
