@@ -104,26 +104,24 @@ def test_fp8_w8a8_kernel_scores_like_scaled_mm(save_hf_model, monkeypatch, step_
     assert kernel_error <= 1.5 * scaled_mm_error + 1e-3
 
 
-@pytest.mark.parametrize(("quantization", "batch"), [("int4", 1), ("fp8", 1), ("int4", 5)])
-def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch, quantization, batch):
+@pytest.mark.parametrize("quantization", ["int4", "fp8"])
+def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch, quantization):
     """Decode at one row fuses each RMSNorm into the linears around it (PendingNorm): o_proj
     and down leave the norm pending, gate/up (16384 rows, a wide linear: int4 on mma.sync, fp8
-    on the byte kernel) and qkv (int4: the word kernel; fp8: mma.sync) finish it. int4 at 5
-    rows (batch 5) runs every linear on mma.sync, which fuses both sides too. Each decode run
-    is scored against the unfused engine's teacher-forced logprobs of the tokens it chose;
+    on the byte kernel) and qkv (int4: the word kernel; fp8: mma.sync) finish it. Each decode
+    run is scored against the unfused engine's teacher-forced logprobs of the tokens it chose;
     the fused run is as close as the unfused decode is."""
     from kvserve.quantization.int4 import Int4Linear
 
     linear_class = Int4Linear if quantization == "int4" else Fp8Linear
-    lengths = (9, 33, 17, 25, 40)[:max(2, batch)]
-    model_dir, prompts = _random_llama(save_hf_model, 1, lengths, hidden_size=512, intermediate_size=8192,
+    model_dir, prompts = _random_llama(save_hf_model, 1, (9, 33), hidden_size=512, intermediate_size=8192,
                                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
     add_norm_matmul = linear_class.add_norm_matmul
-    fused_calls = []  # (rows, fused)
+    fused_calls = []
 
-    def counted(self, x, *args):
-        pending = add_norm_matmul(self, x, *args)
-        fused_calls.append((x.shape[0], pending is not None))
+    def counted(self, *args):
+        pending = add_norm_matmul(self, *args)
+        fused_calls.append(pending is not None)
         return pending
 
     def llm(fused: bool) -> LLM:
@@ -133,13 +131,10 @@ def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch, q
 
     def decode(engine: LLM) -> list[tuple[list[int], list[float]]]:
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
-        # batch 1: one sequence a step, the one-row kernels; else all prompts decode together.
-        groups = [[prompt] for prompt in prompts] if batch == 1 else [prompts]
         runs = []
-        for group in groups:
-            for request in engine.generate([{"prompt_token_ids": prompt} for prompt in group], params):
-                out = request.outputs[0]
-                runs.append((out.token_ids, [entry[token] for token, entry in zip(out.token_ids, out.logprobs)]))
+        for prompt in prompts:  # one sequence a step: the one-row kernels
+            out = engine.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+            runs.append((out.token_ids, [entry[token] for token, entry in zip(out.token_ids, out.logprobs)]))
         return runs
 
     def engine_run(fused: bool) -> list[tuple[list[int], list[float]]]:
@@ -151,10 +146,7 @@ def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch, q
         return runs
 
     fused_runs, unfused_runs = engine_run(True), engine_run(False)
-    # Decode batches run padded to a CUDA graph's batch size (1, 2, 4, then multiples of 8):
-    # 5 sequences decode as 8 rows.
-    decode_rows = 1 if batch == 1 else 8
-    assert decode_rows in {rows for rows, fused in fused_calls if fused}, f"no fused norm at {decode_rows} rows"
+    assert any(fused_calls), "no linear took the fused norm"
     reference = llm(False)  # teacher-forced: prefill rows, never the one-row kernels
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
 

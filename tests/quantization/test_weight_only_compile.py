@@ -21,21 +21,20 @@ from kvserve.triton_offline import WEIGHT_ONLY_POINTERS, compile_kernel, main_lo
 NO_NORM = dict(ROW_SCALE=False, PARTIALS=1)
 FP8_MMA_ONE_ROW = dict(X_BF16=True, SPLIT=True, EVEN_SPLITS=True, ROW_TILES=2, NUM_WARPS=4, X_TILES=1, PDL=True, M=1)
 INT4_MMA_ONE_ROW = dict(FP16=False, HAS_OFFSET=True, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=4,
-                        X_TILES=1, LAUNCH_NEXT=True, ADD_NORM=False, M=1)
-# int4 at 9-16 rows (configs.INT4_DECODE_CONFIGS): two x tiles, 64 weight rows on 2 warps.
-INT4_MMA_16_ROWS = dict(FP16=True, HAS_OFFSET=True, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=2,
-                        X_TILES=2, LAUNCH_NEXT=True, ADD_NORM=False)
+                        X_TILES=1, LAUNCH_NEXT=True, M=1)
 INT4_FMA_ONE_ROW = dict(X_BF16=True, HAS_OFFSET=True, SPLIT=True, EVEN_SPLITS=False, BLOCK_M=1, BLOCK_N=128,
                         BLOCK_K=256, TWO_GROUPS=True, PDL=True, M=1)
 DECODE_KERNELS = [
     ("int4-mma-one-row", mma.int4_mma_kernel, INT4_MMA_ONE_ROW | NO_NORM),
     ("int4-mma-8-rows", mma.int4_mma_kernel,
      dict(FP16=False, HAS_OFFSET=True, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=4, X_TILES=1,
-          LAUNCH_NEXT=True, ADD_NORM=False) | NO_NORM),
-    ("int4-mma-16-rows", mma.int4_mma_kernel, INT4_MMA_16_ROWS | NO_NORM),
+          LAUNCH_NEXT=True) | NO_NORM),
+    ("int4-mma-16-rows", mma.int4_mma_kernel,  # configs.INT4_DECODE_CONFIGS at 9-16 rows
+     dict(FP16=True, HAS_OFFSET=True, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=2, X_TILES=2,
+          LAUNCH_NEXT=True) | NO_NORM),
     ("int4-mma-16-rows-fp16-no-offset", mma.int4_mma_kernel,
      dict(FP16=True, HAS_OFFSET=False, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=4, X_TILES=2,
-          LAUNCH_NEXT=True, ADD_NORM=False) | NO_NORM),
+          LAUNCH_NEXT=True) | NO_NORM),
     ("fp8-mma-one-row", mma.fp8_mma_kernel, FP8_MMA_ONE_ROW | NO_NORM | dict(ADD_NORM=False)),
     ("fp8-mma-16-rows", mma.fp8_mma_kernel,
      dict(X_BF16=True, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=4, X_TILES=2, PDL=True,
@@ -44,9 +43,6 @@ DECODE_KERNELS = [
     # The fused RMSNorm (PendingNorm) as llama3-8b's one-row step runs it: gate/up and qkv
     # finish a norm (32 partial sums), o_proj and down leave one.
     ("int4-mma-one-row-pending-norm", mma.int4_mma_kernel, INT4_MMA_ONE_ROW | dict(ROW_SCALE=True, PARTIALS=32)),
-    # int4 at 2-32 rows (speculative verify steps): o_proj and down leave the norm pending.
-    ("int4-mma-16-rows-add-norm", mma.int4_mma_kernel, INT4_MMA_16_ROWS | NO_NORM | dict(ADD_NORM=True)),
-    ("int4-mma-16-rows-pending-norm", mma.int4_mma_kernel, INT4_MMA_16_ROWS | dict(ROW_SCALE=True, PARTIALS=64)),
     ("int4-fma-one-row-pending-norm", words.int4_gemv_kernel,
      INT4_FMA_ONE_ROW | dict(ROW_SCALE=True, PARTIALS=32, ADD_NORM=False)),
     ("int4-fma-one-row-add-norm", words.int4_gemv_kernel, INT4_FMA_ONE_ROW | NO_NORM | dict(ADD_NORM=True)),

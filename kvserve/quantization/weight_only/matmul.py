@@ -152,14 +152,14 @@ def _words_matmul(
         fp16 = rows.dtype == torch.float16
         int4_mma_kernel[(grid_n, 1, split)](
             rows, words, scale, offset if offset is not None else scale, partial, out, split_counters(rows.device),
-            *norm_pointers, m, n, num_tiles, tiles_per_split, group_size, 0x64006400 if fp16 else 0x43004300,
+            pending_sums, m, n, num_tiles, tiles_per_split, group_size, 0x64006400 if fp16 else 0x43004300,
             rows.stride(0), words.stride(0), scale.stride(0), m * n, n, *norm_args,
             FP16=fp16, HAS_OFFSET=offset is not None, SPLIT=split > 1, EVEN_SPLITS=config.even_splits,
             ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
-            LAUNCH_NEXT=dependent_launch.enabled(rows.device), ADD_NORM=add_norm is not None,
-            num_warps=config.num_warps, num_stages=1, **norm_flags,
+            LAUNCH_NEXT=dependent_launch.enabled(rows.device), num_warps=config.num_warps, num_stages=1,
+            **norm_flags,
         )
-        return out, sums
+        return out, None
     fp8 = qweight.dtype == torch.float8_e4m3fn
     flags, launch = {}, {}
     if not dot:
@@ -257,12 +257,11 @@ def _folds_norms(qweight: torch.Tensor, config: LaunchConfig, four_bit: bool, wo
 
 def _adds_norms(qweight: torch.Tensor, config: LaunchConfig, four_bit: bool, words: bool, m: int) -> bool:
     """The kernels that leave the next RMSNorm pending (weight_only_matmul_add_norm): the
-    4-bit CUDA-core word kernel and 4-bit mma.sync (one row, and the 2-32 rows of speculative
-    verify steps and small batches), and fp8 weights on mma.sync at one row (the decode
-    batch that was measured: W2 fp8, BENCHMARKS.md; at 2-16 rows fp8 runs W8A8)."""
+    4-bit CUDA-core word kernel, and fp8 weights on mma.sync at one row (the decode batch
+    that was measured: W2 fp8, BENCHMARKS.md)."""
     if qweight.dtype == torch.float8_e4m3fn:
         return words and config.words == "mma" and m == 1
-    return words and four_bit and config.words in ("fma", "mma")
+    return words and four_bit and config.words == "fma"
 
 
 def folds_pending_norm(
@@ -341,10 +340,10 @@ def weight_only_matmul_add_norm(
     group_size: int, add_norm: AddNorm, four_bit: bool = False, config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """weight_only_matmul followed by the residual add and the RMSNorm after it, in the
-    kernel's epilogue where the call runs on a kernel that has one (_adds_norms): returns (h
-    * the norm's weight, the row sums of h^2 (PendingNorm.sums)) with the residual updated
-    to h = residual + x W^T, or None (nothing written) where those kernels do not run the
-    call."""
+    kernel's epilogue where the call runs on the 4-bit CUDA-core word kernel or the fp8
+    mma.sync kernel: returns (h * the norm's weight, the row sums of h^2 (PendingNorm.sums))
+    with the residual updated to h = residual + x W^T, or None (nothing written) where those
+    kernels do not run the call."""
     rows, config, block_k, words = _words_plan(x, qweight, scale, group_size, four_bit, config)
     residual = add_norm.residual
     if (block_k is None or not _adds_norms(qweight, config, four_bit, words, rows.shape[0])

@@ -256,13 +256,12 @@ def _int4_mma_tile_scales(scale_ptr, offset_ptr, w_row, w_row8, row_mask, row_ma
 
 @triton.jit
 def int4_mma_kernel(
-    x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr,
-    pending_ptr, residual_ptr, norm_weight_ptr, sum_squares_ptr,
+    x_ptr, w_ptr, scale_ptr, offset_ptr, partial_ptr, out_ptr, count_ptr, pending_ptr,
     M, N, num_tiles, tiles_per_split, group_size, magic,
     stride_xm, stride_wn, stride_sn, stride_ps, stride_om, pending_partials, norm_eps,
     FP16: tl.constexpr, HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr, EVEN_SPLITS: tl.constexpr,
     ROW_TILES: tl.constexpr, NUM_WARPS: tl.constexpr, X_TILES: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
-    ROW_SCALE: tl.constexpr, PARTIALS: tl.constexpr, ADD_NORM: tl.constexpr,
+    ROW_SCALE: tl.constexpr, PARTIALS: tl.constexpr,
 ):
     """Up to 8 X_TILES rows of x against ROW_TILES x 16 weight rows a warp on tensor cores,
     through mma.sync m16n8k16 (B's 8 columns are 8 rows of x; each A fragment, unpacked once,
@@ -277,10 +276,8 @@ def int4_mma_kernel(
     layout conversions; an x tile's are a tuple. Not launched as a programmatic dependent:
     waiting as one (after the first tile) made W2 int4's step 0.06 ms longer on an H100, and
     0.2 ms longer with fp16 scales (BENCHMARKS.md); it lets the next kernel launch early.
-    Fused RMSNorms (PendingNorm), as in int4_gemv_kernel: ROW_SCALE scales the output rows
-    by the factor of the norm the previous linear left pending; ADD_NORM adds the output to
-    the residual stream and leaves the next norm pending (_mma_store_add_norm: the producers
-    at 2-32 rows, where every int4 linear runs here)."""
+    ROW_SCALE: x's RMSNorm was left pending by the previous linear (int4_gemv_kernel's
+    ADD_NORM); the output rows are scaled by its rsqrt(mean(h^2) + eps)."""
     if LAUNCH_NEXT:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     THREADS: tl.constexpr = 32 * NUM_WARPS
@@ -357,11 +354,7 @@ def int4_mma_kernel(
     if ROW_SCALE:  # read after the loop: read before it, gate/up ran 7 us slower in the step
         ys = _mma_scale_rows(ys, _mma_row_scales(pending_ptr, t, M, pending_partials, num_tiles * 256, norm_eps,
                                                  PARTIALS, X_TILES), X_TILES)
-    if ADD_NORM:
-        _mma_store_add_norm(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, residual_ptr,
-                            norm_weight_ptr, sum_squares_ptr, SPLIT, X_TILES)
-    else:
-        _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, SPLIT, X_TILES)
+    _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps, SPLIT, X_TILES)
 
 
 @triton.jit

@@ -13,7 +13,7 @@ if [ "${PART:-tests}" = tests ]; then
     | tail -20 | tee "$OUT/tests.txt"
   exit
 fi
-rm -rf ab_base && mkdir ab_base && git archive "${BASE:-HEAD~1}" kvserve | tar -x -C ab_base
+[ "${BASE:-HEAD~1}" = local ] || { rm -rf ab_base && mkdir ab_base && git archive "${BASE:-HEAD~1}" kvserve | tar -x -C ab_base; }
 for round in $(seq "${ROUNDS:-2}"); do
   for tree in ab_base .; do
     for k in ${KS:-4 8 15}; do
