@@ -453,6 +453,14 @@ def test_row_counts_pick_the_kernels_the_sweeps_chose() -> None:
                      (32, 28672): "mma", (33, 4096): "dot", (33, 28672): "dot", (64, 4096): "dot", (64, 28672): "dot"}
     assert [tk.default_config(rows, True, False, 28672, mma=False).block_m for rows in (1, 8, 16, 17, 64)] == [
         16, 16, 16, 64, 64]
+    # 4-bit at 9-16 rows: the wide gate/up on its own mma.sync config (two x tiles), the
+    # narrow linears on theirs; at 8 and 17 rows both take the same one.
+    for rows in (9, 12, 16):
+        assert tk.default_config(rows, True, False, 28672) == tk.INT4_WIDE_TWO_TILES_CONFIG
+        narrow = tk.default_config(rows, True, False, 14336)
+        assert (narrow.block_n, narrow.num_warps) == (64, 4) and tk.default_config(rows, True, False, 4096) == narrow
+    for rows in (8, 17):
+        assert tk.default_config(rows, True, False, 28672) == tk.default_config(rows, True, False, 4096)
     assert [tk.default_config(rows, False, True, 4096).words for rows in (1, 4, 8, 16, 17)] == [
         "mma", "mma", "mma", "mma", None]
     # One row against a wide fp8 weight: the byte kernel; without mma.sync, the word kernel.
@@ -581,7 +589,8 @@ def test_gpu_int4_mma_kernel_matches_reference(dtype) -> None:
     cases = [(m, 200, 512, 128, True, 128, 4) for m in (*range(1, 10), 15, 16, 17, 31, 32)] + [
         (8, 96, 1024, 256, False, 128, 4), (5, 1000, 2048, 2048, True, 256, 8), (2, 37, 256, 128, True, 64, 2),
         (1, 4096, 4096, 128, True, 64, 4), (4, 14336, 4096, 128, True, 128, 4), (24, 96, 1024, 256, False, 64, 4),
-        (28, 1000, 2048, 2048, True, 32, 2), (32, 14336, 4096, 128, True, 64, 4), (12, 4096, 4096, 128, True, 64, 2),
+        (28, 1000, 2048, 2048, True, 32, 2), (32, 14336, 4096, 128, True, 64, 4), (12, 4096, 4096, 128, True, 64, 4),
+        (9, 2000, 1024, 128, True, 128, 2),
     ]
     for m, n, k, group, has_offset, block_n, warps in cases:
         weight = _float_linear(n, k, 0, "cuda").weight.detach()

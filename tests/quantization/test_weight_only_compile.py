@@ -29,8 +29,13 @@ DECODE_KERNELS = [
     ("int4-mma-8-rows", mma.int4_mma_kernel,
      dict(FP16=False, HAS_OFFSET=True, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=4, X_TILES=1,
           LAUNCH_NEXT=True) | NO_NORM),
-    ("int4-mma-16-rows", mma.int4_mma_kernel,  # configs.INT4_DECODE_CONFIGS at 9-16 rows
-     dict(FP16=True, HAS_OFFSET=True, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=2, X_TILES=2,
+    # 9-16 rows (two x tiles): the narrow linears' config (64 weight rows on 4 warps) and the
+    # wide gate/up's (configs.INT4_WIDE_TWO_TILES_CONFIG, 128 rows on 2 warps).
+    ("int4-mma-16-rows", mma.int4_mma_kernel,
+     dict(FP16=True, HAS_OFFSET=True, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=1, NUM_WARPS=4, X_TILES=2,
+          LAUNCH_NEXT=True) | NO_NORM),
+    ("int4-mma-16-rows-wide", mma.int4_mma_kernel,
+     dict(FP16=True, HAS_OFFSET=True, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=4, NUM_WARPS=2, X_TILES=2,
           LAUNCH_NEXT=True) | NO_NORM),
     ("int4-mma-16-rows-fp16-no-offset", mma.int4_mma_kernel,
      dict(FP16=True, HAS_OFFSET=False, SPLIT=True, EVEN_SPLITS=False, ROW_TILES=2, NUM_WARPS=4, X_TILES=2,

@@ -58,17 +58,26 @@ INT4_TILE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
 INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (1, LaunchConfig(1, 128, 256, num_stages=1, waves=2, words="fma")),
     (8, INT4_MMA_CONFIG),
-    # 9-16 rows (two x tiles): every config at 9, 12 and 16 rows (H100, twenty-second
-    # session): 64 weight rows on 2 warps, 2 programs an SM, is ahead at each row count (3.06 /
-    # 3.16 / 3.30 ms a step's linears against 3.08 / 3.22 / 3.58 for 32 rows, 4 an SM).
-    (16, LaunchConfig(16, 64, 256, num_warps=2, num_stages=1, waves=2, words="mma")),
+    # 9-16 rows (two x tiles), the narrow linears; the wide gate/up takes
+    # INT4_WIDE_TWO_TILES_CONFIG. Every config at 9, 12 and 16 rows, by linear (H100,
+    # twenty-second session): 64 weight rows on 4 warps, 4 programs an SM, is the narrow ones'
+    # best at each (qkv + o + down 49.4 / 52.8 / 58.3 us a layer). Routed, a step's linears take
+    # 2.83 / 2.95 / 3.14 ms, against 3.07 / 3.17 / 3.31 for the best single config.
+    (16, LaunchConfig(16, 64, 256, num_warps=4, num_stages=1, waves=4, words="mma")),
     (32, LaunchConfig(32, 128, 256, num_warps=4, num_stages=1, waves=2, words="mma")),
     INT4_TILE_CONFIGS[-1],
 )
 
 
+# gate/up (a wide linear) at 9-16 rows of 4-bit weights: 128 weight rows on 2 warps, 2
+# programs an SM: 38.9 / 39.2 / 39.8 us at 9 / 12 / 16 rows on the H100, against 44.6 / 49.0 /
+# 57.0 for the narrow linears' config.
+INT4_WIDE_TWO_TILES_CONFIG = LaunchConfig(16, 128, 256, num_warps=2, num_stages=1, waves=2, words="mma")
+
+
 # One row of x against at least this many weight rows (llama3-8b's fused gate/up, 28672): a
-# wide linear, which one row runs on other kernels than the narrow ones. 4-bit weights take
+# wide linear, which one row (and 4-bit weights at 9-16 rows) runs on other kernels than the
+# narrow ones. 4-bit weights take
 # the mma config there: 28.6 against 32.6 us on the H100, where the narrower linears stayed
 # faster on the CUDA cores (qkv 10.1 against 11.4, o 8.3 / 9.1, down 17.4 / 19.2).
 WIDE_AT_ONE_ROW_OUT_FEATURES = 16384
@@ -114,13 +123,15 @@ def default_config(rows: int, four_bit: bool, fp8: bool, out_features: int = 0, 
     """int8 picked from llama3-8b's linears on an H200 (BENCHMARKS.md): at one row tl.dot
     tiles beat the CUDA-core kernel (3.47 against 3.88 ms per step's linears), 256 k deep on
     wide linears (INT8_WIDE_CONFIG); 4-bit and fp8 weights: INT4_DECODE_CONFIGS and
-    FP8_DECODE_CONFIGS, and at one row the rules for wide linears above. mma=False: the
-    configs for weights the mma kernels do not take."""
+    FP8_DECODE_CONFIGS, and the rules for wide linears above (one row; 4-bit weights at 9-16
+    rows). mma=False: the configs for weights the mma kernels do not take."""
     if rows == 1 and out_features >= WIDE_AT_ONE_ROW_OUT_FEATURES:
         if four_bit and mma:
             return INT4_MMA_CONFIG
         if fp8:
             return FP8_WIDE_ONE_ROW_CONFIG
+    if four_bit and mma and 8 < rows <= SMALL_ROWS and out_features >= WIDE_AT_ONE_ROW_OUT_FEATURES:
+        return INT4_WIDE_TWO_TILES_CONFIG
     if not (four_bit or fp8) and rows <= SMALL_ROWS and out_features >= WIDE_AT_ONE_ROW_OUT_FEATURES:
         return INT8_WIDE_CONFIG
     table = INT4_DECODE_CONFIGS if four_bit else FP8_DECODE_CONFIGS if fp8 else ()
