@@ -11,8 +11,11 @@ Load points (128 prompt / 128 output tokens each):
 
 Prints one table (output tok/s, TTFT p50/p99, ITL p50/p99 per engine and kvserve's ratio
 to llama.cpp, plus each server's peak resident memory under the 16-stream load) and writes
-the full results as JSON. `--quick` is the CI smoke mode: kvserve only, 4 short requests,
-no llama.cpp build.
+the full results as JSON. `--rounds N` runs the engines N times, alternating, on fresh
+servers each round: the table then shows each metric's median and the spread over rounds
+(a shared or virtual machine's speed drifts between runs: single-stream ITL p50 of the same
+kvserve ranged 9.8-14.6 ms over eight runs on a 2-core VM, BENCHMARKS.md). `--quick` is the
+CI smoke mode: kvserve only, 4 short requests, no llama.cpp build.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import platform
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -212,6 +216,28 @@ def summarize(data: dict) -> dict:
     }
 
 
+# Per-round counts that add up over rounds; every other number is a rate or a latency,
+# combined as the median.
+_COUNTS = ("completed", "failed", "output_tokens", "output_tokens_expected")
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One engine's summaries of one load point over rounds: counts summed, the other numbers'
+    medians, and the rounds themselves under "rounds" (one round: that summary as it is)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    combined: dict = {}
+    for key, first in rounds[0].items():
+        values = [summary[key] for summary in rounds]
+        if key in _COUNTS:
+            combined[key] = sum(values)
+        elif all(isinstance(v, (int, float)) for v in values):
+            combined[key] = statistics.median(values)
+        else:
+            combined[key] = first
+    return combined | {"rounds": rounds}
+
+
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -220,12 +246,32 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return "-" if not ours or not theirs else f"{ours / theirs:.2f}x"
 
 
+def _spread(ours: dict, llama: dict, key: str) -> str:
+    """Over rounds: the range of kvserve's value and of its per-round ratio to llama.cpp (round
+    i against round i, run one after the other)."""
+    rounds = ours.get("rounds") or []
+    values = [r[key] for r in rounds if r.get(key) is not None]
+    if not values:
+        return ""
+    text = f"{_fmt(min(values))}-{_fmt(max(values))}"
+    theirs = llama.get("rounds") or []
+    ratios = [a[key] / b[key] for a, b in zip(rounds, theirs) if a.get(key) and b.get(key)]
+    if ratios:
+        text += f" ({min(ratios):.2f}-{max(ratios):.2f}x)"
+    return text
+
+
 def format_table(results: dict[str, dict[str, dict]], points: list[str]) -> str:
-    """One row per load point and metric: llama.cpp, kvserve, kvserve / llama.cpp."""
+    """One row per load point and metric: llama.cpp, kvserve, kvserve / llama.cpp (medians
+    over rounds), and past one round the spread (_spread)."""
     metrics = [("output tok/s", "output_tok_s"), ("TTFT p50 ms", "ttft_p50_ms"),
                ("TTFT p99 ms", "ttft_p99_ms"), ("ITL p50 ms", "itl_p50_ms"),
                ("ITL p99 ms", "itl_p99_ms")]
+    rounds = max((len(point.get("rounds") or [1]) for engine in results.values() for point in engine.values()
+                  if isinstance(point, dict)), default=1)
     header = f"{'load point':<12} {'metric':<16} {'llama.cpp':>11} {'kvserve':>11} {'kvserve/llama':>14}"
+    if rounds > 1:
+        header += f"  {rounds} rounds: kvserve min-max (ratio)"
     lines = [header, "-" * len(header)]
     for point in points:
         llama = results.get("llama.cpp", {}).get(point, {})
@@ -237,8 +283,9 @@ def format_table(results: dict[str, dict[str, dict]], points: list[str]) -> str:
         if rate is not None and not math.isinf(rate):
             label = f"{point} {rate:.2f}/s"
         for name, key in metrics:
-            lines.append(f"{label:<12} {name:<16} {_fmt(llama.get(key)):>11} {_fmt(ours.get(key)):>11} "
-                         f"{_ratio(ours.get(key), llama.get(key)):>14}")
+            line = (f"{label:<12} {name:<16} {_fmt(llama.get(key)):>11} {_fmt(ours.get(key)):>11} "
+                    f"{_ratio(ours.get(key), llama.get(key)):>14}")
+            lines.append(f"{line}  {_spread(ours, llama, key)}".rstrip())
             label = ""
         if point in ("16-streams", "quick"):  # the points whose server RSS is sampled
             lines.append(f"{'':<12} {'peak RSS MiB':<16} {_fmt(llama.get('peak_rss_mib'), 0):>11} "
@@ -266,6 +313,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Poisson rate as a fraction of llama.cpp's 16-stream request throughput "
                              "(kvserve's own when llama.cpp is not run).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the prompts and arrival times.")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="Run the engines this many times, alternating, on fresh servers each round; the "
+                             "table shows medians and, past one round, each metric's spread over rounds.")
     parser.add_argument("--llama-server", default=None,
                         help="Use this llama-server binary instead of building and caching one "
                              "(cache: $KVSERVE_LLAMA_CPP_DIR or ~/.cache/kvserve/llama.cpp).")
@@ -302,6 +352,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     unknown = set(engines) - set(ENGINES)
     if unknown:
         raise ValueError(f"--engines: unknown {sorted(unknown)}; choose from {', '.join(ENGINES)}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     tag = args.tag or ("cpu_quick" if args.quick else "cpu_vs_llamacpp")
     if args.quick:
         points = [LoadPoint("quick", num_prompts=4, max_concurrency=4, input_len=32, output_len=16,
@@ -323,38 +375,47 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(f"{tag}: {os.path.basename(gguf)}, {threads} threads, load average {info['loadavg_1m_at_start']:.2f} "
           f"at start, engines {', '.join(engines)}", flush=True)
 
-    results: dict[str, dict[str, dict]] = {}
+    rounds: dict[str, dict[str, list[dict]]] = {engine: {} for engine in engines}  # engine -> point -> rounds
+    log_tails: dict[str, str] = {}
     build_info = None
     with tempfile.TemporaryDirectory(prefix="kvserve-cpu-compare-") as log_dir:
-        for engine in engines:
-            if engine == "llama.cpp":
-                from kvserve.benchmarks import llama_cpp_build
+        for round_index in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {round_index + 1} of {args.rounds}", flush=True)
+            file_tag = tag if args.rounds == 1 else f"{tag}_r{round_index + 1}"
+            for engine in engines:
+                if engine == "llama.cpp":
+                    from kvserve.benchmarks import llama_cpp_build
 
-                binary = args.llama_server or llama_cpp_build.build_llama_server()
-                info_path = os.path.join(os.path.dirname(os.path.dirname(binary)), "build-info.json")
-                if os.path.isfile(info_path):
-                    with open(info_path) as f:
-                        build_info = json.load(f) | {"binary": binary}
-                slots = max(p.max_concurrency or 1 for p in points)
-                ctx_per_slot = max(p.input_len + p.output_len for p in points) + 16  # BOS and slack
-                run = start_llama_server(binary, gguf, threads, max(slots, 16), ctx_per_slot, log_dir)
-            else:
-                model_args = ["--model", gguf] if args.model else []  # no flags: the defaults are measured
-                run = start_kvserve(threads, [*model_args, *shlex.split(args.kvserve_args)], log_dir)
-            try:
-                # Both engines get the same Poisson rate: the one llama.cpp's saturation set.
-                rate = results.get("llama.cpp", {}).get("poisson", {}).get("request_rate")
-                results[engine] = _run_points(engine, run, points, args, threads, tag, rate)
-            except Exception:
-                print(f"--- {engine} server log (tail) ---\n{_tail(run.log_path)}", file=sys.stderr)
-                raise
-            finally:
-                run.stop()
-                results.setdefault(engine, {})["server_log_tail"] = _tail(run.log_path, 12)
+                    binary = args.llama_server or llama_cpp_build.build_llama_server()
+                    info_path = os.path.join(os.path.dirname(os.path.dirname(binary)), "build-info.json")
+                    if os.path.isfile(info_path):
+                        with open(info_path) as f:
+                            build_info = json.load(f) | {"binary": binary}
+                    slots = max(p.max_concurrency or 1 for p in points)
+                    ctx_per_slot = max(p.input_len + p.output_len for p in points) + 16  # BOS and slack
+                    run = start_llama_server(binary, gguf, threads, max(slots, 16), ctx_per_slot, log_dir)
+                else:
+                    model_args = ["--model", gguf] if args.model else []  # no flags: the defaults are measured
+                    run = start_kvserve(threads, [*model_args, *shlex.split(args.kvserve_args)], log_dir)
+                try:
+                    # Every engine and round gets one Poisson rate: the one llama.cpp's saturation
+                    # set in the first round (else the engine's own, from its first round).
+                    rate = _first_poisson_rate(rounds.get("llama.cpp")) or _first_poisson_rate(rounds[engine])
+                    for name, summary in _run_points(engine, run, points, args, threads, file_tag, rate).items():
+                        rounds[engine].setdefault(name, []).append(summary)
+                except Exception:
+                    print(f"--- {engine} server log (tail) ---\n{_tail(run.log_path)}", file=sys.stderr)
+                    raise
+                finally:
+                    run.stop()
+                    log_tails[engine] = _tail(run.log_path, 12)
 
+    results = {engine: {name: combine_rounds(runs) for name, runs in by_point.items()}
+               | {"server_log_tail": log_tails.get(engine, "")} for engine, by_point in rounds.items()}
     table = format_table(results, [p.name for p in points])
     summary = {"tag": tag, "model": gguf, "machine": info, "llama_cpp_build": build_info,
-               "kvserve_args": args.kvserve_args, "seed": args.seed,
+               "kvserve_args": args.kvserve_args, "seed": args.seed, "rounds": args.rounds,
                "elapsed_s": time.perf_counter() - started, "results": results, "table": table}
     summary_path = os.path.join(args.output_dir, f"{tag}.json")
     with open(summary_path, "w") as f:
@@ -364,6 +425,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(f"\nresults: {summary_path} ({summary['elapsed_s']:.0f} s; load average now "
           f"{os.getloadavg()[0]:.2f})")
     return 0
+
+
+def _first_poisson_rate(by_point: dict[str, list[dict]] | None) -> float | None:
+    runs = (by_point or {}).get("poisson")
+    return runs[0]["request_rate"] if runs else None
 
 
 def _run_points(engine: str, run: ServerRun, points: list[LoadPoint], args: argparse.Namespace,

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from kvserve.benchmarks.cpu_compare import LoadPoint, format_table, summarize
+from kvserve.benchmarks.cpu_compare import LoadPoint, combine_rounds, format_table, summarize
 from kvserve.benchmarks.llama_cpp_build import isa_cmake_flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,6 +37,26 @@ def test_table_rows_and_ratios_by_hand():
     assert ("ms", "400.0", "200.0", "0.50x") in rows
     assert any(line.startswith("poisson 0.50/s") for line in lines)
     assert not any(line.startswith("1-stream") for line in lines)  # no data, no rows
+
+
+def test_rounds_combine_as_medians_and_show_their_spread_by_hand():
+    """Three rounds: each metric's median, counts summed, and the spread column with kvserve's
+    range and its per-round ratios (round i against round i)."""
+    llama = [_point(80.0, 300.0, 400.0, 12.0, 20.0) | {"completed": 8, "failed": 0} for _ in range(3)]
+    ours = [_point(tok_s, 200.0, 300.0, itl, 15.0) | {"completed": 8, "failed": failed}
+            for tok_s, itl, failed in ((60.0, 16.0, 0), (100.0, 10.0, 1), (90.0, 11.0, 0))]
+    combined = combine_rounds(ours)
+    assert (combined["output_tok_s"], combined["itl_p50_ms"]) == (90.0, 11.0)  # medians
+    assert (combined["completed"], combined["failed"]) == (24, 1)  # summed
+    assert combined["rounds"] == ours
+    assert combine_rounds(ours[:1]) == ours[0]  # one round: as it is
+    results = {"llama.cpp": {"1-stream": combine_rounds(llama)}, "kvserve": {"1-stream": combined}}
+    lines = format_table(results, ["1-stream"]).splitlines()
+    assert "3 rounds" in lines[0]
+    # tok/s: median 90 against 80 (1.12x); rounds 60-100, ratios 60/80 = 0.75 to 100/80 = 1.25.
+    assert lines[2].split()[-5:] == ["80.0", "90.0", "1.12x", "60.0-100.0", "(0.75-1.25x)"]
+    itl = next(line for line in lines if "ITL p50" in line)
+    assert itl.split()[-5:] == ["12.0", "11.0", "0.92x", "10.0-16.0", "(0.83-1.33x)"]
 
 
 def test_summarize_reads_the_bench_serve_fields():
