@@ -71,5 +71,6 @@ def main() -> None:
 def label(config: LaunchConfig) -> str:
     return f"block_n {config.block_n:3d} warps {config.num_warps} waves {config.waves}"
 
+
 if __name__ == "__main__":
     main()

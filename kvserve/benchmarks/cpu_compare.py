@@ -375,7 +375,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(f"{tag}: {os.path.basename(gguf)}, {threads} threads, load average {info['loadavg_1m_at_start']:.2f} "
           f"at start, engines {', '.join(engines)}", flush=True)
 
-    rounds: dict[str, dict[str, list[dict]]] = {engine: {} for engine in engines}  # engine -> point -> rounds
+    per_round: dict[str, dict[str, list[dict]]] = {engine: {} for engine in engines}  # engine -> point -> rounds
     log_tails: dict[str, str] = {}
     build_info = None
     with tempfile.TemporaryDirectory(prefix="kvserve-cpu-compare-") as log_dir:
@@ -401,9 +401,9 @@ def run_from_args(args: argparse.Namespace) -> int:
                 try:
                     # Every engine and round gets one Poisson rate: the one llama.cpp's saturation
                     # set in the first round (else the engine's own, from its first round).
-                    rate = _first_poisson_rate(rounds.get("llama.cpp")) or _first_poisson_rate(rounds[engine])
+                    rate = _first_poisson_rate(per_round.get("llama.cpp")) or _first_poisson_rate(per_round[engine])
                     for name, summary in _run_points(engine, run, points, args, threads, file_tag, rate).items():
-                        rounds[engine].setdefault(name, []).append(summary)
+                        per_round[engine].setdefault(name, []).append(summary)
                 except Exception:
                     print(f"--- {engine} server log (tail) ---\n{_tail(run.log_path)}", file=sys.stderr)
                     raise
@@ -412,7 +412,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                     log_tails[engine] = _tail(run.log_path, 12)
 
     results = {engine: {name: combine_rounds(runs) for name, runs in by_point.items()}
-               | {"server_log_tail": log_tails.get(engine, "")} for engine, by_point in rounds.items()}
+               | {"server_log_tail": log_tails.get(engine, "")} for engine, by_point in per_round.items()}
     table = format_table(results, [p.name for p in points])
     summary = {"tag": tag, "model": gguf, "machine": info, "llama_cpp_build": build_info,
                "kvserve_args": args.kvserve_args, "seed": args.seed, "rounds": args.rounds,

@@ -62,7 +62,8 @@ INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     # INT4_WIDE_TWO_TILES_CONFIG. Every config at 9, 12 and 16 rows, by linear (H100,
     # twenty-second session): 64 weight rows on 4 warps, 4 programs an SM, is the narrow ones'
     # best at each (qkv + o + down 49.4 / 52.8 / 58.3 us a layer). Routed, a step's linears take
-    # 2.83 / 2.95 / 3.14 ms, against 3.07 / 3.17 / 3.31 for the best single config.
+    # 2.83 / 2.95 / 3.14 ms, against 3.07 / 3.17 / 3.31 with 64 rows on 2 warps for all four
+    # (the default before) and 3.08 / 3.22 / 3.58 with 32 rows on 2 warps (the one before).
     (16, LaunchConfig(16, 64, 256, num_warps=4, num_stages=1, waves=4, words="mma")),
     (32, LaunchConfig(32, 128, 256, num_warps=4, num_stages=1, waves=2, words="mma")),
     INT4_TILE_CONFIGS[-1],
@@ -77,9 +78,9 @@ INT4_WIDE_TWO_TILES_CONFIG = LaunchConfig(16, 128, 256, num_warps=2, num_stages=
 
 # One row of x against at least this many weight rows (llama3-8b's fused gate/up, 28672): a
 # wide linear, which one row (and 4-bit weights at 9-16 rows) runs on other kernels than the
-# narrow ones. 4-bit weights take
-# the mma config there: 28.6 against 32.6 us on the H100, where the narrower linears stayed
-# faster on the CUDA cores (qkv 10.1 against 11.4, o 8.3 / 9.1, down 17.4 / 19.2).
+# narrow ones. 4-bit weights take the mma config there at one row: 28.6 against 32.6 us on
+# the H100, where the narrower linears stayed faster on the CUDA cores (qkv 10.1 against
+# 11.4, o 8.3 / 9.1, down 17.4 / 19.2).
 WIDE_AT_ONE_ROW_OUT_FEATURES = 16384
 
 
