@@ -10,9 +10,9 @@ ROOT=$PWD
 W1_ARGS="throughput --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --no-sequential --no-transformers"
 # bench_tree TREE NAME ARGS...: one `kvserve bench ARGS` on llama3-8b dummy weights with the
 # kvserve package under TREE ("." is this tree; A/B scripts make an untracked ab_base with
-# `mkdir ab_base && git archive <commit> kvserve | tar -x -C ab_base`, on the device for
-# HEAD~1 only: its copy of the repository lacks older commits, so unpack those here before
-# the call, and an untracked ab_base travels with the tree), JSON in
+# `mkdir ab_base && git archive <commit> kvserve | tar -x -C ab_base`; on the device HEAD~1
+# worked and HEAD~3 was "not a valid object name", so unpack older commits here before the
+# call: an untracked ab_base travels with the tree), JSON in
 # $OUT/NAME-TREE.json. Each tree runs from its own directory: `python -m` puts the working
 # directory first on sys.path, so PYTHONPATH alone would import the root's kvserve.
 bench_tree() {
