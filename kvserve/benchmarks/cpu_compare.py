@@ -384,20 +384,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                 print(f"round {round_index + 1} of {args.rounds}", flush=True)
             file_tag = tag if args.rounds == 1 else f"{tag}_r{round_index + 1}"
             for engine in engines:
-                if engine == "llama.cpp":
-                    from kvserve.benchmarks import llama_cpp_build
-
-                    binary = args.llama_server or llama_cpp_build.build_llama_server()
-                    info_path = os.path.join(os.path.dirname(os.path.dirname(binary)), "build-info.json")
-                    if os.path.isfile(info_path):
-                        with open(info_path) as f:
-                            build_info = json.load(f) | {"binary": binary}
-                    slots = max(p.max_concurrency or 1 for p in points)
-                    ctx_per_slot = max(p.input_len + p.output_len for p in points) + 16  # BOS and slack
-                    run = start_llama_server(binary, gguf, threads, max(slots, 16), ctx_per_slot, log_dir)
-                else:
-                    model_args = ["--model", gguf] if args.model else []  # no flags: the defaults are measured
-                    run = start_kvserve(threads, [*model_args, *shlex.split(args.kvserve_args)], log_dir)
+                run, engine_build = _start_engine(engine, args, gguf, threads, points, log_dir)
+                build_info = engine_build or build_info
                 try:
                     # Every engine and round gets one Poisson rate: the one llama.cpp's saturation
                     # set in the first round (else the engine's own, from its first round).
@@ -425,6 +413,26 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(f"\nresults: {summary_path} ({summary['elapsed_s']:.0f} s; load average now "
           f"{os.getloadavg()[0]:.2f})")
     return 0
+
+
+def _start_engine(engine: str, args: argparse.Namespace, gguf: str, threads: int, points: list[LoadPoint],
+                  log_dir: str) -> tuple[ServerRun, dict | None]:
+    """One engine's server on the GGUF, and for llama.cpp its build's description (None if
+    it has none, and for kvserve)."""
+    if engine == "kvserve":
+        model_args = ["--model", gguf] if args.model else []  # no flags: the defaults are measured
+        return start_kvserve(threads, [*model_args, *shlex.split(args.kvserve_args)], log_dir), None
+    from kvserve.benchmarks import llama_cpp_build
+
+    binary = args.llama_server or llama_cpp_build.build_llama_server()
+    build_info = None
+    info_path = os.path.join(os.path.dirname(os.path.dirname(binary)), "build-info.json")
+    if os.path.isfile(info_path):
+        with open(info_path) as f:
+            build_info = json.load(f) | {"binary": binary}
+    slots = max(p.max_concurrency or 1 for p in points)
+    ctx_per_slot = max(p.input_len + p.output_len for p in points) + 16  # BOS and slack
+    return start_llama_server(binary, gguf, threads, max(slots, 16), ctx_per_slot, log_dir), build_info
 
 
 def _first_poisson_rate(by_point: dict[str, list[dict]] | None) -> float | None:
