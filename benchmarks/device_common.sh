@@ -34,3 +34,20 @@ ab_rounds() {
     bench_tree . "$name-$round" "$@"
   done
 }
+# verify_rounds KS ARGS...: `python -m kvserve.benchmarks.verify_cost` (llama3-8b dummy
+# weights, -k each of KS, a space-separated list) under ab_base and this tree, alternating,
+# ROUNDS times (default 2); its last line each, appended to $OUT/verify_cost.txt.
+verify_rounds() {
+  local ks=$1 round tree k
+  shift
+  for round in $(seq "${ROUNDS:-2}"); do
+    for tree in ab_base .; do
+      for k in $ks; do
+        echo "== round $round tree $tree k=$k" | tee -a "$OUT/verify_cost.txt"
+        (cd "$ROOT/$tree" && PYTHONPATH=$PWD timeout "${BENCH_TIMEOUT:-120}" python -m kvserve.benchmarks.verify_cost \
+           --load-format dummy --model-shape llama3-8b -k "$k" "$@" 2>&1 | grep -v Generating | tail -1 \
+           | tee -a "$OUT/verify_cost.txt")
+      done
+    done
+  done
+}

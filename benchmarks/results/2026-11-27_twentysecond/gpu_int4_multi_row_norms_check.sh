@@ -14,12 +14,4 @@ if [ "${PART:-tests}" = tests ]; then
   exit
 fi
 [ "${BASE:-HEAD~1}" = local ] || { rm -rf ab_base && mkdir ab_base && git archive "${BASE:-HEAD~1}" kvserve | tar -x -C ab_base; }
-for round in $(seq "${ROUNDS:-2}"); do
-  for tree in ab_base .; do
-    for k in ${KS:-4 8 15}; do
-      echo "== round $round tree $tree k=$k" | tee -a "$OUT/verify_cost.txt"
-      (cd "$ROOT/$tree" && PYTHONPATH=$PWD timeout 120 python -m kvserve.benchmarks.verify_cost --load-format dummy \
-         --model-shape llama3-8b -k $k --quantization int4 2>&1 | grep -v Generating | tail -1 | tee -a "$OUT/verify_cost.txt")
-    done
-  done
-done
+verify_rounds "${KS:-4 8 15}" --quantization int4

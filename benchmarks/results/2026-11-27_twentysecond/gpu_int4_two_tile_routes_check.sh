@@ -7,12 +7,4 @@
 source "$(dirname "$0")/device_common.sh"
 timeout 260 python -m pytest -q -m gpu -p no:cacheprovider tests/quantization/test_triton_kernels.py \
   -k "layers_match_reference and int4" 2>&1 | tail -3 | tee "$OUT/tests.txt"
-for round in $(seq "${ROUNDS:-1}"); do
-  for tree in ab_base .; do
-    for k in 8 11 15; do
-      echo "== round $round tree $tree k=$k" | tee -a "$OUT/verify_cost.txt"
-      (cd "$ROOT/$tree" && PYTHONPATH=$PWD timeout 120 python -m kvserve.benchmarks.verify_cost --load-format dummy \
-         --model-shape llama3-8b -k $k --quantization int4 2>&1 | grep -v Generating | tail -1 | tee -a "$OUT/verify_cost.txt")
-    done
-  done
-done
+ROUNDS=${ROUNDS:-1} verify_rounds "8 11 15" --quantization int4

@@ -8,12 +8,4 @@ source "$(dirname "$0")/device_common.sh"
 rm -rf ab_base && mkdir ab_base && git archive HEAD~1 kvserve | tar -x -C ab_base
 timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/quantization/test_triton_kernels.py \
   -k "int4_mma_kernel or (layers_match_reference and int4)" 2>&1 | tail -3 | tee "$OUT/tests.txt"
-for round in 1 2; do
-  for tree in ab_base .; do
-    for k in 8 11 15; do
-      echo "== round $round tree $tree k=$k" | tee -a "$OUT/verify_cost.txt"
-      (cd "$ROOT/$tree" && PYTHONPATH=$PWD timeout 120 python -m kvserve.benchmarks.verify_cost --load-format dummy \
-         --model-shape llama3-8b -k $k --quantization int4 2>&1 | grep -v Generating | tail -1 | tee -a "$OUT/verify_cost.txt")
-    done
-  done
-done
+ROUNDS=2 verify_rounds "8 11 15" --quantization int4
