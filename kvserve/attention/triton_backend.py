@@ -27,8 +27,9 @@ class TritonAttentionBackend:
     whole varlen batch: decode-only batches get a decode tile and, when few sequences
     would leave the chip idle, a split-KV (flash-decoding) pass (choose_decode_plan); other
     batches a prefill tile. No host sync: every launch size comes from the metadata's host
-    fields. Given RoPE's (cos, sin), narrow decode batches rotate q and k and write the new
-    K/V inside the attention kernel (fuses_new_kv); other batches rotate them first."""
+    fields. Given RoPE's (cos, sin), narrow decode and verify batches rotate q and k and
+    write the new K/V inside the attention kernel (fuses_new_kv); other batches rotate them
+    first."""
 
     fuses_rotary = True
 
@@ -37,10 +38,12 @@ class TritonAttentionBackend:
         # grid per captured batch size).
         self.num_kv_splits = num_kv_splits
 
-    def warm_up(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_size: int) -> None:
-        """Compile (or load from Triton's cache) every attention kernel variant now."""
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_size: int,
+                max_width: int = 1) -> None:
+        """Compile (or load from Triton's cache) every attention kernel variant now, those of
+        verify steps up to max_width tokens a sequence included."""
         start = time.perf_counter()
-        launches = warm_up_kernels(kv_cache, num_heads, dtype, block_size)
+        launches = warm_up_kernels(kv_cache, num_heads, dtype, block_size, max_width)
         torch.cuda.synchronize(kv_cache.device)
         logger.info("attention kernels: %d variants ready in %.1f s", launches, time.perf_counter() - start)
 
@@ -67,7 +70,8 @@ class TritonAttentionBackend:
                     else choose_decode_plan(metadata, kv_cache.shape[3], kv_cache.dtype, query.device))
         assert rotary is None or kv_cache.element_size() > 1, "float8 caches take keys rotated and in their basis"
         new_kv = None
-        if rotary is not None and fuses_new_kv(metadata, plan.tile, query.dtype, kv_cache.dtype):
+        group = query.shape[1] // kv_cache.shape[3]
+        if rotary is not None and fuses_new_kv(metadata, plan.tile, query.dtype, kv_cache.dtype, group):
             new_kv = NewKV(key, value, *rotary)
         else:
             if rotary is not None:

@@ -112,7 +112,7 @@ class ModelRunner:
         if self._triton_attention():
             # Every attention variant compiled now, not inside the first requests that need one.
             self.attn_backend.warm_up(self.kv_caches[0], model_config.num_attention_heads, model_config.dtype,
-                                      self.block_size)
+                                      self.block_size, max_width=1 + max_draft_tokens)
         if device.type == "cuda":  # the sampler's argmax kernels likewise (fp32 logits)
             row_argmax(torch.zeros(1, model.config.vocab_size, device=device))
         self.cuda_graphs = None

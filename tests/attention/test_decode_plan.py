@@ -13,6 +13,8 @@ from kvserve.attention.triton_kernels.paged_attention import (
     DecodePlan,
     choose_decode_plan,
     choose_num_kv_splits,
+    fuses_new_kv,
+    short_tile_rows,
 )
 
 CPU = torch.device("cpu")
@@ -48,12 +50,41 @@ def test_narrow_short_decodes_split_into_short_tiles(seq_lens, splits) -> None:
     ([128, 128, 128], 8, torch.bfloat16, 1),  # 24 programs
     ([128], 32, torch.bfloat16, 1),  # 32 programs
     ([128], 8, torch.float32, 1),  # an fp32 cache
-    ([128], 8, torch.bfloat16, 3),  # a verify step
+    ([128], 8, torch.bfloat16, 18),  # past verify widths
+    ([128, 128, 128], 8, torch.bfloat16, 3),  # a verify step of 24 programs
 ])
 def test_other_batches_keep_the_default_tile_and_split_rule(seq_lens, num_kv_heads, dtype, query_len) -> None:
     metadata = _metadata(seq_lens, query_len)
     plan = choose_decode_plan(metadata, num_kv_heads, dtype, CPU)
     assert plan == DecodePlan(choose_num_kv_splits(metadata, num_kv_heads, CPU))
+
+
+@pytest.mark.parametrize(("seq_lens", "query_len", "splits"), [
+    ([37], 5, 2), ([256], 5, 8), ([261], 9, 16), ([1024], 17, 16), ([100, 40], 2, 4),
+])
+def test_narrow_short_verify_steps_split_into_short_tiles(seq_lens, query_len, splits) -> None:
+    """Verify steps (up to 17 tokens a sequence) of at most 16 programs over at most 1024
+    keys take the short-context plan as decodes do, 16- or 8-bit caches alike."""
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        assert choose_decode_plan(_metadata(seq_lens, query_len), 8, dtype, CPU) == DecodePlan(splits, SHORT_DECODE_TILE)
+
+
+@pytest.mark.parametrize(("query_len", "group", "rows", "fused"), [
+    (1, 4, 16, True), (1, 8, 16, True), (1, 32, 32, True),  # a decode token's head group
+    (2, 4, 16, True), (4, 4, 16, True), (5, 4, 32, True), (9, 4, 64, True), (16, 4, 64, True),
+    (17, 4, 64, False),  # 32 x 4 rows would not fit: 16 tokens a program, RoPE ahead
+    (5, 7, 64, True), (9, 7, 64, False), (3, 1, 16, True),
+])
+def test_short_tile_holds_a_verify_step_whole_where_it_fits(query_len, group, rows, fused) -> None:
+    """On the short tile a program's rows are its sequence's whole width (tokens x head group,
+    each padded to a power of two) up to 64; only batches that fit take the fused RoPE."""
+    group_pad = 1 << (group - 1).bit_length()
+    assert short_tile_rows(query_len, group_pad) == rows
+    metadata = _metadata([100], query_len)
+    assert fuses_new_kv(metadata, SHORT_DECODE_TILE, torch.bfloat16, torch.bfloat16, group) == fused
+    # Never over a float8 cache, nor on another tile.
+    assert not fuses_new_kv(metadata, SHORT_DECODE_TILE, torch.bfloat16, torch.float8_e4m3fn, group)
+    assert not fuses_new_kv(metadata, None, torch.bfloat16, torch.bfloat16, group)
 
 
 def test_wide_short_decodes_take_the_short_tile_unsplit() -> None:

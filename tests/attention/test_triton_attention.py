@@ -207,6 +207,16 @@ SMALL_CASES = [
     Case("prefill_prefix", SMALL_SCENARIOS["prefill_prefix"], 7, 1, 64, torch.float16, rotary=True),
     Case("decode", SMALL_SCENARIOS["decode"], 8, 2, 64, torch.bfloat16, rotary=True, qk_views=False),
     Case("mixed", SMALL_SCENARIOS["mixed"], 8, 2, 64, torch.bfloat16, rotary=True, qk_views=False),
+    # Verify steps on the short plan (4 splits; (5, 5) has no cached keys, so its other splits
+    # are empty): each sequence's whole width in one program, which rotates and writes the new
+    # K/V and attends them as their own tile; 32 and 64 rows (group 7 pads to 8).
+    Case("verify", VERIFY_SEQS, 8, 2, 64, torch.bfloat16, rotary=True),
+    Case("verify", VERIFY_SEQS, 7, 1, 64, torch.float16, rotary=True),
+    Case("verify", VERIFY_SEQS, 8, 2, 64, torch.bfloat16, rotary=True, qk_views=False),
+    # 9 tokens x 8 heads do not fit 64 rows: two programs a sequence on the short tile, RoPE first.
+    Case("verify_wide", ((40, 9), (20, 9), (9, 9)), 8, 1, 64, torch.bfloat16, rotary=True),
+    # A float8 cache: the short tile, RoPE and the cache write ahead of it.
+    Case("verify", VERIFY_SEQS, 8, 2, 64, torch.bfloat16, cache_dtype=torch.float8_e4m3fn),
 ]
 
 
@@ -221,13 +231,14 @@ def test_rotary_cases_take_both_paths() -> None:
             query, _, _, kv_cache, metadata = make_batch(case, "cpu")
             plan = (DecodePlan(case.num_kv_splits) if case.num_kv_splits is not None
                     else choose_decode_plan(metadata, case.num_kv_heads, kv_cache.dtype, torch.device("cpu")))
-            fused[case.id] = fuses_new_kv(metadata, plan.tile, query.dtype, kv_cache.dtype)
-    # The 16-bit "decode" cases (4 sequences) and decode_many (64) on the short plan fuse;
-    # forced splits (the 256-key tile), decode_wide (32 programs), mixed, prefill and fp32
-    # batches do not.
-    assert fused == {id: id.startswith(("decode-", "decode_many-")) and "float32" not in id and "splits" not in id
-                     for id in fused}
-    assert sum(fused.values()) == 6 and len(fused) == 12
+            group = case.num_heads // case.num_kv_heads
+            fused[case.id] = fuses_new_kv(metadata, plan.tile, query.dtype, kv_cache.dtype, group)
+    # The 16-bit "decode" cases (4 sequences), decode_many (64) and the verify steps that fit a
+    # program on the short plan fuse; forced splits (the 256-key tile), decode_wide (32
+    # programs), verify_wide, mixed, prefill and fp32 batches do not.
+    assert fused == {id: id.startswith(("decode-", "decode_many-", "verify-")) and "float32" not in id
+                     and "splits" not in id for id in fused}
+    assert sum(fused.values()) == 9 and len(fused) == 16
 
 
 def run_small_cases() -> None:
@@ -241,11 +252,13 @@ def run_small_cases() -> None:
             results[case.id] = None
         except AssertionError as error:
             results[case.id] = str(error)
-    # The start-up warm-up launches its eight variants on a cache of one block and of many: seven,
-    # and the short-context plan taking RoPE and the cache write.
-    launches = [warm_up(torch.zeros(2, blocks, 16, 2, 64, dtype=torch.float16), 8, torch.float16, 16)
-                for blocks in (1, 5)]
-    results["warm_up"] = None if launches == [8, 8] else f"launches {launches}"
+    # The start-up warm-up launches its ten variants on a cache of one block and of many: seven,
+    # the short-context plan taking RoPE and the cache write, and the short tile unsplit (wide
+    # batches), with and without. Verify steps of up to 9 tokens (group 4) add the short tile
+    # at 16, 32 and 64 rows, each unfused and fused.
+    launches = [warm_up(torch.zeros(2, blocks, 16, 2, 64, dtype=torch.float16), 8, torch.float16, 16, width)
+                for blocks, width in ((1, 1), (5, 1), (5, 9))]
+    results["warm_up"] = None if launches == [10, 10, 16] else f"launches {launches}"
     print(json.dumps(results))
 
 
@@ -287,6 +300,10 @@ GPU_SCENARIOS: dict[str, tuple[tuple[tuple[int, int], ...], int, int | None]] = 
     # 64 sequences of at most 384 keys (16-bit caches: the 32-key tile unsplit).
     "decode_many_short": (_random_seqs(4, 64, 384, lambda r: 1), 16, None),
     "verify_split": (((5000, 5), (17, 5), (3, 3), (1203, 2)), 16, 7),
+    # Verify steps of one or two sequences over at most 1024 keys: the short-context plan,
+    # fused where the width fits a program (rotary cases).
+    "verify_short": (((1000, 5), (300, 9)), 16, None),
+    "verify_short_one": (((257, 5),), 16, None),
     "prefill": (((300, 300), (1, 1), (77, 77), (513, 513)), 16, None),
     "prefill_prefix": (((1500, 200), (700, 2), (64, 63), (2100, 129)), 16, None),
     "mixed": (_random_seqs(2, 40, 2500, lambda r: r.choice([1, 1, 1, r.randint(2, 300)])), 16, None),
@@ -310,7 +327,7 @@ GPU_CASES = [
 ] + [
     # q and k as separate tensors (as after q/k norms): fused on the short plan, else rotated first.
     Case(scenario, GPU_SCENARIOS[scenario][0], 32, 8, 128, torch.bfloat16, rotary=True, qk_views=False)
-    for scenario in ("decode_short", "mixed")
+    for scenario in ("decode_short", "verify_short", "mixed")
 ]
 
 
@@ -336,8 +353,9 @@ def test_gpu_matches_reference(case: Case) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_warm_up_leaves_nothing_to_compile(dtype: torch.dtype) -> None:
-    """After the start-up warm-up, steps of every kind (decodes of 1-40 sequences, forced and
-    chosen splits, verify widths, prefills, mixed batches, block tables of any width)
+    """After the start-up warm-up (for verify steps of up to 9 tokens a sequence), steps of
+    every kind (decodes of 1-40 sequences, forced and chosen splits, verify widths on the
+    prefill and the short-context tiles, prefills, mixed batches, block tables of any width)
     compile no further attention kernel variant."""
     from kvserve.attention.triton_kernels import paged_attention as kernels
 
@@ -346,8 +364,8 @@ def test_warm_up_leaves_nothing_to_compile(dtype: torch.dtype) -> None:
         kernel.device_caches.clear()  # what other tests compiled must not count
     device = torch.cuda.current_device()
     cache = torch.zeros(2, 8, 16, 8, 128, dtype=dtype, device="cuda")
-    kernels.warm_up(cache, 32, dtype, 16)
-    compiled = [len(kernel.device_caches[device][0]) for kernel in jit_kernels]
+    kernels.warm_up(cache, 32, dtype, 16, max_width=9)
+    compiled = [set(kernel.device_caches[device][0]) for kernel in jit_kernels]
     for scenario, (seqs, block_size, splits) in GPU_SCENARIOS.items():
         if block_size != 16:
             continue
@@ -357,7 +375,8 @@ def test_warm_up_leaves_nothing_to_compile(dtype: torch.dtype) -> None:
         # Decode batches of these sizes, long contexts: chosen splits.
         seqs = tuple((1000 + 37 * i, 1) for i in range(width))
         check_case(Case("decode", seqs, 32, 8, 128, dtype, rotary=rotary), "cuda")
-    assert [len(kernel.device_caches[device][0]) for kernel in jit_kernels] == compiled
+    added = [set(kernel.device_caches[device][0]) - warm for kernel, warm in zip(jit_kernels, compiled)]
+    assert added == [set(), set()], f"compiled after the warm-up: {added}"
 
 
 @pytest.mark.gpu

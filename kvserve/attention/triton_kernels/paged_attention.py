@@ -59,6 +59,54 @@ def _float8_to_f16(v, FORMAT: tl.constexpr):
         "=r,=r,r", [v], dtype=tl.float16, is_pure=False, pack=4)
 
 
+
+@triton.jit
+def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, V_FLOAT8_ASM: tl.constexpr):
+    """Online softmax over one key tile: k [D, N] and v [N, D], visible [M, N] the keys each
+    query row sees. Returns the running max (log2 domain), denominator and sum, updated."""
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows with nothing visible yet (padding rows) keep -inf; subtract 0 to avoid NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_FLOAT8_ASM != "":
+        v = _float8_to_f16(v, V_FLOAT8_ASM)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_new_keys(q, q_pos, q_start, q_len, num_cached, kv_head, m_i, l_i, acc, qk_scale, key_ptr,
+                     value_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, stride_kt,
+                     stride_kh, stride_vt, stride_vh, stride_cs, stride_cache_slot, stride_cache_head,
+                     HEAD_DIM: tl.constexpr, NEW_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A sequence's q_len new keys (positions num_cached on) as one more key tile, taken from
+    the step's unrotated keys [T, KVH, D] and values: rotated here, stored at their cache slots
+    (slot < 0: padding, not stored) and attended causally. Columns past q_len repeat its last
+    token, so every load stays in bounds, and are masked."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, HEAD_DIM)
+    column = tl.arange(0, NEW_KEYS)
+    tokens = (q_start + tl.minimum(column, q_len - 1)).to(tl.int64)
+    key_cols = key_ptr + tokens[None, :] * stride_kt + kv_head * stride_kh
+    rope = tokens[None, :] * stride_cs + (dims % HALF)[:, None]
+    dtype = key_ptr.dtype.element_ty
+    signed_sin = tl.where(dims < HALF, -1.0, 1.0)[:, None] * rope_factor(sin_ptr + rope, dtype)
+    k = rotate_pair(tl.load(key_cols + dims[:, None]), tl.load(key_cols + (dims ^ HALF)[:, None]),
+                    rope_factor(cos_ptr + rope, dtype), signed_sin, k_cache_ptr.dtype.element_ty)
+    v = tl.load(value_ptr + tokens[:, None] * stride_vt + kv_head * stride_vh + dims[None, :])
+    slots = tl.load(slot_mapping_ptr + tokens)
+    stored = (column < q_len) & (slots >= 0)
+    cache = slots * stride_cache_slot + kv_head * stride_cache_head
+    tl.store(k_cache_ptr + cache[None, :] + dims[:, None], k, mask=stored[None, :])
+    tl.store(v_cache_ptr + cache[:, None] + dims[None, :], v, mask=stored[:, None])
+    visible = ((num_cached + column)[None, :] <= q_pos[:, None]) & (column < q_len)[None, :]
+    return _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, "")
+
+
 # Integers that vary from step to step are not specialised (Triton would compile a variant
 # for each of == 1, a multiple of 16 and neither, in the middle of serving); num_seqs == 1
 # would also clash, as a constant, with the search's loop-carried int32.
@@ -117,6 +165,10 @@ def _paged_attention_kernel(
     # value in the cache itself (the program whose split holds the last key), using them from
     # registers; two kernels a layer fewer (rotary, cache write) in the decode chain.
     NEW_KV: tl.constexpr,
+    # Verify-width batches on the short-context tile (fuses_new_kv), each sequence's tokens in
+    # one program's rows: the same, with the new keys as one more tile of NEW_KEYS columns
+    # after the cached ones (_attend_new_keys), in split 0. 0: not this mode.
+    NEW_KEYS: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -160,13 +212,24 @@ def _paged_attention_kernel(
     if NEW_KV:
         partner = tl.load(q_rows + (dims ^ HALF)[None, :], mask=row_valid[:, None], other=0.0)
         q = rotate_pair(q, partner, cos[None, :], signed_sin[None, :], q_ptr.dtype.element_ty)
+    if NEW_KEYS > 0:
+        # Each row at its own token's position; padding rows read their sequence's first.
+        partner = tl.load(q_rows + (dims ^ HALF)[None, :], mask=row_valid[:, None], other=0.0)
+        rope = tl.where(row_valid, token, q_start).to(tl.int64)[:, None] * stride_cs + (dims % HALF)[None, :]
+        row_sin = tl.where(dims < HALF, -1.0, 1.0)[None, :] * rope_factor(sin_ptr + rope, q_ptr.dtype.element_ty)
+        q = rotate_pair(q, partner, rope_factor(cos_ptr + rope, q_ptr.dtype.element_ty), row_sin,
+                        q_ptr.dtype.element_ty)
     if FP16_DOTS:
         # e4m3 and e5m2 convert to fp16 in one instruction for two values (to bf16 through
         # fp32); fp16 also holds q and the probabilities more precisely than bf16.
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
-    # Keys up to the last valid token of this tile, this split's share of them.
-    kv_len = seq_len - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    # Keys up to the last valid token of this tile, this split's share of them. With
+    # NEW_KEYS the loop reads only the cached keys; the step's own follow it from registers.
+    if NEW_KEYS > 0:
+        kv_len = seq_len - q_len
+    else:
+        kv_len = seq_len - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
     num_tiles = tl.cdiv(kv_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_kv_splits)
     tile_start = split * tiles_per_split
@@ -204,20 +267,14 @@ def _paged_attention_kernel(
         if NEW_KV:
             k = tl.where(is_new[None, :], new_k[:, None], k)
             v = tl.where(is_new[:, None], new_v[None, :], v)
-        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_len)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows with nothing visible yet (padding rows) keep -inf; subtract 0 to avoid NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if V_FLOAT8_ASM != "":
-            v = _float8_to_f16(v, V_FLOAT8_ASM)
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
-        )
-        m_i = m_new
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_len)[None, :]
+        m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, V_FLOAT8_ASM)
+    if NEW_KEYS > 0:
+        if split == 0:  # a split that always runs, so the merge's running max starts finite
+            m_i, l_i, acc = _attend_new_keys(
+                q, q_pos, q_start, q_len, kv_len, kv_head, m_i, l_i, acc, qk_scale, key_ptr, value_ptr, cos_ptr,
+                sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_cs, stride_cache_slot, stride_cache_head, HEAD_DIM, NEW_KEYS, DOT_PRECISION)
 
     if not SPLIT:
         out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -297,6 +354,10 @@ WIDE_BATCH = 16
 # e4m3 cache 2.60 -> 2.57 and 3.01 -> 2.66 (BENCHMARKS.md).
 SHORT_DECODE_TILE = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
 SHORT_PROGRAMS = 16
+# Verify batches (1 + k tokens a sequence) take the same plan; on this tile a program holds
+# the rows (tokens x head group, padded to powers of two) of its sequence's whole width, up
+# to MAX_WHOLE_WIDTH_ROWS, so each K/V tile is read once for all of them (short_tile_rows).
+MAX_WHOLE_WIDTH_ROWS = 64
 SHORT_CONTEXT = 1024
 MAX_SHORT_SPLITS = 16
 # Decode batches of WIDE_SHORT_BATCH sequences or more over at most WIDE_SHORT_CONTEXT keys
@@ -331,8 +392,8 @@ NARROW_DECODE_TILES = (DECODE_TILE, SHORT_DECODE_TILE)
 
 
 class NewKV(NamedTuple):
-    """A decode step's unrotated keys and values [T, KVH, D] and RoPE's cos and sin [T, D / 2]
-    (fp32), for the attention kernel to rotate and store itself."""
+    """A decode or verify step's unrotated keys and values [T, KVH, D] and RoPE's cos and sin
+    [T, D / 2] (fp32), for the attention kernel to rotate and store itself."""
 
     key: torch.Tensor
     value: torch.Tensor
@@ -351,15 +412,25 @@ def batch_tile(metadata: AttentionMetadata, dtype: torch.dtype, tile: TileConfig
     return WIDE_DECODE_TILE if metadata.num_seqs >= WIDE_BATCH else DECODE_TILE
 
 
+def short_tile_rows(max_query_len: int, group_pad: int) -> int:
+    """Query rows a program of SHORT_DECODE_TILE holds: a token's head group padded to the
+    matrix units' 16, or a verify batch's whole width where it fits MAX_WHOLE_WIDTH_ROWS."""
+    whole_width = group_pad * triton.next_power_of_2(max_query_len)
+    return max(SHORT_DECODE_TILE.block_m, group_pad, min(whole_width, MAX_WHOLE_WIDTH_ROWS))
+
+
 def fuses_new_kv(metadata: AttentionMetadata, tile: TileConfig | None, dtype: torch.dtype,
-                 kv_cache_dtype: torch.dtype) -> bool:
-    """Whether paged_attention takes this batch's RoPE and cache write (new_kv): a decode
-    batch (one query token a sequence) on the short-context tile, over a cache of the query's
-    dtype (a float8 cache's keys need a scale and a basis change first). On the 256-key tile
-    the new key and value held through the loop spill (sm_90: 172 -> 255 registers and a
-    stack); the 32-key tile takes them in 128 registers (80 without)."""
-    return (metadata.max_query_len == 1 and kv_cache_dtype == dtype
-            and batch_tile(metadata, dtype, tile) == SHORT_DECODE_TILE)
+                 kv_cache_dtype: torch.dtype, group: int) -> bool:
+    """Whether paged_attention takes this batch's RoPE and cache write (new_kv): a batch on
+    the short-context tile over a cache of the query's dtype (a float8 cache's keys need a
+    scale and a basis change first), of one query token a sequence or of verify widths whose
+    every sequence fits one program's rows (short_tile_rows; `group` query heads a KV head).
+    On the 256-key tile the new key and value held through the loop spill (sm_90: 172 -> 255
+    registers and a stack); the 32-key tile takes them in 128 registers (80 without)."""
+    if kv_cache_dtype != dtype or batch_tile(metadata, dtype, tile) != SHORT_DECODE_TILE:
+        return False
+    group_pad = triton.next_power_of_2(group)
+    return metadata.max_query_len * group_pad <= short_tile_rows(metadata.max_query_len, group_pad)
 
 
 class DecodePlan(NamedTuple):
@@ -378,10 +449,10 @@ def _short_plan_serves(kv_cache_dtype: torch.dtype) -> bool:
 def choose_decode_plan(metadata: AttentionMetadata, num_kv_heads: int, kv_cache_dtype: torch.dtype,
                        device: torch.device) -> DecodePlan:
     """SHORT_DECODE_TILE over a power of two of splits, about one tile each, for the narrow
-    decode batches of short contexts it serves faster (single tokens, a 16- or 8-bit cache);
+    decode and verify batches of short contexts it serves faster (a 16- or 8-bit cache);
     otherwise the default tile over choose_num_kv_splits' splits."""
     tiles = triton.cdiv(metadata.max_seq_len, SHORT_DECODE_TILE.block_n)
-    if (metadata.max_query_len == 1 and metadata.num_seqs * num_kv_heads <= SHORT_PROGRAMS
+    if (metadata.max_query_len <= MAX_SPLIT_QUERY_LEN and metadata.num_seqs * num_kv_heads <= SHORT_PROGRAMS
             and _short_plan_serves(kv_cache_dtype) and 1 < tiles and metadata.max_seq_len <= SHORT_CONTEXT):
         return DecodePlan(min(triton.next_power_of_2(tiles), MAX_SHORT_SPLITS), SHORT_DECODE_TILE)
     if (metadata.max_query_len == 1 and metadata.num_seqs >= WIDE_SHORT_BATCH and kv_cache_dtype.itemsize == 2
@@ -427,22 +498,27 @@ def paged_attention(
 ) -> None:
     """output[T, H, D] = causal attention of query [T, H, D] over each sequence's paged
     context in kv_cache [2, num_blocks, block_size, KVH, D] (a float8 cache holds K/V
-    divided by kv_scales). Given new_kv (decode batches, a cache of the query's dtype), the
-    query and the step's keys are unrotated: the kernel applies RoPE and stores the new keys
-    and values at metadata.slot_mapping (fuses_new_kv). Grid sizes come from the metadata's
-    host-side fields only, so no device sync happens here."""
+    divided by kv_scales). Given new_kv (decode and verify batches on the short-context tile,
+    a cache of the query's dtype), the query and the step's keys are unrotated: the kernel
+    applies RoPE and stores the new keys and values at metadata.slot_mapping (fuses_new_kv).
+    Grid sizes come from the metadata's host-side fields only, so no device sync happens
+    here."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     assert num_heads % num_kv_heads == 0 and query.stride(-1) == 1 and output.stride(-1) == 1
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     tile = batch_tile(metadata, query.dtype, tile)
-    block_m = max(tile.block_m, group_pad)
-    num_q_blocks = num_tokens // (block_m // group_pad) + metadata.num_seqs
+    if tile == SHORT_DECODE_TILE:
+        block_m = short_tile_rows(metadata.max_query_len, group_pad)
+    else:
+        block_m = max(tile.block_m, group_pad)
+    block_q = block_m // group_pad
+    num_q_blocks = num_tokens // block_q + metadata.num_seqs
     if new_kv is None:
         key = value = cos = sin = query  # unused
     else:
-        assert fuses_new_kv(metadata, tile, query.dtype, kv_cache.dtype), "not a batch the fused RoPE takes"
+        assert fuses_new_kv(metadata, tile, query.dtype, kv_cache.dtype, group), "not a batch the fused RoPE takes"
         key, value, cos, sin = new_kv
         assert key.stride(-1) == value.stride(-1) == 1 and cos.stride() == sin.stride() and cos.stride(-1) == 1
     split = num_kv_splits > 1
@@ -498,7 +574,9 @@ def paged_attention(
         FP16_DOTS=kv_cache.element_size() == 1 and query.dtype == torch.bfloat16,
         V_FLOAT8_ASM=_float8_asm_format(kv_cache, query),
         EARLY_METADATA=tile in NARROW_DECODE_TILES,
-        NEW_KV=new_kv is not None,
+        NEW_KV=new_kv is not None and metadata.max_query_len == 1,
+        # The dot's smallest N is 16.
+        NEW_KEYS=max(16, block_q) if new_kv is not None and metadata.max_query_len > 1 else 0,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **dependent_launch.chained_options(query.device),
@@ -518,21 +596,33 @@ def paged_attention(
         )
 
 
-def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_size: int) -> int:
+def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_size: int,
+            max_width: int = 1) -> int:
     """Launch every kernel variant a step may pick for this model's shapes and dtypes once,
     so that Triton compiles them (or loads them from its cache) at start-up rather than
     during the first requests that need them: decode tiles for few and for WIDE_BATCH
     sequences, verify-width prefill tiles, each unsplit and split, the merge, (16- and
-    8-bit caches) the short-context plan's split tile, and (a cache of the run dtype) that
-    tile taking RoPE and the cache write (new_kv). kv_cache is a layer's cache
-    [2, blocks, block_size, KVH, D] (read, not written: the new tokens' slots are padding).
-    Returns the number of launches."""
+    8-bit caches) the short-context plan's split tile, (16-bit caches) that tile unsplit for
+    WIDE_SHORT_BATCH sequences, and (a cache of the run dtype) that tile taking RoPE and the
+    cache write (new_kv); with speculative verify steps of up to
+    max_width tokens a sequence, the short-context tile at each row count those widths give.
+    kv_cache is a layer's cache [2, blocks, block_size, KVH, D] (read, not written: the new
+    tokens' slots are padding). Returns the number of launches."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     device = kv_cache.device
     blocks = list(range(min(2, kv_cache.shape[1])))
     seq_len = len(blocks) * block_size
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # The narrowest verify width of each kernel variant: the short tile's row count, and
+    # whether the whole width fits them (fused RoPE).
+    verify_widths: dict[tuple[int, bool], int] = {}
+    for width in range(2, max_width + 1):
+        rows = short_tile_rows(width, group_pad)
+        verify_widths.setdefault((rows, width * group_pad <= rows), width)
+    shapes = [(1, 1), (WIDE_BATCH, 1), (1, 2), *((1, width) for width in verify_widths.values())]
     launches = 0
-    for num_seqs, query_len in ((1, 1), (WIDE_BATCH, 1), (1, 2)):
+    for shape_index, (num_seqs, query_len) in enumerate(shapes):
         num_tokens = num_seqs * query_len
         # The query as the model hands it over: a view of the fused q/k/v projection's rows.
         query, key, value = torch.zeros(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype,
@@ -548,11 +638,17 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
             block_size=block_size, max_query_len=query_len, max_seq_len=seq_len,
             query_start_loc_cpu=starts, seq_lens_cpu=[seq_len] * num_seqs,
         )
-        plans = [DecodePlan(1), DecodePlan(2)]
-        if num_seqs == 1 and query_len == 1 and _short_plan_serves(kv_cache.dtype):
-            plans.append(DecodePlan(2, SHORT_DECODE_TILE))
+        short_plan = DecodePlan(2, SHORT_DECODE_TILE)
+        if shape_index < 3:
+            plans = [DecodePlan(1), DecodePlan(2)]
+            if num_seqs == 1 and query_len == 1 and _short_plan_serves(kv_cache.dtype):
+                plans.append(short_plan)
+            if num_seqs == 1 and query_len == 1 and kv_cache.dtype.itemsize == 2:
+                plans.append(DecodePlan(1, SHORT_DECODE_TILE))  # wide batches of short contexts
+        else:  # a verify width
+            plans = [short_plan] if _short_plan_serves(kv_cache.dtype) else []
         for plan in plans:
-            fused = (False, True) if fuses_new_kv(metadata, plan.tile, dtype, kv_cache.dtype) else (False,)
+            fused = (False, True) if fuses_new_kv(metadata, plan.tile, dtype, kv_cache.dtype, group) else (False,)
             for with_new_kv in fused:
                 output = torch.empty(query.shape, dtype=dtype, device=device)
                 paged_attention(query, kv_cache, metadata, head_dim**-0.5, output, plan.num_kv_splits,
