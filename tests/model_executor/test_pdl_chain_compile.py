@@ -39,7 +39,8 @@ CHAINED_KERNELS = [
       "qk_scale": "fp32", "v_scale": "fp32"},
      # The wide-batch form; the narrow decode tile reads its metadata first (test_attention_compile).
      dict(BLOCK_SIZE=16, SPLIT=True, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_M=16, BLOCK_N=128,
-          DOT_PRECISION="tf32", FP16_DOTS=False, V_FLOAT8_ASM="", EARLY_METADATA=False, NEW_KV=False)),
+          DOT_PRECISION="tf32", FP16_DOTS=False, V_FLOAT8_ASM="", EARLY_METADATA=False, NEW_KV=False,
+          NEW_KEYS=0)),
     ("merge_splits", paged_attention._merge_splits_kernel,
      {"out_ptr": BF16, "partial_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"}, dict(HEAD_DIM=128)),
 ]
