@@ -6,8 +6,8 @@ against the default tile's.
     python benchmarks/gpu_decode_tile_sweep.py        # BLOCK_N=128,256 picks the key counts
     CASES=64:192,64:384 SPLITS=1,2 python benchmarks/gpu_decode_tile_sweep.py   # batch:context pairs
 
-SPLITS (default: choose_num_kv_splits' count) also sweeps the KV splits, and the default
-tile compared against is the one the batch gets (batch_tile).
+SPLITS also sweeps the KV splits (choose_num_kv_splits' count is always among them), and the
+default tile compared against is the one the batch gets (batch_tile).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
             paged_attention(q, cache, metadata, scale, out, splits, tile=default_tile)
             reference.append(out.clone())
         results = []
-        for tile, tile_splits in itertools.product(configs + [default_tile], SPLITS or (splits,)):
+        for tile, tile_splits in itertools.product(configs + [default_tile], sorted({*(SPLITS or ()), splits})):
             def calls(tile=tile, tile_splits=tile_splits):
                 for (q, _, _, cache, metadata), out in zip(layers, outputs):
                     paged_attention(q, cache, metadata, scale, out, tile_splits, tile=tile)

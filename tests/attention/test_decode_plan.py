@@ -101,3 +101,18 @@ def test_wide_short_decodes_take_the_short_tile_unsplit() -> None:
                                        (short, torch.bfloat16, 3)]:
         metadata = _metadata(seq_lens, query_len)
         assert choose_decode_plan(metadata, 8, dtype, CPU) == DecodePlan(choose_num_kv_splits(metadata, 8, CPU))
+
+
+@pytest.mark.parametrize(("seq_lens", "splits"), [
+    ([1025], 4), ([2048], 8), ([4096], 16), ([2048, 2048], 8), ([300] * 20, 1), ([100_000], 64),
+])
+def test_narrow_long_decodes_split_at_256_keys_a_split(monkeypatch, seq_lens, splits) -> None:
+    """On an H100's 132 multiprocessors, decode batches of few (sequence, KV head) programs
+    past the short contexts split into slices of at least 256 keys, up to about 4 programs a
+    multiprocessor and 64 splits; a batch of 160 programs fills the GPU unsplit."""
+    from kvserve.attention.triton_kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
+    metadata = _metadata(seq_lens)
+    assert choose_num_kv_splits(metadata, 8, CPU) == splits
+    assert choose_decode_plan(metadata, 8, torch.bfloat16, CPU) == DecodePlan(splits)

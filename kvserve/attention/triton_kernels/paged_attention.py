@@ -373,8 +373,11 @@ WIDE_SHORT_CONTEXT = 384
 PREFILL_TILE = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 MAX_KV_SPLITS = 64
 KV_SPLIT_WAVES = 4
-# Fewer keys than this per split and the merge costs more than the parallelism buys.
-MIN_KEYS_PER_SPLIT = 512
+# Fewer keys than this per split and the merge costs more than the parallelism buys. H100,
+# llama3-8b, a step's 32 layers in one CUDA graph, DECODE_TILE, us a step by splits: batch 1
+# at 1025 keys 2 (at 512 keys a split) 471, 8 257; at 2048 keys 4 382, 8 310, 16 > 328; at
+# 4096 8 473, 16 411, 32 439; batch 2 at 2048 4 462, 8 393 (benchmarks/gpu_decode_tile_sweep.py).
+MIN_KEYS_PER_SPLIT = 256
 # Speculative verify steps (1 + k tokens) are decode-like: few rows, the whole context.
 MAX_SPLIT_QUERY_LEN = 17
 
