@@ -60,7 +60,8 @@ def main() -> None:
             paged_attention(q, cache, metadata, scale, out, splits, tile=default_tile)
             reference.append(out.clone())
         results = []
-        for tile, tile_splits in itertools.product(configs + [default_tile], sorted({*(SPLITS or ()), splits})):
+        split_counts = sorted({*(SPLITS or ()), splits})
+        for tile, tile_splits in itertools.product(configs + [default_tile], split_counts):
             def calls(tile=tile, tile_splits=tile_splits):
                 for (q, _, _, cache, metadata), out in zip(layers, outputs):
                     paged_attention(q, cache, metadata, scale, out, tile_splits, tile=tile)

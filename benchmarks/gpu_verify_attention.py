@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from gpu_decode_tile_sweep import step_us  # benchmarks/ is the script's directory
 from kvserve.attention import triton_backend
 from kvserve.attention.triton_kernels import paged_attention as pa
 from kvserve.attention.triton_kernels.bench_decode import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, make_batch
@@ -32,23 +33,6 @@ CASES = tuple(tuple(int(v) for v in case.split(":"))
               for case in os.environ.get("CASES", "1:256:5,1:256:9,1:1024:5,2:256:5,1:128:5").split(","))
 SHORT_TILES = [pa.SHORT_DECODE_TILE, pa.TileConfig(16, 32, 8, 1), pa.TileConfig(16, 64, 4, 1),
                pa.TileConfig(16, 64, 8, 1)]
-
-
-def step_us(calls) -> float:
-    calls()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20 * 1e3
 
 
 def layer_inputs(num_seqs: int, context: int, width: int):

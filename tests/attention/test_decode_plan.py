@@ -66,7 +66,8 @@ def test_narrow_short_verify_steps_split_into_short_tiles(seq_lens, query_len, s
     """Verify steps (up to 17 tokens a sequence) of at most 16 programs over at most 1024
     keys take the short-context plan as decodes do, 16- or 8-bit caches alike."""
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        assert choose_decode_plan(_metadata(seq_lens, query_len), 8, dtype, CPU) == DecodePlan(splits, SHORT_DECODE_TILE)
+        metadata = _metadata(seq_lens, query_len)
+        assert choose_decode_plan(metadata, 8, dtype, CPU) == DecodePlan(splits, SHORT_DECODE_TILE)
 
 
 @pytest.mark.parametrize(("query_len", "group", "rows", "fused"), [

@@ -59,7 +59,6 @@ def _float8_to_f16(v, FORMAT: tl.constexpr):
         "=r,=r,r", [v], dtype=tl.float16, is_pure=False, pack=4)
 
 
-
 @triton.jit
 def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, V_FLOAT8_ASM: tl.constexpr):
     """Online softmax over one key tile: k [D, N] and v [N, D], visible [M, N] the keys each
@@ -607,10 +606,10 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
     sequences, verify-width prefill tiles, each unsplit and split, the merge, (16- and
     8-bit caches) the short-context plan's split tile, (16-bit caches) that tile unsplit for
     WIDE_SHORT_BATCH sequences, and (a cache of the run dtype) that tile taking RoPE and the
-    cache write (new_kv); with speculative verify steps of up to
-    max_width tokens a sequence, the short-context tile at each row count those widths give.
-    kv_cache is a layer's cache [2, blocks, block_size, KVH, D] (read, not written: the new
-    tokens' slots are padding). Returns the number of launches."""
+    cache write (new_kv); with speculative verify steps of up to max_width tokens a
+    sequence, the short-context tile at each row count those widths give. kv_cache is a
+    layer's cache [2, blocks, block_size, KVH, D] (read, not written: the new tokens' slots
+    are padding). Returns the number of launches."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     device = kv_cache.device
     blocks = list(range(min(2, kv_cache.shape[1])))
@@ -623,9 +622,15 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
     for width in range(2, max_width + 1):
         rows = short_tile_rows(width, group_pad)
         verify_widths.setdefault((rows, width * group_pad <= rows), width)
-    shapes = [(1, 1), (WIDE_BATCH, 1), (1, 2), *((1, width) for width in verify_widths.values())]
+    default_plans = [DecodePlan(1), DecodePlan(2)]
+    short_split = [DecodePlan(2, SHORT_DECODE_TILE)] if _short_plan_serves(kv_cache.dtype) else []
+    # Wide batches of short contexts over a 16-bit cache: the short tile unsplit.
+    short_unsplit = [DecodePlan(1, SHORT_DECODE_TILE)] if kv_cache.dtype.itemsize == 2 else []
+    # (sequences, tokens each, plans)
+    shapes = [(1, 1, default_plans + short_split + short_unsplit), (WIDE_BATCH, 1, default_plans),
+              (1, 2, default_plans), *((1, width, short_split) for width in verify_widths.values())]
     launches = 0
-    for shape_index, (num_seqs, query_len) in enumerate(shapes):
+    for num_seqs, query_len, plans in shapes:
         num_tokens = num_seqs * query_len
         # The query as the model hands it over: a view of the fused q/k/v projection's rows.
         query, key, value = torch.zeros(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype,
@@ -641,15 +646,6 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
             block_size=block_size, max_query_len=query_len, max_seq_len=seq_len,
             query_start_loc_cpu=starts, seq_lens_cpu=[seq_len] * num_seqs,
         )
-        short_plan = DecodePlan(2, SHORT_DECODE_TILE)
-        if shape_index < 3:
-            plans = [DecodePlan(1), DecodePlan(2)]
-            if num_seqs == 1 and query_len == 1 and _short_plan_serves(kv_cache.dtype):
-                plans.append(short_plan)
-            if num_seqs == 1 and query_len == 1 and kv_cache.dtype.itemsize == 2:
-                plans.append(DecodePlan(1, SHORT_DECODE_TILE))  # wide batches of short contexts
-        else:  # a verify width
-            plans = [short_plan] if _short_plan_serves(kv_cache.dtype) else []
         for plan in plans:
             fused = (False, True) if fuses_new_kv(metadata, plan.tile, dtype, kv_cache.dtype, group) else (False,)
             for with_new_kv in fused:
