@@ -1,10 +1,11 @@
 """kvserve's C++ decode matmuls (cpu_kernels/csrc/decode_matmul.cpp) in this tree against the
 same file at a git revision, in one process with their timings interleaved (the machine is
 shared and noisy): the revision's source is built under another op namespace beside this
-tree's build. One row of x against SmolLM2's int4 g32 linears and int8 LM head shapes; each
-pair of outputs must be equal bit for bit (a change meant to be faster, not different).
+tree's build. `--rows` rows of x (a decode batch) against SmolLM2's int4 g32 linears and
+int8 LM head shapes; each pair of outputs must be equal bit for bit (a change meant to be
+faster, not different).
 
-    python benchmarks/cpu_kernels_ab.py --base HEAD~1 [--repeats 7]
+    python benchmarks/cpu_kernels_ab.py --base HEAD~1 [--repeats 7] [--rows 1]
 """
 
 from __future__ import annotations
@@ -47,21 +48,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="Git revision whose kernel source is the baseline.")
     parser.add_argument("--repeats", type=int, default=7, help="Interleaved timings per shape (median kept).")
+    parser.add_argument("--rows", type=int, default=1, help="Rows of x (decode sequences) a call.")
     args = parser.parse_args()
     base = build_base(args.base)
     this4, this8 = int4_matmul_op(), int8_matmul_op()
     torch.manual_seed(0)
     cases = []
     for n, k in INT4_SHAPES:
-        x, q = torch.randn(1, k), torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+        x, q = torch.randn(args.rows, k), torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
         scale, minimum = torch.rand(n, k // 32), torch.rand(n, k // 32)
         cases.append((f"int4 g32 {n}x{k}", lambda x=x, q=q, s=scale, m=minimum: this4(x, q, s, m, 32),
                       lambda x=x, q=q, s=scale, m=minimum: base.int4_matmul(x, q, s, m, 32), 100))
     for n, k in INT8_SHAPES:
-        x, q, scale = torch.randn(1, k), torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)
+        x, q, scale = torch.randn(args.rows, k), torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)
         cases.append((f"int8 {n}x{k}", lambda x=x, q=q, s=scale: this8(x, q, s),
                       lambda x=x, q=q, s=scale: base.int8_matmul(x, q, s), 30))
-    print(f"one row of x, us a call, median of {args.repeats} interleaved timings; base = {args.base}")
+    print(f"{args.rows} row(s) of x, us a call, median of {args.repeats} interleaved timings; base = {args.base}")
     for name, this, baseline, calls in cases:
         assert torch.equal(this(), baseline()), f"{name}: outputs differ from the base revision's"
         times = [(seconds_per_call(this, calls), seconds_per_call(baseline, calls)) for _ in range(args.repeats)]

@@ -438,52 +438,85 @@ void int4_dot(const int16_t* xq, int64_t k, const void* weights, int64_t row_byt
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512DQ__)
-// int4_dot<1, R, true> on 512-bit vectors: two weight rows a vector, row 2p's 32 columns in the
-// low half and row 2p + 1's in the high half, against x broadcast to both halves. That halves
+// int4_dot on 512-bit vectors: two weight rows a vector, row 2p's 32 columns in the low half and
+// row 2p + 1's in the high half, against each row of x broadcast to both halves. That halves
 // the instructions a weight of AVX2's 256-bit form (measured on the 2-core AVX-512 Xeon: one
 // row of x is bound by them, not by memory: a layer's weights hot in cache run no faster).
 // With VNNI each multiply-add and its accumulation are one instruction (vpdpwssd).
-template <int64_t R>
-void int4_dot_row_pairs(const int16_t* xq, int64_t k, const uint8_t* q, int64_t row_bytes, const float* scale,
+template <int64_t X, int64_t R, bool PACKED>
+void int4_dot_row_pairs(const int16_t* xq, int64_t k, const void* weights, int64_t row_bytes, const float* scale,
                         int64_t groups, int64_t group, float* sums, const uint8_t* prefetch) {
   static_assert(R % 2 == 0, "rows come in pairs");
   constexpr int64_t P = R / 2;
+  const uint8_t* q = static_cast<const uint8_t*>(weights);
+  const int16_t* w = static_cast<const int16_t*>(weights);
   const __m512i low_nibble = _mm512_set1_epi16(0x0F);
-  __m512 acc[P];
-  for (int64_t p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+  __m512 acc[X][P];
+  for (int64_t j = 0; j < X; ++j)
+    for (int64_t p = 0; p < P; ++p) acc[j][p] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i isum[P];
-    for (int64_t p = 0; p < P; ++p) isum[p] = _mm512_setzero_si512();
+    __m512i isum[X][P];
+    for (int64_t j = 0; j < X; ++j)
+      for (int64_t p = 0; p < P; ++p) isum[j][p] = _mm512_setzero_si512();
     for (int64_t c = g * group; c < (g + 1) * group; c += kInt4Chunk) {
       if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + c / 2 * R), _MM_HINT_T0);
-      const __m512i xe = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c)));
-      const __m512i xo = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c + 16)));
+      __m512i xe[X], xo[X];
+      for (int64_t j = 0; j < X; ++j) {
+        xe[j] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * k + c)));
+        xo[j] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * k + c + 16)));
+      }
       for (int64_t p = 0; p < P; ++p) {
-        const uint8_t* bytes = q + 2 * p * row_bytes + c / 2;
-        const __m256i pair = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))),
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + row_bytes)), 1);
-        const __m512i words = _mm512_cvtepu8_epi16(pair);
-        const __m512i even = _mm512_and_si512(words, low_nibble), odd = _mm512_srli_epi16(words, 4);
+        __m512i even, odd;
+        if constexpr (PACKED) {
+          const uint8_t* bytes = q + 2 * p * row_bytes + c / 2;
+          const __m256i pair = _mm256_inserti128_si256(
+              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))),
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + row_bytes)), 1);
+          const __m512i words = _mm512_cvtepu8_epi16(pair);
+          even = _mm512_and_si512(words, low_nibble);
+          odd = _mm512_srli_epi16(words, 4);
+        } else {
+          const int16_t* low = w + 2 * p * k + c;
+          even = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low))),
+                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + k)), 1);
+          odd = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + 16))),
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + k + 16)), 1);
+        }
+        for (int64_t j = 0; j < X; ++j) {
 #if defined(__AVX512VNNI__)
-        isum[p] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[p], even, xe), odd, xo);
+          isum[j][p] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[j][p], even, xe[j]), odd, xo[j]);
 #else
-        isum[p] = _mm512_add_epi32(isum[p], _mm512_add_epi32(_mm512_madd_epi16(even, xe), _mm512_madd_epi16(odd, xo)));
+          isum[j][p] = _mm512_add_epi32(isum[j][p], _mm512_add_epi32(_mm512_madd_epi16(even, xe[j]),
+                                                                     _mm512_madd_epi16(odd, xo[j])));
 #endif
+        }
       }
     }
     for (int64_t p = 0; p < P; ++p) {
       const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(scale[2 * p * groups + g]),
                                           _mm256_set1_ps(scale[(2 * p + 1) * groups + g]), 1);
-      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[p]), s, acc[p]);
+      for (int64_t j = 0; j < X; ++j) acc[j][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j][p]), s, acc[j][p]);
     }
   }
-  for (int64_t p = 0; p < P; ++p) {
-    sums[2 * p] = horizontal_sum(_mm512_castps512_ps256(acc[p]));
-    sums[2 * p + 1] = horizontal_sum(_mm512_extractf32x8_ps(acc[p], 1));
+  for (int64_t j = 0; j < X; ++j) {
+    for (int64_t p = 0; p < P; ++p) {
+      sums[j * R + 2 * p] = horizontal_sum(_mm512_castps512_ps256(acc[j][p]));
+      sums[j * R + 2 * p + 1] = horizontal_sum(_mm512_extractf32x8_ps(acc[j][p], 1));
+    }
   }
 }
 #endif
+
+// int4_dot in the widest vectors this build has.
+template <int64_t X, int64_t R, bool PACKED>
+inline void int4_dots(const int16_t* xq, int64_t k, const void* weights, int64_t row_bytes, const float* scale,
+                      int64_t groups, int64_t group, float* sums, const uint8_t* prefetch) {
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+  int4_dot_row_pairs<X, R, PACKED>(xq, k, weights, row_bytes, scale, groups, group, sums, prefetch);
+#else
+  int4_dot<X, R, PACKED>(xq, k, weights, row_bytes, scale, groups, group, sums, prefetch);
+#endif
+}
 
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
                        int64_t group) {
@@ -513,13 +546,8 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     // pass, for all passes, and take the tile in halves (the registers hold 2 x 2 sums).
     thread_local std::vector<int16_t> unpacked;
     if (count == kRowsPerTile && m == 1) {
-#if defined(__AVX512BW__) && defined(__AVX512DQ__)
-      int4_dot_row_pairs<kRowsPerTile>(xq, k, tile, row_bytes, tile_scale, groups, group, partial,
+      int4_dots<1, kRowsPerTile, true>(xq, k, tile, row_bytes, tile_scale, groups, group, partial,
                                        prefetch_target(qp, i, row, n, row_bytes));
-#else
-      int4_dot<1, kRowsPerTile, true>(xq, k, tile, row_bytes, tile_scale, groups, group, partial,
-                                      prefetch_target(qp, i, row, n, row_bytes));
-#endif
     } else if (count == kRowsPerTile) {
       if (i == 0) {
         unpacked.resize(kRowsPerTile * k);
@@ -529,11 +557,11 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       for (int64_t h = 0; h < kRowsPerTile; h += kHalf) {
         const int16_t* w = unpacked.data() + h * k;
         if (x_rows == kXRowsPerPass) {
-          int4_dot<kXRowsPerPass, kHalf, false>(xq, k, w, 0, tile_scale + h * groups, groups, group, half, nullptr);
+          int4_dots<kXRowsPerPass, kHalf, false>(xq, k, w, 0, tile_scale + h * groups, groups, group, half, nullptr);
         } else {
           for (int64_t j = 0; j < x_rows; ++j)
-            int4_dot<1, kHalf, false>(xq + j * k, k, w, 0, tile_scale + h * groups, groups, group, half + j * kHalf,
-                                      nullptr);
+            int4_dots<1, kHalf, false>(xq + j * k, k, w, 0, tile_scale + h * groups, groups, group, half + j * kHalf,
+                                       nullptr);
         }
         for (int64_t j = 0; j < x_rows; ++j)
           for (int64_t r = 0; r < kHalf; ++r) partial[j * kRowsPerTile + h + r] = half[j * kHalf + r];
