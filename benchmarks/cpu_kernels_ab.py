@@ -6,6 +6,10 @@ int8 LM head shapes; each pair of outputs must be equal bit for bit (a change me
 faster, not different).
 
     python benchmarks/cpu_kernels_ab.py --base HEAD~1 [--repeats 7] [--rows 1]
+
+With `--decode-rounds N`, whole decode steps instead: two engines on the embedded SmolLM2
+(`auto`, the compiled decode step), one with this tree's int4 kernel and one with the base's,
+N interleaved rounds of 64 greedy tokens at `--rows` sequences (the tokens must agree).
 """
 
 from __future__ import annotations
@@ -44,13 +48,49 @@ def seconds_per_call(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def decode_steps(base: object, batch: int, rounds: int) -> None:
+    """Median ms a decode step of an engine on this tree's int4 kernel and of one on the base's."""
+    import statistics
+
+    from kvserve.benchmarks.cpu_decode import DecodeStepTimer, run_round
+    from kvserve.cpu_kernels import _int4_matmul_shape
+    from kvserve.llm import LLM
+    from kvserve.quantization import int4
+
+    torch.library.register_fake("kvserve_cpu_base::int4_matmul")(_int4_matmul_shape)
+    engines = {}
+    for name, op in (("this", int4.int4_matmul_op), ("base", lambda: base.int4_matmul)):
+        kept, int4.int4_matmul_op = int4.int4_matmul_op, op  # Int4Linear takes its kernel when built
+        try:
+            llm = LLM(quantization="auto", compile_decode=True, enable_prefix_caching=False)
+        finally:
+            int4.int4_matmul_op = kept
+        engines[name] = llm, DecodeStepTimer(llm)
+    ms: dict[str, list[float]] = {name: [] for name in engines}
+    for round_index in range(rounds):
+        tokens = {}
+        for name in (list(engines) if round_index % 2 == 0 else list(engines)[::-1]):
+            step_ms, tokens[name] = run_round(*engines[name], batch, 64, 64, seed=round_index)
+            ms[name].append(step_ms)
+        assert tokens["this"] == tokens["base"], "the two kernels' engines decoded different tokens"
+        print(f"round {round_index}: this {ms['this'][-1]:.2f} ms, base {ms['base'][-1]:.2f} ms", flush=True)
+    this, base_ms = statistics.median(ms["this"]), statistics.median(ms["base"])
+    print(f"batch {batch}, median ms a decode step over {rounds} interleaved rounds: this {this:.2f}, "
+          f"base {base_ms:.2f} ({base_ms / this:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="Git revision whose kernel source is the baseline.")
     parser.add_argument("--repeats", type=int, default=7, help="Interleaved timings per shape (median kept).")
     parser.add_argument("--rows", type=int, default=1, help="Rows of x (decode sequences) a call.")
+    parser.add_argument("--decode-rounds", type=int, default=0,
+                        help="Time whole decode steps of two engines (this tree's int4 kernel, the base's) instead.")
     args = parser.parse_args()
     base = build_base(args.base)
+    if args.decode_rounds:
+        decode_steps(base, args.rows, args.decode_rounds)
+        return
     this4, this8 = int4_matmul_op(), int8_matmul_op()
     torch.manual_seed(0)
     cases = []
