@@ -83,5 +83,4 @@ def test_verify_attention_with_rope_and_cache_write_compiles_for_sm90(rows, new_
         num_warps=tile.num_warps, num_stages=tile.num_stages, types=types,
         divisible=(*DIVISIBLE, "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cs"))
     registers, stack = resource_usage(compiled)
-    print(f"{rows} rows, split {split}: {registers} registers")
     assert stack == 0, f"{registers} registers and {stack} bytes of stack (spilled)"
