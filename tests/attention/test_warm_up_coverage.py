@@ -43,13 +43,14 @@ class RecordedKernel:
 
     def __init__(self, kernel, keys: set) -> None:
         self.params = kernel.params
+        self.param_names = [param.name for param in kernel.params]
         self.keys = keys
 
     def __getitem__(self, grid):
         return self.launch
 
     def launch(self, *args, **kwargs) -> None:
-        values = dict(zip((param.name for param in self.params), args)) | kwargs
+        values = dict(zip(self.param_names, args)) | kwargs
         key = []
         for param in self.params:
             value = values[param.name]
@@ -59,7 +60,7 @@ class RecordedKernel:
                 key.append((param.name, value.dtype, value.data_ptr() % 16 == 0))
             elif isinstance(value, int) and not param.do_not_specialize:
                 key.append((param.name, value == 1, value % 16 == 0))
-        options = {name: value for name, value in values.items() if name not in {p.name for p in self.params}}
+        options = {name: value for name, value in values.items() if name not in self.param_names}
         self.keys.add((self.params[0].name, tuple(key), tuple(sorted(options.items()))))
 
 

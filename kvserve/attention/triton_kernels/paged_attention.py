@@ -421,6 +421,11 @@ def short_tile_rows(max_query_len: int, group_pad: int) -> int:
     return max(SHORT_DECODE_TILE.block_m, group_pad, min(whole_width, MAX_WHOLE_WIDTH_ROWS))
 
 
+def _whole_width_fits(max_query_len: int, group_pad: int) -> bool:
+    """Whether every sequence's tokens fit one short-tile program's rows."""
+    return max_query_len * group_pad <= short_tile_rows(max_query_len, group_pad)
+
+
 def fuses_new_kv(metadata: AttentionMetadata, tile: TileConfig | None, dtype: torch.dtype,
                  kv_cache_dtype: torch.dtype, group: int) -> bool:
     """Whether paged_attention takes this batch's RoPE and cache write (new_kv): a batch on
@@ -431,8 +436,7 @@ def fuses_new_kv(metadata: AttentionMetadata, tile: TileConfig | None, dtype: to
     registers and a stack); the 32-key tile takes them in 128 registers (80 without)."""
     if kv_cache_dtype != dtype or batch_tile(metadata, dtype, tile) != SHORT_DECODE_TILE:
         return False
-    group_pad = triton.next_power_of_2(group)
-    return metadata.max_query_len * group_pad <= short_tile_rows(metadata.max_query_len, group_pad)
+    return _whole_width_fits(metadata.max_query_len, triton.next_power_of_2(group))
 
 
 class DecodePlan(NamedTuple):
@@ -620,8 +624,7 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
     # whether the whole width fits them (fused RoPE).
     verify_widths: dict[tuple[int, bool], int] = {}
     for width in range(2, max_width + 1):
-        rows = short_tile_rows(width, group_pad)
-        verify_widths.setdefault((rows, width * group_pad <= rows), width)
+        verify_widths.setdefault((short_tile_rows(width, group_pad), _whole_width_fits(width, group_pad)), width)
     default_plans = [DecodePlan(1), DecodePlan(2)]
     short_split = [DecodePlan(2, SHORT_DECODE_TILE)] if _short_plan_serves(kv_cache.dtype) else []
     # Wide batches of short contexts over a 16-bit cache: the short tile unsplit.
