@@ -10,12 +10,18 @@ the time is what a verify step pays, launch latency included.
   tile) are timed by swapping the module's SHORT_DECODE_TILE.
 
     python benchmarks/gpu_verify_attention.py      # CASES=batch:context:width,...
+    CASES=1:2048:1 SPLITS=8,16,32 TILES=32:4 python benchmarks/gpu_verify_attention.py
+
+SPLITS times the short tiles at those split counts too (past SHORT_CONTEXT, where
+choose_decode_plan gives the default tile, only SPLITS' counts are short); TILES picks
+SHORT_TILES by keys a tile and warps.
 
 Every output is checked against the "rotate first" path's.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -31,8 +37,9 @@ from kvserve.model_executor.layers.triton_ops import rotary_queries_and_keys_
 LAYERS = 32
 CASES = tuple(tuple(int(v) for v in case.split(":"))
               for case in os.environ.get("CASES", "1:256:5,1:256:9,1:1024:5,2:256:5,1:128:5").split(","))
-SHORT_TILES = [pa.SHORT_DECODE_TILE, pa.TileConfig(16, 32, 8, 1), pa.TileConfig(16, 64, 4, 1),
-               pa.TileConfig(16, 64, 8, 1)]
+SHORT_TILES = [pa.TileConfig(16, int(n), int(w), 1)
+               for n, w in (tile.split(":") for tile in os.environ.get("TILES", "32:4,32:8,64:4,64:8").split(","))]
+SPLITS = tuple(int(n) for n in os.environ["SPLITS"].split(",")) if os.environ.get("SPLITS") else ()
 
 
 def layer_inputs(num_seqs: int, context: int, width: int):
@@ -74,9 +81,10 @@ def main() -> None:
                    ("attention only (prefill tile)", old_splits, step_us(lambda: rotate_first(rotate=False))),
                    ("RoPE + KV write only", old_splits, step_us(lambda: rotate_first(attention=False)))]
         default_tile = pa.SHORT_DECODE_TILE
-        for tile in SHORT_TILES:
+        short_splits = sorted({*SPLITS, plan.num_kv_splits} if plan.tile is not None else set(SPLITS))
+        for tile, splits in itertools.product(SHORT_TILES, short_splits):
             pa.SHORT_DECODE_TILE, pa.NARROW_DECODE_TILES = tile, (pa.DECODE_TILE, tile)
-            tile_plan = pa.DecodePlan(plan.num_kv_splits, tile)
+            tile_plan = pa.DecodePlan(splits, tile)
             backend = triton_backend.TritonAttentionBackend()
             new_outputs: list[torch.Tensor] = []
 
@@ -90,7 +98,7 @@ def main() -> None:
             fused()
             worst = max((new.float() - ref.float()).abs().max().item() for new, ref in zip(new_outputs, reference))
             label = f"short, fused: block_n {tile.block_n} warps {tile.num_warps}"
-            results.append((f"{label} (max |diff| {worst:.1e})", plan.num_kv_splits, step_us(fused)))
+            results.append((f"{label} (max |diff| {worst:.1e})", splits, step_us(fused)))
         pa.SHORT_DECODE_TILE, pa.NARROW_DECODE_TILES = default_tile, (pa.DECODE_TILE, default_tile)
         print(f"batch {num_seqs}, context {context}, width {width} ({LAYERS} layers a graph):", flush=True)
         for label, splits, us in results:

@@ -34,19 +34,20 @@ def _metadata(seq_lens: list[int], query_len: int = 1) -> AttentionMetadata:
 
 @pytest.mark.parametrize(("seq_lens", "splits"), [
     ([33], 2), ([64], 2), ([65], 4), ([128], 4), ([129], 8), ([192], 8), ([256], 8), ([257], 16),
-    ([1024], 16), ([100, 700], 16), ([40, 12], 2),
+    ([512], 16), ([513], 32), ([1024], 32), ([1025], 32), ([2048], 32), ([100, 700], 32), ([40, 12], 2),
 ])
 def test_narrow_short_decodes_split_into_short_tiles(seq_lens, splits) -> None:
-    """One or two sequences of llama3-8b's 8 KV heads (at most 16 programs), up to 1024 keys,
-    a bf16 or float8 cache: the 32-key tile, the context in the power of two of slices of
-    about one tile."""
+    """One or two sequences of llama3-8b's 8 KV heads (at most 16 programs), up to 2048 keys,
+    a bf16 or float8 cache: the 32-key tile, the context in the power of two of slices at or
+    above the tile count, up to 32."""
     for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
         assert choose_decode_plan(_metadata(seq_lens), 8, dtype, CPU) == DecodePlan(splits, SHORT_DECODE_TILE)
 
 
 @pytest.mark.parametrize(("seq_lens", "num_kv_heads", "dtype", "query_len"), [
     ([32], 8, torch.bfloat16, 1),  # a single tile: nothing to split
-    ([1025], 8, torch.bfloat16, 1),  # past the short contexts
+    ([2049], 8, torch.bfloat16, 1),  # past the short contexts
+    ([4097], 8, torch.bfloat16, 5),  # past the verify steps' short contexts
     ([128, 128, 128], 8, torch.bfloat16, 1),  # 24 programs
     ([128], 32, torch.bfloat16, 1),  # 32 programs
     ([128], 8, torch.float32, 1),  # an fp32 cache
@@ -60,11 +61,13 @@ def test_other_batches_keep_the_default_tile_and_split_rule(seq_lens, num_kv_hea
 
 
 @pytest.mark.parametrize(("seq_lens", "query_len", "splits"), [
-    ([37], 5, 2), ([256], 5, 8), ([261], 9, 16), ([1024], 17, 16), ([100, 40], 2, 4),
+    ([37], 5, 2), ([256], 5, 8), ([261], 9, 16), ([1024], 17, 16), ([100, 40], 2, 4), ([2053], 5, 16),
+    ([4096, 100], 3, 16),
 ])
 def test_narrow_short_verify_steps_split_into_short_tiles(seq_lens, query_len, splits) -> None:
-    """Verify steps (up to 17 tokens a sequence) of at most 16 programs over at most 1024
-    keys take the short-context plan as decodes do, 16- or 8-bit caches alike."""
+    """Verify steps (up to 17 tokens a sequence) of at most 16 programs over at most 4096
+    keys take the short-context plan as decodes do, up to 16 splits, 16- or 8-bit caches
+    alike."""
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         metadata = _metadata(seq_lens, query_len)
         assert choose_decode_plan(metadata, 8, dtype, CPU) == DecodePlan(splits, SHORT_DECODE_TILE)
@@ -104,16 +107,18 @@ def test_wide_short_decodes_take_the_short_tile_unsplit() -> None:
         assert choose_decode_plan(metadata, 8, dtype, CPU) == DecodePlan(choose_num_kv_splits(metadata, 8, CPU))
 
 
-@pytest.mark.parametrize(("seq_lens", "splits"), [
-    ([1025], 4), ([2048], 8), ([4096], 16), ([2048, 2048], 8), ([300] * 20, 1), ([100_000], 64),
+@pytest.mark.parametrize(("seq_lens", "splits", "plan"), [
+    ([1025], 4, DecodePlan(32, SHORT_DECODE_TILE)),  # the short plan's context
+    ([2049], 8, None), ([4096], 16, None), ([2049, 2049], 8, None), ([300] * 20, 1, None), ([100_000], 64, None),
 ])
-def test_narrow_long_decodes_split_at_256_keys_a_split(monkeypatch, seq_lens, splits) -> None:
+def test_narrow_long_decodes_split_at_256_keys_a_split(monkeypatch, seq_lens, splits, plan) -> None:
     """On an H100's 132 multiprocessors, decode batches of few (sequence, KV head) programs
-    past the short contexts split into slices of at least 256 keys, up to about 4 programs a
-    multiprocessor and 64 splits; a batch of 160 programs fills the GPU unsplit."""
+    split into slices of at least 256 keys, up to about 4 programs a multiprocessor and 64
+    splits, the plan past the short contexts (None: the default tile over these splits); a
+    batch of 160 programs fills the GPU unsplit."""
     from kvserve.attention.triton_kernels import paged_attention
 
     monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
     metadata = _metadata(seq_lens)
     assert choose_num_kv_splits(metadata, 8, CPU) == splits
-    assert choose_decode_plan(metadata, 8, torch.bfloat16, CPU) == DecodePlan(splits)
+    assert choose_decode_plan(metadata, 8, torch.bfloat16, CPU) == (plan or DecodePlan(splits))

@@ -293,17 +293,19 @@ GPU_SCENARIOS: dict[str, tuple[tuple[tuple[int, int], ...], int, int | None]] = 
     # name: (seqs, block size, forced splits)
     "decode": (((1, 1), (4097, 1), *_random_seqs(1, 30, 3000, lambda r: 1)), 16, None),
     "decode_split": (((5000, 1), (17, 1), (1, 1), (1203, 1)), 16, 7),
-    # One or two sequences of up to 1024 keys: the short-context plan (choose_decode_plan)
+    # One or two sequences of up to 2048 keys: the short-context plan (choose_decode_plan)
     # wherever the cache is not fp32 and there are at most 16 (sequence, KV head) programs.
     "decode_short": (((1000, 1),), 16, None),
     "decode_short_pair": (((700, 1), (40, 1)), 16, None),
+    "decode_short_long": (((2000, 1),), 16, None),
     # 64 sequences of at most 384 keys (16-bit caches: the 32-key tile unsplit).
     "decode_many_short": (_random_seqs(4, 64, 384, lambda r: 1), 16, None),
     "verify_split": (((5000, 5), (17, 5), (3, 3), (1203, 2)), 16, 7),
-    # Verify steps of one or two sequences over at most 1024 keys: the short-context plan,
+    # Verify steps of one or two sequences over at most 4096 keys: the short-context plan,
     # fused where the width fits a program (rotary cases).
     "verify_short": (((1000, 5), (300, 9)), 16, None),
     "verify_short_one": (((257, 5),), 16, None),
+    "verify_short_long": (((4000, 5), (2500, 3)), 16, None),
     "prefill": (((300, 300), (1, 1), (77, 77), (513, 513)), 16, None),
     "prefill_prefix": (((1500, 200), (700, 2), (64, 63), (2100, 129)), 16, None),
     "mixed": (_random_seqs(2, 40, 2500, lambda r: r.choice([1, 1, 1, r.randint(2, 300)])), 16, None),
@@ -332,14 +334,17 @@ GPU_CASES = [
 
 
 def test_gpu_short_scenarios_take_the_short_plan() -> None:
-    """The decode_short scenarios are there to check the short-context plan on a GPU."""
+    """The decode_short and verify_short scenarios are there to check the short-context plan
+    on a GPU, at these split counts."""
     from kvserve.attention.triton_kernels.paged_attention import SHORT_DECODE_TILE, choose_decode_plan
 
+    splits = {"decode_short": 32, "decode_short_pair": 32, "decode_short_long": 32, "verify_short": 16,
+              "verify_short_one": 16, "verify_short_long": 16}
     for case in GPU_CASES:
-        if case.scenario.startswith("decode_short"):
+        if case.scenario in splits:
             _, _, _, kv_cache, metadata = make_batch(case, "cpu")
             plan = choose_decode_plan(metadata, case.num_kv_heads, kv_cache.dtype, torch.device("cpu"))
-            assert plan.tile == SHORT_DECODE_TILE and plan.num_kv_splits == 16, case.id
+            assert plan == (splits[case.scenario], SHORT_DECODE_TILE), case.id
 
 
 @pytest.mark.gpu

@@ -344,7 +344,7 @@ WIDE_DECODE_TILE = TileConfig(block_m=16, block_n=128, num_warps=4, num_stages=2
 WIDE_BATCH = 16
 # Decode batches of at most SHORT_PROGRAMS (sequence, KV head) programs over at most
 # SHORT_CONTEXT keys, with a 16- or 8-bit cache: 32-key tiles over 4 warps, the context split into
-# up to MAX_SHORT_SPLITS slices of about one tile each (choose_decode_plan). On the H100, 32
+# up to MAX_SHORT_SPLITS slices of one or two tiles each (choose_decode_plan). On the H100, 32
 # llama3-8b layers in one CUDA graph, us a step at batch 1, this plan against the 256-key
 # tile with MIN_KEYS_PER_SPLIT's splits: 128 keys 121 / 175, 192 141 / 181, 256 159 / 188,
 # 512 199 / 314, 1024 271 / 346; batch 2 149 / 183 at 128 keys, 313 / 373 at 1024 (the
@@ -353,12 +353,24 @@ WIDE_BATCH = 16
 # e4m3 cache 2.60 -> 2.57 and 3.01 -> 2.66 (BENCHMARKS.md).
 SHORT_DECODE_TILE = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
 SHORT_PROGRAMS = 16
-# Verify batches (1 + k tokens a sequence) take the same plan; on this tile a program holds
+# Verify batches (1 + k tokens a sequence) take the same plan up to SHORT_VERIFY_CONTEXT keys
+# and MAX_SHORT_VERIFY_SPLITS; on this tile a program holds
 # the rows (tokens x head group, padded to powers of two) of its sequence's whole width, up
 # to MAX_WHOLE_WIDTH_ROWS, so each K/V tile is read once for all of them (short_tile_rows).
 MAX_WHOLE_WIDTH_ROWS = 64
-SHORT_CONTEXT = 1024
-MAX_SHORT_SPLITS = 16
+# Past 1024 keys, int4 llama3-8b dummy, the engine's steps (verify_cost, 1 + 4 tokens),
+# against the 256-key tile after the RoPE and cache-write kernels, ms: plain 1025 keys 2.461 /
+# 2.528, 1537 2.473 / 2.540, 2049 2.552 / 2.570, 3073 2.638-2.648 / 2.605-2.614 (slower: decode
+# steps stop at 2048); verify 1029 keys 3.070 / 3.318, 1541 3.157 / 3.488, 2053 3.227 / 3.380,
+# 3077 3.382 / 3.544, 4005 3.524 / 3.628.
+SHORT_CONTEXT = 2048
+SHORT_VERIFY_CONTEXT = 4096
+# Decode steps: 32 splits from 769 keys (32 layers in one graph, us a step at batch 1: 1024
+# keys 264 against 294 at 16 splits, batch 2 328 / 354; 768 keys even). A verify program's tiles
+# carry its whole width: fewer, longer splits (1025 keys 385 us at 16 splits, 418 at 32; batch
+# 2, 2049 keys 588 / 805).
+MAX_SHORT_SPLITS = 32
+MAX_SHORT_VERIFY_SPLITS = 16
 # Decode batches of WIDE_SHORT_BATCH sequences or more over at most WIDE_SHORT_CONTEXT keys
 # and a 16-bit cache: the 32-key tile unsplit (their programs fill the GPU several times),
 # which also takes the step's RoPE and KV write (fuses_new_kv). H100, llama3-8b: the
@@ -454,13 +466,16 @@ def _short_plan_serves(kv_cache_dtype: torch.dtype) -> bool:
 
 def choose_decode_plan(metadata: AttentionMetadata, num_kv_heads: int, kv_cache_dtype: torch.dtype,
                        device: torch.device) -> DecodePlan:
-    """SHORT_DECODE_TILE over a power of two of splits, about one tile each, for the narrow
+    """SHORT_DECODE_TILE over a power of two of splits, one or two tiles each, for the narrow
     decode and verify batches of short contexts it serves faster (a 16- or 8-bit cache);
     otherwise the default tile over choose_num_kv_splits' splits."""
     tiles = triton.cdiv(metadata.max_seq_len, SHORT_DECODE_TILE.block_n)
+    decode = metadata.max_query_len == 1
     if (metadata.max_query_len <= MAX_SPLIT_QUERY_LEN and metadata.num_seqs * num_kv_heads <= SHORT_PROGRAMS
-            and _short_plan_serves(kv_cache_dtype) and 1 < tiles and metadata.max_seq_len <= SHORT_CONTEXT):
-        return DecodePlan(min(triton.next_power_of_2(tiles), MAX_SHORT_SPLITS), SHORT_DECODE_TILE)
+            and _short_plan_serves(kv_cache_dtype) and 1 < tiles
+            and metadata.max_seq_len <= (SHORT_CONTEXT if decode else SHORT_VERIFY_CONTEXT)):
+        max_splits = MAX_SHORT_SPLITS if decode else MAX_SHORT_VERIFY_SPLITS
+        return DecodePlan(min(triton.next_power_of_2(tiles), max_splits), SHORT_DECODE_TILE)
     if (metadata.max_query_len == 1 and metadata.num_seqs >= WIDE_SHORT_BATCH and kv_cache_dtype.itemsize == 2
             and metadata.max_seq_len <= WIDE_SHORT_CONTEXT):
         return DecodePlan(1, SHORT_DECODE_TILE)
