@@ -136,6 +136,7 @@ class LLMEngine:
                 0 if draft is None else kv_cache_bytes_per_block(draft.config, args.block_size)
             ),
             max_draft_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
+            max_verify_batch=0 if spec_config is None else spec_config.disable_by_batch_size,
             compile_decode=args.compile_decode,
         )
         self.kv_cache = KVCacheManager(
@@ -173,6 +174,7 @@ class LLMEngine:
             proposer = DraftModelProposer(
                 draft, self.runner.num_blocks, self.args.block_size, self.device,
                 self.args.attention_backend, self.model_config.eos_token_ids,
+                min(config.disable_by_batch_size, self.scheduler_config.max_num_seqs),
             )
         logger.info("speculative decoding: %s", config)
         return Speculator(config, proposer, self.max_model_len)

@@ -7,15 +7,17 @@ whole forward pass plus the LM head once per batch size and replaying it costs o
 Graphs replay fixed addresses and fixed grids, so each step's inputs are copied into
 persistent buffers, a batch is padded up to the next captured size (padding rows write
 no KV: slot -1), and the attention's plan (split-KV count and key tile) is pinned per
-graph: one graph per (batch bucket, plan), captured on first use, the split count rounded
-down to a power of two so that few variants exist. The short-context plans of the
-smallest buckets are captured ahead, with the unsplit graphs.
+graph: one graph per (batch bucket, plan), the split count rounded down to a power of two
+so that few variants exist. Every plan of the contexts the short-context plan serves (up to
+SHORT_CONTEXT keys, verify widths SHORT_VERIFY_CONTEXT) is captured at start; longer
+contexts' split plans on first use.
 
 A verify step feeds each sequence its newest token plus up to k drafts: the same shape
 with a query width q = 1 + k per sequence. A sequence with fewer drafts is padded at the
 end of its row group (padding tokens come after its real ones, so causal attention keeps
 them out of the real rows, and they write no KV). Graphs are keyed by
-(batch bucket, query width, attention plan); only width 1 is captured ahead of time.
+(batch bucket, query width, attention plan). Verify steps run only at the batch sizes that
+speculate (max_verify_batch), so only those buckets capture the wider graphs at start.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.triton_kernels.paged_attention import (
     SHORT_CONTEXT,
-    SHORT_DECODE_TILE,
+    SHORT_VERIFY_CONTEXT,
     DecodePlan,
     choose_decode_plan,
 )
@@ -47,6 +49,41 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 def _power_of_two_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
+
+
+GraphKey = tuple[int, int, DecodePlan]  # (batch bucket, query width, attention plan)
+
+
+def graph_plan(bucket: int, width: int, max_seq_len: int, num_kv_heads: int, kv_cache_dtype: torch.dtype,
+               device: torch.device) -> DecodePlan:
+    """The attention plan pinned in the graph of a step of `bucket` sequences, `width` query
+    tokens each, the longest holding max_seq_len keys."""
+    metadata = AttentionMetadata(
+        slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None, block_size=1,
+        max_query_len=width, max_seq_len=max_seq_len,
+        query_start_loc_cpu=list(range(0, bucket * width + 1, width)), seq_lens_cpu=[width] * bucket,
+    )
+    plan = choose_decode_plan(metadata, num_kv_heads, kv_cache_dtype, device)
+    return plan._replace(num_kv_splits=_power_of_two_floor(plan.num_kv_splits))
+
+
+def graphs_at_start(buckets: list[int], max_width: int, max_verify_batch: int, num_kv_heads: int,
+                    kv_cache_dtype: torch.dtype, device: torch.device) -> list[GraphKey]:
+    """The graphs every step over short contexts takes: decode steps of every bucket up to
+    SHORT_CONTEXT keys, verify widths of the buckets that speculate (up to max_verify_batch
+    sequences) up to SHORT_VERIFY_CONTEXT. Most tokens first, so that the smaller graphs reuse
+    their memory."""
+    keys = set()
+    for bucket in buckets:
+        verifies = max_verify_batch > 0 and bucket <= next(b for b in buckets if b >= max_verify_batch)
+        for width in range(1, max_width + 1 if verifies else 2):
+            context = SHORT_CONTEXT if width == 1 else SHORT_VERIFY_CONTEXT
+            # choose_decode_plan's thresholds (tiles of 32 keys, splits of 256, context limits)
+            # all fall on a multiple of 16 or one past it: those lengths see every plan.
+            seq_lens = [width, *(n for n in range(width + 1, context + 1) if n % 16 <= 1)]
+            keys |= {(bucket, width, graph_plan(bucket, width, seq_len, num_kv_heads, kv_cache_dtype, device))
+                     for seq_len in seq_lens}
+    return sorted(keys, key=lambda key: (-key[0] * key[1], -key[0], repr(key[2])))
 
 
 class DecodeGraph:
@@ -69,7 +106,9 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         device: torch.device,
         max_width: int = 1,
+        max_verify_batch: int = 0,
     ) -> None:
+        """`max_verify_batch`: the largest batch a verify step (width > 1) may have."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -79,9 +118,10 @@ class CudaGraphRunner:
         self.num_kv_heads = kv_caches[0].shape[3]
         self.kv_cache_dtype = kv_caches[0].dtype
         self.max_width = max_width
-        self.graphs: dict[tuple[int, int, DecodePlan], DecodeGraph] = {}  # (bucket, width, plan)
-        self.replays: Counter[tuple[int, int, DecodePlan]] = Counter()  # replays of each graph
-        self.last_key: tuple[int, int, DecodePlan] | None = None  # the graph the last run replayed
+        self.max_verify_batch = min(max_verify_batch, self.max_batch)
+        self.graphs: dict[GraphKey, DecodeGraph] = {}
+        self.replays: Counter[GraphKey] = Counter()  # replays of each graph
+        self.last_key: GraphKey | None = None  # the graph the last run replayed
         # (start, end) CUDA events around each replay while a benchmark times the served
         # graphs (a list: served_replay_ms); None: replays are not timed.
         self.replay_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
@@ -132,11 +172,6 @@ class CudaGraphRunner:
             decode_plan=plan,
         )
 
-    def _plan(self, bucket: int, width: int, max_seq_len: int) -> DecodePlan:
-        plan = choose_decode_plan(self._metadata(bucket, width, max_seq_len, None), self.num_kv_heads,
-                                  self.kv_cache_dtype, self.device)
-        return plan._replace(num_kv_splits=_power_of_two_floor(plan.num_kv_splits))
-
     def _forward(self, bucket: int, width: int, plan: DecodePlan) -> torch.Tensor:
         num_tokens = bucket * width
         ids, positions = self.token_inputs[0, :num_tokens], self.token_inputs[1, :num_tokens]
@@ -165,25 +200,19 @@ class CudaGraphRunner:
         )
         return DecodeGraph(graph, logits)
 
-    def _short_plans(self, bucket: int) -> list[DecodePlan]:
-        """The short-context plans a decode step of this bucket may take (choose_decode_plan)."""
-        # Half a tile apart: every power-of-two bin of tiles is at least a tile wide.
-        step = SHORT_DECODE_TILE.block_n // 2
-        plans = {self._plan(bucket, 1, seq_len) for seq_len in range(step, SHORT_CONTEXT + 1, step)}
-        return sorted(plan for plan in plans if plan.tile is not None)
-
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture the unsplit graph of every bucket and the short-context plans of the
-        buckets that take them, largest first so that the smaller ones reuse its memory
-        pool."""
+        """Capture the graphs of steps over short contexts (graphs_at_start); longer contexts'
+        split plans are captured on first use."""
         start = time.perf_counter()
-        for bucket in reversed(self.buckets):
-            for plan in (DecodePlan(1), *self._short_plans(bucket)):
-                self.graphs[(bucket, 1, plan)] = self._capture(bucket, 1, plan)
+        keys = graphs_at_start(self.buckets, self.max_width, self.max_verify_batch, self.num_kv_heads,
+                               self.kv_cache_dtype, self.device)
+        for key in keys:
+            self.graphs[key] = self._capture(*key)
+        widths = {width for _, width, _ in self.graphs}
         logger.info(
-            "CUDA graphs: captured %d decode batch sizes (1..%d), %d graphs, in %.1f s",
-            len(self.buckets), self.max_batch, len(self.graphs), time.perf_counter() - start,
+            "CUDA graphs: captured %d decode batch sizes (1..%d), query widths up to %d, %d graphs, in %.1f s",
+            len(self.buckets), self.max_batch, max(widths), len(self.graphs), time.perf_counter() - start,
         )
 
     @torch.inference_mode()
@@ -232,7 +261,8 @@ class CudaGraphRunner:
         self.block_tables[:batch, : tables.shape[1]].copy_(tables.pin_memory(), non_blocking=True)
 
         max_seq_len = max(start_positions) + width
-        key = (bucket, width, self._plan(bucket, width, max_seq_len))
+        key = (bucket, width, graph_plan(bucket, width, max_seq_len, self.num_kv_heads, self.kv_cache_dtype,
+                                         self.device))
         graph = self.graphs.get(key)
         if graph is None:
             # Capturing overwrites the persistent inputs with padding: redo the copies after.
@@ -273,7 +303,7 @@ class CudaGraphRunner:
         return self.replay_ms(self.last_key, repeats)
 
     @torch.inference_mode()
-    def replay_ms(self, key: tuple[int, int, DecodePlan], repeats: int = 50) -> float:
+    def replay_ms(self, key: GraphKey, repeats: int = 50) -> float:
         """replay_last_ms for the graph of `key` (its inputs as the last run of any graph
         left them)."""
         return _replay_time_ms(self.graphs[key].graph, repeats)

@@ -77,12 +77,14 @@ class ModelRunner:
         enforce_eager: bool = False,
         extra_kv_bytes_per_block: int = 0,
         max_draft_tokens: int = 0,
+        max_verify_batch: int = 0,
         compile_decode: bool | None = False,
     ) -> None:
         """`extra_kv_bytes_per_block`: another cache sized in the same number of blocks
         (a speculative draft model's) that the KV memory budget must also hold.
         `max_draft_tokens`: speculative drafts a sequence may verify in one step, so that
-        verify steps replay CUDA graphs too. `compile_decode`: run CPU decode steps through
+        verify steps replay CUDA graphs too; `max_verify_batch`: the most sequences a verify
+        step has (their graphs are captured at start). `compile_decode`: run CPU decode steps through
         a torch.compile'd graph (compiled_decode.py), compiled here; None: where supported,
         its graphs compiled by `compile_idle` (steps run eager until theirs is ready)."""
         self.model = model
@@ -121,6 +123,7 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphRunner(
                 model, self.kv_caches, self.block_size, scheduler_config.max_num_seqs,
                 -(-max_len // self.block_size), device, max_width=1 + max_draft_tokens,
+                max_verify_batch=max_verify_batch,
             )
             self.cuda_graphs.capture_all()
         self.compiled_decode = self._compiled_decode(compile_decode)

@@ -89,11 +89,14 @@ class DraftModelProposer:
         device: torch.device,
         attention_backend: str,
         eos_token_ids: list[int],
+        max_batch: int,
     ) -> None:
+        """`max_batch`: the most sequences that draft in one step (speculation's
+        disable_by_batch_size), the largest batch the draft's decode graphs are captured for."""
         self.model_config = draft.config
         self.runner = ModelRunner(
             draft.model, draft.config, CacheConfig(block_size=block_size, num_blocks=num_blocks),
-            SchedulerConfig(), device, attention_backend,
+            SchedulerConfig(max_num_seqs=max_batch), device, attention_backend,
         )
         # No prefix caching: the draft's blocks are private and freed with the sequence.
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
