@@ -1,6 +1,6 @@
 """What capturing CUDA graphs at start costs, and what a step pays when its graph was not
 captured: builds a speculative (n-gram, k drafts) engine on llama3-8b dummy weights, reports
-the start-up wall time and the graphs captured in it, then runs one step of every shape a
+the start-up wall time, the graphs captured in it and the GPU memory held, then runs one step of every shape a
 speculating server meets over short contexts (batches of 1-8 sequences, query widths 1..1+k,
 several context lengths) and reports the steps that had to capture a graph and their wall
 time against a replayed step's.
@@ -36,7 +36,8 @@ def main() -> None:
     runner = llm.engine.runner
     graphs = runner.cuda_graphs
     at_start = len(graphs.graphs)
-    print(f"graphs captured at start: {at_start}", flush=True)
+    print(f"graphs captured at start: {at_start}; GPU memory allocated {torch.cuda.memory_allocated() / 2**30:.2f} "
+          f"GiB, of which KV cache {sum(c.nbytes for c in runner.kv_caches) / 2**30:.2f}", flush=True)
     captured_ms, replayed_ms = [], []
     with torch.inference_mode():
         for batch in BATCHES:

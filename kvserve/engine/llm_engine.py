@@ -136,7 +136,7 @@ class LLMEngine:
                 0 if draft is None else kv_cache_bytes_per_block(draft.config, args.block_size)
             ),
             max_draft_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
-            max_verify_batch=0 if spec_config is None else spec_config.disable_by_batch_size,
+            max_verify_batch=None if spec_config is None else spec_config.disable_by_batch_size,
             compile_decode=args.compile_decode,
         )
         self.kv_cache = KVCacheManager(

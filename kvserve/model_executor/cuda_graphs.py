@@ -89,7 +89,10 @@ def graphs_at_start(buckets: list[int], max_width: int, max_verify_batch: int, n
 class DecodeGraph:
     def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
         self.graph = graph
-        self.logits = logits  # [bucket * width, vocab] fp32, rewritten by every replay
+        # [bucket * width, vocab] fp32: a view of the runner's one logits buffer, which every
+        # replay of every graph rewrites. (One output per graph would keep each graph's
+        # logits allocated in the pool: 4 GiB for llama3-8b's 78 decode graphs.)
+        self.logits = logits
 
 
 class CudaGraphRunner:
@@ -106,9 +109,10 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         device: torch.device,
         max_width: int = 1,
-        max_verify_batch: int = 0,
+        max_verify_batch: int | None = None,
     ) -> None:
-        """`max_verify_batch`: the largest batch a verify step (width > 1) may have."""
+        """`max_verify_batch`: the largest batch a verify step (width > 1) may have (None:
+        max_batch); larger ones run eagerly."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -118,7 +122,10 @@ class CudaGraphRunner:
         self.num_kv_heads = kv_caches[0].shape[3]
         self.kv_cache_dtype = kv_caches[0].dtype
         self.max_width = max_width
-        self.max_verify_batch = min(max_verify_batch, self.max_batch)
+        self.max_verify_batch = self.max_batch if max_verify_batch is None else min(max_verify_batch, self.max_batch)
+        verify_rows = self.bucket_for(self.max_verify_batch) * max_width if self.max_verify_batch else 0
+        self.logits_rows = max(self.max_batch, verify_rows)
+        self.logits: torch.Tensor | None = None  # [logits_rows, vocab] fp32, at the first capture
         self.graphs: dict[GraphKey, DecodeGraph] = {}
         self.replays: Counter[GraphKey] = Counter()  # replays of each graph
         self.last_key: GraphKey | None = None  # the graph the last run replayed
@@ -151,7 +158,9 @@ class CudaGraphRunner:
         self.num_runs = 0
 
     def can_run(self, batch_size: int, width: int = 1) -> bool:
-        return batch_size <= self.max_batch and width <= self.max_width
+        if width == 1:
+            return batch_size <= self.max_batch
+        return width <= self.max_width and batch_size <= self.max_verify_batch
 
     def bucket_for(self, batch_size: int) -> int:
         return next(b for b in self.buckets if b >= batch_size)
@@ -172,12 +181,12 @@ class CudaGraphRunner:
             decode_plan=plan,
         )
 
-    def _forward(self, bucket: int, width: int, plan: DecodePlan) -> torch.Tensor:
+    def _forward(self, bucket: int, width: int, plan: DecodePlan, out: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = bucket * width
         ids, positions = self.token_inputs[0, :num_tokens], self.token_inputs[1, :num_tokens]
         metadata = self._metadata(bucket, width, width, plan)
         hidden = self.model(ids, positions, self.kv_caches, metadata)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, out)
 
     def _capture(self, bucket: int, width: int, plan: DecodePlan) -> DecodeGraph:
         # Padding sequences, as replays will see them: no KV write, `width` visible keys.
@@ -188,11 +197,14 @@ class CudaGraphRunner:
         start = time.perf_counter()
         # One eager run first: compiles the Triton kernels and settles lazy state
         # (e.g. RoPE tables moved to the device), neither of which may happen in capture.
-        self._forward(bucket, width, plan)
+        vocab_size = self._forward(bucket, width, plan).shape[1]
+        if self.logits is None:
+            self.logits = torch.empty(self.logits_rows, vocab_size, dtype=torch.float32, device=self.device)
+        logits = self.logits[:num_tokens]
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(bucket, width, plan)
+            self._forward(bucket, width, plan, out=logits)
         torch.cuda.synchronize(self.device)
         logger.debug(
             "captured graph: batch %d, %d query tokens each, %s, %.0f ms",

@@ -77,14 +77,14 @@ class ModelRunner:
         enforce_eager: bool = False,
         extra_kv_bytes_per_block: int = 0,
         max_draft_tokens: int = 0,
-        max_verify_batch: int = 0,
+        max_verify_batch: int | None = None,
         compile_decode: bool | None = False,
     ) -> None:
         """`extra_kv_bytes_per_block`: another cache sized in the same number of blocks
         (a speculative draft model's) that the KV memory budget must also hold.
         `max_draft_tokens`: speculative drafts a sequence may verify in one step, so that
         verify steps replay CUDA graphs too; `max_verify_batch`: the most sequences a verify
-        step has (their graphs are captured at start). `compile_decode`: run CPU decode steps through
+        step has (None: max_num_seqs), whose graphs are captured at start. `compile_decode`: run CPU decode steps through
         a torch.compile'd graph (compiled_decode.py), compiled here; None: where supported,
         its graphs compiled by `compile_idle` (steps run eager until theirs is ready)."""
         self.model = model

@@ -110,8 +110,8 @@ def test_triton_backend_greedy_equals_torch_reference(save_hf_model):
 @pytest.mark.parametrize(("num_prompts", "dtype"), [(5, "float32"), (13, "float32"), (2, "bfloat16")])
 def test_cuda_graph_decode_equals_eager(save_hf_model, num_prompts, dtype):
     """Decode steps replayed from CUDA graphs (batch padded to a bucket; long contexts
-    take a split-KV graph, and in bf16 one or two short contexts the short-tile plans)
-    give the eager path's tokens and logprobs."""
+    take a split-KV graph, and in bf16 one or two short contexts the short-tile plans; all
+    graphs share one logits buffer) give the eager path's tokens and logprobs."""
     from kvserve.attention.triton_kernels.paged_attention import SHORT_DECODE_TILE
 
     config = LlamaConfig(
@@ -137,6 +137,8 @@ def test_cuda_graph_decode_equals_eager(save_hf_model, num_prompts, dtype):
         else:
             assert graphs.num_replays > 0
             assert any(plan.num_kv_splits > 1 for _, _, plan in graphs.graphs)
+            # Every graph writes its logits into the runner's one buffer.
+            assert {graph.logits.data_ptr() for graph in graphs.graphs.values()} == {graphs.logits.data_ptr()}
             # The last step (both bf16 prompts, 740 keys) replayed a short-tile plan.
             assert (graphs.last_key[2].tile == SHORT_DECODE_TILE) == (dtype == "bfloat16")
         del llm

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model_executor.layers.linear import KERNEL_MAX_ROWS, Linear, linear, lm_head_logits
+from kvserve.model_executor.layers.linear import KERNEL_MAX_ROWS, Linear, linear
 from kvserve.cpu_kernels import float_matmul_op
 
 
@@ -46,13 +46,13 @@ def _record_torch_matmuls(monkeypatch) -> list[int]:
     return calls
 
 
-def test_lm_head_takes_the_kernel_only_for_few_fp32_rows(monkeypatch):
+def test_head_shaped_linear_takes_the_kernel_only_for_few_fp32_rows(monkeypatch):
     torch_calls = _record_torch_matmuls(monkeypatch)
     weight = torch.randn(33, 16)
     for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1):
         x = torch.randn(rows, 16)
-        torch.testing.assert_close(lm_head_logits(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
-    lm_head_logits(torch.randn(2, 16, dtype=torch.float64), weight.double())
+        torch.testing.assert_close(linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
+    linear(torch.randn(2, 16, dtype=torch.float64), weight.double())
     assert torch_calls == [KERNEL_MAX_ROWS + 1, 2]
 
 

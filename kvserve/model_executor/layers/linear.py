@@ -37,7 +37,3 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-
-def lm_head_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 logits of hidden_states [T, H] against the head's weight [V, H]."""
-    return linear(hidden_states, weight).float()

@@ -16,7 +16,7 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, TorchReferenceBackend
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.layernorm import PendingNorm, RMSNorm
-from kvserve.model_executor.layers.linear import Linear, lm_head_logits
+from kvserve.model_executor.layers.linear import Linear, linear
 from kvserve.model_executor.layers.mlp import GatedMLP
 from kvserve.model_executor.layers.moe import SparseMoE
 from kvserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
@@ -199,15 +199,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.attn_backend = attn_backend
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [T, vocab] of hidden_states [T, H]; written into `out` ([T, vocab] fp32)
+        where given: CUDA graphs share one output buffer."""
         if self.quantized_lm_head is not None:
-            return self.quantized_lm_head(hidden_states).float()
-        weight = (
-            self.model.embed_tokens.weight
-            if self.config.tie_word_embeddings
-            else self.lm_head.weight
-        )
-        return lm_head_logits(hidden_states, weight)
+            logits = self.quantized_lm_head(hidden_states)
+        else:
+            weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+            logits = linear(hidden_states, weight)
+        return logits.float() if out is None else out.copy_(logits)
 
     def shard_sizes(self, module_name: str) -> list[int]:
         """Output rows of each Hugging Face linear stacked into one of ours (hf_shard_names)."""
