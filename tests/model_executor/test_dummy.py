@@ -21,6 +21,20 @@ def test_smollm2_dummy_runs(paged_runner) -> None:
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_compute_logits_into_a_given_buffer(quantization) -> None:
+    """CUDA graphs hand compute_logits one shared fp32 buffer: the logits land there, the
+    same as without it (the bf16 head's and the int8 head copy's alike)."""
+    loaded = load_model(None, load_format="dummy", model_shape="smollm2-135m", seed=3,
+                        dtype=torch.bfloat16 if quantization is None else torch.float32, quantization=quantization)
+    hidden = torch.randn(3, 576, dtype=loaded.config.dtype)
+    buffer = torch.full((5, 49152), float("nan"))
+    logits = loaded.model.compute_logits(hidden, out=buffer[:3])
+    assert logits.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(buffer[:3], loaded.model.compute_logits(hidden), rtol=0, atol=0)
+    assert buffer[:3].dtype == torch.float32 and buffer[3:].isnan().all()
+
+
 def test_large_shape_configs() -> None:
     llama = dummy_model_config("llama3-8b", torch.bfloat16)
     assert (llama.num_hidden_layers, llama.hidden_size, llama.num_attention_heads,
