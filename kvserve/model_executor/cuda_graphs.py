@@ -73,10 +73,11 @@ def graphs_at_start(buckets: list[int], max_width: int, max_verify_batch: int, n
     SHORT_CONTEXT keys, verify widths of the buckets that speculate (up to max_verify_batch
     sequences) up to SHORT_VERIFY_CONTEXT. Most tokens first, so that the smaller graphs reuse
     their memory."""
+    # The bucket a batch of max_verify_batch sequences pads to, and every one below it.
+    largest_verify_bucket = next((b for b in buckets if b >= max_verify_batch), buckets[-1]) if max_verify_batch else 0
     keys = set()
     for bucket in buckets:
-        verifies = max_verify_batch > 0 and bucket <= next(b for b in buckets if b >= max_verify_batch)
-        for width in range(1, max_width + 1 if verifies else 2):
+        for width in range(1, max_width + 1 if bucket <= largest_verify_bucket else 2):
             context = SHORT_CONTEXT if width == 1 else SHORT_VERIFY_CONTEXT
             # choose_decode_plan's thresholds (tiles of 32 keys, splits of 256, context limits)
             # all fall on a multiple of 16 or one past it: those lengths see every plan.

@@ -84,16 +84,18 @@ class ModelRunner:
         (a speculative draft model's) that the KV memory budget must also hold.
         `max_draft_tokens`: speculative drafts a sequence may verify in one step, so that
         verify steps replay CUDA graphs too; `max_verify_batch`: the most sequences a verify
-        step has (None: max_num_seqs), whose graphs are captured at start. `compile_decode`: run CPU decode steps through
-        a torch.compile'd graph (compiled_decode.py), compiled here; None: where supported,
-        its graphs compiled by `compile_idle` (steps run eager until theirs is ready)."""
+        step has (None: max_num_seqs), whose graphs are captured at start.
+        `compile_decode`: run CPU decode steps through a torch.compile'd graph
+        (compiled_decode.py), compiled here; None: where supported, its graphs compiled by
+        `compile_idle` (steps run eager until theirs is ready)."""
         self.model = model
         self.attn_backend = get_attn_backend(
             device, attention_backend, model_config.sliding_window
         )
         model.set_attn_backend(self.attn_backend)
         if device.type == "cpu":
-            float_matmul_op()  # the fp32 linears' and LM head's kernel: built (once per machine) before the first request
+            # The fp32 linears' and LM head's kernel: built (once per machine) before the first request.
+            float_matmul_op()
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config

@@ -353,10 +353,10 @@ WIDE_BATCH = 16
 # e4m3 cache 2.60 -> 2.57 and 3.01 -> 2.66 (BENCHMARKS.md).
 SHORT_DECODE_TILE = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
 SHORT_PROGRAMS = 16
-# Verify batches (1 + k tokens a sequence) take the same plan up to SHORT_VERIFY_CONTEXT keys
-# and MAX_SHORT_VERIFY_SPLITS; on this tile a program holds
-# the rows (tokens x head group, padded to powers of two) of its sequence's whole width, up
-# to MAX_WHOLE_WIDTH_ROWS, so each K/V tile is read once for all of them (short_tile_rows).
+# Verify batches (1 + k tokens a sequence) take the same plan, up to SHORT_VERIFY_CONTEXT keys
+# and MAX_SHORT_VERIFY_SPLITS; on this tile a program holds the rows (tokens x head group,
+# padded to powers of two) of its sequence's whole width, up to MAX_WHOLE_WIDTH_ROWS, so each
+# K/V tile is read once for all of them (short_tile_rows).
 MAX_WHOLE_WIDTH_ROWS = 64
 # Past 1024 keys, int4 llama3-8b dummy, the engine's steps (verify_cost, 1 + 4 tokens),
 # against the 256-key tile after the RoPE and cache-write kernels, ms: plain 1025 keys 2.461 /
