@@ -61,13 +61,13 @@ def test_other_batches_keep_the_default_tile_and_split_rule(seq_lens, num_kv_hea
 
 
 @pytest.mark.parametrize(("seq_lens", "query_len", "splits"), [
-    ([37], 5, 2), ([256], 5, 8), ([261], 9, 16), ([1024], 17, 16), ([100, 40], 2, 4), ([2053], 5, 16),
-    ([4096, 100], 3, 16),
+    ([37], 5, 2), ([256], 5, 8), ([261], 9, 16), ([1024], 17, 16), ([100, 40], 2, 4), ([2048], 5, 16),
+    ([2049], 5, 32), ([4096], 3, 32), ([2053, 100], 5, 16), ([4096, 100], 3, 16),
 ])
 def test_narrow_short_verify_steps_split_into_short_tiles(seq_lens, query_len, splits) -> None:
     """Verify steps (up to 17 tokens a sequence) of at most 16 programs over at most 4096
     keys take the short-context plan as decodes do, up to 16 splits, 16- or 8-bit caches
-    alike."""
+    alike; one sequence (8 programs) past 2048 keys up to 32."""
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         metadata = _metadata(seq_lens, query_len)
         assert choose_decode_plan(metadata, 8, dtype, CPU) == DecodePlan(splits, SHORT_DECODE_TILE)

@@ -306,6 +306,7 @@ GPU_SCENARIOS: dict[str, tuple[tuple[tuple[int, int], ...], int, int | None]] = 
     "verify_short": (((1000, 5), (300, 9)), 16, None),
     "verify_short_one": (((257, 5),), 16, None),
     "verify_short_long": (((4000, 5), (2500, 3)), 16, None),
+    "verify_short_long_one": (((3000, 5),), 16, None),  # one sequence past 2048 keys: 32 splits
     "prefill": (((300, 300), (1, 1), (77, 77), (513, 513)), 16, None),
     "prefill_prefix": (((1500, 200), (700, 2), (64, 63), (2100, 129)), 16, None),
     "mixed": (_random_seqs(2, 40, 2500, lambda r: r.choice([1, 1, 1, r.randint(2, 300)])), 16, None),
@@ -339,12 +340,15 @@ def test_gpu_short_scenarios_take_the_short_plan() -> None:
     from kvserve.attention.triton_kernels.paged_attention import SHORT_DECODE_TILE, choose_decode_plan
 
     splits = {"decode_short": 32, "decode_short_pair": 32, "decode_short_long": 32, "verify_short": 16,
-              "verify_short_one": 16, "verify_short_long": 16}
+              "verify_short_one": 16, "verify_short_long": 16, "verify_short_long_one": 32}
     for case in GPU_CASES:
         if case.scenario in splits:
             _, _, _, kv_cache, metadata = make_batch(case, "cpu")
             plan = choose_decode_plan(metadata, case.num_kv_heads, kv_cache.dtype, torch.device("cpu"))
-            assert plan == (splits[case.scenario], SHORT_DECODE_TILE), case.id
+            expected = splits[case.scenario]
+            if case.scenario == "verify_short_long" and case.num_kv_heads == 4:
+                expected = 32  # two sequences of 4 KV heads: 8 programs, as one of 8 heads
+            assert plan == (expected, SHORT_DECODE_TILE), case.id
 
 
 @pytest.mark.gpu

@@ -60,6 +60,6 @@ def test_graphs_at_start_counts() -> None:
     wide_short = sum(bucket >= paged_attention.WIDE_SHORT_BATCH for bucket in buckets)
     assert len(plain) == 35 + 2 * 5 + (3 + 3 + 2) + wide_short
     speculating = graphs_at_start(buckets, 5, 8, NUM_KV_HEADS, torch.bfloat16, CUDA)
-    # Widths 2-5 up to 4096 keys at buckets 1, 2 (unsplit + 2-16 short splits), 4 (1-16
-    # splits) and 8 (1-8 splits).
-    assert len(speculating) - len(plain) == 4 * (5 + 5 + 5 + 4)
+    # Widths 2-5 up to 4096 keys at buckets 1 (unsplit + 2-32 short splits), 2 (unsplit + 2-16),
+    # 4 (1-16 splits) and 8 (1-8 splits).
+    assert len(speculating) - len(plain) == 4 * (6 + 5 + 5 + 4)

@@ -371,6 +371,12 @@ SHORT_VERIFY_CONTEXT = 4096
 # 2, 2049 keys 588 / 805).
 MAX_SHORT_SPLITS = 32
 MAX_SHORT_VERIFY_SPLITS = 16
+# Except one sequence's verify step (at most LONG_VERIFY_PROGRAMS programs) past
+# LONG_VERIFY_CONTEXT keys, which takes MAX_SHORT_SPLITS: width 5 at batch 1, alone, 16 / 32
+# splits 2053 keys 512 / 511 us, 2565 572 / 564, 3077 625 / 579, 4005 734 / 651; the engine's
+# verify step (int4, k = 4) 3077 keys 3.381-3.382 -> 3.365-3.371 ms, 4005 3.499 -> 3.413.
+LONG_VERIFY_CONTEXT = 2048
+LONG_VERIFY_PROGRAMS = 8
 # Decode batches of WIDE_SHORT_BATCH sequences or more over at most WIDE_SHORT_CONTEXT keys
 # and a 16-bit cache: the 32-key tile unsplit (their programs fill the GPU several times),
 # which also takes the step's RoPE and KV write (fuses_new_kv). H100, llama3-8b: the
@@ -474,7 +480,9 @@ def choose_decode_plan(metadata: AttentionMetadata, num_kv_heads: int, kv_cache_
     if (metadata.max_query_len <= MAX_SPLIT_QUERY_LEN and metadata.num_seqs * num_kv_heads <= SHORT_PROGRAMS
             and _short_plan_serves(kv_cache_dtype) and 1 < tiles
             and metadata.max_seq_len <= (SHORT_CONTEXT if decode else SHORT_VERIFY_CONTEXT)):
-        max_splits = MAX_SHORT_SPLITS if decode else MAX_SHORT_VERIFY_SPLITS
+        long_verify = (metadata.max_seq_len > LONG_VERIFY_CONTEXT
+                       and metadata.num_seqs * num_kv_heads <= LONG_VERIFY_PROGRAMS)
+        max_splits = MAX_SHORT_SPLITS if decode or long_verify else MAX_SHORT_VERIFY_SPLITS
         return DecodePlan(min(triton.next_power_of_2(tiles), max_splits), SHORT_DECODE_TILE)
     if (metadata.max_query_len == 1 and metadata.num_seqs >= WIDE_SHORT_BATCH and kv_cache_dtype.itemsize == 2
             and metadata.max_seq_len <= WIDE_SHORT_CONTEXT):
