@@ -28,7 +28,10 @@ def nibble_pairs(q: torch.Tensor) -> torch.Tensor:
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
 
 
-@pytest.mark.parametrize("n,k,group", [(37, 64, 32), (64, 576, 32), (130, 1536, 64), (9, 256, 128), (5, 32, 32)])
+# One row of x takes whole 128-column blocks first (groups of 32-128, or multiples of 128),
+# then 32-column chunks: 576 = 4 blocks + 64, 480 = 3 + 96; groups of 96 keep the chunks.
+@pytest.mark.parametrize("n,k,group", [(37, 64, 32), (64, 576, 32), (130, 1536, 64), (9, 256, 128), (5, 32, 32),
+                                       (11, 480, 32), (7, 384, 96), (6, 1024, 256)])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_int4_matmul_equals_the_dequantized_matmul(int4_matmul, n, k, group, rows):
     torch.manual_seed(n * k + rows)

@@ -365,21 +365,66 @@ inline void store_int16_chunk(const float* x, __m256 inverse, int16_t* even, int
 }
 #endif
 
-// x's rows as int16 in the int4 kernel's chunk order, with their scales and group sums; held
-// per thread and reused by the next call (a decode step makes 120 of them on SmolLM2).
-const Int4Rows& int4_rows(const float* x, int64_t m, int64_t k, int64_t group) {
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+// One row of x against packed weights (int4_dot_blocks) takes the columns of whole blocks of
+// kInt4Block in this order: a 64-byte load of a weight row is 32 int16 lanes, lane l holding
+// columns 4l .. 4l + 3 (bytes 2l, 2l + 1), and nibble i of every lane meets x's vector i,
+// columns 4l + i. The columns past the last whole block keep the 32-column chunk order.
+constexpr bool kBlockedInt4 = true;
+constexpr int64_t kInt4Block = 128;
+
+// kInt4Block columns of a row of x times `inverse`, rounded to the nearest int16 (ties to even,
+// as std::nearbyint), stored as four vectors: vector i holds columns 4l + i in lane l.
+inline void store_int16_block(const float* x, __m512 inverse, int16_t* dst) {
+  __m512i natural[4];  // columns 32 v .. 32 v + 31 as int16, in order
+  for (int64_t v = 0; v < 4; ++v) {
+    const __m256i low = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * v), inverse)));
+    const __m256i high =
+        _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * v + 16), inverse)));
+    natural[v] = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+  }
+  // Lanes 0-7 of vector i take columns 4l + i of the first 32, lanes 8-15 those of the next 32
+  // (32 on in vpermt2w's index); the last 64 columns fill lanes 16-31 the same way.
+  struct Picks {
+    alignas(64) int16_t index[4][32] = {};
+    Picks() {
+      for (int64_t i = 0; i < 4; ++i)
+        for (int64_t l = 0; l < 16; ++l) index[i][l] = static_cast<int16_t>(l < 8 ? 4 * l + i : 32 + 4 * (l - 8) + i);
+    }
+  };
+  static const Picks picks;
+  for (int64_t i = 0; i < 4; ++i) {
+    const __m512i pick = _mm512_load_si512(picks.index[i]);
+    const __m512i first = _mm512_permutex2var_epi16(natural[0], pick, natural[1]);
+    const __m512i second = _mm512_permutex2var_epi16(natural[2], pick, natural[3]);
+    _mm512_storeu_si512(dst + 32 * i, _mm512_inserti64x4(first, _mm512_castsi512_si256(second), 1));
+  }
+}
+#else
+constexpr bool kBlockedInt4 = false;
+constexpr int64_t kInt4Block = 1;
+#endif
+
+// x's rows as int16 in the int4 kernel's chunk order (with `blocked`, whole kInt4Block blocks
+// in int4_dot_blocks' order first), with their scales and group sums; held per thread and
+// reused by the next call (a decode step makes 120 of them on SmolLM2).
+const Int4Rows& int4_rows(const float* x, int64_t m, int64_t k, int64_t group, bool blocked) {
   thread_local Int4Rows out;
   out.values.resize(m * k);
   out.scales.resize(m);
   const int64_t groups = k / group;
   out.group_sums.resize(m * groups);
+  const int64_t block_end = blocked ? k / kInt4Block * kInt4Block : 0;
   for (int64_t i = 0; i < m; ++i) {
     const float* row = x + i * k;
     const float scale = int16_scale(row, k);
     const float inverse = 1.f / scale;
     int16_t* dst = out.values.data() + i * k;
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+    for (int64_t c = 0; c < block_end; c += kInt4Block) store_int16_block(row + c, _mm512_set1_ps(inverse), dst + c);
+#endif
 #if defined(__AVX2__)
-    for (int64_t c = 0; c < k; c += kInt4Chunk)
+    for (int64_t c = block_end; c < k; c += kInt4Chunk)
       store_int16_chunk(row + c, _mm256_set1_ps(inverse), dst + c, dst + c + kInt4Chunk / 2);
 #else
     for (int64_t c = 0; c < k; c += 2) {
@@ -567,6 +612,82 @@ void int4_dot_row_pairs(const int16_t* xq, int64_t k, const void* weights, int64
 }
 #endif
 
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+// The int32 sums of two int16 vectors' products, added to `acc` (vpdpwssd with VNNI).
+inline __m512i multiply_add(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+inline __m256i multiply_add(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// sums[r] = sum over groups g of scale[r, g] * (q[r, group g] . xq[group g]) for R rows of
+// packed weights and one row of x in int4_rows' blocked order. A block's 64-byte load of a row
+// gives its four nibbles a lane by shifts and masks, no widening shuffle (against
+// int4_dot_row_pairs' 16-byte loads, each widened by vpmovzxbw): on the 2-core Xeon one row of
+// x is bound by instructions, not by memory. Lane L of a block's int32 sums covers columns
+// 8L .. 8L + 7, inside one group (groups are multiples of 32 columns that divide or are
+// multiples of kInt4Block), so each block takes its scales as one vector, lane L the scale of
+// group 8L / group of the block. Columns past the last whole block go 32 at a time, in the
+// chunk order.
+template <int64_t R>
+void int4_dot_blocks(const int16_t* xq, int64_t k, const uint8_t* q, int64_t row_bytes, const float* scale,
+                     int64_t groups, int64_t group, float* sums, const uint8_t* prefetch) {
+  const int64_t block_end = k / kInt4Block * kInt4Block;
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  // Group of lane L within its block (0 where a group spans whole blocks), and the scales a
+  // block loads (a masked load: never past a row's last group).
+  const int64_t groups_per_block = group < kInt4Block ? kInt4Block / group : 1;
+  const __m512i lane_group = _mm512_srli_epi32(_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                                                   6, 5, 4, 3, 2, 1, 0),
+                                                                  _mm512_set1_epi32(8)),
+                                               __builtin_ctzll(std::min(group, kInt4Block)));
+  const __mmask16 block_scales = static_cast<__mmask16>((1u << groups_per_block) - 1);
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < block_end; c += kInt4Block) {
+    if (prefetch != nullptr)
+      for (int64_t line = 0; line < R; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + c / 2 * R + 64 * line), _MM_HINT_T0);
+    __m512i x[4];
+    for (int64_t i = 0; i < 4; ++i) x[i] = _mm512_loadu_si512(xq + c + 32 * i);
+    const int64_t first_group = c / group;
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512i w = _mm512_loadu_si512(q + r * row_bytes + c / 2);
+      __m512i dots = multiply_add(_mm512_setzero_si512(), _mm512_and_si512(w, low_nibble), x[0]);
+      dots = multiply_add(dots, _mm512_and_si512(_mm512_srli_epi16(w, 4), low_nibble), x[1]);
+      dots = multiply_add(dots, _mm512_and_si512(_mm512_srli_epi16(w, 8), low_nibble), x[2]);
+      dots = multiply_add(dots, _mm512_srli_epi16(w, 12), x[3]);
+      const float* row_scales = scale + r * groups + first_group;
+      const __m512 scales = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(block_scales, row_scales));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scales, acc[r]);
+    }
+  }
+  __m256 tail[R];
+  for (int64_t r = 0; r < R; ++r) tail[r] = _mm256_setzero_ps();
+  for (int64_t c = block_end; c < k; c += kInt4Chunk) {
+    const __m256i even_x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c));
+    const __m256i odd_x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c + kInt4Chunk / 2));
+    for (int64_t r = 0; r < R; ++r) {
+      __m256i even, odd;
+      widen_nibbles(q + r * row_bytes + c / 2, even, odd);
+      const __m256i dots = multiply_add(multiply_add(_mm256_setzero_si256(), even, even_x), odd, odd_x);
+      tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(scale[r * groups + c / group]), tail[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]) + horizontal_sum(tail[r]);
+}
+#endif
+
 // int4_dot in the widest vectors this build has.
 template <int64_t X, int64_t R, bool PACKED>
 inline void int4_dots(const int16_t* xq, int64_t k, const void* weights, int64_t row_bytes, const float* scale,
@@ -592,7 +713,9 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
               "int4_matmul: scale and minimum must be fp32 [N, K / group]");
   const at::Tensor xc = x.contiguous(), sc = scale.contiguous(), mc = minimum.contiguous();
   at::Tensor y = at::empty({m, n}, xc.options());
-  const Int4Rows& rows = int4_rows(xc.data_ptr<float>(), m, k, group);
+  // One row of x over whole blocks (int4_dot_blocks) where the groups line up with them.
+  const bool blocked = kBlockedInt4 && m == 1 && (group % kInt4Block == 0 || kInt4Block % group == 0);
+  const Int4Rows& rows = int4_rows(xc.data_ptr<float>(), m, k, group, blocked);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = sc.data_ptr<float>();
   const float* mp = mc.data_ptr<float>();
@@ -605,6 +728,18 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     // One row of x reads the nibbles directly; more unpack each tile once, in the first
     // pass, for all passes, and take the tile in halves (the registers hold 2 x 2 sums).
     thread_local std::vector<int16_t> unpacked;
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+    if (blocked) {
+      if (count == kRowsPerTile) {
+        int4_dot_blocks<kRowsPerTile>(xq, k, tile, row_bytes, tile_scale, groups, group, partial,
+                                      prefetch_target(qp, i, row, n, row_bytes));
+      } else {
+        for (int64_t r = 0; r < count; ++r)
+          int4_dot_blocks<1>(xq, k, tile + r * row_bytes, row_bytes, tile_scale + r * groups, groups, group,
+                             partial + r, nullptr);
+      }
+    } else
+#endif
     if (count == kRowsPerTile && m == 1) {
       int4_dots<1, kRowsPerTile, true>(xq, k, tile, row_bytes, tile_scale, groups, group, partial,
                                        prefetch_target(qp, i, row, n, row_bytes));
