@@ -2,7 +2,8 @@
 
 Each group of `group_size` input elements of a row keeps an fp32 scale and an fp32
 minimum: w ~= q * scale + minimum, q in [0, 15] (on CUDA both are stored in fp16 where that
-keeps them to fp16's precision: Int4Linear.compact_scales). Float zero points (rather than an
+keeps them to fp16's precision, on the CPU kernel where fp16 holds them exactly:
+Int4Linear.compact_scales). Float zero points (rather than an
 integer q-offset) reproduce a llama.cpp Q4_1 grid exactly when the groups line up (the
 embedded SmolLM2 is Q4_1 with 32-wide blocks); integer zero points cost about +25%
 perplexity there. torch's CPU kernel uses the same convention, w = (q - 8) * s + z,
@@ -52,6 +53,11 @@ def fits_fp16(values: torch.Tensor) -> bool:
     (2^-11): no overflow, and no value so small that it loses bits as a subnormal."""
     error = (values.half().float() - values).abs()
     return bool((error <= values.abs() * 2**-11).all())
+
+
+def exact_in_fp16(values: torch.Tensor) -> bool:
+    """Every value is an fp16 value."""
+    return torch.equal(values.half().float(), values)
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -111,11 +117,19 @@ class Int4Linear(QuantizedLinear):
         self.compact_scales()
 
     def compact_scales(self) -> None:
-        """On CUDA, scales and minimums in fp16 when fits_fp16 holds for both: in fp32 they
-        are 11% of an int4-g128 layer's bytes, which a one-row GEMV reads beside the packed
-        weights (the kernels compute in fp32 either way; the CPU kernels take fp32)."""
-        if (self.scale.is_cuda and self.scale.dtype == torch.float32
-                and fits_fp16(self.scale) and fits_fp16(self.minimum)):
+        """Scales and minimums in fp16, which the kernels widen to fp32 as they read them: in
+        fp32 they are 11% of an int4-g128 layer's bytes and a third of a g32 one's, read
+        beside the packed weights by every decode step. On CUDA when fits_fp16 holds for
+        both; on kvserve's CPU kernel only when fp16 holds them exactly (GGUF Q4_1's d and m),
+        so that CPU outputs do not move (SmolLM2's one-row steps: 1.15x a step's int4 calls,
+        BENCHMARKS.md)."""
+        if self.scale.dtype != torch.float32:
+            return
+        if self.scale.is_cuda:
+            compact = fits_fp16(self.scale) and fits_fp16(self.minimum)
+        else:
+            compact = self.own_kernel is not None and exact_in_fp16(self.scale) and exact_in_fp16(self.minimum)
+        if compact:
             self.scale, self.minimum = self.scale.half(), self.minimum.half()
 
     def _try_kernel_layout(self, q: torch.Tensor) -> bool:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve.cpu_kernels import int4_matmul_op
-from kvserve.quantization.int4 import dequantize_int4, quantize_int4
+from kvserve.quantization.int4 import Int4Linear, dequantize_int4, quantize_int4
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +33,13 @@ def nibble_pairs(q: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("n,k,group", [(37, 64, 32), (64, 576, 32), (130, 1536, 64), (9, 256, 128), (5, 32, 32),
                                        (11, 480, 32), (7, 384, 96), (6, 1024, 256)])
 @pytest.mark.parametrize("rows", [1, 3, 16])
-def test_int4_matmul_equals_the_dequantized_matmul(int4_matmul, n, k, group, rows):
+@pytest.mark.parametrize("stored", [torch.float32, torch.float16])
+def test_int4_matmul_equals_the_dequantized_matmul(int4_matmul, n, k, group, rows, stored):
+    """Scales and minimums stored as fp32, or as fp16 (GGUF Q4_1's d and m): the reference
+    takes the stored values."""
     torch.manual_seed(n * k + rows)
     q, scale, minimum = quantize_int4(torch.randn(n, k), group)
+    scale, minimum = scale.to(stored), minimum.to(stored)
     q[0, :2] = torch.tensor([0, 15], dtype=torch.uint8)  # both ends of the nibble range
     x = torch.randn(rows, k)
     x[0, 0] = 0.0
@@ -71,7 +75,26 @@ def test_bad_inputs_name_what_is_wrong(int4_matmul):
         int4_matmul(torch.randn(1, 64), packed, scale, minimum, 48)
     with pytest.raises(RuntimeError, match="nibble pairs"):
         int4_matmul(torch.randn(1, 64), q, scale, minimum, 32)
-    with pytest.raises(RuntimeError, match="scale and minimum must be fp32"):
+    with pytest.raises(RuntimeError, match="scale and minimum must be both fp32 or both fp16"):
         int4_matmul(torch.randn(1, 64), packed, scale[:, :1], minimum, 32)
+    with pytest.raises(RuntimeError, match="scale and minimum must be both fp32 or both fp16"):
+        int4_matmul(torch.randn(1, 64), packed, scale.half(), minimum, 32)
     with pytest.raises(RuntimeError, match="x must be 2-D fp32"):
         int4_matmul(torch.randn(1, 64, dtype=torch.float64), packed, scale, minimum, 32)
+
+
+def test_layers_keep_fp16_scales_where_fp16_holds_them_exactly(int4_matmul):
+    """Int4Linear on this kernel stores its scales and minimums in fp16 when every one is an
+    fp16 value (GGUF Q4_1's d and m), with outputs equal bit for bit to the fp32 ones'; other
+    scales stay fp32."""
+    torch.manual_seed(0)
+    q, scale, minimum = quantize_int4(torch.randn(64, 576), 32)
+    scale16, minimum16 = scale.half().float(), minimum.half().float()
+    exact = Int4Linear(q, scale16, minimum16, 32, None)
+    assert exact.cpu_kernel == "kvserve"
+    assert exact.scale.dtype == torch.float16 and exact.minimum.dtype == torch.float16
+    inexact = Int4Linear(q, scale, minimum, 32, None)
+    assert inexact.scale.dtype == torch.float32 and inexact.minimum.dtype == torch.float32
+    for rows in (1, 3):
+        x = torch.randn(rows, 576)
+        assert torch.equal(exact.kernel_matmul(x), int4_matmul(x, nibble_pairs(q), scale16, minimum16, 32))

@@ -365,6 +365,59 @@ inline void store_int16_chunk(const float* x, __m256 inverse, int16_t* even, int
 }
 #endif
 
+// Scales and minimums are fp32, or fp16 where that holds them exactly (GGUF Q4_1's d and m):
+// a g32 layer's are a third of its bytes in fp32, a fifth in fp16.
+inline float as_float(float value) { return value; }
+inline float as_float(at::Half value) {
+#if defined(__F16C__)
+  return _cvtsh_ss(value.x);
+#else
+  return static_cast<float>(value);
+#endif
+}
+
+// count fp16 values at `from` as fp32 at `to`.
+inline void widen_fp16(const at::Half* from, int64_t count, float* to) {
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  for (; c + 16 <= count; c += 16)
+    _mm512_storeu_ps(to + c, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + c))));
+#endif
+  for (; c < count; ++c) to[c] = as_float(from[c]);
+}
+
+// A tile's `count` values as fp32 for the kernels that take fp32 scales: fp32 ones as they are;
+// fp16 ones widened into `buffer` (when `widen`: the tile's first pass over x).
+inline const float* fp32_values(const float* values, int64_t, bool, std::vector<float>&) { return values; }
+inline const float* fp32_values(const at::Half* values, int64_t count, bool widen, std::vector<float>& buffer) {
+  buffer.resize(count);
+  if (widen) widen_fp16(values, count, buffer.data());
+  return buffer.data();
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* values) { return _mm512_loadu_ps(values); }
+inline __m512 load16(const at::Half* values) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
+}
+#endif
+
+// sum over groups g of minimum[g] * sums[g], a row's minimums against x's group sums: one
+// order of the adds for either storage, so that fp16 and fp32 copies of the same values give
+// the same sum.
+template <typename Scale>
+inline float minimum_offset(const Scale* minimum, const float* sums, int64_t groups) {
+  int64_t g = 0;
+  float offset = 0.f;
+#if defined(__AVX512F__)
+  __m512 lanes = _mm512_setzero_ps();
+  for (; g + 16 <= groups; g += 16) lanes = _mm512_fmadd_ps(load16(minimum + g), _mm512_loadu_ps(sums + g), lanes);
+  offset = _mm512_reduce_add_ps(lanes);
+#endif
+  for (; g < groups; ++g) offset += as_float(minimum[g]) * sums[g];
+  return offset;
+}
+
 #if defined(__AVX512BW__) && defined(__AVX512DQ__)
 // One row of x against packed weights (int4_dot_blocks) takes the columns of whole blocks of
 // kInt4Block in this order: a 64-byte load of a weight row is 32 int16 lanes, lane l holding
@@ -414,7 +467,7 @@ const Int4Rows& int4_rows(const float* x, int64_t m, int64_t k, int64_t group, b
   out.scales.resize(m);
   const int64_t groups = k / group;
   out.group_sums.resize(m * groups);
-  const int64_t block_end = blocked ? k / kInt4Block * kInt4Block : 0;
+  [[maybe_unused]] const int64_t block_end = blocked ? k / kInt4Block * kInt4Block : 0;
   for (int64_t i = 0; i < m; ++i) {
     const float* row = x + i * k;
     const float scale = int16_scale(row, k);
@@ -630,17 +683,24 @@ inline __m256i multiply_add(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+// The scales of a block's groups (lanes 0 .. 3 at most, masked: never past a row's last
+// group), stored as fp32 or fp16.
+inline __m512 block_scales(const float* scale, __mmask16 live) { return _mm512_maskz_loadu_ps(live, scale); }
+inline __m512 block_scales(const at::Half* scale, __mmask16 live) {
+  return _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>(live), scale)));
+}
+
 // sums[r] = sum over groups g of scale[r, g] * (q[r, group g] . xq[group g]) for R rows of
 // packed weights and one row of x in int4_rows' blocked order. A block's 64-byte load of a row
 // gives its four nibbles a lane by shifts and masks, no widening shuffle (against
 // int4_dot_row_pairs' 16-byte loads, each widened by vpmovzxbw): on the 2-core Xeon one row of
 // x is bound by instructions, not by memory. Lane L of a block's int32 sums covers columns
 // 8L .. 8L + 7, inside one group (groups are multiples of 32 columns that divide or are
-// multiples of kInt4Block), so each block takes its scales as one vector, lane L the scale of
-// group 8L / group of the block. Columns past the last whole block go 32 at a time, in the
-// chunk order.
-template <int64_t R>
-void int4_dot_blocks(const int16_t* xq, int64_t k, const uint8_t* q, int64_t row_bytes, const float* scale,
+// multiples of kInt4Block), so each block takes its scales (fp32 or fp16, as stored) as one
+// vector, lane L the scale of group 8L / group of the block. Columns past the last whole block
+// go 32 at a time, in the chunk order.
+template <int64_t R, typename Scale>
+void int4_dot_blocks(const int16_t* xq, int64_t k, const uint8_t* q, int64_t row_bytes, const Scale* scale,
                      int64_t groups, int64_t group, float* sums, const uint8_t* prefetch) {
   const int64_t block_end = k / kInt4Block * kInt4Block;
   const __m512i low_nibble = _mm512_set1_epi16(0x0F);
@@ -651,7 +711,7 @@ void int4_dot_blocks(const int16_t* xq, int64_t k, const uint8_t* q, int64_t row
                                                                                    6, 5, 4, 3, 2, 1, 0),
                                                                   _mm512_set1_epi32(8)),
                                                __builtin_ctzll(std::min(group, kInt4Block)));
-  const __mmask16 block_scales = static_cast<__mmask16>((1u << groups_per_block) - 1);
+  const __mmask16 live = static_cast<__mmask16>((1u << groups_per_block) - 1);
   __m512 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < block_end; c += kInt4Block) {
@@ -667,8 +727,7 @@ void int4_dot_blocks(const int16_t* xq, int64_t k, const uint8_t* q, int64_t row
       dots = multiply_add(dots, _mm512_and_si512(_mm512_srli_epi16(w, 4), low_nibble), x[1]);
       dots = multiply_add(dots, _mm512_and_si512(_mm512_srli_epi16(w, 8), low_nibble), x[2]);
       dots = multiply_add(dots, _mm512_srli_epi16(w, 12), x[3]);
-      const float* row_scales = scale + r * groups + first_group;
-      const __m512 scales = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(block_scales, row_scales));
+      const __m512 scales = _mm512_permutexvar_ps(lane_group, block_scales(scale + r * groups + first_group, live));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scales, acc[r]);
     }
   }
@@ -681,7 +740,8 @@ void int4_dot_blocks(const int16_t* xq, int64_t k, const uint8_t* q, int64_t row
       __m256i even, odd;
       widen_nibbles(q + r * row_bytes + c / 2, even, odd);
       const __m256i dots = multiply_add(multiply_add(_mm256_setzero_si256(), even, even_x), odd, odd_x);
-      tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(scale[r * groups + c / group]), tail[r]);
+      const __m256 group_scale = _mm256_set1_ps(as_float(scale[r * groups + c / group]));
+      tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), group_scale, tail[r]);
     }
   }
   for (int64_t r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]) + horizontal_sum(tail[r]);
@@ -699,6 +759,74 @@ inline void int4_dots(const int16_t* xq, int64_t k, const void* weights, int64_t
 #endif
 }
 
+// The int4 matmul over tiles of rows, with scales and minimums stored as Scale (fp32 or fp16).
+template <typename Scale>
+void int4_tiles(const Int4Rows& rows, int64_t m, int64_t n, int64_t k, int64_t group, bool blocked, const uint8_t* qp,
+                const Scale* sp, const Scale* mp, float* y) {
+  const int64_t groups = k / group;
+  const int64_t row_bytes = k / 2;
+  constexpr int64_t kHalf = kRowsPerTile / 2;
+  over_row_tiles(m, n, y, [&](int64_t i, int64_t x_rows, int64_t row, int64_t count, float* partial) {
+    const int16_t* xq = rows.values.data() + i * k;
+    const uint8_t* tile = qp + row * row_bytes;
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+    if (blocked) {  // one row of x, scales as stored
+      if (count == kRowsPerTile) {
+        int4_dot_blocks<kRowsPerTile>(xq, k, tile, row_bytes, sp + row * groups, groups, group, partial,
+                                      prefetch_target(qp, i, row, n, row_bytes));
+      } else {
+        for (int64_t r = 0; r < count; ++r)
+          int4_dot_blocks<1>(xq, k, tile + r * row_bytes, row_bytes, sp + (row + r) * groups, groups, group,
+                             partial + r, nullptr);
+      }
+    } else
+#endif
+    {
+      thread_local std::vector<float> widened;
+      const float* tile_scale = fp32_values(sp + row * groups, count * groups, i == 0, widened);
+      // One row of x reads the nibbles directly; more unpack each tile once, in the first
+      // pass, for all passes, and take the tile in halves (the registers hold 2 x 2 sums).
+      thread_local std::vector<int16_t> unpacked;
+      if (count == kRowsPerTile && m == 1) {
+        int4_dots<1, kRowsPerTile, true>(xq, k, tile, row_bytes, tile_scale, groups, group, partial,
+                                         prefetch_target(qp, i, row, n, row_bytes));
+      } else if (count == kRowsPerTile) {
+        if (i == 0) {
+          unpacked.resize(kRowsPerTile * k);
+          unpack_int4_rows(tile, row_bytes, kRowsPerTile, k, unpacked.data(),
+                           prefetch_target(qp, i, row, n, row_bytes));
+        }
+        float half[kXRowsPerPass * kHalf];
+        for (int64_t h = 0; h < kRowsPerTile; h += kHalf) {
+          const int16_t* w = unpacked.data() + h * k;
+          if (x_rows == kXRowsPerPass) {
+            int4_dots<kXRowsPerPass, kHalf, false>(xq, k, w, 0, tile_scale + h * groups, groups, group, half,
+                                                   nullptr);
+          } else {
+            for (int64_t j = 0; j < x_rows; ++j)
+              int4_dots<1, kHalf, false>(xq + j * k, k, w, 0, tile_scale + h * groups, groups, group,
+                                         half + j * kHalf, nullptr);
+          }
+          for (int64_t j = 0; j < x_rows; ++j)
+            for (int64_t r = 0; r < kHalf; ++r) partial[j * kRowsPerTile + h + r] = half[j * kHalf + r];
+        }
+      } else {
+        for (int64_t j = 0; j < x_rows; ++j)
+          for (int64_t r = 0; r < count; ++r)
+            int4_dot<1, 1, true>(xq + j * k, k, tile + r * row_bytes, row_bytes, tile_scale + r * groups, groups,
+                                 group, partial + j * kRowsPerTile + r, nullptr);
+      }
+    }
+    for (int64_t j = 0; j < x_rows; ++j) {
+      const float* sums = rows.group_sums.data() + (i + j) * groups;
+      for (int64_t r = 0; r < count; ++r) {
+        const float offset = minimum_offset(mp + (row + r) * groups, sums, groups);
+        partial[j * kRowsPerTile + r] = partial[j * kRowsPerTile + r] * rows.scales[i + j] + offset;
+      }
+    }
+  });
+}
+
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
                        int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_matmul: x must be 2-D fp32");
@@ -708,76 +836,22 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) == k / 2,
               "int4_matmul: q must be contiguous uint8 nibble pairs [N, K / 2]");
   const int64_t groups = k / group;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && minimum.scalar_type() == at::kFloat &&
+  const bool fp16 = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK((fp16 || scale.scalar_type() == at::kFloat) && minimum.scalar_type() == scale.scalar_type() &&
               scale.numel() == n * groups && minimum.numel() == n * groups,
-              "int4_matmul: scale and minimum must be fp32 [N, K / group]");
+              "int4_matmul: scale and minimum must be both fp32 or both fp16 [N, K / group]");
   const at::Tensor xc = x.contiguous(), sc = scale.contiguous(), mc = minimum.contiguous();
   at::Tensor y = at::empty({m, n}, xc.options());
   // One row of x over whole blocks (int4_dot_blocks) where the groups line up with them.
   const bool blocked = kBlockedInt4 && m == 1 && (group % kInt4Block == 0 || kInt4Block % group == 0);
   const Int4Rows& rows = int4_rows(xc.data_ptr<float>(), m, k, group, blocked);
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = sc.data_ptr<float>();
-  const float* mp = mc.data_ptr<float>();
-  const int64_t row_bytes = k / 2;
-  constexpr int64_t kHalf = kRowsPerTile / 2;
-  over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t x_rows, int64_t row, int64_t count, float* partial) {
-    const int16_t* xq = rows.values.data() + i * k;
-    const uint8_t* tile = qp + row * row_bytes;
-    const float* tile_scale = sp + row * groups;
-    // One row of x reads the nibbles directly; more unpack each tile once, in the first
-    // pass, for all passes, and take the tile in halves (the registers hold 2 x 2 sums).
-    thread_local std::vector<int16_t> unpacked;
-#if defined(__AVX512BW__) && defined(__AVX512DQ__)
-    if (blocked) {
-      if (count == kRowsPerTile) {
-        int4_dot_blocks<kRowsPerTile>(xq, k, tile, row_bytes, tile_scale, groups, group, partial,
-                                      prefetch_target(qp, i, row, n, row_bytes));
-      } else {
-        for (int64_t r = 0; r < count; ++r)
-          int4_dot_blocks<1>(xq, k, tile + r * row_bytes, row_bytes, tile_scale + r * groups, groups, group,
-                             partial + r, nullptr);
-      }
-    } else
-#endif
-    if (count == kRowsPerTile && m == 1) {
-      int4_dots<1, kRowsPerTile, true>(xq, k, tile, row_bytes, tile_scale, groups, group, partial,
-                                       prefetch_target(qp, i, row, n, row_bytes));
-    } else if (count == kRowsPerTile) {
-      if (i == 0) {
-        unpacked.resize(kRowsPerTile * k);
-        unpack_int4_rows(tile, row_bytes, kRowsPerTile, k, unpacked.data(), prefetch_target(qp, i, row, n, row_bytes));
-      }
-      float half[kXRowsPerPass * kHalf];
-      for (int64_t h = 0; h < kRowsPerTile; h += kHalf) {
-        const int16_t* w = unpacked.data() + h * k;
-        if (x_rows == kXRowsPerPass) {
-          int4_dots<kXRowsPerPass, kHalf, false>(xq, k, w, 0, tile_scale + h * groups, groups, group, half, nullptr);
-        } else {
-          for (int64_t j = 0; j < x_rows; ++j)
-            int4_dots<1, kHalf, false>(xq + j * k, k, w, 0, tile_scale + h * groups, groups, group, half + j * kHalf,
-                                       nullptr);
-        }
-        for (int64_t j = 0; j < x_rows; ++j)
-          for (int64_t r = 0; r < kHalf; ++r) partial[j * kRowsPerTile + h + r] = half[j * kHalf + r];
-      }
-    } else {
-      for (int64_t j = 0; j < x_rows; ++j)
-        for (int64_t r = 0; r < count; ++r)
-          int4_dot<1, 1, true>(xq + j * k, k, tile + r * row_bytes, row_bytes, tile_scale + r * groups, groups, group,
-                               partial + j * kRowsPerTile + r, nullptr);
-    }
-    for (int64_t j = 0; j < x_rows; ++j) {
-      const float* sums = rows.group_sums.data() + (i + j) * groups;
-      for (int64_t r = 0; r < count; ++r) {
-        const float* mins = mp + (row + r) * groups;
-        float offset = 0.f;
-#pragma omp simd reduction(+ : offset)
-        for (int64_t g = 0; g < groups; ++g) offset += mins[g] * sums[g];
-        partial[j * kRowsPerTile + r] = partial[j * kRowsPerTile + r] * rows.scales[i + j] + offset;
-      }
-    }
-  });
+  if (fp16) {
+    int4_tiles(rows, m, n, k, group, blocked, qp, sc.data_ptr<at::Half>(), mc.data_ptr<at::Half>(),
+               y.data_ptr<float>());
+  } else {
+    int4_tiles(rows, m, n, k, group, blocked, qp, sc.data_ptr<float>(), mc.data_ptr<float>(), y.data_ptr<float>());
+  }
   return y;
 }
 
