@@ -21,6 +21,13 @@
 #include <cmath>
 #include <vector>
 
+// The one-row int4 kernel on 128-column blocks (int4_dot_blocks) needs AVX-512 BW, DQ and VL.
+#if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define KVSERVE_INT4_BLOCKS 1
+#else
+#define KVSERVE_INT4_BLOCKS 0
+#endif
+
 namespace {
 
 #if defined(__AVX2__)
@@ -418,7 +425,7 @@ inline float minimum_offset(const Scale* minimum, const float* sums, int64_t gro
   return offset;
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if KVSERVE_INT4_BLOCKS
 // One row of x against packed weights (int4_dot_blocks) takes the columns of whole blocks of
 // kInt4Block in this order: a 64-byte load of a weight row is 32 int16 lanes, lane l holding
 // columns 4l .. 4l + 3 (bytes 2l, 2l + 1), and nibble i of every lane meets x's vector i,
@@ -473,7 +480,7 @@ const Int4Rows& int4_rows(const float* x, int64_t m, int64_t k, int64_t group, b
     const float scale = int16_scale(row, k);
     const float inverse = 1.f / scale;
     int16_t* dst = out.values.data() + i * k;
-#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if KVSERVE_INT4_BLOCKS
     for (int64_t c = 0; c < block_end; c += kInt4Block) store_int16_block(row + c, _mm512_set1_ps(inverse), dst + c);
 #endif
 #if defined(__AVX2__)
@@ -665,7 +672,7 @@ void int4_dot_row_pairs(const int16_t* xq, int64_t k, const void* weights, int64
 }
 #endif
 
-#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if KVSERVE_INT4_BLOCKS
 // The int32 sums of two int16 vectors' products, added to `acc` (vpdpwssd with VNNI).
 inline __m512i multiply_add(__m512i acc, __m512i a, __m512i b) {
 #if defined(__AVX512VNNI__)
@@ -769,7 +776,7 @@ void int4_tiles(const Int4Rows& rows, int64_t m, int64_t n, int64_t k, int64_t g
   over_row_tiles(m, n, y, [&](int64_t i, int64_t x_rows, int64_t row, int64_t count, float* partial) {
     const int16_t* xq = rows.values.data() + i * k;
     const uint8_t* tile = qp + row * row_bytes;
-#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if KVSERVE_INT4_BLOCKS
     if (blocked) {  // one row of x, scales as stored
       if (count == kRowsPerTile) {
         int4_dot_blocks<kRowsPerTile>(xq, k, tile, row_bytes, sp + row * groups, groups, group, partial,
