@@ -8,7 +8,8 @@ faster, not different), or with `--summation-order` agree to fp32 rounding.
     python benchmarks/cpu_kernels_ab.py --base HEAD~1 [--repeats 7] [--rows 1]
 
 With `--decode-rounds N`, whole decode steps instead: two engines on the embedded SmolLM2
-(`auto`, the compiled decode step), one with this tree's int4 kernel and one with the base's,
+(`auto`, the compiled decode step), one with this tree's int4 kernel (and scales) and one with
+the base's kernel on fp32 scales,
 N interleaved rounds of 64 greedy tokens at `--rows` sequences (the tokens must agree).
 """
 
@@ -60,11 +61,16 @@ def decode_steps(base: object, batch: int, rounds: int) -> None:
     torch.library.register_fake("kvserve_cpu_base::int4_matmul")(_int4_matmul_shape)
     engines = {}
     for name, op in (("this", int4.int4_matmul_op), ("base", lambda: base.int4_matmul)):
-        kept, int4.int4_matmul_op = int4.int4_matmul_op, op  # Int4Linear takes its kernel when built
+        # Int4Linear takes its kernel when built. Kernels before 2f18f06 take fp32 scales only,
+        # so the base's engine keeps fp32 ones (this tree's keeps fp16 where they are exact).
+        kept = int4.int4_matmul_op, int4.exact_in_fp16
+        int4.int4_matmul_op = op
+        if name == "base":
+            int4.exact_in_fp16 = lambda values: False
         try:
             llm = LLM(quantization="auto", compile_decode=True, enable_prefix_caching=False)
         finally:
-            int4.int4_matmul_op = kept
+            int4.int4_matmul_op, int4.exact_in_fp16 = kept
         engines[name] = llm, DecodeStepTimer(llm)
     ms: dict[str, list[float]] = {name: [] for name in engines}
     for round_index in range(rounds):
