@@ -33,9 +33,9 @@ class DecodeStepTimer:
         execute, step = runner.execute, engine.step
         decode_only = [False]
 
-        def timed_execute(sched, block_tables):
-            decode_only[0] = sched.total_num_scheduled_tokens == len(sched.scheduled_seqs)
-            return execute(sched, block_tables)
+        def timed_execute(sched):
+            decode_only[0] = sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens)
+            return execute(sched)
 
         def timed_step(**kwargs):
             decode_only[0] = False

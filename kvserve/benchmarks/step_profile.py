@@ -34,21 +34,21 @@ class StepTimer:
         runner, engine = self.engine.runner, self.engine
         execute, execute_ahead, step = runner.execute, runner.execute_ahead, engine.step
 
-        def timed_execute(sched, block_tables):
+        def timed_execute(sched):
             tokens = sched.total_num_scheduled_tokens
-            self._kind = "decode only" if tokens == len(sched.scheduled_seqs) else "with prefill"
+            self._kind = "decode only" if tokens == len(sched.num_scheduled_tokens) else "with prefill"
             self._tokens = tokens
             self._sync()
             start = time.perf_counter()
-            result = execute(sched, block_tables)
+            result = execute(sched)
             self._sync()
             self._model_s = time.perf_counter() - start
             return result
 
-        def timed_execute_ahead(seqs, *args):
-            self._kind, self._tokens = "decode ahead", len(seqs)
+        def timed_execute_ahead(sched, token_ids):
+            self._kind, self._tokens = "decode ahead", len(sched.num_scheduled_tokens)
             start = time.perf_counter()
-            result = execute_ahead(seqs, *args)
+            result = execute_ahead(sched, token_ids)
             self._model_s = time.perf_counter() - start
             return result
 

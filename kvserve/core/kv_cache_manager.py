@@ -21,11 +21,14 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.block_tables: dict[str, list[KVBlock]] = {}
-        # Each table's block ids as C ints, kept in step with it: a step's inputs copy them
-        # as they are (block_id_array) instead of converting every id again.
+        # Each table's block ids as C ints, kept in step with it: the deltas a step sends
+        # the runner are slices of it (take_block_delta).
         self._block_ids: dict[str, array] = {}
         # Hashes of each sequence's full blocks, in order (a prefix of its block table).
         self._block_hashes: dict[str, list[int]] = {}
+        # Leading block ids of each table that the model runner holds unchanged: a step
+        # sends it only the rest (take_block_delta).
+        self._num_synced_blocks: dict[str, int] = {}
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -40,13 +43,16 @@ class KVCacheManager:
     def block_ids(self, seq_id: str) -> list[int]:
         return self._block_ids.get(seq_id, array("i")).tolist()
 
-    def block_id_array(self, seq_id: str) -> array:
-        """The sequence's block ids as an int32 array, not a copy: read it before the table
-        changes again (a step's inputs are built from it at once)."""
-        return self._block_ids.get(seq_id, array("i"))
-
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def take_block_delta(self, seq_id: str, whole: bool = False) -> tuple[int, list[int]]:
+        """(blocks the runner keeps, ids that follow them) to bring the runner's copy of the
+        table up to date, which it now is; `whole`: the runner holds none of it."""
+        ids = self._block_ids[seq_id]
+        num_kept = 0 if whole else self._num_synced_blocks[seq_id]
+        self._num_synced_blocks[seq_id] = len(ids)
+        return num_kept, ids[num_kept:].tolist()
 
     # -- prefix cache ----------------------------------------------------------------------
 
@@ -110,6 +116,7 @@ class KVCacheManager:
             table = self.block_tables[seq_id] = adopted
             self._block_ids[seq_id] = array("i", [block.block_id for block in adopted])
             self._block_hashes[seq_id] = [block.block_hash for block in adopted]
+            self._num_synced_blocks[seq_id] = 0
 
         ids = self._block_ids[seq_id]
         copies: list[BlockCopy] = []
@@ -120,6 +127,7 @@ class KVCacheManager:
             table[first_write_block] = private
             ids[first_write_block] = private.block_id
             copies.append((shared.block_id, private.block_id))
+            self._num_synced_blocks[seq_id] = min(self._num_synced_blocks[seq_id], first_write_block)
         for _ in range(num_new_blocks):
             table.append(self.pool.allocate())
             ids.append(table[-1].block_id)
@@ -156,6 +164,7 @@ class KVCacheManager:
         while len(table) > keep:
             self.pool.release(table.pop())
             ids.pop()
+        self._num_synced_blocks[seq_id] = min(self._num_synced_blocks[seq_id], keep)
 
     # -- sharing and release ---------------------------------------------------------------
 
@@ -167,11 +176,13 @@ class KVCacheManager:
         self.block_tables[child_id] = list(table)
         self._block_ids[child_id] = array("i", self._block_ids[parent_id])
         self._block_hashes[child_id] = list(self._block_hashes[parent_id])
+        self._num_synced_blocks[child_id] = 0
 
     def free(self, seq_id: str) -> None:
         table = self.block_tables.pop(seq_id, None)
         self._block_ids.pop(seq_id, None)
         self._block_hashes.pop(seq_id, None)
+        self._num_synced_blocks.pop(seq_id, None)
         if table is None:
             return
         # Tail first, so the prefix blocks are the last to be evicted.

@@ -6,14 +6,14 @@ import itertools
 from dataclasses import replace
 import logging
 import time
-from array import array
 from typing import Any
 
 import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.core.sched.output import SchedulerOutput
+from kvserve.core.sched.scheduler import Scheduler
 from kvserve.engine.cpu_defaults import (
     AUTO,
     NONE,
@@ -26,7 +26,7 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.overlap import InflightStep, can_sample_ahead
 from kvserve.engine.request import Request
-from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.core.sequence import Sequence, SequenceStatus
 from kvserve.model_executor.default_model import default_model_path
 from kvserve.model_executor.loader import LoadedModel, load_model
 from kvserve.model_executor.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -347,7 +347,7 @@ class LLMEngine:
             if sched.is_empty:
                 return []
             now = time.time()
-            for seq in sched.scheduled_seqs:
+            for seq in self.scheduler.scheduled(sched):
                 if seq.request.times.first_scheduled is None:
                     seq.request.times.first_scheduled = now
                     seq.request.num_cached_tokens = seq.num_computed_tokens
@@ -358,20 +358,13 @@ class LLMEngine:
         self._inflight = self._launch_ahead(inflight)
         return self._finish_inflight(inflight, final_only)
 
-    def _block_tables(self, seqs: list[Sequence]) -> dict[str, array]:
-        return {seq.seq_id: self.kv_cache.block_id_array(seq.seq_id) for seq in seqs}
-
     def _run_step(self, sched: SchedulerOutput, final_only: bool) -> list[RequestOutput]:
         """A step from schedule to outputs, waiting for the device."""
-        step_logits = self.runner.execute(sched, self._block_tables(sched.scheduled_seqs))
-        for seq in sched.scheduled_seqs:
-            # Drafts' KV is written but counts only once they are accepted (below).
-            seq.num_computed_tokens = min(
-                seq.num_computed_tokens + sched.num_scheduled_tokens[seq.seq_id], seq.num_tokens
-            )
+        step_logits = self.runner.execute(sched)
+        self.scheduler.advance(sched, self.scheduler.scheduled(sched))
 
-        for seq, logits, first_target in step_logits.prompt_logits:
-            request = seq.request
+        for seq_id, logits, first_target in step_logits.prompt_logits:
+            request = self.scheduler.seqs[seq_id].request
             if first_target < len(request.prompt_logprobs):
                 continue  # recomputed after a preemption: already recorded
             targets = request.prompt_token_ids[first_target : first_target + logits.shape[0]]
@@ -382,7 +375,8 @@ class LLMEngine:
         # Plain decodes and prefills sample one row; sequences with drafts verify 1 + k.
         plain_seqs, plain_rows, spec_seqs, spec_rows = [], [], [], []
         row = 0
-        for seq, num_rows in zip(step_logits.sampling_seqs, step_logits.num_sample_rows):
+        for seq_id, num_rows in zip(step_logits.sampling_seq_ids, step_logits.num_sample_rows):
+            seq = self.scheduler.seqs[seq_id]
             if num_rows == 1:
                 plain_seqs.append(seq)
                 plain_rows.append(row)
@@ -424,14 +418,13 @@ class LLMEngine:
             sched.num_scheduled_tokens[seq.seq_id] == 1
             and seq.num_computed_tokens + 1 == seq.num_tokens
             and can_sample_ahead(seq)
-            for seq in sched.scheduled_seqs
+            for seq in self.scheduler.scheduled(sched)
         )
 
     def _launch(self, sched: SchedulerOutput) -> InflightStep:
-        seqs = sched.scheduled_seqs
-        step_logits = self.runner.execute(sched, self._block_tables(seqs))
-        for seq in seqs:
-            seq.num_computed_tokens += 1
+        seqs = self.scheduler.scheduled(sched)
+        step_logits = self.runner.execute(sched)
+        self.scheduler.advance(sched, seqs)
         rows, _, _ = self._sampling_rows(seqs)
         return InflightStep.start(seqs, self.sampler.sample_ids(step_logits.sample_logits, rows))
 
@@ -439,8 +432,6 @@ class LLMEngine:
         """The next decode step of the in-flight step's sequences, fed its sampled ids on
         the device; None when it must wait for the host (requests waiting for admission,
         too few free blocks, nothing left to run)."""
-        if self.scheduler.waiting:
-            return None  # the scheduler admits them in a step of its own
         seqs, rows = [], []
         for row, seq in enumerate(inflight.seqs):
             if seq.status is not SequenceStatus.RUNNING or self._ends_at_inflight_token(seq):
@@ -451,21 +442,14 @@ class LLMEngine:
             rows.append(row)
         if not seqs:
             return None
-        copies = []
-        for seq in seqs:
-            # Blocks taken here before a failure are the ones the next step needs anyway.
-            seq_copies = self.kv_cache.allocate_slots(
-                seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, 1
-            )
-            if seq_copies is None:
-                return None  # the scheduler preempts in a step of its own
-            copies += seq_copies
+        sched = self.scheduler.schedule_ahead(seqs)
+        if sched is None:
+            return None
         token_ids = inflight.token_ids
         if len(rows) < len(inflight.seqs):
             token_ids = token_ids[to_device_async(rows, torch.long, token_ids.device)]
-        logits = self.runner.execute_ahead(seqs, self._block_tables(seqs), copies, token_ids)
-        for seq in seqs:
-            seq.num_computed_tokens += 1
+        logits = self.runner.execute_ahead(sched, token_ids)
+        self.scheduler.advance(sched, seqs)
         self.num_steps_ahead += 1
         sampling_rows, _, _ = self._sampling_rows(seqs)
         return InflightStep.start(seqs, self.sampler.sample_ids(logits, sampling_rows))
@@ -488,10 +472,7 @@ class LLMEngine:
             self._mark_token_time(seq.request, token_time)
             touched[seq.request.request_id] = seq.request
             if not seq.status.is_finished:
-                # Registered now that the token is known; the step writing its KV is queued.
-                self.kv_cache.cache_full_blocks(
-                    seq.seq_id, seq.all_token_ids, seq.num_computed_tokens
-                )
+                self.scheduler.cache_computed_blocks(seq)
         return self._outputs(touched, final_only)
 
     def _outputs(self, touched: dict[str, Request], final_only: bool) -> list[RequestOutput]:
@@ -548,13 +529,12 @@ class LLMEngine:
     ) -> None:
         """Append a verified run token by token, so a stop or a length limit inside it ends
         the sequence there; then give back the blocks that only held rejected drafts."""
-        seq.num_computed_tokens += num_accepted  # the accepted drafts' KV is valid
-        seq.clear_drafts()
+        self.scheduler.accept_drafts(seq, num_accepted)
         for i, token_id in enumerate(token_ids):
             self._append_token(seq, token_id, None if logprobs is None else logprobs[i])
             if seq.status.is_finished:
                 return
-        self.kv_cache.trim(seq.seq_id, seq.num_computed_tokens)
+        self.scheduler.release_rejected_drafts(seq)
 
     def _append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> None:
         seq.append_token(token_id)

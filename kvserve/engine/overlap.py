@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.sequence import Sequence
+from kvserve.core.sequence import Sequence
 
 
 def can_sample_ahead(seq: Sequence) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvserve.engine.sequence import Sequence
+from kvserve.core.sequence import Sequence
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.stats import SpecDecodeStats
 

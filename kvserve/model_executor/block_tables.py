@@ -7,15 +7,14 @@ from collections.abc import Sequence
 
 import torch
 
-# One sequence's block ids: a list, or the int32 array its KVCacheManager keeps.
+# One sequence's block ids: a list, or the int32 array a runner keeps (input_batch.py).
 BlockTable = Sequence[int]
 
 
 def pack_block_tables(tables: Sequence[BlockTable]) -> torch.Tensor:
     """[len(tables), longest table] int32 on the host, each row padded with zeros. A row
-    given as an int32 array (KVCacheManager.block_id_array) is copied as it is; a list
-    converts id by id, which at 256 sequences of a thousand tokens costs about a millisecond
-    a step on a 2-core CPU (BENCHMARKS.md, eighteenth session)."""
+    given as an int32 array is copied as it is; a list converts id by id, which at 256
+    sequences of a thousand tokens costs about a millisecond a step on a 2-core CPU."""
     width = max((len(table) for table in tables), default=0)
     if width == 0:
         return torch.zeros((len(tables), 0), dtype=torch.int32)

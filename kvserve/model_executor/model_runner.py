@@ -14,10 +14,10 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.selector import get_attn_backend
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, as_storage
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.core.scheduler import SchedulerOutput
-from kvserve.engine.sequence import Sequence
+from kvserve.core.sched.output import SchedulerOutput
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
+from kvserve.model_executor.input_batch import SequenceStates
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
 from kvserve.sample.argmax import row_argmax
 from kvserve.cpu_kernels import float_matmul_op
@@ -39,14 +39,14 @@ class StepLogits:
     """Logits of one forward pass, for the positions the engine asked for."""
 
     # [R, V] fp32: next-token logits of each sequence that samples this step, in
-    # sampling_seqs order: one row, or 1 + k for a sequence verifying k drafts (the last
+    # sampling_seq_ids order: one row, or 1 + k for a sequence verifying k drafts (the last
     # verified token and each draft predict the token after them).
     sample_logits: torch.Tensor
-    sampling_seqs: list[Sequence]
+    sampling_seq_ids: list[str]
     num_sample_rows: list[int]
-    # (sequence, [P, V] logits, index of the first prompt token they predict): prompt
+    # (sequence id, [P, V] logits, index of the first prompt token they predict): prompt
     # positions of this chunk, for requests that asked for prompt logprobs.
-    prompt_logits: list[tuple[Sequence, torch.Tensor, int]]
+    prompt_logits: list[tuple[str, torch.Tensor, int]]
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -108,6 +108,7 @@ class ModelRunner:
             cache_config.num_blocks = self._determine_num_blocks()
         self.num_blocks = cache_config.num_blocks
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.seqs = SequenceStates()
         # The scales belong to this runner's cache (weights may be shared with other engines).
         for layer in model.model.layers:
             layer.self_attn.kv_scales = (1.0, 1.0)
@@ -348,42 +349,40 @@ class ModelRunner:
         every sequence feeds its newest token plus drafts and samples at each (so none is
         inside its prompt, where prompt logprobs would be wanted)."""
         width = 0
-        for seq in sched.scheduled_seqs:
-            num = sched.num_scheduled_tokens[seq.seq_id]
+        for seq_id, num in sched.num_scheduled_tokens.items():
+            seq = self.seqs[seq_id]
             if (
                 seq.num_computed_tokens + 1 != seq.num_tokens
-                or num > 1 + len(seq.spec_token_ids)
-                or (num > 1 and seq.spec_tree_parents is not None)
+                or num > 1 + len(sched.spec_token_ids.get(seq_id, ()))
+                or (num > 1 and seq_id in sched.spec_tree_parents)
             ):
                 return False
             width = max(width, num)
-        return width > 0 and self.cuda_graphs.can_run(len(sched.scheduled_seqs), width)
+        return width > 0 and self.cuda_graphs.can_run(len(sched.num_scheduled_tokens), width)
 
-    def _execute_graph(self, sched: SchedulerOutput, block_tables: dict[str, BlockTable]) -> StepLogits:
-        seqs = sched.scheduled_seqs
-        num_rows = [sched.num_scheduled_tokens[seq.seq_id] for seq in seqs]
+    def _execute_graph(self, sched: SchedulerOutput) -> StepLogits:
+        seq_ids = sched.scheduled_seq_ids
+        seqs = [self.seqs[seq_id] for seq_id in seq_ids]
+        num_rows = list(sched.num_scheduled_tokens.values())
         self._copy_blocks(sched.block_copies)
         logits = self.cuda_graphs.run(
-            [[seq.all_token_ids[-1], *seq.spec_token_ids[: n - 1]] for seq, n in zip(seqs, num_rows)],
+            [[seq.token_ids[-1], *sched.spec_token_ids.get(seq_id, ())[: n - 1]]
+             for seq_id, seq, n in zip(seq_ids, seqs, num_rows)],
             [seq.num_computed_tokens for seq in seqs],
-            [block_tables[seq.seq_id] for seq in seqs],
+            [seq.block_ids for seq in seqs],
         )
-        return StepLogits(logits, list(seqs), num_rows, [])
+        return StepLogits(logits, seq_ids, num_rows, [])
 
     @torch.inference_mode()
-    def execute_ahead(
-        self,
-        seqs: list[Sequence],
-        block_tables: dict[str, BlockTable],
-        block_copies: list[tuple[int, int]],
-        token_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        """A decode step launched before the host has read its input tokens: sequence i
-        feeds token_ids[i] (on the device, sampled by the step still in flight) at position
-        seq.num_computed_tokens. Returns next-token logits [B, V] fp32."""
+    def execute_ahead(self, sched: SchedulerOutput, token_ids: torch.Tensor) -> torch.Tensor:
+        """A decode step launched before the host has read its input tokens: the i-th
+        scheduled sequence feeds token_ids[i] (on the device, sampled by the step still in
+        flight) at its num_computed_tokens. Returns next-token logits [B, V] fp32."""
+        self.seqs.apply(sched)
+        seqs = [self.seqs[seq_id] for seq_id in sched.num_scheduled_tokens]
         positions = [seq.num_computed_tokens for seq in seqs]
-        tables = [block_tables[seq.seq_id] for seq in seqs]
-        self._copy_blocks(block_copies)
+        tables = [seq.block_ids for seq in seqs]
+        self._copy_blocks(sched.block_copies)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(len(seqs)):
             return self.cuda_graphs.run([[0]] * len(seqs), positions, tables, token_ids)
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -394,33 +393,36 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: dict[str, BlockTable]) -> StepLogits:
+    def execute(self, sched: SchedulerOutput) -> StepLogits:
+        self.seqs.apply(sched)
         if self.cuda_graphs is not None and self._graph_can_run(sched):
-            return self._execute_graph(sched, block_tables)
+            return self._execute_graph(sched)
         input_ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[BlockTable] = []
         sample_indices: list[int] = []
-        sampling_seqs: list[Sequence] = []
+        sampling_seq_ids: list[str] = []
         num_sample_rows: list[int] = []
-        prompt_spans: list[tuple[Sequence, int, int, int]] = []  # seq, flat start, count, pos
+        prompt_spans: list[tuple[str, int, int, int]] = []  # seq id, flat start, count, pos
         tree_masks: dict[int, torch.Tensor] = {}
         rope_positions: list[int] = []  # differ from positions only for token trees
 
-        for seq in sched.scheduled_seqs:
+        for seq_id, num_new in sched.num_scheduled_tokens.items():
+            seq = self.seqs[seq_id]
             start = seq.num_computed_tokens
-            end = start + sched.num_scheduled_tokens[seq.seq_id]
+            end = start + num_new
             flat_start = len(input_ids)
-            tokens = seq.all_token_ids
+            tokens = seq.token_ids
             if end > seq.num_tokens:  # drafted tokens to verify follow the verified ones
-                tokens = tokens + seq.spec_token_ids
+                tokens = tokens + sched.spec_token_ids[seq_id]
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
-            if end > seq.num_tokens and seq.spec_tree_parents is not None:
+            tree_parents = sched.spec_tree_parents.get(seq_id)
+            if end > seq.num_tokens and tree_parents is not None:
                 # Drafts keep their slots in node order but rotate by their depth.
-                parents = seq.spec_tree_parents[: end - seq.num_tokens]
+                parents = tree_parents[: end - seq.num_tokens]
                 rope_positions.extend(range(start, seq.num_tokens))
                 rope_positions.extend(seq.num_tokens + d for d in tree_depths(parents))
                 tree_masks[len(seq_lens)] = tree_attention_mask(
@@ -430,17 +432,17 @@ class ModelRunner:
                 rope_positions.extend(range(start, end))
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
-            tables.append(block_tables[seq.seq_id])
+            tables.append(seq.block_ids)
             if end >= seq.num_tokens:
                 num_rows = end - seq.num_tokens + 1
                 sample_indices.extend(range(len(input_ids) - num_rows, len(input_ids)))
-                sampling_seqs.append(seq)
+                sampling_seq_ids.append(seq_id)
                 num_sample_rows.append(num_rows)
-            if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1 and seq.index == 0:
+            if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
                 # Position p predicts prompt token p + 1; the last prompt position predicts
                 # the first output token, which is not a prompt logprob.
                 count = min(end, seq.num_prompt_tokens - 1) - start
-                prompt_spans.append((seq, flat_start, count, start))
+                prompt_spans.append((seq_id, flat_start, count, start))
 
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         rope_positions_t = positions_t
@@ -457,7 +459,7 @@ class ModelRunner:
             hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata)
         sample_logits = self.model.compute_logits(hidden[sample_indices])
         prompt_logits = [
-            (seq, self.model.compute_logits(hidden[flat : flat + count]), pos + 1)
-            for seq, flat, count, pos in prompt_spans
+            (seq_id, self.model.compute_logits(hidden[flat : flat + count]), pos + 1)
+            for seq_id, flat, count, pos in prompt_spans
         ]
-        return StepLogits(sample_logits, sampling_seqs, num_sample_rows, prompt_logits)
+        return StepLogits(sample_logits, sampling_seq_ids, num_sample_rows, prompt_logits)

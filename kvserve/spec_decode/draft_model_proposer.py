@@ -16,8 +16,9 @@ import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.scheduler import SchedulerOutput
-from kvserve.engine.sequence import Sequence
+from kvserve.core.sched.output import SchedulerOutput
+from kvserve.core.sched.step_builder import StepBuilder
+from kvserve.core.sequence import Sequence
 from kvserve.model_executor.loader import LoadedModel, load_model
 from kvserve.model_executor.model_runner import ModelRunner
 from kvserve.quantization import get_quantization_method, quantize_model
@@ -55,25 +56,6 @@ def load_draft_model(
     return draft
 
 
-class _DraftView:
-    """The part of a Sequence that ModelRunner.execute reads, for the draft's own pass."""
-
-    index = 0
-    wants_prompt_logprobs = False
-    spec_token_ids: list[int] = []
-    spec_tree_parents = None
-
-    def __init__(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
-        self.seq_id = seq_id
-        self.all_token_ids = token_ids
-        self.num_computed_tokens = num_computed
-        self.num_prompt_tokens = len(token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-
 @dataclass
 class _CacheState:
     num_verified: int = 0  # leading tokens of the sequence whose KV the draft cache holds
@@ -100,6 +82,7 @@ class DraftModelProposer:
         )
         # No prefix caching: the draft's blocks are private and freed with the sequence.
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.step_builder = StepBuilder(self.kv_cache)
         self.eos_token_ids = eos_token_ids
         self._states: dict[str, _CacheState] = {}
 
@@ -108,6 +91,7 @@ class DraftModelProposer:
         for seq_id in [s for s in self._states if s not in keep]:
             del self._states[seq_id]
             self.kv_cache.free(seq_id)
+            self.step_builder.drop(seq_id)
 
     def _num_valid(self, seq: Sequence) -> int:
         """Cached positions that still match the sequence (drafts it accepted count)."""
@@ -121,53 +105,52 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
-        views = []
+        # Per sequence: its tokens with the drafts so far, and how many the cache holds.
+        contexts: list[list[int]] = []
+        num_cached: list[int] = []
         for seq in seqs:
             valid = self._num_valid(seq)
             if seq.seq_id in self.kv_cache.block_tables:
                 self.kv_cache.trim(seq.seq_id, valid)
-            views.append(_DraftView(seq.seq_id, list(seq.all_token_ids), valid))
+            # The runner's copy may hold rejected drafts: it gets the sequence whole.
+            self.step_builder.resend(seq.seq_id)
+            contexts.append(list(seq.all_token_ids))
+            num_cached.append(valid)
         drafted: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         for step in range(max(num_tokens)):
-            active = [i for i in active if num_tokens[i] > step and self._allocate(views[i])]
+            active = [i for i in active
+                      if num_tokens[i] > step and self._allocate(seqs[i].seq_id, contexts[i], num_cached[i])]
             if not active:
                 break
-            sched = SchedulerOutput(
-                scheduled_seqs=[views[i] for i in active],
-                num_scheduled_tokens={
-                    views[i].seq_id: views[i].num_tokens - views[i].num_computed_tokens
-                    for i in active
-                },
-            )
-            tables = {views[i].seq_id: self.kv_cache.block_ids(views[i].seq_id) for i in active}
-            logits = self.runner.execute(sched, tables).sample_logits
+            sched = SchedulerOutput(finished_seq_ids=self.step_builder.take_dropped())
+            for i in active:
+                self.step_builder.add(sched, seqs[i].seq_id, contexts[i], seqs[i].num_prompt_tokens,
+                                      num_cached[i], len(contexts[i]) - num_cached[i])
+            logits = self.runner.execute(sched).sample_logits
             tokens, token_probs = self._sample(logits, [seqs[i] for i in active],
                                                [drafted[i] for i in active])
             for row, i in enumerate(active):
-                view = views[i]
-                view.num_computed_tokens = view.num_tokens
-                view.all_token_ids.append(tokens[row])
+                num_cached[i] = len(contexts[i])
+                contexts[i].append(tokens[row])
                 drafted[i].append(tokens[row])
                 if token_probs is not None:
                     probs[i].append(token_probs[row])
         drafts = []
-        for seq, view, tokens, rows in zip(seqs, views, drafted, probs):
-            # The cache holds view.num_computed_tokens positions: normally the verified
-            # tokens and every draft but the last (fewer if the draft cache ran out).
-            computed = view.num_computed_tokens
+        for seq, context, computed, tokens, rows in zip(seqs, contexts, num_cached, drafted, probs):
+            # The cache holds `computed` positions: normally the verified tokens and every
+            # draft but the last (fewer if the draft cache ran out).
             self._states[seq.seq_id] = _CacheState(
-                min(seq.num_tokens, computed), view.all_token_ids[seq.num_tokens : computed]
+                min(seq.num_tokens, computed), context[seq.num_tokens : computed]
             )
             greedy = seq.request.params.is_greedy
             drafts.append(Draft(tokens, None if greedy or not rows else torch.stack(rows)))
         return drafts
 
-    def _allocate(self, view: _DraftView) -> bool:
-        num_new = view.num_tokens - view.num_computed_tokens
+    def _allocate(self, seq_id: str, context: list[int], num_cached: int) -> bool:
         return self.kv_cache.allocate_slots(
-            view.seq_id, view.all_token_ids, view.num_computed_tokens, num_new
+            seq_id, context, num_cached, len(context) - num_cached
         ) is not None
 
     def _sample(

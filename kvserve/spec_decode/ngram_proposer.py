@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from kvserve.engine.sequence import Sequence as EngineSequence
+from kvserve.core.sequence import Sequence as EngineSequence
 from kvserve.spec_decode.proposer import Draft
 
 

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from kvserve.engine.sequence import Sequence
+from kvserve.core.sequence import Sequence
 
 
 @dataclass

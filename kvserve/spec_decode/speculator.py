@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.core.sequence import Sequence, SequenceStatus
 from kvserve.sample.sampler import SamplingRow, final_probs, gather_logprobs
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.proposer import Proposer

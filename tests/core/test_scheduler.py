@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.scheduler import Scheduler
-from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.core.sched.scheduler import Scheduler
+from kvserve.core.sequence import Sequence, SequenceStatus
+from kvserve.model_executor.input_batch import SequenceStates
 
 VOCAB = 7
 
@@ -65,6 +66,7 @@ class FakeEngine:
         self.victims: list[str] = []
         self.outputs = []  # SchedulerOutputs, one per step
         self.content: dict[int, list] = {}
+        self.runner_view = SequenceStates()  # what a model runner rebuilds from the outputs
         self.step_no = 0
         self.key = (lambda s: (s.priority, s.arrival_time)) if policy == "priority" else (
             lambda s: (s.arrival_time,))
@@ -89,7 +91,18 @@ class FakeEngine:
         out = sched.schedule()
         self.outputs.append(out)
         self.step_no += 1
-        ids = [s.seq_id for s in out.scheduled_seqs]
+        scheduled = sched.scheduled(out)
+        ids = out.scheduled_seq_ids
+
+        # A runner that knows only the outputs holds exactly each scheduled sequence's
+        # tokens, progress and block table (the deltas add up), and nothing finished.
+        self.runner_view.apply(out)
+        for s in scheduled:
+            held = self.runner_view[s.seq_id]
+            assert held.token_ids == s.all_token_ids
+            assert held.num_computed_tokens == s.num_computed_tokens
+            assert held.block_ids.tolist() == self.kv.block_ids(s.seq_id)
+        assert not {f.seq_id for f in self.finished} & set(self.runner_view)
         sizes = out.num_scheduled_tokens
 
         # Budgets and limits.
@@ -101,7 +114,8 @@ class FakeEngine:
         assert out.block_copies == []  # no forks here
 
         # Preemption victims: successive "worst" running sequences, by policy.
-        preempted = out.preempted_seqs
+        by_id = {s.seq_id: s for s in running_before}
+        preempted = [by_id[seq_id] for seq_id in out.preempted_seq_ids]
         if self.config.policy == "priority":
             expect = sorted(running_before, key=self.key, reverse=True)[: len(preempted)]
             assert [self.key(s) for s in preempted] == [self.key(s) for s in expect]
@@ -119,10 +133,10 @@ class FakeEngine:
         assert keys == sorted(keys)
 
         # Running sequences are served before new prefills; new ones come in queue order.
-        admitted = [s for s in out.scheduled_seqs if s not in running_before]
+        admitted = [s for s in scheduled if s not in running_before]
         kept = [s for s in running_before if s not in preempted]
         assert ids[: len(ids) - len(admitted)] == [s.seq_id for s in kept if s.seq_id in sizes]
-        assert out.scheduled_seqs[len(ids) - len(admitted):] == admitted
+        assert scheduled[len(ids) - len(admitted):] == admitted
         if admitted:
             assert not preempted
             for s in kept:  # every running sequence got all it asked for first
@@ -143,18 +157,18 @@ class FakeEngine:
                 assert s.num_computed_tokens + sizes[s.seq_id] == s.num_tokens
 
         # Every scheduled sequence has room for its tokens.
-        for s in out.scheduled_seqs:
+        for s in scheduled:
             end = s.num_computed_tokens + sizes[s.seq_id]
             assert len(self.kv.block_ids(s.seq_id)) == cdiv(end, self.bs)
 
         # "Run the model": write the step's KV, then check every sequence reads its own.
-        for s in out.scheduled_seqs:
+        for s in scheduled:
             table = self.kv.block_ids(s.seq_id)
             for pos in range(s.num_computed_tokens, s.num_computed_tokens + sizes[s.seq_id]):
                 self.content.setdefault(table[pos // self.bs], [None] * self.bs)[
                     pos % self.bs
                 ] = s.all_token_ids[pos]
-        for s in out.scheduled_seqs:
+        for s in scheduled:
             table = self.kv.block_ids(s.seq_id)
             end = s.num_computed_tokens + sizes[s.seq_id]
             for pos in range(end):
@@ -163,7 +177,7 @@ class FakeEngine:
                 )
 
         # Advance; sample and finish.
-        for s in out.scheduled_seqs:
+        for s in scheduled:
             s.num_computed_tokens += sizes[s.seq_id]
             if s.num_computed_tokens == s.num_tokens:
                 s.append_token(greedy_token(s.all_token_ids))
@@ -240,7 +254,7 @@ def test_decodes_scheduled_before_new_prefill():
     eng.submit(make_seq(2, list(range(20))), max_tokens=2, at_step=2)
     eng.run()
     out2 = eng.outputs[2]
-    assert [s.seq_id for s in out2.scheduled_seqs] == ["s0", "s1", "s2"]
+    assert out2.scheduled_seq_ids == ["s0", "s1", "s2"]
     assert out2.num_scheduled_tokens == {"s0": 1, "s1": 1, "s2": 6}
     # While s2's prefill is chunked, the decodes of s0 and s1 keep flowing.
     out3 = eng.outputs[3]
@@ -254,7 +268,7 @@ def test_max_num_seqs_limits_admission():
     eng.run()
     assert eng.first_admissions == [f"s{i}" for i in range(5)]
     assert eng.outputs[0].num_scheduled_tokens == {"s0": 3, "s1": 3}
-    assert max(len(o.scheduled_seqs) for o in eng.outputs) == 2
+    assert max(len(o.num_scheduled_tokens) for o in eng.outputs) == 2
 
 
 def test_fcfs_admits_in_arrival_order_not_submission_order():
@@ -325,8 +339,8 @@ def test_priority_preempting_an_already_scheduled_sequence():
     assert eng.sched.num_preemptions > 0
     # The step where s0 ran ahead of s1 in the running list, was scheduled, and then
     # became the victim of s1's allocation: it must be dropped from that step's batch.
-    out = next(o for o in eng.outputs if low in o.preempted_seqs)
-    assert [s.seq_id for s in out.scheduled_seqs] == ["s1"]
+    out = next(o for o in eng.outputs if low.seq_id in o.preempted_seq_ids)
+    assert out.scheduled_seq_ids == ["s1"]
     assert list(out.num_scheduled_tokens) == ["s1"]
     assert low.output_token_ids == expected_output(low.prompt_token_ids, 2)
     assert hi.output_token_ids == expected_output(hi.prompt_token_ids, 3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvserve.engine.sequence import Sequence
+from kvserve.core.sequence import Sequence
 from kvserve.spec_decode.proposer import Draft
 
 

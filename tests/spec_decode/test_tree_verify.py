@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.core.scheduler import SchedulerOutput
+from kvserve.core.sched.output import SchedulerOutput
 from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
 
@@ -18,8 +18,9 @@ def _verify_logits(llm: LLM, seq, drafts: list[int], parents: list[int] | None) 
     num_new = 1 + len(drafts)
     assert engine.kv_cache.allocate_slots(
         seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, num_new) == []
-    sched = SchedulerOutput(scheduled_seqs=[seq], num_scheduled_tokens={seq.seq_id: num_new})
-    step = engine.runner.execute(sched, {seq.seq_id: engine.kv_cache.block_ids(seq.seq_id)})
+    sched = SchedulerOutput()
+    engine.scheduler.add_to_step(sched, seq, num_new)
+    step = engine.runner.execute(sched)
     assert step.num_sample_rows == [num_new]
     return step.sample_logits
 

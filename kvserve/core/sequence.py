@@ -7,13 +7,29 @@ A request with `n` samples starts as one sequence; when its prompt is done it fo
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kvserve.engine.detokenizer import IncrementalDetokenizer
-    from kvserve.engine.request import Request
+from kvserve.sampling_params import SamplingParams
+
+
+class SequenceOwner(Protocol):
+    """What a sequence reads of the request it samples (the engine's Request)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    priority: int
+    arrival_time: float
+    max_tokens: int
+
+
+class TextStream(Protocol):
+    """Turns a sequence's tokens into text as they arrive (the engine's detokenizer)."""
+
+    def add_tokens(self, token_ids: list[int]) -> str | None: ...
+
+    def take_delta(self, finished: bool) -> str: ...
 
 
 class SequenceStatus(enum.Enum):
@@ -32,10 +48,10 @@ class Sequence:
     def __init__(
         self,
         seq_id: str,
-        request: Request,
+        request: SequenceOwner,
         index: int,
         generator: torch.Generator | None,
-        detokenizer: IncrementalDetokenizer | None,
+        detokenizer: TextStream | None,
     ) -> None:
         self.seq_id = seq_id
         self.request = request

@@ -1,0 +1,66 @@
+"""What the scheduler hands the model runner each step: plain, picklable data.
+
+A runner keeps what it needs of every sequence between steps (its tokens and block table)
+keyed by sequence id, so a step sends a sequence whole only the first time the runner sees
+it (or after a preemption made the runner forget it) and afterwards only what changed. A
+runner in another process, on another GPU or machine, receives exactly this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class NewSequenceData:
+    """A sequence the runner does not hold: everything it needs to run it."""
+
+    seq_id: str
+    token_ids: list[int]  # prompt, then the outputs so far (recomputed after a preemption)
+    num_prompt_tokens: int
+    num_computed_tokens: int  # prefix-cache hits count as computed
+    block_ids: list[int]
+    # Prompt logprobs are gathered from the request's first sample only.
+    wants_prompt_logprobs: bool = False
+
+
+@dataclass
+class CachedSequenceData:
+    """A sequence the runner holds: what changed since it last ran."""
+
+    seq_id: str
+    new_token_ids: list[int]  # tokens appended since the runner last saw it
+    num_computed_tokens: int
+    # The block table keeps its first num_kept_blocks ids, then new_block_ids follow
+    # (growth appends; copy-on-write replaces a block; dropped drafts trim the tail).
+    num_kept_blocks: int
+    new_block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    new_seqs: list[NewSequenceData] = field(default_factory=list)
+    cached_seqs: list[CachedSequenceData] = field(default_factory=list)
+    # Tokens each scheduled sequence runs this step; its order is the batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Speculative drafts verified after a sequence's last token (part of its scheduled
+    # tokens), and their tree parents when the drafts form a tree (-1: the last token).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_tree_parents: dict[str, list[int]] = field(default_factory=dict)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination)
+    # Sequences the runner forgets before this step: finished or aborted since the last
+    # step, and those preempted in this one (they come back as new sequences).
+    finished_seq_ids: list[str] = field(default_factory=list)
+    preempted_seq_ids: list[str] = field(default_factory=list)
+
+    @property
+    def scheduled_seq_ids(self) -> list[str]:
+        return list(self.num_scheduled_tokens)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
