@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/quality_smollm2.sh [RUN...]     # all runs, or only the named ones
 #
-# Runs: fp32 int8 int4-g64 int4-g32 nf4 gguf-packed fp8 fp8-kv fp8_e5m2-kv serve-auto.
+# Runs: fp32 int8 int4 int4-g32 nf4 gguf-packed fp8 fp8-kv fp8_e5m2-kv serve-auto.
 # Results: $RESULTS_DIR/<run>.json (default benchmarks/results/quality-smollm2/), one
 # `kvserve eval perplexity --output-json` file each. The text is written to $TEXT
 # (default /tmp/kvserve_quality_text.txt).
@@ -23,7 +23,7 @@ mkdir -p "$RESULTS_DIR"
 declare -A FLAGS=(
   [fp32]=""
   [int8]="--quantization int8"
-  [int4-g64]="--quantization int4"
+  [int4]="--quantization int4"  # default groups: the first of 128, 64, 32 that divides
   [int4-g32]="--quantization int4 --quantization-config {\"group_size\":32}"
   [nf4]="--quantization nf4"
   [gguf-packed]="--quantization gguf"
@@ -33,7 +33,7 @@ declare -A FLAGS=(
   [serve-auto]="--quantization auto"  # what `kvserve serve` runs on CPU
 )
 RUNS=("$@")
-[ ${#RUNS[@]} -gt 0 ] || RUNS=(fp32 int8 int4-g64 int4-g32 nf4 gguf-packed fp8 fp8-kv fp8_e5m2-kv serve-auto)
+[ ${#RUNS[@]} -gt 0 ] || RUNS=(fp32 int8 int4 int4-g32 nf4 gguf-packed fp8 fp8-kv fp8_e5m2-kv serve-auto)
 for name in "${RUNS[@]}"; do
   [ -n "${FLAGS[$name]+set}" ] || { echo "unknown run: $name (see --help)" >&2; exit 2; }
   echo "== $name"
