@@ -86,12 +86,15 @@ def decode_steps(base: object, batch: int, rounds: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", required=True, help="Git revision whose kernel source is the baseline.")
-    parser.add_argument("--repeats", type=int, default=7, help="Interleaved timings per shape (median kept).")
-    parser.add_argument("--rows", type=int, default=1, help="Rows of x (decode sequences) a call.")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="Git revision whose kernel source is the baseline (required).")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="Interleaved timings per shape; the median is kept (default: 7).")
+    parser.add_argument("--rows", type=int, default=1, help="Rows of x (decode sequences) a call (default: 1).")
     parser.add_argument("--decode-rounds", type=int, default=0,
-                        help="Time whole decode steps of two engines (this tree's int4 kernel, the base's) instead.")
+                        help="If > 0, time this many rounds of whole decode steps of two engines (this tree's "
+                             "int4 kernel, the base's) instead of the kernels alone (default: 0).")
     parser.add_argument("--summation-order", action="store_true",
                         help="The change sums in another order: outputs must agree to 1e-5 of the largest, "
                              "not bit for bit.")

@@ -6,7 +6,7 @@ printed compare steps timed side by side:
 
     python benchmarks/cpu_quant_decode.py none int8 int8-head --rounds 5
 
-`int8` quantizes the LM head too on CPU (its default since 2026-11-26); `int8-nohead` is
+`int8` quantizes the LM head too on CPU (its default); `int8-nohead` is
 int8 with the float head only (`quantization_config={"lm_head": false}`), `int8-head` asks for
 the head explicitly; `int4-int8head` and `int4-nohead` are int4 with an int8 copy of the head
 and with the float head only.
@@ -38,12 +38,14 @@ def load(name: str, model: str | None) -> tuple[LLM, DecodeStepTimer]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="+",
-                        help="quantizations: none, int8, int8-head, int8-nohead, int4, gguf, auto")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per variant and batch size")
-    parser.add_argument("--batch-sizes", default="1,16", help="comma-separated decode batch sizes")
-    parser.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
+                        help="Variants to load and alternate: none, int8, int8-head, int8-nohead, int4, "
+                             "int4-int8head, int4-nohead, gguf, auto. Ratios are against the first.")
+    parser.add_argument("--rounds", type=int, default=5, help="Rounds per variant and batch size (default: 5).")
+    parser.add_argument("--batch-sizes", default="1,16", help="Comma-separated decode batch sizes (default: 1,16).")
+    parser.add_argument("--model", default=None, help="Model path (default: the embedded SmolLM2).")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     engines = {name: load(name, args.model) for name in args.variants}

@@ -3,13 +3,15 @@
 the weights and keeps x in fp32. Here the CPU path is run twice on the embedded SmolLM2:
 as it is, and with every fp8 linear's input rounded through the same per-token e4m3
 quantization first (the GPU's numerics up to fp32 summation order). Same text and windows
-as benchmarks/quality_smollm2.sh; the fp32 reference is its quality_fp32.json.
+as benchmarks/quality_smollm2.sh; the fp32 reference is the fp32.json that script writes.
+CPU; about 5 minutes on 2 cores.
 
-    python benchmarks/fp8_activations_quality.py
+    python benchmarks/fp8_activations_quality.py [--results-dir benchmarks/results/quality-smollm2]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -30,8 +32,14 @@ def per_token_fp8(x: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results-dir", default="benchmarks/results/quality-smollm2",
+                        help="Folder holding quality_smollm2.sh's fp32.json; fp8_activations.json is written "
+                             "there (default: benchmarks/results/quality-smollm2).")
+    args = parser.parse_args()
+    results_dir = Path(args.results_dir)
     text = "".join(Path("/usr/share/common-licenses", name).read_text() for name in LICENSES)
-    reference = json.loads(Path("benchmarks/results/quality_fp32.json").read_text())["perplexity"]
+    reference = json.loads((results_dir / "fp32.json").read_text())["perplexity"]
     results = {"fp32": reference}
     apply = Fp8Linear.apply
     for name in ("fp8-weights", "fp8-weights-and-activations"):
@@ -44,7 +52,7 @@ def main() -> None:
               f"{result.num_scored_tokens} tokens, {result.elapsed_s:.0f} s", flush=True)
         del llm
     Fp8Linear.apply = apply
-    Path("benchmarks/results/fp8_activations_quality.json").write_text(json.dumps(results, indent=2))
+    (results_dir / "fp8_activations.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,19 +1,20 @@
 """Decode attention tile configs at W2-like shapes: llama3-8b's heads, one layer's cache per
 call, 32 calls (a step's layers, each on its own cache) captured in one CUDA graph, so the
 time is what a decode step pays, launch latency included. Every config's output is checked
-against the default tile's.
+against the default tile's. GPU only.
 
-    python benchmarks/gpu_decode_tile_sweep.py        # BLOCK_N=128,256 picks the key counts
-    CASES=64:192,64:384 SPLITS=1,2 python benchmarks/gpu_decode_tile_sweep.py   # batch:context pairs
+    python benchmarks/gpu_decode_tile_sweep.py
+    python benchmarks/gpu_decode_tile_sweep.py --cases 64:192,64:384 --splits 1,2
+    python benchmarks/gpu_decode_tile_sweep.py --cases 1:1025,1:2048 --block-n 32,64,256 --splits 8,16,32
 
-SPLITS also sweeps the KV splits (choose_num_kv_splits' count is always among them), and the
-default tile compared against is the one the batch gets (batch_tile).
+--splits also sweeps the KV splits (choose_num_kv_splits' count is always among them), and
+the default tile compared against is the one the batch gets (batch_tile).
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
-import os
 
 import torch
 
@@ -26,9 +27,10 @@ from kvserve.attention.triton_kernels.paged_attention import (
 )
 
 LAYERS = 32
-BLOCK_N = tuple(int(n) for n in os.environ.get("BLOCK_N", "32,64,128").split(","))
-CASES = tuple(tuple(int(v) for v in case.split(":")) for case in os.environ.get("CASES", "1:192,1:1024,8:192").split(","))
-SPLITS = tuple(int(n) for n in os.environ["SPLITS"].split(",")) if os.environ.get("SPLITS") else None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in text.split(","))
 
 
 def step_us(calls) -> float:
@@ -47,9 +49,22 @@ def step_us(calls) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="1:192,1:1024,8:192",
+                        help="Comma-separated batch:context pairs, each a decode batch of that many sequences "
+                             "over that many cached keys (default: 1:192,1:1024,8:192).")
+    parser.add_argument("--block-n", default="32,64,128",
+                        help="Comma-separated key-tile widths to sweep, each with 2/4/8 warps and 1-3 stages "
+                             "(default: 32,64,128).")
+    parser.add_argument("--splits", default=None,
+                        help="Comma-separated KV split counts to sweep besides the engine's own choice "
+                             "(default: the engine's choice only).")
+    args = parser.parse_args()
+    cases = [_ints(case.replace(":", ",")) for case in args.cases.split(",")]
+    splits_swept = _ints(args.splits) if args.splits else ()
     torch.manual_seed(0)
-    configs = [TileConfig(16, n, w, s) for n, w, s in itertools.product(BLOCK_N, (2, 4, 8), (1, 2, 3))]
-    for num_seqs, context in CASES:
+    configs = [TileConfig(16, n, w, s) for n, w, s in itertools.product(_ints(args.block_n), (2, 4, 8), (1, 2, 3))]
+    for num_seqs, context in cases:
         layers = [make_batch(num_seqs, context, 1) for _ in range(LAYERS)]
         outputs = [torch.empty_like(q) for q, *_ in layers]
         scale = layers[0][0].shape[-1] ** -0.5
@@ -60,7 +75,7 @@ def main() -> None:
             paged_attention(q, cache, metadata, scale, out, splits, tile=default_tile)
             reference.append(out.clone())
         results = []
-        split_counts = sorted({*(SPLITS or ()), splits})
+        split_counts = sorted({*splits_swept, splits})
         for tile, tile_splits in itertools.product(configs + [default_tile], split_counts):
             def calls(tile=tile, tile_splits=tile_splits):
                 for (q, _, _, cache, metadata), out in zip(layers, outputs):

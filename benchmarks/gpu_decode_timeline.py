@@ -29,10 +29,14 @@ from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and each flag's default."""
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     parser.add_argument("--model-shape", default="llama3-8b", help="Dummy model shape.")
-    parser.add_argument("--quantization", default=None, help="Weight-only method, or none for bf16.")
+    parser.add_argument("--quantization", default=None, help="Weight-only method (int4, fp8, ...); unset runs bf16.")
     parser.add_argument("--batch", type=int, default=1, help="Sequences decoded together.")
     parser.add_argument("--input-len", type=int, default=128, help="Prompt tokens per request.")
     parser.add_argument("--output-len", type=int, default=64, help="Tokens decoded per request.")

@@ -4,7 +4,10 @@ accumulation) above 64 rows, the weight-only kernels at up to 64 (at up to 32 th
 one with 4 tiles of x too); both W8A8 forms after the
 per-token quantization, timed with it and alone. llama3-8b's four linears, one step's 32
 layers, each output checked against the fp64 product of the same fp8 operands. GPU only:
-python benchmarks/gpu_fp8_w8a8_sweep.py [--rows 64,96,128,192,256]"""
+
+
+    python benchmarks/gpu_fp8_w8a8_sweep.py [--rows 64,96,128,192,256]
+"""
 
 from __future__ import annotations
 
@@ -42,8 +45,9 @@ def relative(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="17,24,32,48,64,96,128,160", help="Comma-separated row counts.")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="17,24,32,48,64,96,128,160", help="Comma-separated row counts (default: 17,24,32,48,64,96,128,160).")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "| us per call; step = 32 layers x 4 linears, ms")

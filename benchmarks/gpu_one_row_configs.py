@@ -75,9 +75,10 @@ def time_config(x: torch.Tensor, stored: list[tuple], config: LaunchConfig | Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--formats", default="int4,fp8", help="Comma-separated: int4, fp8.")
-    parser.add_argument("--top", type=int, default=6, help="Configs listed per linear.")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", default="int4,fp8", help="Comma-separated formats: int4, fp8 (default: int4,fp8).")
+    parser.add_argument("--top", type=int, default=6, help="Configs listed per linear (default: 6).")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "one row, us a call (CUDA graph over weight copies)")

@@ -48,8 +48,9 @@ def read_us(nbytes: int) -> tuple[float, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--format", default="int4", choices=("int4", "fp8"), help="The weights' format.")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--format", default="int4", choices=("int4", "fp8"), help="The weights' format (default: int4).")
     fmt = parser.parse_args().format
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "us a call (CUDA graph over copies)", flush=True)

@@ -27,11 +27,15 @@ def report(compiled) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", nargs="?", default="int4-mma", choices=("int4-fma", "int4-mma", "fp8-mma"))
-    parser.add_argument("--warps", type=int, default=4, help="num_warps.")
-    parser.add_argument("--row-tiles", type=int, default=2, help="mma kernels: 16-row tiles a warp.")
-    parser.add_argument("--x-tiles", type=int, default=1, help="mma kernels: 8-row tiles of x (1, 2, 4, 8).")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kernel", nargs="?", default="int4-mma", choices=("int4-fma", "int4-mma", "fp8-mma"),
+                        help="Kernel to compile: the int4 CUDA-core word kernel, or the int4 or fp8 "
+                             "mma.sync kernel (default: int4-mma).")
+    parser.add_argument("--warps", type=int, default=4, help="num_warps (default: 4).")
+    parser.add_argument("--row-tiles", type=int, default=2, help="mma kernels: 16-row tiles a warp (default: 2).")
+    parser.add_argument("--x-tiles", type=int, default=1,
+                        help="mma kernels: 8-row tiles of x, 1, 2, 4 or 8 (default: 1).")
     parser.add_argument("--one-row", action="store_true",
                         help="Compile with M = 1, as Triton specializes a launch of one row of x.")
     args = parser.parse_args()
