@@ -421,7 +421,9 @@ inline float minimum_offset(const Scale* minimum, const float* sums, int64_t gro
   for (; g + 16 <= groups; g += 16) lanes = _mm512_fmadd_ps(load16(minimum + g), _mm512_loadu_ps(sums + g), lanes);
   offset = _mm512_reduce_add_ps(lanes);
 #endif
-  for (; g < groups; ++g) offset += as_float(minimum[g]) * sums[g];
+  // An explicit fma: left to the compiler, the fp16 and fp32 instantiations contract
+  // differently (seen on AVX2 builds), and the two storages would disagree in the last bit.
+  for (; g < groups; ++g) offset = std::fma(as_float(minimum[g]), sums[g], offset);
   return offset;
 }
 
@@ -828,7 +830,7 @@ void int4_tiles(const Int4Rows& rows, int64_t m, int64_t n, int64_t k, int64_t g
       const float* sums = rows.group_sums.data() + (i + j) * groups;
       for (int64_t r = 0; r < count; ++r) {
         const float offset = minimum_offset(mp + (row + r) * groups, sums, groups);
-        partial[j * kRowsPerTile + r] = partial[j * kRowsPerTile + r] * rows.scales[i + j] + offset;
+        partial[j * kRowsPerTile + r] = std::fma(partial[j * kRowsPerTile + r], rows.scales[i + j], offset);
       }
     }
   });
