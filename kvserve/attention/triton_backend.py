@@ -8,8 +8,8 @@ import time
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.triton_kernels.kv_cache_write import write_kv_cache
-from kvserve.attention.triton_kernels.paged_attention import (
+from kvserve.ops.attention.kv_cache_write import write_kv_cache
+from kvserve.ops.attention.paged_attention import (
     DecodePlan,
     NewKV,
     choose_decode_plan,
@@ -17,7 +17,7 @@ from kvserve.attention.triton_kernels.paged_attention import (
     paged_attention,
     warm_up as warm_up_kernels,
 )
-from kvserve.model_executor.layers.triton_ops import rotary_queries_and_keys_
+from kvserve.ops.elementwise import rotary_queries_and_keys_
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from collections import Counter
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.triton_kernels.paged_attention import (
+from kvserve.ops.attention.paged_attention import (
     SHORT_CONTEXT,
     SHORT_VERIFY_CONTEXT,
     DecodePlan,

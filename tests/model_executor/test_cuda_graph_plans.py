@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention.triton_kernels import paged_attention
+from kvserve.ops.attention import paged_attention
 from kvserve.model_executor.cuda_graphs import batch_buckets, graph_plan, graphs_at_start
 
 NUM_KV_HEADS = 8

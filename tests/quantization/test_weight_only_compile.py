@@ -1,5 +1,5 @@
 """The GPU-only weight-only kernels, compiled for sm_90 on the CPU machine (Triton's own
-ptxas; kvserve.triton_offline): the mma.sync kernels use inline PTX that Triton's
+ptxas; kvserve.ops.triton_offline): the mma.sync kernels use inline PTX that Triton's
 interpreter cannot run, so this is what CI can check of them. Their numerics are checked on
 a GPU (test_triton_kernels.py's gpu tests). The decode configurations must keep their main
 loop in registers: local memory there would cost every tile of every decode step (a few
@@ -14,7 +14,7 @@ import pytest
 
 from kvserve.quantization.weight_only import mma, words
 from kvserve.quantization.weight_only.matmul import WORD_KERNEL_MAX_REGISTERS
-from kvserve.triton_offline import WEIGHT_ONLY_POINTERS, compile_kernel, main_loop, resource_usage
+from kvserve.ops.triton_offline import WEIGHT_ONLY_POINTERS, compile_kernel, main_loop, resource_usage
 
 # (name, kernel, constexprs): the decode kernels as the configs launch them; "M": 1 is how
 # Triton specializes a launch of one row of x.
@@ -90,7 +90,7 @@ def test_decode_kernels_compile_for_sm90_without_spilling_in_their_loop(name, ke
         assert any("HMMA.16816.F32" in text for text in loop)
     # Each lets the next kernel of the decode chain launch early; those launched as
     # programmatic dependents (PDL) wait for the kernel before them after their first weight
-    # loads and before any product (dependent_launch), the int4 mma kernel not at all.
+    # loads and before any product (kvserve.ops.pdl), the int4 mma kernel not at all.
     ptx = compiled.asm["ptx"]
     trigger, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
     first_product = min(ptx.find(op) for op in ("mma.sync", "fma.rn") if op in ptx)

@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual: (norm(residual + x), residual + x)."""
         if x.is_cuda and x.dim() == 2:
-            from kvserve.model_executor.layers.triton_ops import add_rms_norm
+            from kvserve.ops.elementwise import add_rms_norm
 
             out = add_rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
@@ -69,7 +69,7 @@ class RMSNorm(nn.Module):
         y = linear(x)
         if y.is_cuda and y.dim() == 2 and self.weight.dtype == y.dtype and takes_fp8_rows(
                 consumer, y.shape[0], y.dtype):
-            from kvserve.model_executor.layers.triton_ops import add_rms_norm
+            from kvserve.ops.elementwise import add_rms_norm
 
             return add_rms_norm(y, self.weight, self.eps, residual, fp8=True), residual
         return self(y, residual)

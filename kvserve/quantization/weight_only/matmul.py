@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from kvserve import dependent_launch
+from kvserve.ops import pdl
 from kvserve.model_executor.layers.layernorm import PendingNorm
 from kvserve.quantization.weight_only.configs import MMA_MAX_ROWS, LaunchConfig, default_config
 from kvserve.quantization.weight_only.generic import weight_only_gemv_kernel, weight_only_matmul_kernel
@@ -145,7 +145,7 @@ def _words_matmul(
             ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
             ADD_NORM=add_norm is not None, num_warps=config.num_warps, num_stages=1,
             # A programmatic dependent: waits for the previous kernel after its first tile.
-            **dependent_launch.chained_options(rows.device), **norm_flags,
+            **pdl.chained_options(rows.device), **norm_flags,
         )
         return out, sums
     if config.words == "mma":
@@ -156,7 +156,7 @@ def _words_matmul(
             rows.stride(0), words.stride(0), scale.stride(0), m * n, n, *norm_args,
             FP16=fp16, HAS_OFFSET=offset is not None, SPLIT=split > 1, EVEN_SPLITS=config.even_splits,
             ROW_TILES=config.block_n // (16 * config.num_warps), NUM_WARPS=config.num_warps, X_TILES=x_tiles,
-            LAUNCH_NEXT=dependent_launch.enabled(rows.device), num_warps=config.num_warps, num_stages=1,
+            LAUNCH_NEXT=pdl.enabled(rows.device), num_warps=config.num_warps, num_stages=1,
             **norm_flags,
         )
         return out, None
@@ -166,8 +166,8 @@ def _words_matmul(
         # bf16 pairs load as one int32 where aligned.
         aligned = rows.data_ptr() % 4 == 0 and rows.stride(0) % 2 == 0
         flags["X_BF16"] = rows.dtype == torch.bfloat16 and aligned
-        # The one-row kernels, whose launch latency matters most (dependent_launch).
-        launch = dependent_launch.launch_options(rows.device)
+        # The one-row kernels, whose launch latency matters most (kvserve.ops.pdl).
+        launch = pdl.launch_options(rows.device)
         flags["PDL"] = bool(launch)
     if fp8:
         kernel = fp8_dot_kernel if dot else fp8_gemv_kernel
@@ -318,7 +318,7 @@ def weight_only_matmul(
             rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1), *norm_args,
             FOUR_BIT=four_bit, FP8=fp8, GROUPED=grouped, HAS_OFFSET=offset is not None,
             EVEN_K=in_features % block_k == 0, BLOCK_N=config.block_n, BLOCK_K=block_k,
-            LAUNCH_NEXT=dependent_launch.enabled(x.device), num_warps=config.num_warps,
+            LAUNCH_NEXT=pdl.enabled(x.device), num_warps=config.num_warps,
             num_stages=config.num_stages, **norm_flags,
         )
     elif m:

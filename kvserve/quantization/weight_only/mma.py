@@ -392,7 +392,7 @@ def fp8_mma_kernel(
     pairs for the B fragment (fp16 MMAs, fp32 accumulators), and the MMA's k order is a
     permutation of K within 64-k segments (thread t's words 4 t .. 4 t + 3, one an MMA). A
     tile is 128 k, within one scale group (or one scale a row). With PDL the first tile loads
-    before the wait for the previous kernel (dependent_launch).
+    before the wait for the previous kernel (kvserve.ops.pdl).
     Fused RMSNorms (PendingNorm), as in int4_gemv_kernel: ROW_SCALE scales the output rows by
     the factor of the norm the previous linear left pending; ADD_NORM adds the output to the
     residual stream and leaves the next norm pending (_mma_store_add_norm)."""

@@ -53,7 +53,7 @@ def int4_gemv_kernel(
     the groups' scales and offsets) is loaded one tile ahead; each thread keeps per-word
     partial sums, the scale applied lane by lane (one cross-thread reduction, at the end);
     the tiles advance scalar base pointers under fixed 32-bit offsets. With PDL the first
-    tile's words and scales load before the wait for the previous kernel (dependent_launch).
+    tile's words and scales load before the wait for the previous kernel (kvserve.ops.pdl).
 
     Fused RMSNorms (PendingNorm): ROW_SCALE takes x whose norm the previous linear left
     pending (x = h * weight, the row sums of h^2 at pending_ptr) and scales the output rows
@@ -200,7 +200,7 @@ def fp8_gemv_kernel(
     BLOCK_M rows of x (the int4 "fma" kernel's layout). Per-channel scales apply once at the
     end, to products summed over all tiles (one reduction across threads per program);
     group scales once per tile (a tile lies within one group). With PDL the first tile's
-    words load before the wait for the previous kernel (dependent_launch)."""
+    words load before the wait for the previous kernel (kvserve.ops.pdl)."""
     if PDL:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     rows, cols, row_mask, col_mask, first, last = program_block(M, N, num_tiles, tiles_per_split,

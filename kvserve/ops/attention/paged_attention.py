@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve import dependent_launch
-from kvserve.attention.metadata import AttentionMetadata
-from kvserve.model_executor.layers.triton_ops import rope_factor, rotate_pair
+from kvserve.ops import pdl
+from kvserve.ops.attention.batch import PagedBatch
+from kvserve.ops.elementwise import rope_factor, rotate_pair
 
 LOG2_E = 1.4426950408889634
 
@@ -300,7 +300,7 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    dependent_launch.chained(PDL)
+    pdl.chained(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     first_part = (token * num_heads + head) * num_kv_splits
@@ -421,7 +421,7 @@ class NewKV(NamedTuple):
     sin: torch.Tensor
 
 
-def batch_tile(metadata: AttentionMetadata, dtype: torch.dtype, tile: TileConfig | None) -> TileConfig:
+def batch_tile(metadata: PagedBatch, dtype: torch.dtype, tile: TileConfig | None) -> TileConfig:
     """The tile a batch runs: `tile` if given, else the default for its shape and dtype."""
     if tile is not None:
         return tile
@@ -444,7 +444,7 @@ def _whole_width_fits(max_query_len: int, group_pad: int) -> bool:
     return max_query_len * group_pad <= short_tile_rows(max_query_len, group_pad)
 
 
-def fuses_new_kv(metadata: AttentionMetadata, tile: TileConfig | None, dtype: torch.dtype,
+def fuses_new_kv(metadata: PagedBatch, tile: TileConfig | None, dtype: torch.dtype,
                  kv_cache_dtype: torch.dtype, group: int) -> bool:
     """Whether paged_attention takes this batch's RoPE and cache write (new_kv): a batch on
     the short-context tile over a cache of the query's dtype (a float8 cache's keys need a
@@ -470,7 +470,7 @@ def _short_plan_serves(kv_cache_dtype: torch.dtype) -> bool:
     return kv_cache_dtype.itemsize <= 2
 
 
-def choose_decode_plan(metadata: AttentionMetadata, num_kv_heads: int, kv_cache_dtype: torch.dtype,
+def choose_decode_plan(metadata: PagedBatch, num_kv_heads: int, kv_cache_dtype: torch.dtype,
                        device: torch.device) -> DecodePlan:
     """SHORT_DECODE_TILE over a power of two of splits, one or two tiles each, for the narrow
     decode and verify batches of short contexts it serves faster (a 16- or 8-bit cache);
@@ -490,7 +490,7 @@ def choose_decode_plan(metadata: AttentionMetadata, num_kv_heads: int, kv_cache_
     return DecodePlan(choose_num_kv_splits(metadata, num_kv_heads, device))
 
 
-def choose_num_kv_splits(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
+def choose_num_kv_splits(metadata: PagedBatch, num_kv_heads: int, device: torch.device) -> int:
     """Split the context of decode and verify batches (a few query tokens per sequence)
     whose (sequence, KV head) programs would leave multiprocessors idle, up to about
     KV_SPLIT_WAVES programs per multiprocessor; 1 for other batches (a batch that fills
@@ -517,7 +517,7 @@ def _float8_asm_format(kv_cache: torch.Tensor, query: torch.Tensor) -> str:
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    metadata: PagedBatch,
     scale: float,
     output: torch.Tensor,
     num_kv_splits: int = 1,
@@ -608,7 +608,7 @@ def paged_attention(
         NEW_KEYS=max(16, block_q) if new_kv is not None and metadata.max_query_len > 1 else 0,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-        **dependent_launch.chained_options(query.device),
+        **pdl.chained_options(query.device),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -621,7 +621,7 @@ def paged_attention(
             output.stride(0),
             output.stride(1),
             HEAD_DIM=head_dim,
-            **dependent_launch.chained_options(query.device),
+            **pdl.chained_options(query.device),
         )
 
 
@@ -664,7 +664,7 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype, block_si
         cos = torch.zeros(num_tokens, head_dim // 2, dtype=torch.float32, device=device)
         new_kv = NewKV(key, value, cos, cos)
         starts = [i * query_len for i in range(num_seqs + 1)]
-        metadata = AttentionMetadata(
+        metadata = PagedBatch(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),

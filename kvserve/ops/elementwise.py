@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve import dependent_launch
+from kvserve.ops import pdl
 from kvserve.model_executor.layers.fp8_rows import Fp8Rows
 from kvserve.quantization.fp8_activation import FP8_MAX, quantize_row
 
@@ -36,7 +36,7 @@ def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, num_cols, stride_x, stride_r, stride_o, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    dependent_launch.chained(PDL)
+    pdl.chained(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -75,7 +75,7 @@ def add_rms_norm(
             x, residual if residual is not None else x, weight, out, scales, num_cols, x.stride(0),
             residual.stride(0) if residual is not None else 0, num_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, FP8=fp8, num_warps=min(max(block // 256, 1), 16),
-            **dependent_launch.chained_options(x.device),
+            **pdl.chained_options(x.device),
         )
     return Fp8Rows(out.view(torch.float8_e4m3fn), scales, x.dtype) if fp8 else out
 
@@ -117,7 +117,7 @@ def _rotary_kernel(
     x_ptr, cos_ptr, sin_ptr, num_heads, stride_t, stride_h, stride_cs,
     HALF: tl.constexpr, HEADS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    dependent_launch.chained(PDL)
+    pdl.chained(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF)[None, :]
@@ -140,7 +140,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         _rotary_kernel[(num_tokens,)](
             x, cos, sin, num_heads, x.stride(0), x.stride(1), cos.stride(0),
             HALF=head_dim // 2, HEADS_PAD=triton.next_power_of_2(num_heads),
-            **dependent_launch.chained_options(x.device),
+            **pdl.chained_options(x.device),
         )
     return x
 
@@ -164,7 +164,7 @@ def rotary_queries_and_keys_(query: torch.Tensor, key: torch.Tensor, cos: torch.
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, scale_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    dependent_launch.chained(PDL)
+    pdl.chained(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -189,6 +189,6 @@ def silu_and_mul(x: torch.Tensor, fp8: bool = False) -> torch.Tensor | Fp8Rows:
         _silu_and_mul_kernel[(num_rows, triton.cdiv(width, block))](
             x, out, scales, width, x.stride(0), width, BLOCK=block, FP8=fp8,
             num_warps=min(max(block // 1024, 4), 16),
-            **dependent_launch.chained_options(x.device),
+            **pdl.chained_options(x.device),
         )
     return Fp8Rows(out.view(torch.float8_e4m3fn), scales, x.dtype) if fp8 else out

@@ -1,5 +1,5 @@
 """Decode (and one prefill) attention timing on CUDA against the torch reference and the
-bytes-read floor: python -m kvserve.attention.triton_kernels.bench_decode [--out FILE]."""
+bytes-read floor: python -m kvserve.benchmarks.attention_decode [--out FILE]."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from triton.testing import do_bench
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import TorchReferenceBackend
 from kvserve.attention.triton_backend import TritonAttentionBackend
-from kvserve.attention.triton_kernels.paged_attention import (
+from kvserve.ops.attention.paged_attention import (
     TileConfig,
     choose_decode_plan,
     paged_attention,

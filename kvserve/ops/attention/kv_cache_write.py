@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve import dependent_launch
+from kvserve.ops import pdl
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    dependent_launch.chained(PDL)
+    pdl.chained(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # A negative slot marks a padding token (e.g. a CUDA-graph bucket's spare rows).
@@ -81,5 +81,5 @@ def write_kv_cache(
         FP8_MAX=torch.finfo(kv_cache.dtype).max if kv_cache.dtype.itemsize == 1 else 0.0,
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
-        **dependent_launch.chained_options(key.device),
+        **pdl.chained_options(key.device),
     )

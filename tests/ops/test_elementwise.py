@@ -35,7 +35,7 @@ def torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def check_shape(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict[str, float]:
     """Largest difference of each kernel from the torch path, in units of the dtype's eps
     relative to the reference's magnitude."""
-    from kvserve.model_executor.layers import triton_ops
+    from kvserve.ops import elementwise
 
     tokens, hidden, heads, kv_heads, head_dim, inter = shape
     gen = torch.Generator().manual_seed(hash(shape) % 1000)
@@ -52,19 +52,19 @@ def check_shape(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict
     residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
     ref_out, ref_residual = norm(x, residual.clone())
     got_residual = residual.clone().to(device)
-    got = triton_ops.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5, got_residual)
+    got = elementwise.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5, got_residual)
     errors["add_rms_norm"] = max(rel(got, ref_out), rel(got_residual, ref_residual))
-    errors["rms_norm"] = rel(triton_ops.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5),
+    errors["rms_norm"] = rel(elementwise.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5),
                              norm(x))
     if dtype in FP8_ROWS_DTYPES:
         # Fp8Rows: the unfused kernel's rows quantized per token (exact), the residual as unfused.
         fp8_residual = residual.clone().to(device)
-        rows = triton_ops.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5, fp8_residual, fp8=True)
+        rows = elementwise.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5, fp8_residual, fp8=True)
         errors["add_rms_norm_fp8_mismatches"] = fp8_mismatches(rows.values, rows.scales, got) + int(
             (fp8_residual.cpu() != got_residual.cpu()).sum())
-        rows = triton_ops.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5, fp8=True)
+        rows = elementwise.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5, fp8=True)
         errors["rms_norm_fp8_mismatches"] = fp8_mismatches(
-            rows.values, rows.scales, triton_ops.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5))
+            rows.values, rows.scales, elementwise.add_rms_norm(x.to(device), norm.weight.to(device), 1e-5))
 
     # q and k as strided views of one fused projection, as the model has them.
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
@@ -78,8 +78,8 @@ def check_shape(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict
     q = qkv_dev[:, : heads * head_dim].view(tokens, heads, head_dim)
     k = qkv_dev[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     k_ref = torch_rotary(k.cpu().clone(), cos, sin)
-    triton_ops.rotary_(q, cos.to(device), sin.to(device))
-    triton_ops.rotary_(k, cos.to(device), sin.to(device))
+    elementwise.rotary_(q, cos.to(device), sin.to(device))
+    elementwise.rotary_(k, cos.to(device), sin.to(device))
     errors["rotary"] = max(rel(q, q_ref), rel(k, k_ref))
     untouched = qkv_dev[:, (heads + kv_heads) * head_dim :].cpu()
     errors["rotary_leaves_v"] = rel(untouched, qkv[:, (heads + kv_heads) * head_dim :])
@@ -93,7 +93,7 @@ def check_shape(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict
         else:
             q = layout[:, : heads * head_dim].view(tokens, heads, head_dim)
             k = layout[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-        triton_ops.rotary_queries_and_keys_(q, k, cos.to(device), sin.to(device))
+        elementwise.rotary_queries_and_keys_(q, k, cos.to(device), sin.to(device))
         errors[f"rotary_queries_and_keys_{name}"] = max(rel(q, q_ref), rel(k, k_ref))
         if layout is not None:
             errors["rotary_queries_and_keys_leaves_v"] = rel(layout[:, (heads + kv_heads) * head_dim :],
@@ -101,10 +101,10 @@ def check_shape(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict
 
     gate_up = (torch.randn(tokens, 2 * inter, generator=gen) * 3).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    activation = triton_ops.silu_and_mul(gate_up.to(device))
+    activation = elementwise.silu_and_mul(gate_up.to(device))
     errors["silu_and_mul"] = rel(activation, F.silu(gate) * up)
     if dtype in FP8_ROWS_DTYPES:
-        rows = triton_ops.silu_and_mul(gate_up.to(device), fp8=True)
+        rows = elementwise.silu_and_mul(gate_up.to(device), fp8=True)
         errors["silu_and_mul_fp8_mismatches"] = fp8_mismatches(rows.values, rows.scales, activation)
     return {name: error if name.endswith("_mismatches") else error / torch.finfo(dtype).eps
             for name, error in errors.items()}
@@ -132,7 +132,7 @@ def run_small_cases() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, dict[str, float]]:
-    return json.loads(run_interpreted("tests.model_executor.test_triton_ops", "run_small_cases"))
+    return json.loads(run_interpreted("tests.ops.test_elementwise", "run_small_cases"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

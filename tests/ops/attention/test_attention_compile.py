@@ -1,5 +1,5 @@
 """The paged-attention kernel over a float8 cache, compiled for sm_90 on the CPU machine
-(kvserve.triton_offline): its V conversion is inline PTX, which Triton's interpreter does not
+(kvserve.ops.triton_offline): its V conversion is inline PTX, which Triton's interpreter does not
 run (the interpreter tests take the .to() path), so this is what CI can check of the path a
 GPU takes. Its numerics are checked on a GPU (test_triton_attention.py's gpu tests)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.attention.triton_kernels import paged_attention
-from kvserve.triton_offline import compile_kernel, cuda_tool, resource_usage
+from kvserve.ops.attention import paged_attention
+from kvserve.ops.triton_offline import compile_kernel, cuda_tool, resource_usage
 
 TYPES = {"out_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
          "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",

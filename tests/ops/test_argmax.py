@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from kvserve.sample.argmax import CHUNK, row_argmax, triton_argmax
+from kvserve.ops.argmax import CHUNK, row_argmax, triton_argmax
 from tests.triton_interpreter import run_interpreted
 
 
@@ -44,7 +44,7 @@ def run_small_cases() -> None:
 
 
 def test_interpreted_argmax_equals_torch() -> None:
-    assert json.loads(run_interpreted("tests.sample.test_argmax", "run_small_cases")) == []
+    assert json.loads(run_interpreted("tests.ops.test_argmax", "run_small_cases")) == []
 
 
 def test_cpu_logits_take_torch_argmax() -> None:

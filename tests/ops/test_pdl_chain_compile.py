@@ -1,5 +1,5 @@
-"""The decode chain's programmatic dependent launch (kvserve.dependent_launch), compiled for
-sm_90 on the CPU machine (kvserve.triton_offline): CI runs these kernels with PDL off (no
+"""The decode chain's programmatic dependent launch (kvserve.ops.pdl), compiled for
+sm_90 on the CPU machine (kvserve.ops.triton_offline): CI runs these kernels with PDL off (no
 GPU, or the interpreter), so this is where it checks what the GPU runs. Every chained kernel
 lets the next kernel launch and then waits for the one before it ahead of its first global
 load: a load above the wait could read the previous kernel's output before it is written."""
@@ -10,24 +10,24 @@ import re
 
 import pytest
 
-from kvserve.attention.triton_kernels import kv_cache_write, paged_attention
-from kvserve.model_executor.layers import triton_ops
-from kvserve.triton_offline import compile_kernel
+from kvserve.ops.attention import kv_cache_write, paged_attention
+from kvserve.ops import elementwise
+from kvserve.ops.triton_offline import compile_kernel
 
 BF16 = "*bf16"
 # (name, kernel, argument types, constexprs) for llama3-8b's decode shapes.
 CHAINED_KERNELS = [
-    ("add_rms_norm", triton_ops._add_rms_norm_kernel,
+    ("add_rms_norm", elementwise._add_rms_norm_kernel,
      {"x_ptr": BF16, "residual_ptr": BF16, "weight_ptr": BF16, "out_ptr": BF16, "scale_ptr": BF16, "eps": "fp32"},
      dict(HAS_RESIDUAL=True, BLOCK=4096, FP8=False)),
-    ("add_rms_norm_fp8", triton_ops._add_rms_norm_kernel,
+    ("add_rms_norm_fp8", elementwise._add_rms_norm_kernel,
      {"x_ptr": BF16, "residual_ptr": BF16, "weight_ptr": BF16, "out_ptr": "*u8", "scale_ptr": "*fp32",
       "eps": "fp32"}, dict(HAS_RESIDUAL=True, BLOCK=4096, FP8=True)),
-    ("rotary", triton_ops._rotary_kernel, {"x_ptr": BF16, "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+    ("rotary", elementwise._rotary_kernel, {"x_ptr": BF16, "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
      dict(HALF=64, HEADS_PAD=64)),
-    ("silu_and_mul", triton_ops._silu_and_mul_kernel, {"x_ptr": BF16, "out_ptr": BF16, "scale_ptr": BF16},
+    ("silu_and_mul", elementwise._silu_and_mul_kernel, {"x_ptr": BF16, "out_ptr": BF16, "scale_ptr": BF16},
      dict(BLOCK=1024, FP8=False)),
-    ("silu_and_mul_fp8", triton_ops._silu_and_mul_kernel, {"x_ptr": BF16, "out_ptr": "*u8", "scale_ptr": "*fp32"},
+    ("silu_and_mul_fp8", elementwise._silu_and_mul_kernel, {"x_ptr": BF16, "out_ptr": "*u8", "scale_ptr": "*fp32"},
      dict(BLOCK=16384, FP8=True)),
     ("write_kv_float8", kv_cache_write._write_kv_kernel,
      {"key_ptr": BF16, "value_ptr": BF16, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.triton_kernels.paged_attention import (
+from kvserve.ops.attention.paged_attention import (
     SHORT_DECODE_TILE,
     WIDE_SHORT_BATCH,
     WIDE_SHORT_CONTEXT,
@@ -116,7 +116,7 @@ def test_narrow_long_decodes_split_at_256_keys_a_split(monkeypatch, seq_lens, sp
     split into slices of at least 256 keys, up to about 4 programs a multiprocessor and 64
     splits, the plan past the short contexts (None: the default tile over these splits); a
     batch of 160 programs fills the GPU unsplit."""
-    from kvserve.attention.triton_kernels import paged_attention
+    from kvserve.ops.attention import paged_attention
 
     monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
     metadata = _metadata(seq_lens)
