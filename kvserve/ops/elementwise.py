@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from kvserve.ops import pdl
-from kvserve.model_executor.layers.fp8_rows import Fp8Rows
-from kvserve.quantization.fp8_activation import FP8_MAX, quantize_row
+from kvserve.ops.quant.fp8_activation import FP8_MAX, quantize_row
+from kvserve.ops.quant.fp8_rows import Fp8Rows
 
 _E4M3_MAX = tl.constexpr(FP8_MAX)  # a global a kernel reads must be constexpr
 

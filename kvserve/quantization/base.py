@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model_executor.layers.layernorm import PendingNorm
+from kvserve.ops.quant.pending_norm import PendingNorm
 from kvserve.quantization.cpu_dense import DenseWeight
 
 # Measured on SmolLM2's linears (2-core AVX512 CPU, torch 2.13): torch's weight-only
@@ -27,7 +27,7 @@ from kvserve.quantization.cpu_dense import DenseWeight
 CPU_KERNEL_MAX_ROWS = 16
 
 # On CUDA, inputs of up to this many rows (bf16/fp16) run the Triton weight-only kernels
-# (quantization/weight_only/), which read the packed weight once; more rows
+# (ops/quant/weight_only/), which read the packed weight once; more rows
 # dequantize to the activation dtype per call and run cuBLAS (measured on an H200,
 # BENCHMARKS.md). fp8 layers use torch._scaled_mm for those instead (fp8.py).
 GPU_KERNEL_MAX_ROWS = 64
@@ -91,7 +91,7 @@ class QuantizedLinear(nn.Module, ABC):
         not apply."""
         if not x.is_cuda:
             return None
-        from kvserve.quantization.weight_only import unpack_weight
+        from kvserve.ops.quant.weight_only import unpack_weight
 
         weight = unpack_weight(packed, scale, offset, group_size, x.dtype, four_bit=four_bit)
         return None if weight is None else F.linear(x, weight)
@@ -151,7 +151,7 @@ class QuantizedLinear(nn.Module, ABC):
         weight = self.kernel_weight(stored.device)
         if weight is None:
             return False
-        from kvserve.quantization.weight_only.matmul import folds_pending_norm
+        from kvserve.ops.quant.weight_only.matmul import folds_pending_norm
 
         return folds_pending_norm(rows, dtype, stored.device, weight.qweight, weight.scale, weight.group_size,
                                   weight.four_bit)
@@ -162,7 +162,7 @@ class QuantizedLinear(nn.Module, ABC):
         weight = self._fusing_weight(x.rows)
         if weight is None:
             return None
-        from kvserve.quantization.weight_only import weight_only_matmul
+        from kvserve.ops.quant.weight_only import weight_only_matmul
 
         return weight_only_matmul(x.rows, *weight[:4], four_bit=weight.four_bit, pending=x)
 
@@ -174,7 +174,7 @@ class QuantizedLinear(nn.Module, ABC):
         weight = self._fusing_weight(x)
         if weight is None or self.bias is not None:
             return None
-        from kvserve.quantization.weight_only.matmul import AddNorm, weight_only_matmul_add_norm
+        from kvserve.ops.quant.weight_only.matmul import AddNorm, weight_only_matmul_add_norm
 
         fused = weight_only_matmul_add_norm(x, *weight[:4], AddNorm(residual, norm_weight), four_bit=weight.four_bit)
         return None if fused is None else PendingNorm(*fused, eps)
@@ -203,6 +203,13 @@ class QuantizedLinear(nn.Module, ABC):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
+
+
+def takes_fp8_rows(consumer: nn.Module | None, rows: int, dtype: torch.dtype) -> bool:
+    """Whether `consumer` (a linear; None: anything else) runs `rows` rows of `dtype`
+    activations as Fp8Rows (its `takes_fp8_rows`), so that their producer should quantize."""
+    takes = getattr(consumer, "takes_fp8_rows", None)
+    return takes is not None and takes(rows, dtype)
 
 class QuantizationMethod(ABC):
     """Decides, per linear layer, how its weight is converted and applied."""

@@ -213,7 +213,7 @@ class Int4Linear(QuantizedLinear):
         weight = self.kernel_weight(x.device)
         if weight is None or not self.gpu_kernel_applies(x):
             return None
-        from kvserve.quantization.weight_only import weight_only_matmul
+        from kvserve.ops.quant.weight_only import weight_only_matmul
 
         return weight_only_matmul(x, *weight[:4], four_bit=True)
 

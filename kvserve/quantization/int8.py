@@ -65,7 +65,7 @@ class Int8Linear(QuantizedLinear):
     def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         if not self.gpu_kernel_applies(x):
             return None
-        from kvserve.quantization.weight_only import weight_only_matmul
+        from kvserve.ops.quant.weight_only import weight_only_matmul
 
         return weight_only_matmul(x, self.qweight, self.scale[:, None], None, self.in_features)
 
@@ -136,7 +136,7 @@ class GroupInt8Linear(QuantizedLinear):
     def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         if not self.gpu_kernel_applies(x):
             return None
-        from kvserve.quantization.weight_only import weight_only_matmul
+        from kvserve.ops.quant.weight_only import weight_only_matmul
 
         return weight_only_matmul(x, self.qweight, self.scale, self.offset, self.group_size)
 

@@ -39,7 +39,7 @@ def test_gemvs_launched_early_read_their_inputs(kind, monkeypatch) -> None:
     if kind == "fp8":
         # One fp8 row takes mma.sync (no PDL) where it applies; the word kernel, which
         # launches early, only where it does not: force it here.
-        from kvserve.quantization.weight_only import configs, matmul
+        from kvserve.ops.quant.weight_only import configs, matmul
 
         monkeypatch.setattr(matmul, "default_config", lambda *args, **kwargs: configs.FP8_ONE_ROW_WORDS_CONFIG)
     gate_up = _layer(kind, 2 * INTERMEDIATE, HIDDEN, 0)

@@ -1,6 +1,6 @@
 """Quantized models on a GPU, engine level: the Triton weight-only kernels score a fixed
 text as closely to an fp32 run of the quantized model as the dequantize path does. (The
-kernels inside CUDA graphs are checked against references in test_triton_kernels.)"""
+kernels inside CUDA graphs are checked against references in tests/ops/quant/test_weight_only.py.)"""
 
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ def test_fp8_rows_from_the_norm_and_swiglu_kernels_change_no_bit(save_hf_model, 
     CUDA graphs give the same logprobs with the fused quantization as without it."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("fp8_w8a8 runs on Hopper")
-    from kvserve.model_executor.layers.fp8_rows import Fp8Rows
+    from kvserve.ops.quant.fp8_rows import Fp8Rows
 
     model_dir, prompts = _random_llama(save_hf_model, 3, (30, 75, 140, 9, 50, 21), hidden_size=512,
                                        intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model_executor.layers.fp8_rows import Fp8Rows
+from kvserve.ops.quant.fp8_rows import Fp8Rows
 
 
 class SiluAndMul(nn.Module):

@@ -15,7 +15,8 @@ from kvserve.attention.key_rotation import rotate_queries_and_keys, to_key_basis
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, TorchReferenceBackend
 from kvserve.config import ModelConfig
-from kvserve.model_executor.layers.layernorm import PendingNorm, RMSNorm
+from kvserve.model_executor.layers.layernorm import RMSNorm
+from kvserve.ops.quant.pending_norm import PendingNorm
 from kvserve.model_executor.layers.linear import Linear, linear
 from kvserve.model_executor.layers.mlp import GatedMLP
 from kvserve.model_executor.layers.moe import SparseMoE

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.quantization.weight_only.configs import LaunchConfig
-from kvserve.quantization.weight_only.matmul import split_counters, split_k
-from kvserve.quantization.weight_only.tiles import split_tiles, store_output
+from kvserve.ops.quant.weight_only.configs import LaunchConfig
+from kvserve.ops.quant.weight_only.matmul import split_counters, split_k
+from kvserve.ops.quant.weight_only.tiles import split_tiles, store_output
 
 
 @triton.jit

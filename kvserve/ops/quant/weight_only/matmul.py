@@ -11,11 +11,11 @@ import torch
 import triton
 
 from kvserve.ops import pdl
-from kvserve.model_executor.layers.layernorm import PendingNorm
-from kvserve.quantization.weight_only.configs import MMA_MAX_ROWS, LaunchConfig, default_config
-from kvserve.quantization.weight_only.generic import weight_only_gemv_kernel, weight_only_matmul_kernel
-from kvserve.quantization.weight_only.mma import fp8_mma_kernel, int4_mma_kernel
-from kvserve.quantization.weight_only.words import (
+from kvserve.ops.quant.pending_norm import PendingNorm
+from kvserve.ops.quant.weight_only.configs import MMA_MAX_ROWS, LaunchConfig, default_config
+from kvserve.ops.quant.weight_only.generic import weight_only_gemv_kernel, weight_only_matmul_kernel
+from kvserve.ops.quant.weight_only.mma import fp8_mma_kernel, int4_mma_kernel
+from kvserve.ops.quant.weight_only.words import (
     fp8_dot_kernel,
     fp8_gemv_kernel,
     int4_dot_kernel,

@@ -20,12 +20,12 @@ from torch import nn
 
 from kvserve.quantization import base
 from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
-from kvserve.quantization.fp8_activation import quantize_per_token
+from kvserve.ops.quant.fp8_activation import quantize_per_token
 from kvserve.quantization.int4 import Int4Linear, dequantize_int4, quantize_int4
 from kvserve.quantization.int8 import GroupInt8Linear, Int8Linear
-from kvserve.quantization.weight_only import LaunchConfig, unpack_weight, weight_only_matmul
-from kvserve.quantization.weight_only.matmul import split_k
-from kvserve.quantization.weight_only.tiles import split_tiles
+from kvserve.ops.quant.weight_only import LaunchConfig, unpack_weight, weight_only_matmul
+from kvserve.ops.quant.weight_only.matmul import split_k
+from kvserve.ops.quant.weight_only.tiles import split_tiles
 from tests.fp8_reference import per_token_reference
 from tests.triton_interpreter import run_interpreted
 
@@ -366,7 +366,7 @@ def split_tile_ranges(num_tiles: int, splits: int, even: bool) -> list[list[int]
 @pytest.fixture(scope="module")
 def interpreted_errors() -> dict[str, float | bool]:
     pytest.importorskip("triton")
-    return json.loads(run_interpreted("tests.quantization.test_triton_kernels", "run_small_cases"))
+    return json.loads(run_interpreted("tests.ops.quant.test_weight_only", "run_small_cases"))
 
 
 @pytest.mark.parametrize("dtype", SMALL_DTYPES, ids=str)
@@ -443,8 +443,8 @@ def test_row_counts_pick_the_kernels_the_sweeps_chose() -> None:
     above 16 rows); and the mma
     kernels only where they apply (CUDA, groups of whole 128s, up to 64 rows), else the tiles
     the rows take without them."""
-    from kvserve.quantization.weight_only import configs as tk
-    from kvserve.quantization.weight_only.matmul import mma_applies
+    from kvserve.ops.quant.weight_only import configs as tk
+    from kvserve.ops.quant.weight_only.matmul import mma_applies
 
     words = {(rows, n): tk.default_config(rows, True, False, n).words for rows in (1, 2, 8, 9, 32, 33, 64)
              for n in (4096, 28672)}

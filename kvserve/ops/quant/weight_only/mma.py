@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvserve.quantization.weight_only.tiles import (
+from kvserve.ops.quant.weight_only.tiles import (
     arrives_last,
     norm_row_scale,
     rearm,

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 
 class Fp8Rows(NamedTuple):
@@ -22,10 +21,3 @@ class Fp8Rows(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         return (self.values.float() * self.scales).to(self.dtype)
-
-
-def takes_fp8_rows(consumer: nn.Module | None, rows: int, dtype: torch.dtype) -> bool:
-    """Whether `consumer` (a linear; None: anything else) runs `rows` rows of `dtype`
-    activations as Fp8Rows (its `takes_fp8_rows`), so that their producer should quantize."""
-    takes = getattr(consumer, "takes_fp8_rows", None)
-    return takes is not None and takes(rows, dtype)

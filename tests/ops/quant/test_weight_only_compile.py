@@ -1,7 +1,7 @@
 """The GPU-only weight-only kernels, compiled for sm_90 on the CPU machine (Triton's own
 ptxas; kvserve.ops.triton_offline): the mma.sync kernels use inline PTX that Triton's
 interpreter cannot run, so this is what CI can check of them. Their numerics are checked on
-a GPU (test_triton_kernels.py's gpu tests). The decode configurations must keep their main
+a GPU (test_weight_only.py's gpu tests). The decode configurations must keep their main
 loop in registers: local memory there would cost every tile of every decode step (a few
 values spilled around the loop, as the int4 kernel at one row does, cost nothing per tile)."""
 
@@ -12,8 +12,8 @@ import statistics
 
 import pytest
 
-from kvserve.quantization.weight_only import mma, words
-from kvserve.quantization.weight_only.matmul import WORD_KERNEL_MAX_REGISTERS
+from kvserve.ops.quant.weight_only import mma, words
+from kvserve.ops.quant.weight_only.matmul import WORD_KERNEL_MAX_REGISTERS
 from kvserve.ops.triton_offline import WEIGHT_ONLY_POINTERS, compile_kernel, main_loop, resource_usage
 
 # (name, kernel, constexprs): the decode kernels as the configs launch them; "M": 1 is how

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
-from kvserve.quantization.fp8_activation import quantize_per_token
-from kvserve.quantization.fp8_w8a8 import DECODE_CONFIG, fp8_w8a8_matmul, w8a8_config
-from kvserve.quantization.weight_only import LaunchConfig
+from kvserve.ops.quant.fp8_activation import quantize_per_token
+from kvserve.ops.quant.fp8_w8a8 import DECODE_CONFIG, fp8_w8a8_matmul, w8a8_config
+from kvserve.ops.quant.weight_only import LaunchConfig
 from tests.fp8_reference import per_token_reference
 from tests.triton_interpreter import run_interpreted
 
@@ -68,7 +68,7 @@ def run_small_cases() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted_errors() -> dict[str, float]:
-    return json.loads(run_interpreted("tests.quantization.test_fp8_w8a8", "run_small_cases"))
+    return json.loads(run_interpreted("tests.ops.quant.test_fp8_w8a8", "run_small_cases"))
 
 
 @pytest.mark.parametrize("swap_ab", (False, True), ids=("x-w", "w-x"))
@@ -140,7 +140,7 @@ def test_gpu_matches_fp64_product(rows, shape, config) -> None:
 def test_gpu_fp8_layer_runs_decode_batches_on_the_kernel(rows, monkeypatch) -> None:
     """Fp8Linear at 2-128 rows takes fp8_w8a8 (for llama3-8b's down at every such row count)
     and matches the fp64 product of its own quantized x and weight."""
-    from kvserve.quantization import fp8_w8a8
+    from kvserve.ops.quant import fp8_w8a8
 
     calls = []
     monkeypatch.setattr(fp8_w8a8, "fp8_w8a8_kernel", _counting(fp8_w8a8.fp8_w8a8_kernel, calls))
@@ -187,7 +187,8 @@ def test_gpu_replays_in_a_cuda_graph() -> None:
 def test_fp8_rows_go_only_to_layers_that_run_the_kernel() -> None:
     """takes_fp8_rows is off on the CPU (no producer quantizes there) and for non-linears;
     Fp8Rows that reach a layer which declines them are dequantized, not misread."""
-    from kvserve.model_executor.layers.fp8_rows import Fp8Rows, takes_fp8_rows
+    from kvserve.ops.quant.fp8_rows import Fp8Rows
+    from kvserve.quantization.base import takes_fp8_rows
 
     q, scale = quantize_fp8(torch.randn(48, 256) * 0.05)
     layer = Fp8Linear(q, scale[:, None], None)

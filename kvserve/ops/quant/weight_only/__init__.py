@@ -23,7 +23,7 @@ halves the instructions a weight against the CUDA-core loop and serves 8 rows of
 price of one; 9-32 rows take 2-4 such tiles of x against each fragment, unpacked once
 (mma.int4_mma_kernel). fp8 weights likewise at 2-16 rows (mma.fp8_mma_kernel: e4m3 to
 fp16 by the hardware, x's bf16 pairs to fp16, fp16 MMAs) where the GPU is not a Hopper: on
-Hopper, Fp8Linear sends 2-128 rows to the fp8 x fp8 kernel (quantization/fp8_w8a8.py).
+Hopper, Fp8Linear sends 2-128 rows to the fp8 x fp8 kernel (ops/quant/fp8_w8a8.py).
 fp8: 4 e4m3 values a load, each byte converted by the hardware (exact); per-channel scales
 apply once at the end, group scales once per tile. Their split-K partials are summed
 inside the kernel, in split order, by the last split to finish: one launch per linear.
@@ -32,7 +32,7 @@ The 4-bit one-row word kernel can also run the residual add and the RMSNorm afte
 linear in its epilogue (weight_only_matmul_add_norm: h * the norm's weight and the row sums
 of h^2), and the next linear's word or mma.sync kernel scales its output rows by
 rsqrt(mean(h^2) + eps) (weight_only_matmul's `pending`): the norm's own kernel goes away
-(PendingNorm in model_executor/layers/layernorm.py).
+(PendingNorm, ops/quant/pending_norm.py).
 
 No host syncs and only shape-dependent allocations (the split counters are allocated once
 per device, at the first call): the launches are CUDA-graph capturable.
@@ -43,8 +43,8 @@ int32-word kernels), mma (the mma.sync kernels), tiles (the Triton helpers they 
 unpack (unpack_weight for the dense path).
 """
 
-from kvserve.quantization.weight_only.configs import LaunchConfig, default_config
-from kvserve.quantization.weight_only.matmul import weight_only_matmul
-from kvserve.quantization.weight_only.unpack import unpack_weight
+from kvserve.ops.quant.weight_only.configs import LaunchConfig, default_config
+from kvserve.ops.quant.weight_only.matmul import weight_only_matmul
+from kvserve.ops.quant.weight_only.unpack import unpack_weight
 
 __all__ = ["LaunchConfig", "default_config", "unpack_weight", "weight_only_matmul"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvserve.quantization.weight_only.tiles import (
+from kvserve.ops.quant.weight_only.tiles import (
     dot_tile_pointers,
     group_scale_offset,
     load_x_pair,

@@ -21,11 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.model_executor.layers.layernorm import PendingNorm, RMSNorm
+from kvserve.model_executor.layers.layernorm import RMSNorm
+from kvserve.ops.quant.pending_norm import PendingNorm
 from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from kvserve.quantization.int4 import Int4Linear, quantize_int4
-from kvserve.quantization.weight_only import LaunchConfig, mma
-from kvserve.quantization.weight_only.matmul import (
+from kvserve.ops.quant.weight_only import LaunchConfig, mma
+from kvserve.ops.quant.weight_only.matmul import (
     AddNorm,
     weight_only_matmul,
     weight_only_matmul_add_norm,
@@ -250,7 +251,7 @@ def run_chain_cases() -> None:
 @pytest.fixture(scope="module")
 def interpreted_chains() -> dict[str, dict[str, float]]:
     pytest.importorskip("triton")
-    return json.loads(run_interpreted("tests.quantization.test_fused_norm", "run_chain_cases"))
+    return json.loads(run_interpreted("tests.ops.quant.test_fused_norm", "run_chain_cases"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -341,8 +342,8 @@ def test_consumers_that_fold_a_pending_norm(fmt, n, k, group_size, rows, dtype, 
     norm leaves it pending): int4's word kernel and mma.sync, fp8's mma.sync and one-row byte
     kernel, by llama3-8b's shapes, on an sm_90 device (its capability stands in for a GPU
     here)."""
-    from kvserve.quantization.weight_only import matmul
-    from kvserve.quantization.weight_only.matmul import folds_pending_norm
+    from kvserve.ops.quant.weight_only import matmul
+    from kvserve.ops.quant.weight_only.matmul import folds_pending_norm
 
     monkeypatch.setattr(matmul, "_capability", lambda index: (9, 0))
     four_bit = fmt == "int4"
