@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvserve import cpu_kernels
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model_executor.layers.rotary import apply_rotary
+from kvserve.ops import cpu as cpu_kernels
 
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -8,7 +8,7 @@ CPUs without AMX, see WORKLOADS.md). Measured on the 2-core development machine
 * A GGUF whose linear weights are all Q4_0/Q4_1 (the embedded SmolLM2 is Q4_1) is re-packed
   as int4 with group 32 and float zero points: that reproduces the file's grid exactly
   (perplexity identical to the dequantized fp32 weights, BENCHMARKS.md) and cuts the bytes
-  of a 1-row step 4x; kvserve's int4 kernel (kvserve.cpu_kernels) runs decode batches of up
+  of a 1-row step 4x; kvserve's int4 kernel (kvserve.ops.cpu) runs decode batches of up
   to INT4_FP32_FROM_ROWS rows (torch's where ours is not built), larger ones the fp32 copy.
 * One whose linears are all Q8_0 is re-packed as int8 with group 32 (quantize_int8_groups
   gives back the file's blocks exactly), ~3.6x fewer bytes than fp32; kvserve's int8 kernel
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.cpu_kernels import cpu_flags
+from kvserve.ops.cpu import cpu_flags
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
 from kvserve.utils import cache_root
 

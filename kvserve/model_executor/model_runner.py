@@ -20,7 +20,7 @@ from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
 from kvserve.model_executor.input_batch import SequenceStates
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
 from kvserve.ops.argmax import row_argmax
-from kvserve.cpu_kernels import float_matmul_op
+from kvserve.ops.cpu import float_matmul_op
 from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize
 
 from tests.quantization.prompts import PROMPTS
 from kvserve import LLM, SamplingParams
-from kvserve.cpu_kernels import int8_matmul_op
+from kvserve.ops.cpu import int8_matmul_op
 from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.loader import load_model
 from kvserve.quantization import QuantizedLinear

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.cpu_kernels import int8_matmul_op
+from kvserve.ops.cpu import int8_matmul_op
 from kvserve.quantization.int8 import quantize_int8
 
 

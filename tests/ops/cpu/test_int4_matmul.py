@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.cpu_kernels import int4_matmul_op
+from kvserve.ops.cpu import int4_matmul_op
 from kvserve.quantization.int4 import Int4Linear, dequantize_int4, quantize_int4
 
 

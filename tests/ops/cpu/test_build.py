@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from kvserve import cpu_kernels
+from kvserve.ops import cpu as cpu_kernels
 
 # Holds the build lock of the directory in argv[1], leaves torch's lock file there as a
 # build does while it runs, and waits to be killed.
 HOLDER = """
 import sys, time
 from pathlib import Path
-from kvserve.cpu_kernels import _exclusive_build
+from kvserve.ops.cpu import _exclusive_build
 directory = Path(sys.argv[1])
 with _exclusive_build(directory):
     (directory / "lock").touch()
@@ -53,6 +53,6 @@ def test_the_kernels_load_after_a_killed_build() -> None:
     if cpu_kernels.int8_matmul_op() is None:
         pytest.skip("no C++ toolchain to build the kernels")
     _killed_mid_build(cpu_kernels.build_directory())
-    loaded = subprocess.run([sys.executable, "-c", "from kvserve import cpu_kernels; print(cpu_kernels.available())"],
+    loaded = subprocess.run([sys.executable, "-c", "from kvserve.ops import cpu; print(cpu.available())"],
                             capture_output=True, text=True, timeout=300)
     assert loaded.stdout.strip() == "True", loaded.stderr[-2000:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.cpu_kernels import decode_attention_op
+from kvserve.ops.cpu import decode_attention_op
 
 
 @pytest.fixture(scope="module")
