@@ -142,6 +142,15 @@ class QuantizedLinear(nn.Module, ABC):
         """kernel_weight for CUDA x of decode size (the kernels' rows and dtypes)."""
         return self.kernel_weight(x.device) if x.is_cuda and self.gpu_kernel_applies(x) else None
 
+    # Fusion partners: what this layer's kernels take from the kernel before them and leave to
+    # the kernel after them. RMSNorm.add_after asks a quantized linear through these; the
+    # defaults decline, methods whose kernels can say where.
+
+    def takes_fp8_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether `rows` rows of `dtype` x run on a kernel that multiplies fp8 by fp8, so that
+        the kernel producing x should quantize its output (Fp8Rows): fp8 weights on Hopper."""
+        return False
+
     def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether pending_matmul finishes a PendingNorm of `rows` rows in `dtype` in this
         layer's kernel: the linear before a norm leaves it pending only then."""
@@ -204,12 +213,12 @@ class QuantizedLinear(nn.Module, ABC):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-
 def takes_fp8_rows(consumer: nn.Module | None, rows: int, dtype: torch.dtype) -> bool:
-    """Whether `consumer` (a linear; None: anything else) runs `rows` rows of `dtype`
-    activations as Fp8Rows (its `takes_fp8_rows`), so that their producer should quantize."""
-    takes = getattr(consumer, "takes_fp8_rows", None)
-    return takes is not None and takes(rows, dtype)
+    """Whether `consumer` (the linear that takes a kernel's output; None: anything else) runs
+    `rows` rows of `dtype` activations as Fp8Rows, so that their producer should quantize:
+    a quantized linear that says so (QuantizedLinear.takes_fp8_rows); nothing else does."""
+    return isinstance(consumer, QuantizedLinear) and consumer.takes_fp8_rows(rows, dtype)
+
 
 class QuantizationMethod(ABC):
     """Decides, per linear layer, how its weight is converted and applied."""

@@ -120,8 +120,7 @@ class Fp8Linear(QuantizedLinear):
         return w8a8_config(rows, self.out_features, self.in_features)
 
     def takes_fp8_rows(self, rows: int, dtype: torch.dtype) -> bool:
-        """Whether `rows` rows of `dtype` x run on fp8_w8a8, whose input the kernel before
-        this layer may then quantize (Fp8Rows)."""
+        """Where `rows` rows of `dtype` x run on fp8_w8a8."""
         return self._w8a8_rows_config(rows, dtype, self.qweight.device) is not None
 
     def apply(self, x: torch.Tensor | PendingNorm | Fp8Rows) -> torch.Tensor:

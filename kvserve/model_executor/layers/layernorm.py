@@ -9,7 +9,7 @@ from torch import nn
 
 from kvserve.ops.quant.fp8_rows import Fp8Rows
 from kvserve.ops.quant.pending_norm import PendingNorm
-from kvserve.quantization.base import takes_fp8_rows
+from kvserve.quantization.base import QuantizedLinear, takes_fp8_rows
 
 
 class RMSNorm(nn.Module):
@@ -36,16 +36,15 @@ class RMSNorm(nn.Module):
         self, linear: nn.Module, x: torch.Tensor | Fp8Rows, residual: torch.Tensor, consumer: nn.Module | None
     ) -> tuple[torch.Tensor | PendingNorm | Fp8Rows, torch.Tensor]:
         """(norm(residual + linear(x)), residual + linear(x)), the norm's output going to
-        `consumer` (a linear; None: anything else). Where both kernels can (the quantized
-        layers' `add_norm_matmul` and `folds_pending_norm`), the add and the norm's sums run
-        in the linear's epilogue and the result is a PendingNorm that the consumer finishes;
-        where the consumer multiplies fp8 by fp8, the norm's kernel quantizes its output
-        (Fp8Rows). residual is updated in place either way on CUDA."""
-        add_norm_matmul = getattr(linear, "add_norm_matmul", None)
-        folds_pending_norm = getattr(consumer, "folds_pending_norm", None)
-        if isinstance(x, torch.Tensor) and add_norm_matmul is not None and folds_pending_norm is not None \
-                and folds_pending_norm(x.shape[0], x.dtype):
-            fused = add_norm_matmul(x, residual, self.weight, self.eps)
+        `consumer` (a linear; None: anything else). Where both are quantized linears whose
+        kernels can (the producer's `add_norm_matmul`, the consumer's `folds_pending_norm`),
+        the add and the norm's sums run in the linear's epilogue and the result is a
+        PendingNorm that the consumer finishes; where the consumer multiplies fp8 by fp8
+        (its `takes_fp8_rows`), the norm's kernel quantizes its output (Fp8Rows). residual is
+        updated in place either way on CUDA."""
+        if (isinstance(x, torch.Tensor) and isinstance(linear, QuantizedLinear)
+                and isinstance(consumer, QuantizedLinear) and consumer.folds_pending_norm(x.shape[0], x.dtype)):
+            fused = linear.add_norm_matmul(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused, residual
         y = linear(x)
