@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvserve import envs
 from kvserve.ops.cpu import cpu_flags
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
-from kvserve.utils import cache_root
 
 if TYPE_CHECKING:  # the CLI imports this module while building its parser: keep it light
     from kvserve.model_executor.loader import LoadedModel
@@ -128,10 +128,10 @@ def bf16_gemm_speedup(in_features: int, out_features: int, rows: int = _PROBE_RO
 
 def measured_bf16_speedup(in_features: int, out_features: int) -> float:
     """bf16_gemm_speedup, measured once per CPU, torch version, thread count and shape and
-    kept in cache_root()/cpu_probes.json, so every start on one machine makes one plan."""
+    kept in $KVSERVE_CACHE_DIR/cpu_probes.json, so every start on one machine makes one plan."""
     key = hashlib.sha1(f"{cpu_flags()}|{torch.__version__}|{torch.get_num_threads()}|"
                        f"{in_features}x{out_features}".encode()).hexdigest()[:16]
-    path = cache_root() / "cpu_probes.json"
+    path = envs.KVSERVE_CACHE_DIR / "cpu_probes.json"
     try:
         probes = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -25,11 +25,12 @@ once never finished; not investigated.)
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from kvserve import envs
 
 
 @functools.cache
@@ -40,9 +41,9 @@ def _capable(device_index: int) -> bool:
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` use PDL: CUDA on sm_90 or newer, not the interpreter,
     not turned off by KVSERVE_PDL=0."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or envs.TRITON_INTERPRET:
         return False
-    return os.environ.get("KVSERVE_PDL", "1") != "0" and _capable(device.index or 0)
+    return envs.KVSERVE_PDL and _capable(device.index or 0)
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from kvserve import envs
 from kvserve.ops import pdl
 from kvserve.ops.attention.batch import PagedBatch
 from kvserve.ops.elementwise import rope_factor, rotate_pair
@@ -509,7 +509,7 @@ def _float8_asm_format(kv_cache: torch.Tensor, query: torch.Tensor) -> str:
     """PTX name of a float8 cache's format where V converts through inline PTX (CUDA with
     fp16 dots); "" elsewhere (the interpreter runs no PTX)."""
     formats = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
-    if query.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if query.device.type != "cuda" or envs.TRITON_INTERPRET:
         return ""
     return formats.get(kv_cache.dtype, "") if query.dtype in (torch.float16, torch.bfloat16) else ""
 

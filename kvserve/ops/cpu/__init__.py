@@ -29,13 +29,14 @@ import contextlib
 import functools
 import hashlib
 import logging
-import os
 import platform
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+
+from kvserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def build_directory() -> Path:
 
     identity = f"{cpu_flags()} {torch.__version__} {sys.version_info[:2]} {Path(__file__).parent}"
     key = hashlib.sha1(identity.encode()).hexdigest()[:12]
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    root = envs.TORCH_EXTENSIONS_DIR or cpp_extension.get_default_build_root()
     return Path(root) / f"kvserve_cpu_kernels_{key}"
 
 
