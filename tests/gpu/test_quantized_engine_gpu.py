@@ -11,7 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvserve import LLM, SamplingParams
-from kvserve.quantization import base, fp8_w8a8
+from kvserve.ops.quant import fp8_w8a8
+from kvserve.quantization import base
 from kvserve.quantization.fp8 import Fp8Linear
 
 pytestmark = pytest.mark.gpu
