@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     KVSERVE_CACHE_DIR: Path
     KVSERVE_PDL: bool
+    KVSERVE_QUANTIZED_GPU_KERNELS: bool
     KVSERVE_API_KEY: str | None
     KVSERVE_LLAMA_CPP_DIR: Path
     OPENAI_API_KEY: str | None
@@ -37,6 +38,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Programmatic dependent launch of the decode step's kernels on sm_90 and newer
     # (ops/pdl.py); "0" turns it off, for side-by-side timing.
     "KVSERVE_PDL": lambda: os.environ.get("KVSERVE_PDL", "1") != "0",
+    # "0": quantized linears built while it is set run every CUDA call on the dequantize path
+    # instead of kvserve's kernels (the reference those are tested against).
+    "KVSERVE_QUANTIZED_GPU_KERNELS": lambda: os.environ.get("KVSERVE_QUANTIZED_GPU_KERNELS", "1") != "0",
     # The key `kvserve serve` requires of clients (its --api-key default); unset: none.
     "KVSERVE_API_KEY": lambda: os.environ.get("KVSERVE_API_KEY"),
     # Where `kvserve bench cpu-compare` builds and keeps llama.cpp's llama-server; default

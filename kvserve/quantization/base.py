@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import envs
 from kvserve.ops.quant.pending_norm import PendingNorm
 from kvserve.quantization.cpu_dense import DenseWeight
 
@@ -31,9 +32,6 @@ CPU_KERNEL_MAX_ROWS = 16
 # dequantize to the activation dtype per call and run cuBLAS (measured on an H200,
 # BENCHMARKS.md). fp8 layers use torch._scaled_mm for those instead (fp8.py).
 GPU_KERNEL_MAX_ROWS = 64
-# Off: every CUDA call takes the dequantize path (the reference the kernels are tested
-# and benchmarked against).
-gpu_kernels_enabled = True
 
 # Layers left in the run dtype: the LM head decides every token, and embeddings are
 # only gathered, so quantizing them saves memory but no decode time.
@@ -63,6 +61,9 @@ class QuantizedLinear(nn.Module, ABC):
         self.in_features = in_features
         self.out_features = out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # False (KVSERVE_QUANTIZED_GPU_KERNELS=0 when the layer is built): every CUDA call takes
+        # the dequantize path, the reference the kernels are tested and benchmarked against.
+        self.gpu_kernels = envs.KVSERVE_QUANTIZED_GPU_KERNELS
 
     @abstractmethod
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -104,7 +105,7 @@ class QuantizedLinear(nn.Module, ABC):
 
     def gpu_kernel_takes(self, rows: int, dtype: torch.dtype) -> bool:
         """gpu_kernel_applies for `rows` rows of x in `dtype`."""
-        return gpu_kernels_enabled and dtype in (torch.bfloat16, torch.float16) and rows <= self.gpu_kernel_max_rows
+        return self.gpu_kernels and dtype in (torch.bfloat16, torch.float16) and rows <= self.gpu_kernel_max_rows
 
     # Rows up to which CPU inputs take the fused kernel (keep_dense_weight may lower it).
     cpu_kernel_max_rows = CPU_KERNEL_MAX_ROWS

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.ops.quant.fp8_rows import Fp8Rows
-from kvserve.quantization import base
 from kvserve.quantization.base import KernelWeight, QuantizationMethod, QuantizedLinear, lm_head_as_linear
 from kvserve.quantization.int8 import add_int8_lm_head
 
@@ -112,7 +111,7 @@ class Fp8Linear(QuantizedLinear):
         return self._w8a8_rows_config(x.numel() // self.in_features, x.dtype, x.device)
 
     def _w8a8_rows_config(self, rows: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig | None:
-        if not (base.gpu_kernels_enabled and self.per_channel and device.type == "cuda"
+        if not (self.gpu_kernels and self.per_channel and device.type == "cuda"
                 and dtype in (torch.bfloat16, torch.float16) and _capability(device.index or 0) >= (9, 0)):
             return None
         from kvserve.ops.quant.fp8_w8a8 import w8a8_config
@@ -147,7 +146,7 @@ class Fp8Linear(QuantizedLinear):
 
     def _scaled_mm_applies(self, x: torch.Tensor) -> bool:
         # Row-wise scaled _scaled_mm: bf16 output, both dims multiples of 16.
-        return (base.gpu_kernels_enabled and self.per_channel and x.dtype == torch.bfloat16
+        return (self.gpu_kernels and self.per_channel and x.dtype == torch.bfloat16
                 and self.in_features % 16 == 0 and self.out_features % 16 == 0)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:

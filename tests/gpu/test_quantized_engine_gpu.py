@@ -54,7 +54,7 @@ def test_kernels_score_like_the_dense_path(save_hf_model, method, monkeypatch):
     monkeypatch.setattr(fp8_w8a8, "W8A8_MIN_ROWS", step_tokens + 1)
 
     def run(dtype: str, kernels: bool) -> torch.Tensor:
-        monkeypatch.setattr(base, "gpu_kernels_enabled", kernels)
+        monkeypatch.setenv("KVSERVE_QUANTIZED_GPU_KERNELS", "1" if kernels else "0")
         return _prompt_logprobs(model_dir, prompts, dtype=dtype, quantization=method,
                                 max_num_batched_tokens=step_tokens)
 
