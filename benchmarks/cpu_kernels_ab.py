@@ -60,8 +60,8 @@ def decode_steps(base: object, batch: int, rounds: int) -> None:
     import statistics
 
     from kvserve.benchmarks.cpu_decode import DecodeStepTimer, run_round
-    from kvserve.ops.cpu import _int4_matmul_shape
     from kvserve.llm import LLM
+    from kvserve.ops.cpu import _int4_matmul_shape
     from kvserve.quantization import int4
 
     torch.library.register_fake("kvserve_cpu_base::int4_matmul")(_int4_matmul_shape)

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS, QuantizationMethod, QuantizedLinear, lm_head_as_linear
 from kvserve.ops.cpu import int8_matmul_op
+from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS, QuantizationMethod, QuantizedLinear, lm_head_as_linear
 
 logger = logging.getLogger(__name__)
 

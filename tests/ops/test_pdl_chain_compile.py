@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from kvserve.ops.attention import kv_cache_write, paged_attention
 from kvserve.ops import elementwise
+from kvserve.ops.attention import kv_cache_write, paged_attention
 from kvserve.ops.triton_offline import compile_kernel
 
 BF16 = "*bf16"

@@ -15,11 +15,11 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, TorchReferenceBackend
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.layernorm import RMSNorm
-from kvserve.ops.quant.pending_norm import PendingNorm
 from kvserve.model_executor.layers.linear import Linear, linear
 from kvserve.model_executor.layers.mlp import GatedMLP
 from kvserve.model_executor.layers.moe import SparseMoE
 from kvserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
+from kvserve.ops.quant.pending_norm import PendingNorm
 
 
 class LlamaAttention(nn.Module):

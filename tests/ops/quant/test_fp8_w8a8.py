@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from kvserve.ops.quant.fp8_activation import quantize_per_token
 from kvserve.ops.quant.fp8_w8a8 import DECODE_CONFIG, fp8_w8a8_matmul, w8a8_config
 from kvserve.ops.quant.weight_only import LaunchConfig
+from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from tests.fp8_reference import per_token_reference
 from tests.triton_interpreter import run_interpreted
 

@@ -23,14 +23,14 @@ import triton.language as tl
 
 from kvserve.model_executor.layers.layernorm import RMSNorm
 from kvserve.ops.quant.pending_norm import PendingNorm
-from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
-from kvserve.quantization.int4 import Int4Linear, quantize_int4
 from kvserve.ops.quant.weight_only import LaunchConfig, mma
 from kvserve.ops.quant.weight_only.matmul import (
     AddNorm,
     weight_only_matmul,
     weight_only_matmul_add_norm,
 )
+from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
+from kvserve.quantization.int4 import Int4Linear, quantize_int4
 from tests.triton_interpreter import run_interpreted
 
 EPS = 1e-5

@@ -18,14 +18,14 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from kvserve.quantization import base
-from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from kvserve.ops.quant.fp8_activation import quantize_per_token
-from kvserve.quantization.int4 import Int4Linear, dequantize_int4, quantize_int4
-from kvserve.quantization.int8 import GroupInt8Linear, Int8Linear
 from kvserve.ops.quant.weight_only import LaunchConfig, unpack_weight, weight_only_matmul
 from kvserve.ops.quant.weight_only.matmul import split_k
 from kvserve.ops.quant.weight_only.tiles import split_tiles
+from kvserve.quantization import base
+from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
+from kvserve.quantization.int4 import Int4Linear, dequantize_int4, quantize_int4
+from kvserve.quantization.int8 import GroupInt8Linear, Int8Linear
 from tests.fp8_reference import per_token_reference
 from tests.triton_interpreter import run_interpreted
 
