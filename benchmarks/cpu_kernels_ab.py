@@ -1,4 +1,4 @@
-"""kvserve's C++ decode matmuls (cpu_kernels/csrc/decode_matmul.cpp) in this tree against the
+"""kvserve's C++ decode matmuls (kvserve/ops/cpu/csrc/decode_matmul.cpp) in this tree against the
 same file at a git revision, in one process with their timings interleaved (the machine is
 shared and noisy): the revision's source is built under another op namespace beside this
 tree's build. `--rows` rows of x (a decode batch) against SmolLM2's int4 g32 linears and
@@ -24,16 +24,22 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from kvserve.cpu_kernels import int4_matmul_op, int8_matmul_op
+from kvserve.ops.cpu import int4_matmul_op, int8_matmul_op
 
-SOURCE = "kvserve/cpu_kernels/csrc/decode_matmul.cpp"
+SOURCE = "kvserve/ops/cpu/csrc/decode_matmul.cpp"
+# Its path at revisions from before the kernels moved to kvserve/ops.
+OLD_SOURCE = "kvserve/cpu_kernels/csrc/decode_matmul.cpp"
 INT4_SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]
 INT8_SHAPES = [(49152, 576), (3072, 576)]
 
 
 def build_base(revision: str) -> object:
     """The revision's ops, registered as torch.ops.kvserve_cpu_base."""
-    text = subprocess.run(["git", "show", f"{revision}:{SOURCE}"], check=True, capture_output=True, text=True).stdout
+    shown = [subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True)
+             for path in (SOURCE, OLD_SOURCE)]
+    text = next((show.stdout for show in shown if show.returncode == 0), None)
+    if text is None:
+        raise SystemExit(f"{revision} has neither {SOURCE} nor {OLD_SOURCE}")
     source = Path(tempfile.mkdtemp()) / "decode_matmul_base.cpp"
     source.write_text(text.replace("kvserve_cpu", "kvserve_cpu_base"))
     cpp_extension.load(name="kvserve_cpu_ab_base", sources=[str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -54,8 +60,8 @@ def decode_steps(base: object, batch: int, rounds: int) -> None:
     import statistics
 
     from kvserve.benchmarks.cpu_decode import DecodeStepTimer, run_round
-    from kvserve.cpu_kernels import _int4_matmul_shape
     from kvserve.llm import LLM
+    from kvserve.ops.cpu import _int4_matmul_shape
     from kvserve.quantization import int4
 
     torch.library.register_fake("kvserve_cpu_base::int4_matmul")(_int4_matmul_shape)

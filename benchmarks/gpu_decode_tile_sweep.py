@@ -18,8 +18,8 @@ import itertools
 
 import torch
 
-from kvserve.attention.triton_kernels.bench_decode import make_batch
-from kvserve.attention.triton_kernels.paged_attention import (
+from kvserve.benchmarks.attention_decode import make_batch
+from kvserve.ops.attention.paged_attention import (
     TileConfig,
     batch_tile,
     choose_num_kv_splits,

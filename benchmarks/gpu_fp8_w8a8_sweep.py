@@ -17,10 +17,10 @@ import itertools
 import torch
 from triton.testing import do_bench
 
+from kvserve.ops.quant.fp8_activation import quantize_per_token
+from kvserve.ops.quant.fp8_w8a8 import fp8_w8a8_matmul
+from kvserve.ops.quant.weight_only import LaunchConfig, default_config, weight_only_matmul
 from kvserve.quantization.fp8 import quantize_fp8
-from kvserve.quantization.fp8_activation import quantize_per_token
-from kvserve.quantization.fp8_w8a8 import fp8_w8a8_matmul
-from kvserve.quantization.weight_only import LaunchConfig, default_config, weight_only_matmul
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32

@@ -14,7 +14,7 @@ import argparse
 import torch
 from triton.testing import do_bench
 
-from kvserve.quantization.weight_only import LaunchConfig, default_config, weight_only_matmul
+from kvserve.ops.quant.weight_only import LaunchConfig, default_config, weight_only_matmul
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32

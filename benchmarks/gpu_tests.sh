@@ -26,10 +26,10 @@ OUT=${OUT:-/tmp/kvserve-gpu}
 mkdir -p "$OUT"
 PART=$1
 case $PART in
-  1) TESTS=(tests/quantization/test_triton_kernels.py tests/quantization/test_int4_lm_head.py -k "not layers_match") ;;
-  2) TESTS=(tests/quantization/test_triton_kernels.py -k "layers_match") ;;
+  1) TESTS=(tests/ops/quant/test_weight_only.py tests/quantization/test_int4_lm_head.py -k "not layers_match") ;;
+  2) TESTS=(tests/ops/quant/test_weight_only.py -k "layers_match") ;;
   3) TESTS=(tests/gpu) ;;
-  4) TESTS=(tests/attention/test_triton_attention.py tests/model_executor/test_triton_ops.py tests/sample/test_argmax.py) ;;
+  4) TESTS=(tests/attention/test_triton_attention.py tests/ops/test_elementwise.py tests/ops/test_argmax.py) ;;
   *) echo "part must be 1, 2, 3 or 4 (see --help)" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

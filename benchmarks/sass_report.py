@@ -12,9 +12,9 @@ import argparse
 import collections
 import re
 
-from kvserve.quantization.weight_only import mma, words
-from kvserve.quantization.weight_only.matmul import WORD_KERNEL_MAX_REGISTERS
-from kvserve.triton_offline import compile_kernel, main_loop, resource_usage
+from kvserve.ops.quant.weight_only import mma, words
+from kvserve.ops.quant.weight_only.matmul import WORD_KERNEL_MAX_REGISTERS
+from kvserve.ops.triton_offline import compile_kernel, main_loop, resource_usage
 
 
 def report(compiled) -> str:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 import torch
 
@@ -33,7 +31,3 @@ def to_device_async(values: list, dtype: torch.dtype, device: torch.device) -> t
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
-
-def cache_root() -> Path:
-    """$KVSERVE_CACHE_DIR, else ~/.cache/kvserve: what kvserve keeps between starts."""
-    return Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")

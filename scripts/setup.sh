@@ -22,6 +22,6 @@ if [ "$GPU" = 0 ]; then
   # kvserve's C++ CPU kernels build once per CPU and install (~50 s, cached): here
   # rather than inside the first `kvserve serve` or test that needs them.
   echo "setup: building kvserve's CPU kernels (~50 s the first time, cached after)"
-  "$PYTHON" -c "from kvserve import cpu_kernels; print('setup: CPU kernels', 'ready' if cpu_kernels.available() else 'unavailable: torch kernels are used')"
+  "$PYTHON" -c "from kvserve.ops import cpu; print('setup: CPU kernels', 'ready' if cpu.available() else 'unavailable: torch kernels are used')"
 fi
 echo "setup: done ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"

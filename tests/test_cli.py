@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -95,3 +96,45 @@ def test_chat_streams_the_same_reply_as_llm_chat_and_quits_on_exit(smollm2_llm):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected + "\n"  # one reply: /exit quit before the second message
+
+
+# Records GOMP_SPINCOUNT at the moment torch is first imported, then runs `kvserve --help`.
+_SPIN_AT_TORCH_IMPORT = """
+import builtins, os, sys
+import kvserve, kvserve.entrypoints.cli as cli
+assert "torch" not in sys.modules
+seen, real_import = [], builtins.__import__
+def recording_import(name, *args, **kwargs):
+    if name.partition(".")[0] == "torch" and "torch" not in sys.modules and not seen:
+        seen.append(os.environ.get("GOMP_SPINCOUNT"))
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = recording_import
+try:
+    cli.main(["--help"])
+except SystemExit:
+    pass
+print(seen)
+"""
+
+
+def _without_spincount() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name != "GOMP_SPINCOUNT"}
+
+
+def test_importing_kvserve_sets_no_environment_variable():
+    check = ("import os; before = dict(os.environ); import kvserve, kvserve.llm; "
+             "assert 'GOMP_SPINCOUNT' not in os.environ; import kvserve.entrypoints.cli; "
+             "assert {k: v for k, v in os.environ.items() if k in before} == before")
+    result = subprocess.run([sys.executable, "-c", check], env=_without_spincount(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_command_sets_gomp_spincount_before_torch_loads():
+    """libgomp reads GOMP_SPINCOUNT when torch loads it: the `kvserve` command sets its default
+    before its first import of torch, and leaves an explicit setting alone."""
+    for env, expected in ((_without_spincount(), "['1000000']"), ({**os.environ, "GOMP_SPINCOUNT": "7"}, "['7']")):
+        result = subprocess.run([sys.executable, "-c", _SPIN_AT_TORCH_IMPORT], env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.strip().splitlines()[-1] == expected

@@ -5,7 +5,10 @@ changes is where e4m3's rounding lands: its error is relative to each element, s
 rotation it sits on the few large key channels (RoPE's outliers) that also carry most of
 q·k; a Hadamard rotation spreads every key over all channels first. On SmolLM2 this halves
 the perplexity cost of an e4m3 cache (BENCHMARKS.md, "fp8 KV cache: rotated keys"). Values
-are stored as they are: rotating them measured no better."""
+are stored as they are: rotating them measured no better.
+
+Attention backends own the basis (AttentionBackend.to_key_basis): the model asks them for
+queries and keys after RoPE, the model runner for keys when it measures a cache's scales."""
 
 from __future__ import annotations
 
@@ -37,10 +40,3 @@ def to_key_basis(heads: torch.Tensor) -> torch.Tensor:
     """[T, heads, head_dim] queries or keys (or both, stacked along heads) in the float8
     cache's key basis."""
     return heads @ key_rotation(heads.shape[-1], heads.device, heads.dtype)
-
-
-def rotate_queries_and_keys(
-    query: torch.Tensor, key: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, heads, head_dim] queries and keys in the float8 cache's key basis."""
-    return to_key_basis(query), to_key_basis(key)

@@ -7,34 +7,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvserve.ops.attention.batch import PagedBatch
+
 if TYPE_CHECKING:
-    from kvserve.attention.triton_kernels.paged_attention import DecodePlan
+    from kvserve.ops.attention.paged_attention import DecodePlan
 
 
 @dataclass
-class AttentionMetadata:
-    """One step's batch: B sequences, T new tokens in total, laid out back to back.
+class AttentionMetadata(PagedBatch):
+    """The batch's layout (PagedBatch: what the kernels read) and what backends decide
+    about it."""
 
-    Sequence i owns new tokens query_start_loc[i]:query_start_loc[i+1]; they sit at the
-    last positions of its context of seq_lens[i] tokens (earlier tokens are already in the
-    cache). A decode is the case of one new token; a prefill chunk, of several.
-    """
-
-    # [T] int64: flat cache slot (block_id * block_size + offset) where each new token's
-    # K/V is written.
-    slot_mapping: torch.Tensor
-    # [B + 1] int32, cumulative count of new tokens per sequence.
-    query_start_loc: torch.Tensor
-    # [B] int32: context length of each sequence including this step's tokens.
-    seq_lens: torch.Tensor
-    # [B, max_blocks] int32: physical block of each logical block, padded with 0.
-    block_tables: torch.Tensor
-    block_size: int
-    max_query_len: int
-    max_seq_len: int
-    # Host copies, so reference code can loop without device syncs.
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
     # Split-KV count and key tile the Triton attention must use (a CUDA graph fixes its
     # grid); None: its choice.
     decode_plan: DecodePlan | None = None
@@ -45,7 +28,3 @@ class AttentionMetadata:
     # What a backend derives from this batch alike for every layer (slot indices, masks),
     # computed by the first layer that needs it and reused by the rest of the step.
     backend_plans: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kvserve import envs
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.torch_ref import TorchReferenceBackend
 
@@ -29,7 +28,7 @@ def get_attn_backend(
             f"The triton attention backend has no sliding-window attention (this model uses a "
             f"window of {sliding_window}); use the 'torch' backend."
         )
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not envs.TRITON_INTERPRET:
         raise ValueError(
             f"The triton attention backend needs a CUDA device, got {device.type!r}; "
             "use the 'torch' backend."

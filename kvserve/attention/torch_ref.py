@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvserve import cpu_kernels
+from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.model_executor.layers.rotary import apply_rotary
+from kvserve.ops import cpu as cpu_kernels
 
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -70,7 +71,7 @@ def attends_in_place(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 MAX_DECODE_GATHER_POSITIONS = 1 << 18
 
 
-class TorchReferenceBackend:
+class TorchReferenceBackend(AttentionBackend):
     """Prefill chunks are attended one sequence at a time; single-token decodes in groups:
     over an fp32 CPU cache, by kvserve's kernel reading the cache in place, otherwise by one
     padded gather and one masked batched attention per group. The slots and masks are the

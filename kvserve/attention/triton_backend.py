@@ -7,9 +7,10 @@ import time
 
 import torch
 
+from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.triton_kernels.kv_cache_write import write_kv_cache
-from kvserve.attention.triton_kernels.paged_attention import (
+from kvserve.ops.attention.kv_cache_write import write_kv_cache
+from kvserve.ops.attention.paged_attention import (
     DecodePlan,
     NewKV,
     choose_decode_plan,
@@ -17,12 +18,12 @@ from kvserve.attention.triton_kernels.paged_attention import (
     paged_attention,
     warm_up as warm_up_kernels,
 )
-from kvserve.model_executor.layers.triton_ops import rotary_queries_and_keys_
+from kvserve.ops.elementwise import rotary_queries_and_keys_
 
 logger = logging.getLogger(__name__)
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     """Writes the step's K/V into the paged cache, then runs one attention kernel over the
     whole varlen batch: decode-only batches get a decode tile and, when few sequences
     would leave the chip idle, a split-KV (flash-decoding) pass (choose_decode_plan); other

@@ -19,9 +19,10 @@ import sys
 import tarfile
 import time
 
+from kvserve import envs
+
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "KVSERVE_LLAMA_CPP_DIR"
 SDIST_PACKAGE = "llama-cpp-python"
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -68,7 +69,7 @@ def _cpu_flags() -> set[str] | None:
 
 
 def cache_dir() -> str:
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "kvserve", "llama.cpp")
+    return str(envs.KVSERVE_LLAMA_CPP_DIR)
 
 
 def server_binary(directory: str | None = None) -> str:

@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.benchmarks.roofline import copy_bandwidth
+from kvserve.ops.quant.fp8_w8a8 import decode_config
+from kvserve.ops.quant.weight_only import LaunchConfig, weight_only_matmul
 from kvserve.quantization.base import QuantizedLinear
 from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
-from kvserve.quantization.fp8_w8a8 import decode_config
 from kvserve.quantization.int4 import Int4Linear, quantize_int4
 from kvserve.quantization.int8 import Int8Linear
-from kvserve.quantization.weight_only import LaunchConfig, weight_only_matmul
 
 # llama3-8b: (name, out features, in features), once per decoder layer each.
 LLAMA3_8B_LINEARS = [

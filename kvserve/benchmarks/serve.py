@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import re
 import sys
@@ -24,6 +23,7 @@ from dataclasses import replace
 import aiohttp
 from tqdm import tqdm
 
+from kvserve import envs
 from kvserve.benchmarks.serve_datasets import BenchPrompt, random_prompts, sharegpt_prompts
 from kvserve.benchmarks.serve_metrics import RequestRecord, compute_metrics
 
@@ -329,7 +329,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Model name to request (default: the first of GET /v1/models).")
     server.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                         help="POST /v1/completions or /v1/chat/completions.")
-    server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+    server.add_argument("--api-key", default=envs.OPENAI_API_KEY,
                         help="Bearer token (default: $OPENAI_API_KEY).")
     workload = parser.add_argument_group("workload")
     workload.add_argument("--dataset", type=_dataset, default="random",

@@ -8,7 +8,7 @@ CPUs without AMX, see WORKLOADS.md). Measured on the 2-core development machine
 * A GGUF whose linear weights are all Q4_0/Q4_1 (the embedded SmolLM2 is Q4_1) is re-packed
   as int4 with group 32 and float zero points: that reproduces the file's grid exactly
   (perplexity identical to the dequantized fp32 weights, BENCHMARKS.md) and cuts the bytes
-  of a 1-row step 4x; kvserve's int4 kernel (kvserve.cpu_kernels) runs decode batches of up
+  of a 1-row step 4x; kvserve's int4 kernel (kvserve.ops.cpu) runs decode batches of up
   to INT4_FP32_FROM_ROWS rows (torch's where ours is not built), larger ones the fp32 copy.
 * One whose linears are all Q8_0 is re-packed as int8 with group 32 (quantize_int8_groups
   gives back the file's blocks exactly), ~3.6x fewer bytes than fp32; kvserve's int8 kernel
@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.cpu_kernels import cpu_flags
+from kvserve import envs
+from kvserve.ops.cpu import cpu_flags
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
-from kvserve.utils import cache_root
 
 if TYPE_CHECKING:  # the CLI imports this module while building its parser: keep it light
     from kvserve.model_executor.loader import LoadedModel
@@ -128,10 +128,10 @@ def bf16_gemm_speedup(in_features: int, out_features: int, rows: int = _PROBE_RO
 
 def measured_bf16_speedup(in_features: int, out_features: int) -> float:
     """bf16_gemm_speedup, measured once per CPU, torch version, thread count and shape and
-    kept in cache_root()/cpu_probes.json, so every start on one machine makes one plan."""
+    kept in $KVSERVE_CACHE_DIR/cpu_probes.json, so every start on one machine makes one plan."""
     key = hashlib.sha1(f"{cpu_flags()}|{torch.__version__}|{torch.get_num_threads()}|"
                        f"{in_features}x{out_features}".encode()).hexdigest()[:16]
-    path = cache_root() / "cpu_probes.json"
+    path = envs.KVSERVE_CACHE_DIR / "cpu_probes.json"
     try:
         probes = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
-from kvserve.engine.engine_args import EngineArgs
+# This module imports nothing that loads torch: main() sets GOMP_SPINCOUNT first (see there),
+# and the engine's modules load when the parser is built or a command runs.
 
 
 class _HelpWithDefaults(argparse.HelpFormatter):
@@ -69,6 +71,7 @@ def sampling_params_from_args(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kvserve.engine.engine_args import EngineArgs
     from kvserve.llm import LLM
 
     params = sampling_params_from_args(args)  # bad flags fail before the model loads
@@ -81,6 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from kvserve.engine.engine_args import EngineArgs
     from kvserve.entrypoints.chat import run_chat
 
     return run_chat(EngineArgs.from_cli_args(args), sampling_params_from_args(args), args.system)
@@ -116,6 +120,8 @@ _TOOL_GROUPS = {"bench": "Benchmarks.", "eval": "Quality evaluations."}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvserve.engine.engine_args import EngineArgs
+
     parser = _Parser(prog="kvserve", description="LLM inference engine with a paged KV cache.")
     parser.add_argument("--log-level", default="INFO", help="Logging level (DEBUG, INFO, WARNING).")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # libgomp (torch's CPU thread pool) lets its workers spin only briefly between parallel
+    # regions once it manages more threads than there are cores, as it does as soon as a thread
+    # other than the main one (the engine's) runs torch on a small machine: each of a CPU
+    # step's ~1,000 regions then pays a sleep and a wake-up. A million spins keep the workers
+    # awake across a step. libgomp reads the variable when torch loads it, so it is set here,
+    # before anything imports torch; an explicit setting wins.
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000000")
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

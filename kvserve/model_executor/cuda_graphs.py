@@ -29,13 +29,13 @@ from collections import Counter
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.triton_kernels.paged_attention import (
+from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
+from kvserve.ops.attention.paged_attention import (
     SHORT_CONTEXT,
     SHORT_VERIFY_CONTEXT,
     DecodePlan,
     choose_decode_plan,
 )
-from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from kvserve.utils import cache_root
+from kvserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 def cached_tokenizer_dir(path: str) -> Path:
     stat = os.stat(path)
     identity = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    return cache_root() / "gguf_tokenizers" / hashlib.sha1(identity.encode()).hexdigest()[:16]
+    return envs.KVSERVE_CACHE_DIR / "gguf_tokenizers" / hashlib.sha1(identity.encode()).hexdigest()[:16]
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:

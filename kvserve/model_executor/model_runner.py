@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.attention.key_rotation import key_rotation
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.selector import get_attn_backend
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, as_storage
@@ -19,8 +18,8 @@ from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
 from kvserve.model_executor.input_batch import SequenceStates
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
-from kvserve.sample.argmax import row_argmax
-from kvserve.cpu_kernels import float_matmul_op
+from kvserve.ops.argmax import row_argmax
+from kvserve.ops.cpu import float_matmul_op
 from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
 logger = logging.getLogger(__name__)
@@ -211,11 +210,10 @@ class ModelRunner:
                                   [list(range(num_blocks))])
         self.model(input_ids.to(self.device), positions, caches, metadata)
         fp8_max = torch.finfo(self.kv_cache_dtype).max
-        rotation = key_rotation(config.head_dim, self.device, torch.float32)
         scales = []
         for layer, cache in zip(self.model.model.layers, caches, strict=True):
             keys, values = cache.float()
-            amax = torch.stack([(keys @ rotation).abs().amax(), values.abs().amax()])
+            amax = torch.stack([self.attn_backend.to_key_basis(keys).abs().amax(), values.abs().amax()])
             k_scale, v_scale = (amax.clamp_min(1e-6) * KV_SCALE_HEADROOM / fp8_max).tolist()
             layer.self_attn.kv_scales = (k_scale, v_scale)
             scales += [k_scale, v_scale]

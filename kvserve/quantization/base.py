@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model_executor.layers.layernorm import PendingNorm
+from kvserve import envs
+from kvserve.ops.quant.pending_norm import PendingNorm
 from kvserve.quantization.cpu_dense import DenseWeight
 
 # Measured on SmolLM2's linears (2-core AVX512 CPU, torch 2.13): torch's weight-only
@@ -27,13 +28,10 @@ from kvserve.quantization.cpu_dense import DenseWeight
 CPU_KERNEL_MAX_ROWS = 16
 
 # On CUDA, inputs of up to this many rows (bf16/fp16) run the Triton weight-only kernels
-# (quantization/weight_only/), which read the packed weight once; more rows
+# (ops/quant/weight_only/), which read the packed weight once; more rows
 # dequantize to the activation dtype per call and run cuBLAS (measured on an H200,
 # BENCHMARKS.md). fp8 layers use torch._scaled_mm for those instead (fp8.py).
 GPU_KERNEL_MAX_ROWS = 64
-# Off: every CUDA call takes the dequantize path (the reference the kernels are tested
-# and benchmarked against).
-gpu_kernels_enabled = True
 
 # Layers left in the run dtype: the LM head decides every token, and embeddings are
 # only gathered, so quantizing them saves memory but no decode time.
@@ -63,6 +61,9 @@ class QuantizedLinear(nn.Module, ABC):
         self.in_features = in_features
         self.out_features = out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # False (KVSERVE_QUANTIZED_GPU_KERNELS=0 when the layer is built): every CUDA call takes
+        # the dequantize path, the reference the kernels are tested and benchmarked against.
+        self.gpu_kernels = envs.KVSERVE_QUANTIZED_GPU_KERNELS
 
     @abstractmethod
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -91,7 +92,7 @@ class QuantizedLinear(nn.Module, ABC):
         not apply."""
         if not x.is_cuda:
             return None
-        from kvserve.quantization.weight_only import unpack_weight
+        from kvserve.ops.quant.weight_only import unpack_weight
 
         weight = unpack_weight(packed, scale, offset, group_size, x.dtype, four_bit=four_bit)
         return None if weight is None else F.linear(x, weight)
@@ -104,7 +105,7 @@ class QuantizedLinear(nn.Module, ABC):
 
     def gpu_kernel_takes(self, rows: int, dtype: torch.dtype) -> bool:
         """gpu_kernel_applies for `rows` rows of x in `dtype`."""
-        return gpu_kernels_enabled and dtype in (torch.bfloat16, torch.float16) and rows <= self.gpu_kernel_max_rows
+        return self.gpu_kernels and dtype in (torch.bfloat16, torch.float16) and rows <= self.gpu_kernel_max_rows
 
     # Rows up to which CPU inputs take the fused kernel (keep_dense_weight may lower it).
     cpu_kernel_max_rows = CPU_KERNEL_MAX_ROWS
@@ -142,6 +143,15 @@ class QuantizedLinear(nn.Module, ABC):
         """kernel_weight for CUDA x of decode size (the kernels' rows and dtypes)."""
         return self.kernel_weight(x.device) if x.is_cuda and self.gpu_kernel_applies(x) else None
 
+    # Fusion partners: what this layer's kernels take from the kernel before them and leave to
+    # the kernel after them. RMSNorm.add_after asks a quantized linear through these; the
+    # defaults decline, methods whose kernels can say where.
+
+    def takes_fp8_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether `rows` rows of `dtype` x run on a kernel that multiplies fp8 by fp8, so that
+        the kernel producing x should quantize its output (Fp8Rows): fp8 weights on Hopper."""
+        return False
+
     def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether pending_matmul finishes a PendingNorm of `rows` rows in `dtype` in this
         layer's kernel: the linear before a norm leaves it pending only then."""
@@ -151,7 +161,7 @@ class QuantizedLinear(nn.Module, ABC):
         weight = self.kernel_weight(stored.device)
         if weight is None:
             return False
-        from kvserve.quantization.weight_only.matmul import folds_pending_norm
+        from kvserve.ops.quant.weight_only.matmul import folds_pending_norm
 
         return folds_pending_norm(rows, dtype, stored.device, weight.qweight, weight.scale, weight.group_size,
                                   weight.four_bit)
@@ -162,7 +172,7 @@ class QuantizedLinear(nn.Module, ABC):
         weight = self._fusing_weight(x.rows)
         if weight is None:
             return None
-        from kvserve.quantization.weight_only import weight_only_matmul
+        from kvserve.ops.quant.weight_only import weight_only_matmul
 
         return weight_only_matmul(x.rows, *weight[:4], four_bit=weight.four_bit, pending=x)
 
@@ -174,7 +184,7 @@ class QuantizedLinear(nn.Module, ABC):
         weight = self._fusing_weight(x)
         if weight is None or self.bias is not None:
             return None
-        from kvserve.quantization.weight_only.matmul import AddNorm, weight_only_matmul_add_norm
+        from kvserve.ops.quant.weight_only.matmul import AddNorm, weight_only_matmul_add_norm
 
         fused = weight_only_matmul_add_norm(x, *weight[:4], AddNorm(residual, norm_weight), four_bit=weight.four_bit)
         return None if fused is None else PendingNorm(*fused, eps)
@@ -202,6 +212,13 @@ class QuantizedLinear(nn.Module, ABC):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def takes_fp8_rows(consumer: nn.Module | None, rows: int, dtype: torch.dtype) -> bool:
+    """Whether `consumer` (the linear that takes a kernel's output; None: anything else) runs
+    `rows` rows of `dtype` activations as Fp8Rows, so that their producer should quantize:
+    a quantized linear that says so (QuantizedLinear.takes_fp8_rows); nothing else does."""
+    return isinstance(consumer, QuantizedLinear) and consumer.takes_fp8_rows(rows, dtype)
 
 
 class QuantizationMethod(ABC):

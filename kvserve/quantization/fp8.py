@@ -6,7 +6,7 @@ Where the product runs:
   commute with the matmul, so only the output is scaled.
 * Hopper (>= 9.0), per-channel scales, bf16/fp16 x of 2-128 rows (decode batches):
   x quantized to fp8 per token (dynamic scales, one Triton kernel) and kvserve's split-K
-  W8A8 kernel on the fp8 tensor cores (fp8_w8a8.py), where it beats cuBLAS and the
+  W8A8 kernel on the fp8 tensor cores (kvserve/ops/quant/fp8_w8a8.py), where it beats cuBLAS and the
   weight-only kernels.
 * CUDA (capability >= 8.9), one row on Hopper and up to 16 on Ada (decode): the Triton
   weight-only kernels read the fp8 bytes once and upcast them in the loop;
@@ -31,14 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model_executor.layers.fp8_rows import Fp8Rows
-from kvserve.quantization import base
+from kvserve.ops.quant.fp8_rows import Fp8Rows
 from kvserve.quantization.base import KernelWeight, QuantizationMethod, QuantizedLinear, lm_head_as_linear
 from kvserve.quantization.int8 import add_int8_lm_head
 
 if TYPE_CHECKING:
-    from kvserve.model_executor.layers.layernorm import PendingNorm
-    from kvserve.quantization.weight_only.configs import LaunchConfig
+    from kvserve.ops.quant.pending_norm import PendingNorm
+    from kvserve.ops.quant.weight_only.configs import LaunchConfig
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -95,7 +94,7 @@ class Fp8Linear(QuantizedLinear):
         if w8a8 is not None:
             return self._w8a8(x, w8a8)
         if self.gpu_kernel_applies(x):
-            from kvserve.quantization.weight_only import weight_only_matmul
+            from kvserve.ops.quant.weight_only import weight_only_matmul
 
             return weight_only_matmul(x, *weight[:4])
         if self._scaled_mm_applies(x):
@@ -112,16 +111,15 @@ class Fp8Linear(QuantizedLinear):
         return self._w8a8_rows_config(x.numel() // self.in_features, x.dtype, x.device)
 
     def _w8a8_rows_config(self, rows: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig | None:
-        if not (base.gpu_kernels_enabled and self.per_channel and device.type == "cuda"
+        if not (self.gpu_kernels and self.per_channel and device.type == "cuda"
                 and dtype in (torch.bfloat16, torch.float16) and _capability(device.index or 0) >= (9, 0)):
             return None
-        from kvserve.quantization.fp8_w8a8 import w8a8_config
+        from kvserve.ops.quant.fp8_w8a8 import w8a8_config
 
         return w8a8_config(rows, self.out_features, self.in_features)
 
     def takes_fp8_rows(self, rows: int, dtype: torch.dtype) -> bool:
-        """Whether `rows` rows of `dtype` x run on fp8_w8a8, whose input the kernel before
-        this layer may then quantize (Fp8Rows)."""
+        """Where `rows` rows of `dtype` x run on fp8_w8a8."""
         return self._w8a8_rows_config(rows, dtype, self.qweight.device) is not None
 
     def apply(self, x: torch.Tensor | PendingNorm | Fp8Rows) -> torch.Tensor:
@@ -135,24 +133,24 @@ class Fp8Linear(QuantizedLinear):
 
     def _w8a8(self, x: torch.Tensor, config: LaunchConfig) -> torch.Tensor:
         """fp8_w8a8 on x quantized here (per token, one kernel)."""
-        from kvserve.quantization.fp8_activation import quantize_per_token
+        from kvserve.ops.quant.fp8_activation import quantize_per_token
 
         rows = x.reshape(-1, self.in_features)
         fp8_rows = Fp8Rows(*quantize_per_token(rows if rows.stride(-1) == 1 else rows.contiguous()), x.dtype)
         return self._w8a8_rows(fp8_rows, config).reshape(*x.shape[:-1], self.out_features)
 
     def _w8a8_rows(self, x: Fp8Rows, config: LaunchConfig) -> torch.Tensor:
-        from kvserve.quantization.fp8_w8a8 import fp8_w8a8_matmul
+        from kvserve.ops.quant.fp8_w8a8 import fp8_w8a8_matmul
 
         return fp8_w8a8_matmul(x.values, x.scales, self.qweight, self.scale, config, out_dtype=x.dtype)
 
     def _scaled_mm_applies(self, x: torch.Tensor) -> bool:
         # Row-wise scaled _scaled_mm: bf16 output, both dims multiples of 16.
-        return (base.gpu_kernels_enabled and self.per_channel and x.dtype == torch.bfloat16
+        return (self.gpu_kernels and self.per_channel and x.dtype == torch.bfloat16
                 and self.in_features % 16 == 0 and self.out_features % 16 == 0)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        from kvserve.quantization.fp8_activation import quantize_per_token
+        from kvserve.ops.quant.fp8_activation import quantize_per_token
 
         rows = x.reshape(-1, self.in_features)
         x_fp8, x_scale = quantize_per_token(rows if rows.stride(-1) == 1 else rows.contiguous())

@@ -18,7 +18,7 @@ import logging
 import torch
 from torch import nn
 
-from kvserve.cpu_kernels import int4_matmul_op
+from kvserve.ops.cpu import int4_matmul_op
 from kvserve.quantization.base import KernelWeight, QuantizationMethod, QuantizedLinear, lm_head_as_linear
 from kvserve.quantization.int8 import add_int8_lm_head
 
@@ -107,7 +107,7 @@ class Int4Linear(QuantizedLinear):
         self.group_size = group_size
         self.register_buffer("scale", scale.float())
         self.register_buffer("minimum", minimum.float())
-        # kvserve's own kernel (kvserve.cpu_kernels), built here rather than in the first
+        # kvserve's own kernel (kvserve.ops.cpu), built here rather than in the first
         # (possibly compiled) call; not on GPU machines, which run Triton.
         own = None if torch.cuda.is_available() or q.device.type != "cpu" else int4_matmul_op()
         self.own_kernel = own if own is not None and group_size % 32 == 0 else None
@@ -213,7 +213,7 @@ class Int4Linear(QuantizedLinear):
         weight = self.kernel_weight(x.device)
         if weight is None or not self.gpu_kernel_applies(x):
             return None
-        from kvserve.quantization.weight_only import weight_only_matmul
+        from kvserve.ops.quant.weight_only import weight_only_matmul
 
         return weight_only_matmul(x, *weight[:4], four_bit=True)
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.ops.cpu import int8_matmul_op
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS, QuantizationMethod, QuantizedLinear, lm_head_as_linear
-from kvserve.cpu_kernels import int8_matmul_op
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class Int8Linear(QuantizedLinear):
         # torch's CPU kernel wants bf16 scales and crashes on some odd K (seen at K=51).
         self.register_buffer("kernel_scale", scale.to(torch.bfloat16), persistent=False)
         self.has_kernel = self.in_features % 16 == 0
-        # kvserve's own kernel for fp32 activations (kvserve.cpu_kernels), built here rather than
+        # kvserve's own kernel for fp32 activations (kvserve.ops.cpu), built here rather than
         # in the first (possibly compiled) call; not on GPU machines, which run Triton.
         self.own_kernel = None if torch.cuda.is_available() else int8_matmul_op()
 
@@ -65,7 +65,7 @@ class Int8Linear(QuantizedLinear):
     def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         if not self.gpu_kernel_applies(x):
             return None
-        from kvserve.quantization.weight_only import weight_only_matmul
+        from kvserve.ops.quant.weight_only import weight_only_matmul
 
         return weight_only_matmul(x, self.qweight, self.scale[:, None], None, self.in_features)
 
@@ -136,7 +136,7 @@ class GroupInt8Linear(QuantizedLinear):
     def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         if not self.gpu_kernel_applies(x):
             return None
-        from kvserve.quantization.weight_only import weight_only_matmul
+        from kvserve.ops.quant.weight_only import weight_only_matmul
 
         return weight_only_matmul(x, self.qweight, self.scale, self.offset, self.group_size)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.sample.argmax import row_argmax
+from kvserve.ops.argmax import row_argmax
 from kvserve.sampling_params import SamplingParams
 from kvserve.utils import to_device_async
 

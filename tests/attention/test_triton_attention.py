@@ -148,7 +148,7 @@ def check_case(case: Case, device: str) -> None:
         assert torch.equal(kv_cache.view(torch.uint8), ref_cache.view(torch.uint8)), "KV cache differs"
     elif case.rotary:
         # Rotated keys may differ from the torch path's by an ulp or two of the tensor's scale
-        # on a GPU (as the rotary kernel's may, tests/model_executor/test_triton_ops.py).
+        # on a GPU (as the rotary kernel's may, tests/ops/test_elementwise.py).
         ulps = 2 * torch.finfo(case.dtype).eps
         torch.testing.assert_close(kv_cache.float(), ref_cache, rtol=0, atol=ulps * ref_cache.abs().max().item())
         written = torch.zeros(kv_cache[0].numel() // (kv_cache.shape[-1] * kv_cache.shape[-2]), dtype=torch.bool,
@@ -223,7 +223,7 @@ SMALL_CASES = [
 def test_rotary_cases_take_both_paths() -> None:
     """The small rotary cases cover RoPE inside the attention kernel (narrow decode batches)
     and RoPE ahead of it (every other batch); the interpreter runs them."""
-    from kvserve.attention.triton_kernels.paged_attention import DecodePlan, choose_decode_plan, fuses_new_kv
+    from kvserve.ops.attention.paged_attention import DecodePlan, choose_decode_plan, fuses_new_kv
 
     fused = {}
     for case in SMALL_CASES:
@@ -243,7 +243,7 @@ def test_rotary_cases_take_both_paths() -> None:
 
 def run_small_cases() -> None:
     """Subprocess entry: print {case id: error or null} as JSON."""
-    from kvserve.attention.triton_kernels.paged_attention import warm_up
+    from kvserve.ops.attention.paged_attention import warm_up
 
     results = {}
     for case in SMALL_CASES:
@@ -337,7 +337,7 @@ GPU_CASES = [
 def test_gpu_short_scenarios_take_the_short_plan() -> None:
     """The decode_short and verify_short scenarios are there to check the short-context plan
     on a GPU, at these split counts."""
-    from kvserve.attention.triton_kernels.paged_attention import SHORT_DECODE_TILE, choose_decode_plan
+    from kvserve.ops.attention.paged_attention import SHORT_DECODE_TILE, choose_decode_plan
 
     splits = {"decode_short": 32, "decode_short_pair": 32, "decode_short_long": 32, "verify_short": 16,
               "verify_short_one": 16, "verify_short_long": 16, "verify_short_long_one": 32}
@@ -366,7 +366,7 @@ def test_warm_up_leaves_nothing_to_compile(dtype: torch.dtype) -> None:
     every kind (decodes of 1-40 sequences, forced and chosen splits, verify widths on the
     prefill and the short-context tiles, prefills, mixed batches, block tables of any width)
     compile no further attention kernel variant."""
-    from kvserve.attention.triton_kernels import paged_attention as kernels
+    from kvserve.ops.attention import paged_attention as kernels
 
     jit_kernels = (kernels._paged_attention_kernel, kernels._merge_splits_kernel)
     for kernel in jit_kernels:

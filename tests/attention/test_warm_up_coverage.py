@@ -13,7 +13,7 @@ import torch
 
 from kvserve.attention import triton_backend
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.attention.triton_kernels import paged_attention
+from kvserve.ops.attention import paged_attention
 from tests.attention.test_triton_attention import GPU_SCENARIOS, Case, rope_cos_sin
 
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvserve import LLM, SamplingParams, dependent_launch
-from kvserve.model_executor.layers.triton_ops import add_rms_norm, silu_and_mul
+from kvserve import LLM, SamplingParams
+from kvserve.ops import pdl
+from kvserve.ops.elementwise import add_rms_norm, silu_and_mul
 from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from kvserve.quantization.int4 import Int4Linear, quantize_int4
 
@@ -34,11 +35,11 @@ def _layer(kind: str, n: int, k: int, seed: int):
 def test_gemvs_launched_early_read_their_inputs(kind, monkeypatch) -> None:
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
-    assert dependent_launch.enabled(torch.device("cuda"))
+    assert pdl.enabled(torch.device("cuda"))
     if kind == "fp8":
         # One fp8 row takes mma.sync (no PDL) where it applies; the word kernel, which
         # launches early, only where it does not: force it here.
-        from kvserve.quantization.weight_only import configs, matmul
+        from kvserve.ops.quant.weight_only import configs, matmul
 
         monkeypatch.setattr(matmul, "default_config", lambda *args, **kwargs: configs.FP8_ONE_ROW_WORDS_CONFIG)
     gate_up = _layer(kind, 2 * INTERMEDIATE, HIDDEN, 0)
@@ -84,14 +85,14 @@ def test_decode_steps_with_pdl_equal_the_steps_without(save_hf_model, quantizati
     prompts = [torch.randint(3, 1024, (n,), generator=generator).tolist() for n in (5, 30, 77, 200)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (8, 16, 24, 40)]
     results = {}
-    for pdl in ("0", "1"):
-        monkeypatch.setenv("KVSERVE_PDL", pdl)
+    for setting in ("0", "1"):
+        monkeypatch.setenv("KVSERVE_PDL", setting)
         llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", quantization=quantization,
                   max_num_seqs=4, gpu_memory_utilization=0.3)
         assert llm.engine.runner.cuda_graphs is not None
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert llm.engine.runner.cuda_graphs.num_replays > 0
-        results[pdl] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+        results[setting] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
         del llm
         gc.collect()
         torch.cuda.empty_cache()

@@ -112,7 +112,7 @@ def test_cuda_graph_decode_equals_eager(save_hf_model, num_prompts, dtype):
     """Decode steps replayed from CUDA graphs (batch padded to a bucket; long contexts
     take a split-KV graph, and in bf16 one or two short contexts the short-tile plans; all
     graphs share one logits buffer) give the eager path's tokens and logprobs."""
-    from kvserve.attention.triton_kernels.paged_attention import SHORT_DECODE_TILE
+    from kvserve.ops.attention.paged_attention import SHORT_DECODE_TILE
 
     config = LlamaConfig(
         vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
@@ -258,8 +258,8 @@ def test_wide_short_decode_plan_scores_like_the_wide_tile(save_hf_model, monkeyp
     RoPE and the KV write inside the attention (choose_decode_plan). Each run's decode
     logprobs are scored against the teacher-forced logprobs of the tokens it chose (prefill
     rows, never the decode plans): the new plan's run is as close as the wide tile's."""
-    from kvserve.attention.triton_kernels import paged_attention
-    from kvserve.attention.triton_kernels.paged_attention import SHORT_DECODE_TILE
+    from kvserve.ops.attention import paged_attention
+    from kvserve.ops.attention.paged_attention import SHORT_DECODE_TILE
 
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)

@@ -1,6 +1,6 @@
 """Quantized models on a GPU, engine level: the Triton weight-only kernels score a fixed
 text as closely to an fp32 run of the quantized model as the dequantize path does. (The
-kernels inside CUDA graphs are checked against references in test_triton_kernels.)"""
+kernels inside CUDA graphs are checked against references in tests/ops/quant/test_weight_only.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvserve import LLM, SamplingParams
-from kvserve.quantization import base, fp8_w8a8
+from kvserve.ops.quant import fp8_w8a8
+from kvserve.quantization import base
 from kvserve.quantization.fp8 import Fp8Linear
 
 pytestmark = pytest.mark.gpu
@@ -53,7 +54,7 @@ def test_kernels_score_like_the_dense_path(save_hf_model, method, monkeypatch):
     monkeypatch.setattr(fp8_w8a8, "W8A8_MIN_ROWS", step_tokens + 1)
 
     def run(dtype: str, kernels: bool) -> torch.Tensor:
-        monkeypatch.setattr(base, "gpu_kernels_enabled", kernels)
+        monkeypatch.setenv("KVSERVE_QUANTIZED_GPU_KERNELS", "1" if kernels else "0")
         return _prompt_logprobs(model_dir, prompts, dtype=dtype, quantization=method,
                                 max_num_batched_tokens=step_tokens)
 
@@ -171,7 +172,7 @@ def test_fp8_rows_from_the_norm_and_swiglu_kernels_change_no_bit(save_hf_model, 
     CUDA graphs give the same logprobs with the fused quantization as without it."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("fp8_w8a8 runs on Hopper")
-    from kvserve.model_executor.layers.fp8_rows import Fp8Rows
+    from kvserve.ops.quant.fp8_rows import Fp8Rows
 
     model_dir, prompts = _random_llama(save_hf_model, 3, (30, 75, 140, 9, 50, 21), hidden_size=512,
                                        intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention.triton_kernels import paged_attention
 from kvserve.model_executor.cuda_graphs import batch_buckets, graph_plan, graphs_at_start
+from kvserve.ops.attention import paged_attention
 
 NUM_KV_HEADS = 8
 CUDA = torch.device("cuda")  # only read for its multiprocessor count, patched below

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model_executor.layers.linear import KERNEL_MAX_ROWS, Linear, linear
-from kvserve.cpu_kernels import float_matmul_op
+from kvserve.ops.cpu import float_matmul_op
 
 
 @pytest.mark.parametrize(("rows", "vocab", "hidden"), [(1, 49152, 576), (3, 1001, 37), (16, 517, 64), (2, 7, 8)])

@@ -13,9 +13,9 @@ from gguf.quants import dequantize, quantize
 
 from tests.quantization.prompts import PROMPTS
 from kvserve import LLM, SamplingParams
-from kvserve.cpu_kernels import int8_matmul_op
 from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.loader import load_model
+from kvserve.ops.cpu import int8_matmul_op
 from kvserve.quantization import QuantizedLinear
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
 from kvserve.quantization.gguf import unpack_blocks

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 
+from kvserve import envs
 from kvserve.engine.engine_args import EngineArgs
 
 
@@ -17,7 +17,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Model name clients send and see (default: the model file or directory name).",
     )
     group.add_argument(
-        "--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+        "--api-key", default=envs.KVSERVE_API_KEY,
         help="Require 'Authorization: Bearer KEY' on /v1 and tokenizer endpoints "
         "(default: $KVSERVE_API_KEY; unset means no key).",
     )

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model_executor.layers.fp8_rows import Fp8Rows
+from kvserve.ops.quant.fp8_rows import Fp8Rows
 
 
 class SiluAndMul(nn.Module):
@@ -15,7 +15,7 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor | Fp8Rows:
         """fp8 (CUDA, 2-D x): the output quantized per row (Fp8Rows), in the same kernel."""
         if x.is_cuda and x.dim() == 2:
-            from kvserve.model_executor.layers.triton_ops import silu_and_mul
+            from kvserve.ops.elementwise import silu_and_mul
 
             return silu_and_mul(x, fp8)
         if fp8:

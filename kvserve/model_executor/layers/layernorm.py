@@ -4,30 +4,12 @@ of it (PendingNorm), or with the next linear's fp8 quantization (Fp8Rows)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
-from kvserve.model_executor.layers.fp8_rows import Fp8Rows, takes_fp8_rows
-
-
-class PendingNorm(NamedTuple):
-    """RMSNorm(h) left unfinished by the linear that produced h (its kernel did the residual
-    add and the norm's sums in its epilogue), for the next linear to finish in its own: rows =
-    h * the norm's weight in the run dtype, sums [T, P] fp32 partial sums of h^2 per row, and
-    the norm's eps. RMSNorm(h) = rows * rsqrt(mean(h^2) + eps), row by row; a linear is linear,
-    so that factor can scale its output instead of its input. At one decode row this saves the
-    norm's own kernel between two GEMVs (BENCHMARKS.md)."""
-
-    rows: torch.Tensor
-    sums: torch.Tensor
-    eps: float
-
-    def finish(self) -> torch.Tensor:
-        """The normalized rows, for a consumer that cannot take the factor."""
-        mean = self.sums.sum(-1, keepdim=True) / self.rows.shape[-1]
-        return (self.rows.float() * torch.rsqrt(mean + self.eps)).to(self.rows.dtype)
+from kvserve.ops.quant.fp8_rows import Fp8Rows
+from kvserve.ops.quant.pending_norm import PendingNorm
+from kvserve.quantization.base import QuantizedLinear, takes_fp8_rows
 
 
 class RMSNorm(nn.Module):
@@ -41,7 +23,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual: (norm(residual + x), residual + x)."""
         if x.is_cuda and x.dim() == 2:
-            from kvserve.model_executor.layers.triton_ops import add_rms_norm
+            from kvserve.ops.elementwise import add_rms_norm
 
             out = add_rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
@@ -54,22 +36,21 @@ class RMSNorm(nn.Module):
         self, linear: nn.Module, x: torch.Tensor | Fp8Rows, residual: torch.Tensor, consumer: nn.Module | None
     ) -> tuple[torch.Tensor | PendingNorm | Fp8Rows, torch.Tensor]:
         """(norm(residual + linear(x)), residual + linear(x)), the norm's output going to
-        `consumer` (a linear; None: anything else). Where both kernels can (the quantized
-        layers' `add_norm_matmul` and `folds_pending_norm`), the add and the norm's sums run
-        in the linear's epilogue and the result is a PendingNorm that the consumer finishes;
-        where the consumer multiplies fp8 by fp8, the norm's kernel quantizes its output
-        (Fp8Rows). residual is updated in place either way on CUDA."""
-        add_norm_matmul = getattr(linear, "add_norm_matmul", None)
-        folds_pending_norm = getattr(consumer, "folds_pending_norm", None)
-        if isinstance(x, torch.Tensor) and add_norm_matmul is not None and folds_pending_norm is not None \
-                and folds_pending_norm(x.shape[0], x.dtype):
-            fused = add_norm_matmul(x, residual, self.weight, self.eps)
+        `consumer` (a linear; None: anything else). Where both are quantized linears whose
+        kernels can (the producer's `add_norm_matmul`, the consumer's `folds_pending_norm`),
+        the add and the norm's sums run in the linear's epilogue and the result is a
+        PendingNorm that the consumer finishes; where the consumer multiplies fp8 by fp8
+        (its `takes_fp8_rows`), the norm's kernel quantizes its output (Fp8Rows). residual is
+        updated in place either way on CUDA."""
+        if (isinstance(x, torch.Tensor) and isinstance(linear, QuantizedLinear)
+                and isinstance(consumer, QuantizedLinear) and consumer.folds_pending_norm(x.shape[0], x.dtype)):
+            fused = linear.add_norm_matmul(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused, residual
         y = linear(x)
         if y.is_cuda and y.dim() == 2 and self.weight.dtype == y.dtype and takes_fp8_rows(
                 consumer, y.shape[0], y.dtype):
-            from kvserve.model_executor.layers.triton_ops import add_rms_norm
+            from kvserve.ops.elementwise import add_rms_norm
 
             return add_rms_norm(y, self.weight, self.eps, residual, fp8=True), residual
         return self(y, residual)

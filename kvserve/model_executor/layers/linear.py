@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve import cpu_kernels
+from kvserve.ops import cpu as cpu_kernels
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
 
 # Rows up to this take the kernel: the quantized layers' threshold, which the compiled decode

@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from kvserve.model_executor.layers.activation import SiluAndMul
-from kvserve.model_executor.layers.fp8_rows import Fp8Rows, takes_fp8_rows
-from kvserve.model_executor.layers.layernorm import PendingNorm
 from kvserve.model_executor.layers.linear import Linear
+from kvserve.ops.quant.fp8_rows import Fp8Rows
+from kvserve.ops.quant.pending_norm import PendingNorm
+from kvserve.quantization.base import takes_fp8_rows
 
 
 class GatedMLP(nn.Module):

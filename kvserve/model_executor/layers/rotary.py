@@ -63,7 +63,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x: [T, heads, head_dim]; cos/sin: [T, head_dim / 2]. On CUDA x is rotated in place
     by one Triton kernel; elsewhere a new tensor is returned."""
     if x.is_cuda:
-        from kvserve.model_executor.layers.triton_ops import rotary_
+        from kvserve.ops.elementwise import rotary_
 
         return rotary_(x, cos, sin)
     cos = cos[:, None, :].to(x.dtype)

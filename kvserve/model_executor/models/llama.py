@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
-from kvserve.attention.key_rotation import rotate_queries_and_keys, to_key_basis
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, TorchReferenceBackend
 from kvserve.config import ModelConfig
-from kvserve.model_executor.layers.layernorm import PendingNorm, RMSNorm
+from kvserve.model_executor.layers.layernorm import RMSNorm
 from kvserve.model_executor.layers.linear import Linear, linear
 from kvserve.model_executor.layers.mlp import GatedMLP
 from kvserve.model_executor.layers.moe import SparseMoE
 from kvserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
+from kvserve.ops.quant.pending_norm import PendingNorm
 
 
 class LlamaAttention(nn.Module):
@@ -69,13 +69,13 @@ class LlamaAttention(nn.Module):
         if rotary is None and self.qk_norm:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if float8:
-                q, k = rotate_queries_and_keys(q, k)
+                q, k = self.attn_backend.to_key_basis(q), self.attn_backend.to_key_basis(k)
         elif rotary is None:
             # q and k are adjacent heads of the fused projection: one rotary launch (and one
             # basis change for a float8 cache) covers both.
             heads = apply_rotary(heads, cos, sin)
             if float8:
-                heads = to_key_basis(heads)
+                heads = self.attn_backend.to_key_basis(heads)
             q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn_backend.forward(
             q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales, rotary
