@@ -74,18 +74,21 @@ def test_table_covers_ceil_tokens_over_block_size():
     mgr.free("a")  # freeing twice is a no-op
 
 
-def test_trim_returns_the_tail_blocks_and_keeps_the_id_array_in_step():
-    """A speculative step's blocks past the accepted tokens go back (KVCacheManager.trim)."""
+def test_trim_returns_the_tail_blocks_and_its_delta_says_so():
+    """A speculative step's blocks past the accepted tokens go back (KVCacheManager.trim),
+    and the runner's next delta drops them before the new ones."""
     # Drafts are never registered as cached, so no automatic caching here.
     mgr = _KVCacheManager(num_blocks=10, block_size=4)
     assert mgr.allocate_slots("a", list(range(14)), 0, 14) == []  # 4 blocks
+    assert mgr.take_block_delta("a", whole=True) == (0, mgr.block_ids("a"))
     kept = mgr.block_ids("a")[:2]
     mgr.trim("a", 7)
-    assert mgr.block_ids("a") == kept and mgr.block_id_array("a").tolist() == kept
+    assert mgr.block_ids("a") == kept
     assert mgr.num_free_blocks == 8
     assert mgr.allocate_slots("a", list(range(9)), 7, 2) == []  # grows again from there
-    assert mgr.block_id_array("a").tolist() == [b.block_id for b in mgr.block_tables["a"]]
-    assert len(mgr.block_ids("a")) == 3
+    assert mgr.block_ids("a")[:2] == kept and len(mgr.block_ids("a")) == 3
+    assert mgr.take_block_delta("a") == (2, mgr.block_ids("a")[2:])
+    assert mgr.take_block_delta("a") == (3, [])
 
 
 def test_allocate_slots_none_changes_nothing():
@@ -250,6 +253,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
         self.tables: dict[str, list[int]] = {}
+        self.runner_tables: dict[str, list[int]] = {}  # rebuilt from take_block_delta alone
         self.nhashed: dict[str, int] = {}
         self.key_of: dict[int, tuple] = {}  # block id -> full token prefix it caches
         self.cache: dict[tuple, int] = {}
@@ -414,6 +418,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(sorted(self.tables)))
         self.mgr.free(sid)
         table = self.tables.pop(sid)
+        self.runner_tables.pop(sid, None)  # the runner forgets a finished sequence
         del self.tokens[sid], self.computed[sid], self.nhashed[sid]
         self.release_table(table)
         assert self.mgr.block_ids(sid) == []
@@ -431,9 +436,13 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         mgr, pool = self.mgr, self.mgr.pool
         assert {sid: mgr.block_ids(sid) for sid in mgr.block_tables} == self.tables
-        # The int32 ids a step's inputs copy mirror the tables of blocks themselves.
+        # A runner's copy of each table, kept only from the deltas, equals the table.
         for sid, blocks in mgr.block_tables.items():
-            assert mgr.block_id_array(sid).tolist() == [b.block_id for b in blocks]
+            copy = self.runner_tables.get(sid)
+            num_kept, new_ids = mgr.take_block_delta(sid, whole=copy is None)
+            copy = (copy or [])[:num_kept] + new_ids
+            self.runner_tables[sid] = copy
+            assert copy == [b.block_id for b in blocks]
         held = Counter(b for t in self.tables.values() for b in t)
         for block in pool.blocks:
             assert block.ref_count == held.get(block.block_id, 0)
