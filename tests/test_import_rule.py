@@ -17,8 +17,6 @@ import functools
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvserve"
 
@@ -73,7 +71,7 @@ def _violations(importers: str, forbidden: tuple[str, ...]) -> list[str]:
 
 def test_every_module_is_read() -> None:
     modules = _imports()
-    assert "kvserve.ops.attention.paged_attention" in modules and "kvserve.core.scheduler" in modules
+    assert "kvserve.ops.attention.paged_attention" in modules and "kvserve.core.sched.scheduler" in modules
     assert "kvserve.envs" in modules["kvserve.ops.pdl"]
 
 
@@ -94,14 +92,8 @@ def test_ops_imports_only_torch_triton_numpy_and_the_standard_library() -> None:
     assert violations == []
 
 
-def test_core_imports_no_model_executor_or_entrypoints() -> None:
-    assert _violations("kvserve.core", ("kvserve.model_executor", "kvserve.entrypoints")) == []
-
-
-@pytest.mark.xfail(strict=False, reason="kvserve/core/scheduler.py still imports kvserve.engine.sequence; "
-                   "the scheduler's move to plain data removes it")
-def test_core_imports_no_engine() -> None:
-    assert _violations("kvserve.core", ("kvserve.engine",)) == []
+def test_core_imports_no_engine_model_executor_or_entrypoints() -> None:
+    assert _violations("kvserve.core", ("kvserve.engine", "kvserve.model_executor", "kvserve.entrypoints")) == []
 
 
 def test_only_entrypoints_import_entrypoints() -> None:
