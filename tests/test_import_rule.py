@@ -17,8 +17,6 @@ import functools
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvserve"
 
@@ -94,12 +92,8 @@ def test_ops_imports_only_torch_triton_numpy_and_the_standard_library() -> None:
     assert violations == []
 
 
-def test_core_imports_no_model_executor_or_entrypoints() -> None:
-    assert _violations("kvserve.core", ("kvserve.model_executor", "kvserve.entrypoints")) == []
-
-
-def test_core_imports_no_engine() -> None:
-    assert _violations("kvserve.core", ("kvserve.engine",)) == []
+def test_core_imports_no_engine_model_executor_or_entrypoints() -> None:
+    assert _violations("kvserve.core", ("kvserve.engine", "kvserve.model_executor", "kvserve.entrypoints")) == []
 
 
 def test_only_entrypoints_import_entrypoints() -> None:
