@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvserve.engine.cpu_defaults import AUTO, NONE
+from kvserve.quantization.cpu_plan import AUTO, NONE
 from kvserve.quantization import QUANTIZATION_METHODS
 from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.utils import parse_size

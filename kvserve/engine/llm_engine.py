@@ -14,7 +14,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.sched.output import SchedulerOutput
 from kvserve.core.sched.scheduler import Scheduler
-from kvserve.engine.cpu_defaults import (
+from kvserve.quantization.cpu_plan import (
     AUTO,
     NONE,
     apply_plan,
@@ -57,7 +57,7 @@ def context_length_error(max_model_len: int, num_prompt: int, max_tokens: int) -
 
 def load_engine_model(args: EngineArgs) -> LoadedModel:
     """The model as an engine built from `args` runs it: loaded, and quantized as
-    `args.quantization` says ("auto": the per-device plan of cpu_defaults, logged; "none":
+    `args.quantization` says ("auto": the per-device plan of quantization/cpu_plan.py, logged; "none":
     not at all). Benchmarks that compare engine configurations on one copy of the weights
     load it once with this and pass it to each engine."""
     device = args.resolved_device()

@@ -128,7 +128,7 @@ class QuantizedLinear(nn.Module, ABC):
         copy), in `dtype` and (`pack`) oneDNN's blocked layout: inputs of more than
         `kernel_max_rows` rows then run a plain matmul in that dtype instead of dequantizing
         per call. Memory for speed; the CPU serving default (bf16 where the CPU's bf16 GEMMs
-        are the fast ones, cpu_defaults.py)."""
+        are the fast ones, cpu_plan.py)."""
         weight = self.dequantize(torch.float32) if weight is None else weight.detach()
         self.dense_weight = DenseWeight(weight, dtype, pack)
         self.cpu_kernel_max_rows = kernel_max_rows

@@ -49,7 +49,7 @@ def launch_server(log_dir, *args: str, env: dict[str, str] | None = None) -> Ser
         process = subprocess.Popen(
             # fp32 weights and eager decode steps, like the offline reference engine these tests
             # compare with (serve's CPU defaults, --quantization auto and the compiled decode
-            # step, are covered in tests/engine/test_cpu_defaults.py and
+            # step, are covered in tests/quantization/test_cpu_plan.py and
             # tests/model_executor/test_compiled_decode.py).
             [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(port),
              "--kv-cache-memory", "256MiB", "--quantization", "none", "--no-compile-decode", *args],

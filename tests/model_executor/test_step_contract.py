@@ -60,9 +60,10 @@ def _record_steps(llm: LLM) -> tuple[list[bytes], list[torch.Tensor]]:
     return steps, logits
 
 
-def _replay_in_fresh_process(model_path: str, steps: list[bytes], result_file: str) -> None:
+def _replay_in_fresh_process(model_path: str, steps: list[bytes], result_file: str, num_threads: int) -> None:
     from kvserve.model_executor.loader import load_model
 
+    torch.set_num_threads(num_threads)  # as many as the recording: fp32 sums in the same order
     loaded = load_model(model_path, dtype=torch.float32)
     runner = LLM(loaded=loaded, **ENGINE_KWARGS).engine.runner
     logits = [runner.execute(pickle.loads(step)).sample_logits for step in steps]
@@ -92,7 +93,8 @@ def test_pickled_steps_replay_in_another_process(smollm2_loaded, smollm2_path, t
 
     result_file = tmp_path / "logits.pkl"
     process = multiprocessing.get_context("spawn").Process(
-        target=_replay_in_fresh_process, args=(smollm2_path, steps, str(result_file))
+        target=_replay_in_fresh_process,
+        args=(smollm2_path, steps, str(result_file), torch.get_num_threads()),
     )
     process.start()
     process.join(timeout=600)

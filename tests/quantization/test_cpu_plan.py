@@ -8,8 +8,8 @@ import argparse
 import pytest
 import torch
 
-from kvserve.engine import cpu_defaults
-from kvserve.engine.cpu_defaults import apply_plan, bf16_gemm_speedup, resolve_auto_quantization
+from kvserve.quantization import cpu_plan
+from kvserve.quantization.cpu_plan import apply_plan, bf16_gemm_speedup, resolve_auto_quantization
 from kvserve.engine.engine_args import CPU_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from kvserve.entrypoints.openai.cli_args import add_cli_args as add_serve_args
 from kvserve.model_executor.loader import load_model
@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 def _load_with_plan(path: str, bf16_speedup: float):
     """The embedded model under the auto plan a CPU with this measured bf16 speedup gets."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_defaults, "measured_bf16_speedup", lambda *shape: bf16_speedup)
+        patch.setattr(cpu_plan, "measured_bf16_speedup", lambda *shape: bf16_speedup)
         loaded = load_model(path, dtype=torch.float32)
         plan = resolve_auto_quantization(loaded, CPU)
     apply_plan(loaded, plan)
@@ -39,8 +39,8 @@ def test_plan_for_the_q4_1_gguf_and_elsewhere(auto_loaded):
     assert (plan.quantization, plan.quantization_config) == ("int4", {"group_size": 32, "lm_head": False})
     assert plan.keep_dense_weights and plan.quantize_lm_head and plan.reasons
     bf16 = plan.dense_dtype == torch.bfloat16
-    assert plan.linear_kernel_max_rows == (cpu_defaults.BF16_FROM_ROWS if bf16 else cpu_defaults.INT4_FP32_FROM_ROWS)
-    assert plan.head_kernel_max_rows == (cpu_defaults.BF16_FROM_ROWS if bf16 else 16)
+    assert plan.linear_kernel_max_rows == (cpu_plan.BF16_FROM_ROWS if bf16 else cpu_plan.INT4_FP32_FROM_ROWS)
+    assert plan.head_kernel_max_rows == (cpu_plan.BF16_FROM_ROWS if bf16 else 16)
     assert resolve_auto_quantization(loaded, torch.device("cuda")).quantization is None
     dummy = load_model(None, load_format="dummy", model_shape="smollm2-135m", dtype=torch.float32)
     assert resolve_auto_quantization(dummy, CPU).quantization is None
@@ -174,19 +174,19 @@ def test_bf16_probe_is_measured_once_per_cpu_threads_and_shape(tmp_path, monkeyp
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     measured = iter([2.01, 1.5, 3.0, 0.5])
     calls = []
-    monkeypatch.setattr(cpu_defaults, "bf16_gemm_speedup", lambda *shape: calls.append(shape) or next(measured))
-    assert cpu_defaults.measured_bf16_speedup(576, 1536) == 2.01
-    assert cpu_defaults.measured_bf16_speedup(576, 1536) == 2.01 and len(calls) == 1
-    assert cpu_defaults.measured_bf16_speedup(576, 3072) == 1.5 and len(calls) == 2
+    monkeypatch.setattr(cpu_plan, "bf16_gemm_speedup", lambda *shape: calls.append(shape) or next(measured))
+    assert cpu_plan.measured_bf16_speedup(576, 1536) == 2.01
+    assert cpu_plan.measured_bf16_speedup(576, 1536) == 2.01 and len(calls) == 1
+    assert cpu_plan.measured_bf16_speedup(576, 3072) == 1.5 and len(calls) == 2
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        assert cpu_defaults.measured_bf16_speedup(576, 1536) == 3.0
+        assert cpu_plan.measured_bf16_speedup(576, 1536) == 3.0
     finally:
         torch.set_num_threads(threads)
-    assert cpu_defaults.measured_bf16_speedup(576, 1536) == 2.01 and len(calls) == 3
+    assert cpu_plan.measured_bf16_speedup(576, 1536) == 2.01 and len(calls) == 3
     (tmp_path / "cpu_probes.json").write_text("{not json")
-    assert cpu_defaults.measured_bf16_speedup(576, 1536) == 0.5 and len(calls) == 4
+    assert cpu_plan.measured_bf16_speedup(576, 1536) == 0.5 and len(calls) == 4
 
 
 def test_serve_defaults_are_auto_and_per_device_chunk():
@@ -225,17 +225,17 @@ def test_auto_runs_a_gguf_too_large_to_dequantize_from_its_packed_blocks(smollm2
 
     from kvserve.engine.llm_engine import load_engine_model
 
-    monkeypatch.setattr(cpu_defaults, "available_memory_bytes", lambda: 10**9)
+    monkeypatch.setattr(cpu_plan, "available_memory_bytes", lambda: 10**9)
     with caplog.at_level(logging.WARNING):
         loaded = load_engine_model(EngineArgs(model=smollm2_path, quantization="auto"))
     linears = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
     assert linears and all(m.dense_weight is None for m in linears)
     assert "0.5 GB in fp32" in caplog.text and "running the GGUF's packed blocks" in caplog.text
-    monkeypatch.setattr(cpu_defaults, "available_memory_bytes", lambda: 2 * 10**9)
+    monkeypatch.setattr(cpu_plan, "available_memory_bytes", lambda: 2 * 10**9)
     planned = load_engine_model(EngineArgs(model=smollm2_path, quantization="auto"))
     assert any(m.dense_weight is not None for m in planned.model.modules() if isinstance(m, QuantizedLinear))
 
 
 def test_available_memory_is_read_from_the_system():
-    available = cpu_defaults.available_memory_bytes()
+    available = cpu_plan.available_memory_bytes()
     assert available is not None and 0 < available < 2**50
