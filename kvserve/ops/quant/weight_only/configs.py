@@ -34,7 +34,7 @@ class LaunchConfig:
     # first wave, which take 4 tiles each rather than 5 (W2 fp8 GPU step 3.50 -> 3.39 ms on
     # an H100, 2.84 -> 2.73 on an H200). The int4 word kernel's qkv (2 programs an SM, 24
     # past the wave) wants its 1-tile remainder there instead (even splits everywhere: int4
-    # 2.43 -> 2.49 ms on the H100). BENCHMARKS.md, fourteenth session.
+    # 2.43 -> 2.49 ms on the H100).
     even_splits: bool = False
 
 

@@ -12,7 +12,7 @@ import triton.language as tl
 # rounds); llama3-8b's linears alone at one row (24 at once): q/o 6.7 -> 6.2 us, k/v 4.7 ->
 # 4.1, down 15.5 -> 15.2. The mma.sync kernels load one at a time (unrolled by 4): fp8's
 # one-row kernel with 8 at once, at the same 92 registers, made W2 fp8 slower (2.74 -> 2.83),
-# and int4's took more registers (one row 128 -> 138). BENCHMARKS.md, fifteenth session.
+# and int4's took more registers (one row 128 -> 138).
 WORD_SPLITS_IN_FLIGHT: tl.constexpr = tl.constexpr(8)
 
 
