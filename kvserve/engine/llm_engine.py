@@ -347,21 +347,24 @@ class LLMEngine:
             if sched.is_empty:
                 return []
             now = time.time()
-            for seq in self.scheduler.scheduled(sched):
+            seqs = self.scheduler.scheduled(sched)
+            for seq in seqs:
                 if seq.request.times.first_scheduled is None:
                     seq.request.times.first_scheduled = now
                     seq.request.num_cached_tokens = seq.num_computed_tokens
-            if not self._can_defer(sched):
-                return self._run_step(sched, final_only)
-            self._inflight = self._launch(sched)
+            if not self._can_defer(sched, seqs):
+                return self._run_step(sched, seqs, final_only)
+            self._inflight = self._launch(sched, seqs)
         inflight = self._inflight
         self._inflight = self._launch_ahead(inflight)
         return self._finish_inflight(inflight, final_only)
 
-    def _run_step(self, sched: SchedulerOutput, final_only: bool) -> list[RequestOutput]:
+    def _run_step(
+        self, sched: SchedulerOutput, seqs: list[Sequence], final_only: bool
+    ) -> list[RequestOutput]:
         """A step from schedule to outputs, waiting for the device."""
         step_logits = self.runner.execute(sched)
-        self.scheduler.advance(sched, self.scheduler.scheduled(sched))
+        self.scheduler.advance(sched, seqs)
 
         for seq_id, logits, first_target in step_logits.prompt_logits:
             request = self.scheduler.seqs[seq_id].request
@@ -411,18 +414,17 @@ class LLMEngine:
 
     # -- overlapped decode steps -----------------------------------------------------------
 
-    def _can_defer(self, sched: SchedulerOutput) -> bool:
+    def _can_defer(self, sched: SchedulerOutput, seqs: list[Sequence]) -> bool:
         """A step whose tokens may be read later: every sequence decodes one token and can
         be sampled ahead."""
         return self.overlap_scheduling and all(
             sched.num_scheduled_tokens[seq.seq_id] == 1
             and seq.num_computed_tokens + 1 == seq.num_tokens
             and can_sample_ahead(seq)
-            for seq in self.scheduler.scheduled(sched)
+            for seq in seqs
         )
 
-    def _launch(self, sched: SchedulerOutput) -> InflightStep:
-        seqs = self.scheduler.scheduled(sched)
+    def _launch(self, sched: SchedulerOutput, seqs: list[Sequence]) -> InflightStep:
         step_logits = self.runner.execute(sched)
         self.scheduler.advance(sched, seqs)
         rows, _, _ = self._sampling_rows(seqs)
