@@ -157,7 +157,7 @@ def _paged_attention_kernel(
     # Under PDL, wait only after reading the sequence's metadata, which nothing in the step's
     # chain writes (host copies and torch kernels ahead of the first layer, which launch no
     # dependents, fill it). For narrow decode batches, whose few programs wait on a chain of
-    # loads; wide ones lost ~1% of W1 to the extra registers (BENCHMARKS.md).
+    # loads; wide ones lost ~1% of W1 to the extra registers.
     EARLY_METADATA: tl.constexpr,
     # Decode batches (one query token a sequence) on the short-context tile (fuses_new_kv): q
     # and k arrive unrotated, and this kernel applies RoPE to both and stores the new key and
@@ -350,7 +350,7 @@ WIDE_BATCH = 16
 # 512 199 / 314, 1024 271 / 346; batch 2 149 / 183 at 128 keys, 313 / 373 at 1024 (the
 # 256-key tile's few programs run their tiles one after another). W2 int4 (batch 1) TPOT: 2.54
 # -> 2.52 ms at 128-256 keys, 2.75 -> 2.59 at 384-512, 2.91 -> 2.62 at 896-1024; with an
-# e4m3 cache 2.60 -> 2.57 and 3.01 -> 2.66 (BENCHMARKS.md).
+# e4m3 cache 2.60 -> 2.57 and 3.01 -> 2.66.
 SHORT_DECODE_TILE = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
 SHORT_PROGRAMS = 16
 # Verify batches (1 + k tokens a sequence) take the same plan, up to SHORT_VERIFY_CONTEXT keys
@@ -384,7 +384,7 @@ LONG_VERIFY_PROGRAMS = 8
 # 26.6 -> 22.9 us a layer, 384 keys 42.1 -> 41.0, and at 640 keys (batch 256) no faster; W2
 # (128-384 keys) graph p50 at batch 64, two rounds: fp8 5.38 -> 5.28 ms, bf16 7.28-7.35 ->
 # 7.18-7.20; at batch 16 (128 programs, under one wave) slower: 4.22 -> 4.36, 6.59 -> 6.67;
-# with 256 keys as the limit batch 64 gained less (BENCHMARKS.md).
+# with 256 keys as the limit batch 64 gained less.
 WIDE_SHORT_BATCH = 64
 WIDE_SHORT_CONTEXT = 384
 PREFILL_TILE = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)

@@ -4,15 +4,15 @@ few rows of a decode step:
 * `int8_matmul`: y = x @ (q * scale)^T with fp32 activations, one scale an output channel
   or one a group of columns (a multiple of 16: GGUF's Q8_0 grid). torch's `_weight_int8pack_mm`
   wants bf16 activations (a cast in and one out per call) and streams the weight at well
-  under the memory bandwidth; BENCHMARKS.md ("CPU: an int8 kernel of our own") has the
-  measurements that made this worth its build.
+  under the memory bandwidth (about a quarter of it at one row on a 2-core EPYC); this one
+  quantizes each activation row to int16 and runs int16 multiply-adds, which keep up with
+  reading the weight at the bandwidth.
 * `int4_matmul`: the same for 4-bit nibble pairs with group scales and minimums (float zero
   points), read in the GPU kernel's row-major layout; torch's `_weight_int4pack_mm_for_cpu`
-  wants bf16 activations and its own layout, and took twice the time at one row
-  (BENCHMARKS.md, "CPU: kvserve's int4 kernel").
-* `float_matmul`: y = x @ w^T in fp32, for the model's dense linears and the LM head (MKL's
-  sgemv reads them at well under the bandwidth: BENCHMARKS.md, "CPU: the fp32 LM head" and
-  "CPU: fp32 decode linears on kvserve's kernel").
+  wants bf16 activations and its own layout, and took twice the time at one row.
+* `float_matmul`: y = x @ w^T in fp32, for the model's dense linears and the LM head at
+  decode rows: MKL's sgemv reads them at well under the bandwidth (~8 of the 18.5 GB/s a
+  plain read reaches on a 2-core EPYC), this kernel reads each weight tile once for every row.
 * `decode_attention`: single-token decodes attending to a paged fp32 KV cache in place,
   instead of gathering each layer's context into a padded copy for SDPA.
 

@@ -3,14 +3,15 @@ y = (x_q @ W_q^T) * x_scale[m] * w_scale[n], x quantized per token
 (fp8_activation.quantize_per_token), W per output channel.
 
 At those rows the weight-only kernels convert every e4m3 weight to bf16 in the loop (a
-llama3-8b step's linears on an H100: 4.1-5.5 ms at 2-16 rows on mma.sync, 6-11 ms at 17-64
-on tl.dot tiles), and cuBLAS (`torch._scaled_mm`) runs one 128 x 128 tile per program, so
-o_proj and down are 32 programs on 132 SMs, each reading all of K (BENCHMARKS.md). Here the
-e4m3 tiles go to the tensor cores as loaded, the row tiles of a column block run next to
-each other (the weight tile comes from DRAM once), and K is split until the GPU is full; the
-splits' fp32 partials are summed inside the kernel in split order by the last split of each
-output tile (tiles.store_output), so the result does not depend on which split finishes
-first. x may come quantized from the kernel before the linear (Fp8Rows).
+llama3-8b step's linears on an H100: 4.1-5.5 ms at 2-16 rows on mma.sync, 5.8-6.7 ms at
+17-64 on tl.dot tiles), and cuBLAS (`torch._scaled_mm`) runs one 128 x 128 tile per
+program, so o_proj and down are 32 programs on 132 SMs, each reading all of K (BENCHMARKS.md,
+"Kernel level (GPU)": a step's linears by kernel at 2-128 rows). Here the e4m3 tiles go to
+the tensor cores as loaded, the row tiles of a column block run next to each other (the
+weight tile comes from DRAM once), and K is split until the GPU is full; the splits' fp32
+partials are summed inside the kernel in split order by the last split of each output tile
+(tiles.store_output), so the result does not depend on which split finishes first. x may
+come quantized from the kernel before the linear (Fp8Rows).
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def fp8_w8a8_matmul(
 # tiles fill the GPU); one row runs on the weight-only kernel with the RMSNorms fused in.
 W8A8_MIN_ROWS = 2
 W8A8_MAX_ROWS = 128
-# From `python benchmarks/gpu_fp8_w8a8_sweep.py` on an H100 (llama3-8b's linears,
-# BENCHMARKS.md): 64 x 64 tiles 256 deep, row tiles adjacent in launch order, one wave.
+# From `python benchmarks/gpu_fp8_w8a8_sweep.py` on an H100 (llama3-8b's linears): 64 x 64
+# tiles 256 deep, row tiles adjacent in launch order, one wave.
 DECODE_CONFIG = LaunchConfig(64, 64, 256, num_warps=4, num_stages=3, waves=1)
 # At 2-16 rows one 16-row tile in the tensor cores' N slot (swap_ab): within 3% of each
 # linear's fastest of 18 tiles in the same sweep, where a 64-row tile wastes 48-62 rows.

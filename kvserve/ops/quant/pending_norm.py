@@ -13,7 +13,7 @@ class PendingNorm(NamedTuple):
     h * the norm's weight in the run dtype, sums [T, P] fp32 partial sums of h^2 per row, and
     the norm's eps. RMSNorm(h) = rows * rsqrt(mean(h^2) + eps), row by row; a linear is linear,
     so that factor can scale its output instead of its input. At one decode row this saves the
-    norm's own kernel between two GEMVs (BENCHMARKS.md)."""
+    norm's own kernel between two GEMVs."""
 
     rows: torch.Tensor
     sums: torch.Tensor

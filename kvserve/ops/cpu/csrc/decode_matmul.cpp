@@ -867,7 +867,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // y = x @ w^T for a few fp32 rows x [M, K] and fp32 w [N, K] (an LM head at decode): each
 // tile of kRowsPerTile weight rows is read from memory once, with FMAs into fp32 lanes, and
 // serves every row of x from the cache. MKL's sgemv read SmolLM2's 113 MB head at ~8 GB/s
-// of the 18.5 a plain sum reaches on the 2-core EPYC (BENCHMARKS.md).
+// of the 18.5 a plain sum reaches on a 2-core EPYC.
 template <int64_t X, int64_t R>
 void float_dot_rows(const float* x, int64_t x_stride, const float* w, int64_t k, float* out, const float* prefetch) {
   int64_t c = 0;

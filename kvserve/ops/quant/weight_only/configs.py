@@ -1,5 +1,6 @@
-"""Launch configurations of the weight-only kernels and the per-row-count routing the sweeps
-chose (BENCHMARKS.md): which kernel, tile and split-K a call of a given shape takes."""
+"""Launch configurations of the weight-only kernels and the per-row-count routing that
+`kvserve bench quantized-linears --sweep` chose: which kernel, tile and split-K a call of a
+given shape takes."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class LaunchConfig:
 
 # 4-bit weights, (most rows, config): the first entry that covers the row count. The fastest
 # per step's linears of `kvserve bench quantized-linears --sweep --sweep-formats int4` on an
-# H100 (llama3-8b, BENCHMARKS.md): 1 row 2.36 ms (tiles of two 128-wide groups; bf16 cuBLAS
+# H100 (llama3-8b): 1 row 2.36 ms (tiles of two 128-wide groups; bf16 cuBLAS
 # 5.17), 4 and 8 rows 3.02 and 3.14 (mma.sync; the tl.dot tiles took 4.52 and 4.59). On an
 # H200, 16 and 32 rows on mma.sync with 2 and 4 tiles of x: 3.59 and 5.00 ms (the tl.dot tiles
 # 4.47 and 8.02; bf16 3.77 and 3.79); at 64 rows the tl.dot tiles, 8.65 (bf16 4.04): above 16
@@ -59,11 +60,11 @@ INT4_DECODE_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (1, LaunchConfig(1, 128, 256, num_stages=1, waves=2, words="fma")),
     (8, INT4_MMA_CONFIG),
     # 9-16 rows (two x tiles), the narrow linears; the wide gate/up takes
-    # INT4_WIDE_TWO_TILES_CONFIG. Every config at 9, 12 and 16 rows, by linear (H100,
-    # twenty-second session): 64 weight rows on 4 warps, 4 programs an SM, is the narrow ones'
-    # best at each (qkv + o + down 49.4 / 52.8 / 58.3 us a layer). Routed, a step's linears take
-    # 2.83 / 2.95 / 3.14 ms, against 3.07 / 3.17 / 3.31 with 64 rows on 2 warps for all four
-    # (the default before) and 3.08 / 3.22 / 3.58 with 32 rows on 2 warps (the one before).
+    # INT4_WIDE_TWO_TILES_CONFIG. Every config at 9, 12 and 16 rows, by linear (H100): 64
+    # weight rows on 4 warps, 4 programs an SM, is the narrow ones' best at each (qkv + o +
+    # down 49.4 / 52.8 / 58.3 us a layer). Routed, a step's linears take 2.83 / 2.95 / 3.14
+    # ms, against 3.07 / 3.17 / 3.31 with 64 rows on 2 warps for all four linears and 3.08 /
+    # 3.22 / 3.58 with 32 rows on 2 warps.
     (16, LaunchConfig(16, 64, 256, num_warps=4, num_stages=1, waves=4, words="mma")),
     (32, LaunchConfig(32, 128, 256, num_warps=4, num_stages=1, waves=2, words="mma")),
     INT4_TILE_CONFIGS[-1],
@@ -87,8 +88,8 @@ WIDE_AT_ONE_ROW_OUT_FEATURES = 16384
 # fp8 weights, the same form, from `--sweep --sweep-formats fp8-triton` on the H100: 4 and 8
 # rows 3.41 and 3.49 ms per llama3-8b step's linears on mma.sync (the byte tl.dot tiles: 3.60,
 # 3.58). On an H200, 16 rows on mma.sync with 2 tiles of x: 3.22 ms (the byte tiles 3.60, bf16
-# 3.68); at 32 rows the byte tiles (4.90; mma.sync 5.16). One row, by linear (H100, two sweeps,
-# BENCHMARKS.md): mma.sync for the narrow ones, the byte kernel for the wide gate/up below.
+# 3.68); at 32 rows the byte tiles (4.90; mma.sync 5.16). One row, by linear (H100, two
+# sweeps): mma.sync for the narrow ones, the byte kernel for the wide gate/up below.
 # At one row they split K for about 6 programs an SM, chosen inside the decode step rather than
 # alone (W2 fp8 GPU step, 4 -> 6: H200 3.01 -> 2.94 ms, H100 3.63-3.64 -> 3.61-3.62; 8 and 12
 # are slower on both): qkv 11 -> 16 splits, down 16 -> 23, o stays at 16; 5 an SM instead:
@@ -121,7 +122,7 @@ INT8_WIDE_CONFIG = LaunchConfig(16, 64, 256)
 
 
 def default_config(rows: int, four_bit: bool, fp8: bool, out_features: int = 0, mma: bool = True) -> LaunchConfig:
-    """int8 picked from llama3-8b's linears on an H200 (BENCHMARKS.md): at one row tl.dot
+    """int8 picked from llama3-8b's linears on an H200: at one row tl.dot
     tiles beat the CUDA-core kernel (3.47 against 3.88 ms per step's linears), 256 k deep on
     wide linears (INT8_WIDE_CONFIG); 4-bit and fp8 weights: INT4_DECODE_CONFIGS and
     FP8_DECODE_CONFIGS, and the rules for wide linears above (one row; 4-bit weights at 9-16
@@ -146,5 +147,5 @@ def default_config(rows: int, four_bit: bool, fp8: bool, out_features: int = 0, 
 
 
 # Most rows of x the mma.sync kernels take: 8 X_TILES, X_TILES a power of two up to 4 (at
-# 64 rows, 8 tiles, the kernels spill and lose to tl.dot tiles: BENCHMARKS.md).
+# 64 rows, 8 tiles, the kernels spill registers and lose to tl.dot tiles).
 MMA_MAX_ROWS = 32

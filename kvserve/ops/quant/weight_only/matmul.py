@@ -257,8 +257,9 @@ def _folds_norms(qweight: torch.Tensor, config: LaunchConfig, four_bit: bool, wo
 
 def _adds_norms(qweight: torch.Tensor, config: LaunchConfig, four_bit: bool, words: bool, m: int) -> bool:
     """The kernels that leave the next RMSNorm pending (weight_only_matmul_add_norm): the
-    4-bit CUDA-core word kernel, and fp8 weights on mma.sync at one row (the decode batch
-    that was measured: W2 fp8, BENCHMARKS.md)."""
+    4-bit CUDA-core word kernel, and fp8 weights on mma.sync at one row: the batch where
+    the fusion was measured to pay (W2 fp8); at 2-128 rows on Hopper the norm's own kernel
+    quantizes fp8_w8a8's input instead."""
     if qweight.dtype == torch.float8_e4m3fn:
         return words and config.words == "mma" and m == 1
     return words and four_bit and config.words == "fma"

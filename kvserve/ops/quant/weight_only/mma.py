@@ -275,7 +275,8 @@ def int4_mma_kernel(
     ROW_TILES] tensors (thread i holds row i), so Triton keeps them in registers with no
     layout conversions; an x tile's are a tuple. Not launched as a programmatic dependent:
     waiting as one (after the first tile) made W2 int4's step 0.06 ms longer on an H100, and
-    0.2 ms longer with fp16 scales (BENCHMARKS.md); it lets the next kernel launch early.
+    0.2 ms longer with fp16 scales (BENCHMARKS.md, "Tried, did not pay"); it lets the next
+    kernel launch early.
     ROW_SCALE: x's RMSNorm was left pending by the previous linear (int4_gemv_kernel's
     ADD_NORM); the output rows are scaled by its rsqrt(mean(h^2) + eps)."""
     if LAUNCH_NEXT:  # the next kernel may launch (it waits for this one)

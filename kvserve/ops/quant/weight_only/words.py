@@ -71,7 +71,7 @@ def int4_gemv_kernel(
     # inside the loop: loaded one column a thread, they go through shared memory into the
     # tile's layout, two barriers a conversion. Two groups' scales (and offsets) convert as
     # one int64, 4 barriers a tile instead of 8: W2 int4 0.05 ms a step faster, as fast as
-    # with the scales hoisted out of the loop (BENCHMARKS.md, seventeenth session).
+    # with the scales hoisted out of the loop.
     w_offsets = cols[None, :, None] * stride_wn + words[None, None, :]
     w_tile = w_ptr + first * WORDS
     w_mask = col_mask[None, :, None]
