@@ -3,9 +3,10 @@
 For an orthonormal R, (qR)·(kR) = q·k, so attention is unchanged in exact arithmetic. What
 changes is where e4m3's rounding lands: its error is relative to each element, so without a
 rotation it sits on the few large key channels (RoPE's outliers) that also carry most of
-q·k; a Hadamard rotation spreads every key over all channels first. On SmolLM2 this halves
-the perplexity cost of an e4m3 cache (BENCHMARKS.md, "fp8 KV cache: rotated keys"). Values
-are stored as they are: rotating them measured no better.
+q·k; a Hadamard rotation spreads every key over all channels first, so the rounding no
+longer falls on the channels that decide the scores (an e4m3 cache with rotated keys costs
+SmolLM2 +0.77% perplexity: BENCHMARKS.md, "Quality"). Values are stored as they are:
+rotating them measured no better.
 
 Attention backends own the basis (AttentionBackend.to_key_basis): the model asks them for
 queries and keys after RoPE, the model runner for keys when it measures a cache's scales."""

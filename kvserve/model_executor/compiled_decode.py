@@ -89,9 +89,9 @@ class CompiledDecode:
         # No inductor freezing: it keeps AOT autograd's cache off ("cannot cache a graph with
         # freezing enabled"), so every start traced the graphs again: warm start-up 97 -> 37 s
         # without it, and a batch-1 SmolLM2 step the same within noise (2-core EPYC, 12
-        # alternating rounds: 15.3 vs 16.0 ms median, 13.6 vs 13.2 best); on an AMX Xeon it
-        # had measured 11.35 -> 10.28 ms (BENCHMARKS.md, "compiled decode without inductor
-        # freezing").
+        # alternating rounds: 15.3 vs 16.0 ms median, 13.6 vs 13.2 best); on an AMX Xeon
+        # freezing gains ~10% of a batch-1 step for ~70 s more at every start (BENCHMARKS.md,
+        # "Tried, did not pay").
         # Per-call overhead, measured as one batch-1 SmolLM2 int8 forward (2-core EPYC, two
         # alternating runs each): 16.5 / 13.7 ms as compiled by default, 12.2 / 12.2 without
         # these two checks. Dynamo's guards on the model's attributes protect nothing here:

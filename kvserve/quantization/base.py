@@ -29,8 +29,8 @@ CPU_KERNEL_MAX_ROWS = 16
 
 # On CUDA, inputs of up to this many rows (bf16/fp16) run the Triton weight-only kernels
 # (ops/quant/weight_only/), which read the packed weight once; more rows
-# dequantize to the activation dtype per call and run cuBLAS (measured on an H200,
-# BENCHMARKS.md). fp8 layers use torch._scaled_mm for those instead (fp8.py).
+# dequantize to the activation dtype per call and run cuBLAS (the crossover measured on an
+# H200). fp8 layers use torch._scaled_mm for those instead (fp8.py).
 GPU_KERNEL_MAX_ROWS = 64
 
 # Layers left in the run dtype: the LM head decides every token, and embeddings are
@@ -86,7 +86,7 @@ class QuantizedLinear(nn.Module, ABC):
     def unpacked_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                         group_size: int, four_bit: bool) -> torch.Tensor | None:
         """x @ W^T on CUDA with the weight unpacked by one Triton pass to x's dtype (several
-        times less time than `dequantize`'s torch ops, BENCHMARKS.md), then cuBLAS: the dense
+        times less time than `dequantize`'s torch ops), then cuBLAS: the dense
         path of layers whose packed weight unpack_weight reads (packed [N, K] int8 bytes or
         [N, K / 2] nibble pairs, scale and offset [N, K / group_size]). None where it does
         not apply."""
@@ -248,7 +248,7 @@ class QuantizationMethod(ABC):
         format by name ("int8", or own_lm_head_format). Where absent, int8 for a float head
         (`head`, its weight) on CUDA or in fp32 (CPU's run dtype): a quantized step's largest
         single read, which int8 per channel halves or quarters for +0.01% perplexity on SmolLM2
-        (BENCHMARKS.md); else none. `head` None only checks the value."""
+        (BENCHMARKS.md, "Quality"); else none. `head` None only checks the value."""
         formats = tuple(dict.fromkeys(f for f in (self.own_lm_head_format, "int8") if f))
         if "lm_head" not in self.config:
             return "int8" if head is not None and (head.is_cuda or head.dtype == torch.float32) else None

@@ -2,24 +2,25 @@
 
 On CPU a decode step is bound by the weight bytes it reads and by per-op overhead; prefill
 is bound by fp32 GEMM throughput (bf16 GEMMs with more than one row are ~100x slower on
-CPUs without AMX, see WORKLOADS.md). Measured on the 2-core development machine
+CPUs without AMX). Measured on the 2-core development machine
 (benchmarks/results/cpu_profile.md):
 
 * A GGUF whose linear weights are all Q4_0/Q4_1 (the embedded SmolLM2 is Q4_1) is re-packed
   as int4 with group 32 and float zero points: that reproduces the file's grid exactly
-  (perplexity identical to the dequantized fp32 weights, BENCHMARKS.md) and cuts the bytes
-  of a 1-row step 4x; kvserve's int4 kernel (kvserve.ops.cpu) runs decode batches of up
-  to INT4_FP32_FROM_ROWS rows (torch's where ours is not built), larger ones the fp32 copy.
+  (perplexity identical to the dequantized fp32 weights: BENCHMARKS.md, "Quality") and cuts
+  the bytes of a 1-row step 4x; kvserve's int4 kernel (kvserve.ops.cpu) runs decode batches
+  of up to INT4_FP32_FROM_ROWS rows (torch's where ours is not built), larger ones the fp32
+  copy.
 * One whose linears are all Q8_0 is re-packed as int8 with group 32 (quantize_int8_groups
   gives back the file's blocks exactly), ~3.6x fewer bytes than fp32; kvserve's int8 kernel
   runs decode batches of up to CPU_KERNEL_MAX_ROWS rows (a Q8_0 SmolLM2 decodes ~3x faster
-  than on its fp32 weights at 1 and 16 rows, BENCHMARKS.md).
+  than on its fp32 weights at 1 and 16 rows: BENCHMARKS.md, "CPU decode steps").
 * A dequantized fp32 copy of those weights is kept for prefill-sized inputs, where
   dequantizing per call would cost more than the GEMM.
 * The LM head (SmolLM2's tied embedding: 113 MB in fp32) gets an int8 per-channel copy for
   decode rows: about 2.5x less time per step on it at one row. (The file stores it as Q8_0.)
 * Where the CPU's bf16 GEMMs are much faster than its fp32 ones (AMX: 4-6x at 64-512 rows
-  on the Xeon of BENCHMARKS.md), that dense copy is kept in bf16 instead (prefill ~2x
+  on a 2-core Xeon), that dense copy is kept in bf16 instead (prefill ~2x
   faster, half the memory), with a bf16 copy of the LM head, and both take every input of
   more than BF16_FROM_ROWS rows, decode batches included. Measured on the model's own
   shapes, since on CPUs without AMX the same bf16 GEMM is ~100x slower than fp32, at the
@@ -77,9 +78,9 @@ _PROBE_ROWS = 64
 # 3.2 vs 2.3 at 8.
 BF16_FROM_ROWS = 4
 # Without fast bf16: decode inputs of up to this many rows take the int4 linears' kernel, more
-# rows the kept fp32 weights. One SmolLM2 step's linears from memory on the 2-core EPYC of
-# BENCHMARKS.md ("CPU: kvserve's int4 kernel decides by rows"), kvserve's int4 kernel / torch's
-# / fp32, ms: 1 row 6.4 / 12.6 / 23.9, 8 rows 38.1 / 40.2 / 44.7, 16 rows 69.4 / 83.0 / 59.0.
+# rows the kept fp32 weights. One SmolLM2 step's linears from memory on a 2-core EPYC,
+# kvserve's int4 kernel / torch's / fp32, ms: 1 row 6.4 / 12.6 / 23.9, 8 rows 38.1 / 40.2 /
+# 44.7, 16 rows 69.4 / 83.0 / 59.0.
 INT4_FP32_FROM_ROWS = 8
 
 

@@ -8,9 +8,10 @@ Where the product runs:
   x quantized to fp8 per token (dynamic scales, one Triton kernel) and kvserve's split-K
   W8A8 kernel on the fp8 tensor cores (kvserve/ops/quant/fp8_w8a8.py), where it beats cuBLAS and the
   weight-only kernels.
-* CUDA (capability >= 8.9), one row on Hopper and up to 16 on Ada (decode): the Triton
-  weight-only kernels read the fp8 bytes once and upcast them in the loop;
-  `torch._scaled_mm` is far from the bandwidth floor there (BENCHMARKS.md).
+* CUDA (capability >= 8.9), one row on Hopper and up to 64 on Ada (decode): the Triton
+  weight-only kernels read the fp8 bytes once and upcast them in the loop, where
+  `torch._scaled_mm` reads the weight at well under the bandwidth (BENCHMARKS.md, "Kernel
+  level (GPU)").
 * CUDA (>= 8.9), more rows (prefill), bf16, per-channel scales: the same per-token
   quantization and `torch._scaled_mm` on the fp8 tensor cores.
 * Otherwise (older GPUs, fp16 prefill, block scales) the weight is dequantized to the
@@ -158,7 +159,7 @@ class Fp8Linear(QuantizedLinear):
         # accumulation (no periodic promotion of the tensor cores' partial sums): on an H100
         # 12% less time at 192 rows, and an error of 5-9e-3 of the output's maximum against
         # the fp64 product of the same fp8 operands, where quantizing x and w to e4m3 already
-        # costs 3-4e-2 (BENCHMARKS.md).
+        # costs 3-4e-2 (BENCHMARKS.md, "Kernel level (GPU)").
         y = torch._scaled_mm(x_fp8, self.qweight.t(), scale_a=x_scale, scale_b=self.scale.view(1, -1),
                              out_dtype=x.dtype, use_fast_accum=True)
         return y.reshape(*x.shape[:-1], self.out_features)

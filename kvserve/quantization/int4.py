@@ -96,7 +96,7 @@ class Int4Linear(QuantizedLinear):
     not multiples of 32), torch's CPU kernel layout instead, if it applies (dense calls unpack
     it). 0.5 byte per weight either way. One SmolLM2 step's linears from memory on the 2-core
     EPYC, kvserve's kernel against torch's, ms: 1 row 6.4 / 12.6, 4 rows 21.6 / 23.4, 16 rows
-    69.4 / 83.0 (BENCHMARKS.md, "CPU: kvserve's int4 kernel decides by rows")."""
+    69.4 / 83.0."""
 
     def __init__(
         self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int,
@@ -121,8 +121,8 @@ class Int4Linear(QuantizedLinear):
         fp32 they are 11% of an int4-g128 layer's bytes and a third of a g32 one's, read
         beside the packed weights by every decode step. On CUDA when fits_fp16 holds for
         both; on kvserve's CPU kernel only when fp16 holds them exactly (GGUF Q4_1's d and m),
-        so that CPU outputs do not move (SmolLM2's one-row steps: 1.15x a step's int4 calls,
-        BENCHMARKS.md)."""
+        so that CPU outputs do not move (SmolLM2's one-row steps: 1.15x a step's int4
+        calls)."""
         if self.scale.dtype != torch.float32:
             return
         if self.scale.is_cuda:
@@ -194,7 +194,7 @@ class Int4Linear(QuantizedLinear):
 
     def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """On CUDA the weight is unpacked by one Triton pass (7x less time than the torch ops
-        of `dequantize` for llama3-8b's linears on an H200, BENCHMARKS.md), then cuBLAS."""
+        of `dequantize` for llama3-8b's linears on an H200), then cuBLAS."""
         y = None
         if not self.kernel_layout and self.in_features % 2 == 0:
             y = self.unpacked_matmul(x, self._nibble_pairs(), self.scale, self.minimum, self.group_size, four_bit=True)

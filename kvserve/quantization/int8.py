@@ -86,8 +86,7 @@ class GroupInt8Linear(QuantizedLinear):
     multiple of 16 columns run kvserve's int8 kernel with group scales; whole-row groups with
     offsets torch's int8 kernel (one scale an output channel); other grids dequantize per
     call: on 2 CPU cores no loop-free grouped torch form (a batched bmm over groups, or the
-    per-channel kernel on group-masked activations) beat that or fp32 (see the GGUF notes in
-    BENCHMARKS.md)."""
+    per-channel kernel on group-masked activations) beat that or fp32."""
 
     def __init__(
         self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group_size: int,
@@ -149,7 +148,8 @@ class Int8Method(QuantizationMethod):
     input columns, GroupInt8Linear; 32 holds GGUF Q8_0 weights exactly), and an int8 copy of
     the LM head for decode-sized inputs (QuantizationMethod.lm_head_format: by default on CUDA
     and for fp32 heads on CPU). On CPU the head is a fifth of SmolLM2's weight bytes: the copy
-    makes single-stream decode ~1.25x faster and costs +0.01% perplexity (BENCHMARKS.md), as
+    makes single-stream decode ~1.25x faster and costs +0.01% perplexity (BENCHMARKS.md,
+    "CPU decode steps" and "Quality"), as
     llama.cpp's 8-bit files keep their output matrix in Q8_0. `quantization_config={"lm_head":
     false}` leaves the head alone, `true` asks for the copy in any dtype."""
 

@@ -5,7 +5,7 @@ first element of a pair in the high nibble).
 kvserve has no NF4 kernel, on CPU or GPU, so every call dequantizes the whole weight
 (through fp32, several times the bytes of the unquantized weight): nf4 saves memory (about
 0.56 byte per weight) but decodes slower than the unquantized model. It is here as
-bitsandbytes' format and a quality reference (BENCHMARKS.md); int4 serves faster.
+bitsandbytes' format and a quality reference (BENCHMARKS.md, "Quality"); int4 serves faster.
 """
 
 from __future__ import annotations
@@ -91,6 +91,6 @@ class NF4Method(QuantizationMethod):
         if not self._warned:
             logger.warning("quantization=nf4 has no kernel: every call dequantizes the whole weight, so it "
                            "decodes slower than the unquantized model; it saves memory. For speed use int4 "
-                           "(its quality costs are in BENCHMARKS.md)")
+                           "(its quality costs: BENCHMARKS.md, section Quality)")
             self._warned = True
         return NF4Linear(layer, self.block_size)
