@@ -1,6 +1,6 @@
 """Registers and the main loop's instruction mix of kvserve's one-row/few-row GEMV kernels,
-compiled for sm_90 on any machine (Triton's own ptxas, cuobjdump and nvdisasm; no GPU): the
-instruction counts BENCHMARKS.md quotes.
+compiled for sm_90 on any machine (Triton's own ptxas, cuobjdump and nvdisasm; no GPU): what
+a change to a kernel's loop costs in registers and instructions, before it is timed.
 
     python benchmarks/sass_report.py [int4-fma|int4-mma|fp8-mma] [--warps 4] [--row-tiles 2] [--x-tiles 1]
         [--one-row]

@@ -14,7 +14,8 @@ to llama.cpp, plus each server's peak resident memory under the 16-stream load) 
 the full results as JSON. `--rounds N` runs the engines N times, alternating, on fresh
 servers each round: the table then shows each metric's median and the spread over rounds
 (a shared or virtual machine's speed drifts between runs: single-stream ITL p50 of the same
-kvserve ranged 9.8-14.6 ms over seven runs on a 2-core VM, BENCHMARKS.md). `--quick` is the
+kvserve ranged 9.8-14.6 ms over seven runs on a 2-core VM; BENCHMARKS.md, "CPU serving
+beside llama.cpp"). `--quick` is the
 CI smoke mode: kvserve only, 4 short requests, no llama.cpp build.
 """
 

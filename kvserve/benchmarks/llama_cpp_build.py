@@ -42,7 +42,7 @@ CMAKE_FLAGS = (
 
 # /proc/cpuinfo flag -> ggml option. Named instead of -march=native (GGML_NATIVE), which also
 # turns on AMX where the CPU reports it: that build died with a general-protection fault
-# right after starting its thread pool on an AMX Xeon VM here (2026-11-25); this set ran.
+# right after starting its thread pool on an AMX Xeon VM, where this set runs.
 _ISA_OPTIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
                 "avx512f": "GGML_AVX512", "avx512_vnni": "GGML_AVX512_VNNI"}
 

@@ -67,7 +67,8 @@ _INT4_MMA = [LaunchConfig(8, bn, 256, num_warps=nw, num_stages=1, waves=waves, w
              for bn, nw, waves in ((128, 4, 2), (128, 4, 4), (64, 2, 4), (64, 4, 2), (256, 8, 2))]
 # 9-32 rows on mma.sync: every A fragment meets 2-4 tiles of 8 x rows (more accumulators a
 # thread, so also one 16-row tile a warp). At 64 rows (8 x tiles) these configs took
-# 11.1-12.7 ms a step's linears against 8.5-8.7 for the tl.dot tiles (H200, BENCHMARKS.md).
+# 11.1-12.7 ms a step's linears against 8.5-8.7 for the tl.dot tiles (H200), so the sweep
+# stops them at 32 rows.
 _MMA_WIDE = ((128, 4, 2), (64, 2, 4), (32, 2, 4))
 _INT4_DOT_64 = [LaunchConfig(64, bn, bk, num_warps=nw, num_stages=1, waves=2, words="dot")
                 for bn, bk, nw in ((128, 128, 8), (256, 64, 8), (128, 64, 4), (64, 128, 4))]

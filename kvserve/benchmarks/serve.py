@@ -218,7 +218,7 @@ async def load_prompts(client: OpenAIClient, args: argparse.Namespace) -> list[B
 def client_session() -> aiohttp.ClientSession:
     """One new connection per request (as vLLM's benchmark, which opens a session per
     request): reusing keep-alive connections raced llama-server closing them, and 3-4 of 32
-    requests failed with "Can not write request body" at 16 streams (BENCHMARKS.md). The
+    requests failed with "Can not write request body" at 16 streams. The
     pool does not limit concurrency: the benchmark does."""
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))

@@ -1,9 +1,10 @@
 """`kvserve bench prefix` (W4 shared-prefix): requests that share a long system prompt, each
 followed by a question of its own, all submitted at once, run with the prefix cache on and
-off on the same weights (one engine at a time). Defaults as WORKLOADS.md defines W4: 64
-requests, a 2,000-token shared prefix, 100-token questions, 128 output tokens, random token
-ids, greedy, ignore_eos. Reports TTFT percentiles, wall time, output and total tok/s, the
-prompt tokens the cache served, and how many requests gave the same tokens both ways."""
+off on the same weights (one engine at a time). Defaults as BENCHMARKS.md ("W4: shared
+prefix") defines W4: 64 requests, a 2,000-token shared prefix, 100-token questions, 128
+output tokens, random token ids, greedy, ignore_eos. Reports TTFT percentiles, wall time,
+output and total tok/s, the prompt tokens the cache served, and how many requests gave the
+same tokens both ways."""
 
 from __future__ import annotations
 

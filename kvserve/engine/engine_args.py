@@ -24,7 +24,7 @@ KV_CACHE_DTYPES = {
 
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
 # A smaller step budget on CPU: prefill chunks of several prompts no longer make every
-# running stream and every waiting prompt wait for one multi-second step (issue #8).
+# running stream and every waiting prompt wait for one multi-second step.
 CPU_MAX_NUM_BATCHED_TOKENS = 512
 
 

@@ -1,4 +1,4 @@
-"""The CPU side-by-side benchmark (issue #8): its table against hand-computed ratios, and
+"""The CPU side-by-side benchmark: its table against hand-computed ratios, and
 its `--quick` smoke mode end to end against a real `kvserve serve` (no llama.cpp)."""
 
 from __future__ import annotations

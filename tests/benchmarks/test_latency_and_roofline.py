@@ -14,8 +14,9 @@ from kvserve.model_executor.models.llama import LlamaForCausalLM
 
 @pytest.mark.parametrize(
     ("shape", "weights_gb", "kv_kib"),
-    # WORKLOADS.md: llama3-8b reads 15.0 GB per step (linears + LM head, the embedding is
-    # only gathered); qwen2.5-0.5b's tied embedding is its LM head (0.99 GB in all).
+    # BENCHMARKS.md, "Reading these numbers": llama3-8b's 16.06 GB of bf16 weights less the
+    # 1.05 GB embedding, which a step only gathers, are 15.0 GB a step; qwen2.5-0.5b's tied
+    # embedding is its LM head (0.99 GB in all).
     [("llama3-8b", 15.0, 128), ("qwen2.5-0.5b", 0.99, 12), ("smollm2-135m", 0.27, 22.5)],
 )
 def test_step_bytes_match_the_published_shapes(shape, weights_gb, kv_kib):

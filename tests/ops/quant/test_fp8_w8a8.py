@@ -109,7 +109,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 # Hopper's fp8 tensor cores accumulate without promoting every product to fp32 (as
 # `_scaled_mm`'s use_fast_accum, which the prefill path uses): against the fp64 product,
 # 3-7e-3 of the output's largest magnitude on llama3-8b's shapes, as large as cuBLAS's
-# (BENCHMARKS.md). A lost split or a wrong scale is off by O(1).
+# (BENCHMARKS.md, "Kernel level (GPU)"). A lost split or a wrong scale is off by O(1).
 GPU_TOLERANCE = 1.5e-2
 
 GPU_CONFIGS = (

@@ -437,12 +437,12 @@ def test_kernel_declines_what_it_cannot_tile() -> None:
 
 
 def test_row_counts_pick_the_kernels_the_sweeps_chose() -> None:
-    """default_config's routing (BENCHMARKS.md): 4-bit weights on the CUDA cores at one row
-    but on mma.sync for wide linears and for 2-32 rows, tl.dot tiles above; fp8 on mma.sync
-    for 1-16 rows but the byte kernel for one row of a wide linear (the byte kernel's tiles
-    above 16 rows); and the mma
-    kernels only where they apply (CUDA, groups of whole 128s, up to 64 rows), else the tiles
-    the rows take without them."""
+    """default_config's routing (`kvserve bench quantized-linears --sweep`): 4-bit weights on
+    the CUDA cores at one row but on mma.sync for wide linears and for 2-32 rows, tl.dot
+    tiles above; fp8 on mma.sync for 1-16 rows but the byte kernel for one row of a wide
+    linear (the byte kernel's tiles above 16 rows); and the mma kernels only where they
+    apply (CUDA, groups of whole 128s, up to 64 rows), else the tiles the rows take without
+    them."""
     from kvserve.ops.quant.weight_only import configs as tk
     from kvserve.ops.quant.weight_only.matmul import mma_applies
 

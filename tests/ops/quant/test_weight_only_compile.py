@@ -70,7 +70,7 @@ def _compiled(name: str, kernel, constexprs: dict):
 def test_fused_norm_variants_keep_the_kernels_registers(plain) -> None:
     """ptxas schedules the one-row word kernel's next weight tile mid-loop with ~255
     registers; its fused-norm variants, left to themselves, get 168 and load at the loop's
-    end (slower by 1-4 us a call on an H100, BENCHMARKS.md). The launch's register limit
+    end (slower by 1-4 us a call on an H100). The launch's register limit
     keeps them with the plain kernel; the fp8 mma.sync kernel's variants compile alike."""
     usage = {name: resource_usage(_compiled(name, kernel, constexprs))[0]
              for name, kernel, constexprs in DECODE_KERNELS if name.startswith(plain)}
