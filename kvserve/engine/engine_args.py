@@ -23,7 +23,7 @@ KV_CACHE_DTYPES = {
 
 
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
-# A smaller step budget on CPU: prefill chunks of several prompts no longer make every
+# A smaller step budget on CPU, so that prefill chunks of several prompts do not make every
 # running stream and every waiting prompt wait for one multi-second step.
 CPU_MAX_NUM_BATCHED_TOKENS = 512
 
@@ -158,16 +158,18 @@ class EngineArgs:
         group.add_argument("--seed", type=int, default=0, help="Seed for dummy weights.")
         group.add_argument(
             "--quantization", default=None, choices=[AUTO, NONE, *QUANTIZATION_METHODS],
-            help="Weight-only quantization of the linear layers, applied at load: int8 "
-            "(symmetric, per output channel or group; on CPU also an int8 copy of an fp32 LM head for "
-            "decode), int4 (asymmetric, group-wise), nf4 "
+            help="Quantization of the linear layers' weights, applied at load: int8 "
+            "(symmetric, per output channel or group), int4 (asymmetric, group-wise), nf4 "
             "(bitsandbytes NormalFloat-4, per-block absmax), fp8 (float8_e4m3fn per output channel; "
-            "on Hopper/Ada GPUs inputs of more than 16 rows are quantized per token too, for "
-            "kvserve's W8A8 kernel (Hopper, up to 128 rows) or torch._scaled_mm), gguf (run a GGUF file from its "
+            "on Hopper GPUs inputs of 2 or more rows are quantized to fp8 per token too, for "
+            "kvserve's W8A8 kernel (up to 128 rows) or torch._scaled_mm, on Ada GPUs inputs of "
+            "more than 64 rows, for torch._scaled_mm; smaller inputs, and CPUs, read the fp8 weight "
+            "alone), gguf (run a GGUF file from its "
             "Q4_0/Q4_1/Q4_K/Q8_0/Q5_K/Q6_K blocks, repacked for the CPU kernels), auto (on "
             "CPU, a Q4_0/Q4_1 GGUF runs as int4 group 32 and a Q8_0 one as int8 group 32, which "
             "keep its grid exactly, with an int8 LM head for decode; otherwise none; the choice is "
-            "logged), or none. Default: "
+            "logged), or none. int8, int4 and fp8 also add an int8 copy of the LM head for decode "
+            "(on GPU, and on CPU for an fp32 head; see --quantization-config). Default: "
             "none (auto for serve; GPTQ/AWQ/compressed-tensors checkpoints are detected from "
             "config.json).",
         )
@@ -175,7 +177,7 @@ class EngineArgs:
             "--quantization-config", default=None, type=_json_dict,
             help='JSON options of the quantization method, e.g. \'{"group_size": 32}\' for int4 or int8, '
             '\'{"lm_head": false}\' to keep the LM head in the run dtype alone (int8, int4 and fp8 add '
-            'an int8 copy of it for decode on GPU, and int8 on CPU for fp32 heads), \'{"lm_head": "int4"}\' '
+            'an int8 copy of it for decode on GPU, and on CPU for an fp32 head), \'{"lm_head": "int4"}\' '
             'for an int4 copy with int4.',
         )
         group.add_argument(
@@ -222,13 +224,16 @@ class EngineArgs:
         )
         group.add_argument(
             "--attention-backend", default="auto", choices=list(BACKEND_NAMES),
-            help="Paged attention implementation (auto: Triton on GPU, torch reference on CPU).",
+            help="Paged attention implementation (auto: Triton on GPU, except for models with "
+            "sliding-window attention; torch elsewhere).",
         )
         group.add_argument(
             "--enforce-eager", action="store_true",
-            help="Run every step eagerly; by default decode steps on the GPU replay CUDA "
-            "graphs captured at startup, and speculative verify steps graphs captured on "
-            "first use (Triton attention only).",
+            help="Run every step eagerly. By default, on a GPU with the Triton attention backend, "
+            "decode steps and speculative verify steps replay CUDA graphs: the graphs of short "
+            "contexts are captured at startup (verify widths only at the batch sizes that "
+            "speculate), those of longer contexts on first use. Mixture-of-experts models "
+            "always run eagerly.",
         )
         group.add_argument(
             "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
