@@ -6,6 +6,13 @@ from dataclasses import dataclass
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 _GREEDY_EPS = 1e-5
+# torch.Generator.manual_seed's inclusive range; sequence i of a request is seeded seed + i.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Integers the sampler puts into int64 tensors must fit them.
+INT64_MAX = 2**63 - 1
+# Float parameters become rows of float32 (or narrower) tensors: a larger value turns into
+# inf there and the row's logits into NaN.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -41,21 +48,30 @@ class SamplingParams:
                 raise ValueError(
                     f"logit_bias must map token ids to floats, got {self.logit_bias!r}"
                 ) from e
+            bad = {k: v for k, v in self.logit_bias.items() if not abs(v) <= FLOAT32_MAX}
+            if bad:
+                token, bias = next(iter(bad.items()))
+                raise ValueError(f"logit_bias values must be finite float32 numbers, got "
+                                 f"logit_bias[{token}]={bias!r}")
         self._validate()
 
     def _validate(self) -> None:
         _check(self.n >= 1, "n", self.n, "n >= 1")
-        _check(self.temperature >= 0, "temperature", self.temperature, "temperature >= 0")
+        if self.seed is not None:
+            _check(SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1), "seed", self.seed,
+                   f"{SEED_MIN} <= seed and seed + n - 1 <= {SEED_MAX} (n={self.n})")
+        _check(0 <= self.temperature <= FLOAT32_MAX, "temperature", self.temperature,
+               "0 <= temperature <= 3.4e38 (a finite float32)")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "0 < top_p <= 1")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k,
-               "top_k == -1 (disabled) or top_k >= 1")
+        _check(self.top_k == -1 or 1 <= self.top_k <= INT64_MAX, "top_k", self.top_k,
+               f"top_k == -1 (disabled) or 1 <= top_k <= {INT64_MAX}")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "0 <= min_p <= 1")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty,
                "-2 <= presence_penalty <= 2")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty,
                "-2 <= frequency_penalty <= 2")
-        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
-               "repetition_penalty > 0")
+        _check(0 < self.repetition_penalty <= FLOAT32_MAX, "repetition_penalty",
+               self.repetition_penalty, "0 < repetition_penalty <= 3.4e38 (a finite float32)")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
                "max_tokens >= 1 or None")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "min_tokens >= 0")

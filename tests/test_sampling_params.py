@@ -41,6 +41,39 @@ def test_bad_values_raise_with_parameter_name(kwargs: dict, name: str) -> None:
     assert repr(value) in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        # Sequence i is seeded seed + i, which must fit torch's seed range too.
+        ({"seed": 2**64 - 1, "n": 2}, "seed"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 1e308}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"repetition_penalty": 1e39}, "repetition_penalty"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"logit_bias": {"5": float("inf")}}, r"logit_bias\[5\]=inf"),
+        ({"logit_bias": {"5": float("nan")}}, r"logit_bias\[5\]=nan"),
+        ({"logit_bias": {"5": 1e308}}, r"logit_bias\[5\]=1e\+308"),
+    ],
+)
+def test_values_the_sampler_cannot_represent_raise(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_extreme_representable_values_accepted() -> None:
+    SamplingParams(seed=2**64 - 1)
+    SamplingParams(seed=2**64 - 3, n=3)
+    SamplingParams(seed=-(2**63), n=4)
+    SamplingParams(top_k=2**63 - 1, temperature=3e38, repetition_penalty=3e38,
+                   logit_bias={"1": -3e38})
+
+
 def test_unknown_stop_type_message() -> None:
     with pytest.raises(ValueError, match="unknown stop type"):
         SamplingParams(stop=["a", 1])

@@ -136,9 +136,9 @@ class AsyncLLM:
                 self.engine.add_request(
                     request_id, {"prompt_token_ids": prompt_token_ids}, params, priority=priority
                 )
-                loop.call_soon_threadsafe(added.set_result, None)
+                loop.call_soon_threadsafe(_settle, added, None)
             except Exception as error:
-                loop.call_soon_threadsafe(added.set_exception, error)
+                loop.call_soon_threadsafe(_settle, added, error)
 
         finished = False
         try:
@@ -169,3 +169,13 @@ class AsyncLLM:
 def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
     for out_queue, item in puts:
         out_queue.put_nowait(item)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    # The caller may have been cancelled (its client left) while the add was queued.
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -239,7 +239,7 @@ def test_16_concurrent_streams_each_equal_its_sequential_result(server):
 # -- errors --------------------------------------------------------------------------------
 
 def _post(server, path: str, body) -> httpx.Response:
-    content = body if isinstance(body, str) else json.dumps(body)
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return httpx.post(f"{server.base_url}{path}", content=content,
                       headers={"content-type": "application/json"})
 
@@ -249,7 +249,7 @@ def _post(server, path: str, body) -> httpx.Response:
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "temperature"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "max_tokens"),
     ("/v1/completions", {"prompt": "x", "top_p": 5}, 400, "top_p", "top_p"),
-    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "n must"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "greater than or equal to 1"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", "stop"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "logprobs"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix"),
@@ -269,6 +269,41 @@ def _post(server, path: str, body) -> httpx.Response:
     ("/v1/chat/completions", [1, 2], 400, None, "dictionary"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens", "vocabulary"),
     ("/v1/nothing", {}, 404, None, "Not Found"),
+    # Numbers outside what they can mean, and Infinity / NaN, which Python's JSON parser takes.
+    ("/v1/completions", {"prompt": "x", "n": 2**63}, 400, "n", "n"),
+    ("/v1/completions", {"prompt": "x", "n": 129}, 400, "n", "--max-n"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed", "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": -(2**64)}, 400, "seed", "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64 - 1, "n": 2}, 400, "seed", "seed + n - 1"),
+    ("/v1/completions", {"prompt": "x", "top_k": 2**63}, 400, "top_k", "top_k"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", "top_k"),
+    ("/v1/completions", {"prompt": "x", "priority": 2**63}, 400, "priority", "priority"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2**64}, 400, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": None, "min_tokens": 5000}, 400, "min_tokens",
+     "min_tokens (5000)"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 2**64}, 400,
+     "max_completion_tokens", "max_completion_tokens"),
+    ("/v1/completions", '{"prompt": "x", "temperature": Infinity}', 400, "temperature", "finite"),
+    ("/v1/completions", '{"prompt": "x", "temperature": NaN}', 400, "temperature", "finite"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e308}, 400, "temperature", "temperature"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e308}, 400, "repetition_penalty",
+     "repetition_penalty"),
+    ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": Infinity}}', 400, "logit_bias.5", "finite"),
+    ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": NaN}}', 400, "logit_bias.5", "finite"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options", "stream"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, 400,
+     "stream_options", "stream"),
+    # Declared so that ignoring them cannot hand back something other than what was asked for.
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice",
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400,
+     "response_format", "json_object"),
+    ("/v1/completions", "[" * 100_000 + "]" * 100_000, 400, None, "parsing the body"),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, "parsing the body"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, 400, None, "empty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1" * 5000: 1}}, 400, None, "logit_bias"),
 ])
 def test_bad_request_gets_openai_error_and_next_request_succeeds(server, path, body, status, param, in_message):
     response = _post(server, path, body)

@@ -76,6 +76,12 @@ def test_api_key_required_when_configured(small_server):
     assert missing.status_code == 401
     assert missing.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{small_server.base_url}/health").status_code == 200  # no key needed
+    for path in ("/docs", "/redoc", "/openapi.json"):  # the API description is behind the key
+        assert httpx.get(f"{small_server.base_url}{path}").status_code == 401, path
+        keyed = httpx.get(f"{small_server.base_url}{path}", headers={"Authorization": f"Bearer {KEY}"})
+        assert keyed.status_code == 200, path
+    assert "/v1/completions" in httpx.get(f"{small_server.base_url}/openapi.json",
+                                          headers={"Authorization": f"Bearer {KEY}"}).json()["paths"]
     result = small_server.client(api_key=KEY).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert result.usage.completion_tokens >= 1
 
@@ -89,6 +95,7 @@ def test_full_waiting_queue_answers_429_then_recovers(small_server):
     with pytest.raises(openai.RateLimitError) as info:
         small_server.client(api_key=KEY).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert info.value.status_code == 429
+    assert info.value.response.headers["retry-after"] == "1"
     first.join(120)
     second.join(120)
     assert running[-1] == waiting[-1] == "[DONE]"

@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import argparse
 
+from collections.abc import Callable
+
 from kvserve import envs
 from kvserve.engine.engine_args import EngineArgs
+from kvserve.utils import parse_size
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +38,29 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-waiting-requests", type=int, default=None,
         help="Answer 429 when this many requests already wait for the engine (default: no limit).",
+    )
+    group.add_argument(
+        "--max-n", type=_positive(int), default=128,
+        help="Most samples (n) one request may ask for (default: 128, OpenAI's limit); "
+        "never more than --max-num-seqs.",
+    )
+    group.add_argument(
+        "--request-timeout", type=_positive(float), default=None,
+        help="End a generation request that has not finished this many seconds after it was "
+        "admitted (queue time included) with a 504 and free its KV blocks (default: no limit).",
+    )
+    group.add_argument(
+        "--max-body-size", type=parse_size, default="16MiB",
+        help="Largest request body accepted, e.g. 16MiB; larger ones get 413.",
+    )
+    group.add_argument(
+        "--header-read-timeout", type=_positive(float), default=20.0,
+        help="Seconds a connection may take to send a request's headers (counted from when it "
+        "opens or its previous response ends) before it is closed.",
+    )
+    group.add_argument(
+        "--body-read-timeout", type=_positive(float), default=60.0,
+        help="Seconds a request's body may take to arrive after its headers; then 408.",
     )
     group.add_argument(
         "--shutdown-timeout", type=float, default=30.0,

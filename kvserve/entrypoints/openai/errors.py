@@ -14,12 +14,15 @@ logger = logging.getLogger(__name__)
 
 # The prefix of LLMEngine.context_length_error's message (OpenAI's wording).
 _CONTEXT_LENGTH_PREFIX = "This model's maximum context length is"
+# Validation problems spelled out in one message; a body with a million bad token ids
+# would otherwise get a response as large as itself.
+_MAX_LISTED_PROBLEMS = 5
 
 
 class OpenAIError(Exception):
     def __init__(
         self, status_code: int, message: str, type: str = "invalid_request_error",
-        param: str | None = None, code: str | None = None,
+        param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -27,13 +30,14 @@ class OpenAIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 def bad_request(error: ValueError, known_params: frozenset[str] = frozenset()) -> OpenAIError:
@@ -41,8 +45,9 @@ def bad_request(error: ValueError, known_params: frozenset[str] = frozenset()) -
     message = str(error)
     if message.startswith(_CONTEXT_LENGTH_PREFIX):
         return OpenAIError(400, message, param="input_tokens", code="context_length_exceeded")
-    # SamplingParams messages name the parameter near the start ("top_p must satisfy ...").
-    words = [w.strip(":=,'") for w in message.split()[:4]]
+    # SamplingParams and LLMEngine.validate messages name the parameter near the start
+    # ("top_p must satisfy ...", "prompt (N tokens) plus max_tokens (M) needs ...").
+    words = [w.strip(":=,'") for w in message.split()[:6]]
     param = next((w for w in words if w in known_params), None)
     return OpenAIError(400, message, param=param)
 
@@ -65,11 +70,14 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"Malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}"
             return OpenAIError(400, message).response()
         field = _field_name(tuple(first.get("loc", ())))
+        errors = error.errors()
         problems = "; ".join(
             f"{_field_name(tuple(e.get('loc', ()))) or 'body'}: {e['msg']}"
             + (f" (got {json.dumps(e['input'], default=str)[:100]})" if "input" in e and e["type"] != "missing" else "")
-            for e in error.errors()
+            for e in errors[:_MAX_LISTED_PROBLEMS]
         )
+        if len(errors) > _MAX_LISTED_PROBLEMS:
+            problems += f"; and {len(errors) - _MAX_LISTED_PROBLEMS} more"
         return OpenAIError(400, f"Invalid request: {problems}", param=field).response()
 
     @app.exception_handler(StarletteHTTPException)

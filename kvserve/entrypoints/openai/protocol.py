@@ -1,25 +1,32 @@
 """Request bodies of the OpenAI API (pydantic), plus vLLM's extra sampling fields.
 
-Unknown fields are rejected (400 naming them) rather than silently ignored, so a client
-never believes a parameter took effect when it did not. Responses are plain dicts built
-in the serving modules, in the exact OpenAI shapes.
+Unknown fields are kept aside (`model_extra`) and ignored with a logged warning, as vLLM
+does: load tools and SDKs send vendor extensions freely. Fields whose silent omission would
+change what a client gets (tools, response formats, best_of) are declared so that they can
+be refused instead (request_checks.py). Integers carry the ranges they are meaningful in;
+Infinity and NaN, which the JSON parser accepts, are never a valid number. Responses are
+plain dicts built in the serving modules, in the exact OpenAI shapes.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from kvserve.sampling_params import INT64_MAX, SEED_MAX, SEED_MIN
 
 TokenIds = list[StrictInt]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the usage so far (guidellm counts tokens with it).
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(_Body):
@@ -28,30 +35,31 @@ class SamplingRequest(_Body):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=INT64_MAX)  # at most --max-n: request_checks.py
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extras, named as in vLLM.
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    priority: int | None = None
+    min_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    priority: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = 16  # the OpenAI default for completions
+    max_tokens: int | None = Field(default=16, le=INT64_MAX)  # 16: the OpenAI default
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
+    best_of: int | None = None
 
 
 class TextContentPart(_Body):
@@ -67,10 +75,16 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    # max_tokens is deprecated by OpenAI in favour of max_completion_tokens.
+    max_tokens: int | None = Field(default=None, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(default=None, le=INT64_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):

@@ -14,13 +14,17 @@ from types import FrameType
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.engine_args import EngineArgs
+from kvserve.entrypoints.openai.disconnect import cancel_on_disconnect
 from kvserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from kvserve.entrypoints.openai.http_limits import RequestBodyLimits, header_timeout_protocol
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
+from kvserve.entrypoints.openai.request_checks import warn_ignored_fields
 from kvserve.entrypoints.openai.serving import ServerState, require_tokenizer
 from kvserve.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from kvserve.entrypoints.openai.serving_completion import create_completion
@@ -47,8 +51,14 @@ def build_app(state: ServerState) -> FastAPI:
         if state.async_llm is not None:
             await asyncio.to_thread(state.async_llm.shutdown)
 
-    app = FastAPI(title="kvserve", lifespan=lifespan)
+    # With a key, the API description is served behind it too (routes below).
+    open_docs = state.api_key is None
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url="/docs" if open_docs else None,
+                  redoc_url="/redoc" if open_docs else None,
+                  openapi_url="/openapi.json" if open_docs else None)
     install_error_handlers(app)
+    app.add_middleware(RequestBodyLimits, max_body_size=state.max_body_size,
+                       body_timeout=state.body_read_timeout)
 
     async def check_api_key(request: Request) -> None:
         if state.api_key is None:
@@ -82,28 +92,34 @@ def build_app(state: ServerState) -> FastAPI:
         }]})
 
     @api.post("/v1/completions")
-    async def completions(request: CompletionRequest) -> Response:
-        return await create_completion(state, request)
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        warn_ignored_fields(request, "/v1/completions")
+        return await cancel_on_disconnect(raw, create_completion(state, request))
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
-        return await create_chat_completion(state, request)
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        warn_ignored_fields(request, "/v1/chat/completions")
+        return await cancel_on_disconnect(raw, create_chat_completion(state, request))
 
     @api.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:
+        warn_ignored_fields(request, "/tokenize")
         state.check_model(request.model)
         engine = state.engine
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError(400, "send exactly one of 'prompt' and 'messages'", param="prompt")
         if request.messages is not None:
-            tokens = apply_chat_template(engine.tokenizer, request.messages, request.add_generation_prompt)
+            tokens = await state.off_loop(apply_chat_template, engine.tokenizer, request.messages,
+                                          request.add_generation_prompt)
         else:
             tokenizer = require_tokenizer(engine, "tokenizing a prompt", "prompt")
-            tokens = tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids
+            tokens = await state.off_loop(
+                lambda: tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids)
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
 
     @api.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        warn_ignored_fields(request, "/detokenize")
         state.check_model(request.model)
         engine = state.engine
         vocab_size = engine.model_config.vocab_size
@@ -112,7 +128,20 @@ def build_app(state: ServerState) -> FastAPI:
             raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
                               param="tokens")
         tokenizer = require_tokenizer(engine, "detokenizing", "tokens")
-        return JSONResponse({"prompt": tokenizer.decode(request.tokens)})
+        return JSONResponse({"prompt": await state.off_loop(tokenizer.decode, request.tokens)})
+
+    if not open_docs:
+        @api.get("/openapi.json", include_in_schema=False)
+        async def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        @api.get("/docs", include_in_schema=False)
+        async def docs() -> Response:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="kvserve")
+
+        @api.get("/redoc", include_in_schema=False)
+        async def redoc() -> Response:
+            return get_redoc_html(openapi_url="/openapi.json", title="kvserve")
 
     app.include_router(api)
     return app
@@ -173,12 +202,17 @@ def run_server(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or _served_name(engine_args.model),
         api_key=args.api_key or None,
         max_waiting_requests=args.max_waiting_requests,
+        max_n=args.max_n,
+        request_timeout=args.request_timeout,
+        max_body_size=args.max_body_size,
+        body_read_timeout=args.body_read_timeout,
         stream_interval=args.stream_interval,
     )
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     config = uvicorn.Config(
         build_app(state), host=args.host, port=args.port, log_level=args.log_level.lower(),
+        http=header_timeout_protocol(args.header_read_timeout),
         # Drained requests have finished by now; this only bounds flushing the last bytes.
         timeout_graceful_shutdown=1,
     )

@@ -8,7 +8,10 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
+from functools import partial
+from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -16,7 +19,7 @@ from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.llm_engine import NO_TOKENIZER, LLMEngine
 from kvserve.entrypoints.openai.errors import OpenAIError, bad_request
-from kvserve.entrypoints.openai.protocol import SamplingRequest
+from kvserve.entrypoints.openai.protocol import SamplingRequest, StreamOptions
 from kvserve.metrics import ServerMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -24,6 +27,12 @@ from kvserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) | {"input_tokens"}
+# OpenAI's documented logit_bias range; vLLM clamps to it too.
+_MAX_LOGIT_BIAS = 100.0
+# What a 429 tells a client to wait before retrying, in seconds.
+RETRY_AFTER_S = 1
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -32,12 +41,19 @@ class ServerState:
     served_model_name: str
     api_key: str | None = None
     max_waiting_requests: int | None = None
+    max_n: int = 128
+    request_timeout: float | None = None
+    max_body_size: int = 16 * 2**20
+    body_read_timeout: float = 60.0
     stream_interval: int = 1
     async_llm: AsyncLLM | None = None
     draining: bool = False
     load_error: BaseException | None = None
     # Generation requests between admission and their last byte; SIGTERM waits for 0.
     num_in_flight: int = 0
+    # Engine requests admitted here that have no output yet: the engine's own waiting count
+    # lags while their add commands sit in its queue, so a burst would all pass admit().
+    num_not_started: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(init=False)
     # Set by run_server: asks uvicorn to stop (used when loading the model fails).
@@ -45,6 +61,14 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.served_model_name)
+        # Tokenizing a long prompt takes seconds: off the event loop, one at a time (a fast
+        # tokenizer is not safe to use from several threads at once).
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+
+    async def off_loop(self, function: Callable[..., T], *args: object) -> T:
+        """Runs tokenizer work (tokenize, chat template, decode) on the tokenizer thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, partial(function, *args))
 
     @property
     def ready(self) -> bool:
@@ -90,11 +114,12 @@ class ServerState:
             raise OpenAIError(503, "the server is shutting down", type="service_unavailable")
         engine = self.engine
         limit = self.max_waiting_requests
-        if limit is not None and engine.num_requests_waiting + num_requests > limit:
+        waiting = max(engine.num_requests_waiting, self.num_not_started)
+        if limit is not None and waiting + num_requests > limit:
             raise OpenAIError(
-                429, f"the waiting queue is full ({engine.num_requests_waiting} waiting, "
-                f"limit {limit}); retry later", type="rate_limit_error",
-                code="rate_limit_exceeded")
+                429, f"the waiting queue is full ({waiting} waiting, limit {limit}); retry "
+                f"in {RETRY_AFTER_S} s", type="rate_limit_error", code="rate_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def sampling_params(request: SamplingRequest, defaults: dict[str, float], **overrides: object) -> SamplingParams:
@@ -107,6 +132,11 @@ def sampling_params(request: SamplingRequest, defaults: dict[str, float], **over
                      "ignore_eos", "min_tokens")
         if getattr(request, name) is not None
     }
+    if values.get("top_k") == 0:  # vLLM's API reads 0 as "disabled", like -1
+        values["top_k"] = -1
+    if request.logit_bias:
+        values["logit_bias"] = {token: min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, bias))
+                                for token, bias in request.logit_bias.items()}
     try:
         return SamplingParams(**values, **overrides)
     except ValueError as error:
@@ -114,12 +144,16 @@ def sampling_params(request: SamplingRequest, defaults: dict[str, float], **over
 
 
 def validate_prompt(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> list[int]:
-    """Token ids of a prompt that fits; raises a 400 before anything is scheduled."""
+    """Token ids of a prompt that fits; raises a 400 before anything is scheduled. Runs on
+    the tokenizer thread (ServerState.off_loop)."""
     try:
         _, token_ids = engine.tokenize_prompt(prompt)
-        engine.validate(token_ids, params)
+        max_tokens = engine.validate(token_ids, params)
     except ValueError as error:
         raise bad_request(error, _SAMPLING_FIELDS) from None
+    if params.min_tokens > max_tokens:
+        raise OpenAIError(400, f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens "
+                          "this request may generate", param="min_tokens")
     return token_ids
 
 
@@ -129,11 +163,21 @@ async def generate_all(
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Runs every prompt as its own engine request; yields (prompt index, output) as they come.
 
-    Leaving early (client disconnect, error) cancels the consumers, which aborts the
-    engine requests and frees their KV blocks.
+    Leaving early (client disconnect, error, --request-timeout) cancels the consumers, which
+    aborts the engine requests and frees their KV blocks.
     """
     async_llm = state.async_llm
     merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    # Counted from here, not from inside the consumer tasks, so that a burst admitted in the
+    # same loop iteration sees it (ServerState.admit).
+    not_started = set(range(len(prompts)))
+    state.num_not_started += len(prompts)
+
+    def mark_started(index: int) -> None:
+        if index in not_started:
+            not_started.discard(index)
+            state.num_not_started -= 1
 
     async def consume(index: int, token_ids: list[int]) -> None:
         tracker = state.metrics.track(len(token_ids))
@@ -142,6 +186,7 @@ async def generate_all(
                 {"prompt_token_ids": token_ids}, params, request_id=f"{request_id}-{index}",
                 priority=priority,
             ):
+                mark_started(index)
                 tracker.on_output(output)
                 merged.put_nowait((index, output))
             merged.put_nowait(None)
@@ -150,11 +195,22 @@ async def generate_all(
         finally:
             tracker.finish()
 
+    # The deadline guards only the waits: a timeout scope spanning a `yield` would cancel
+    # whatever the consumer awaits at that moment.
+    timeout = state.request_timeout
+    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
     tasks = [asyncio.create_task(consume(i, ids)) for i, ids in enumerate(prompts)]
     try:
         remaining = len(tasks)
         while remaining:
-            item = await merged.get()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await merged.get()
+            except TimeoutError:
+                raise OpenAIError(
+                    504, f"the request did not finish within --request-timeout ({timeout:g} s) "
+                    "and was aborted", type="timeout_error",
+                    code="request_timeout") from None
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
@@ -162,6 +218,8 @@ async def generate_all(
             else:
                 yield item
     finally:
+        for index in list(not_started):
+            mark_started(index)
         for task in tasks:
             task.cancel()
 
@@ -199,11 +257,21 @@ def require_tokenizer(engine: LLMEngine, needs: str, param: str) -> PreTrainedTo
     return engine.tokenizer
 
 
-def usage(prompts: list[list[int]], finals: list[RequestOutput]) -> dict[str, int]:
+def usage(prompts: list[list[int]], outputs: list[RequestOutput | None]) -> dict[str, int]:
+    """Token counts; `outputs` are the latest of each prompt, None before its first."""
     prompt_tokens = sum(len(ids) for ids in prompts)
-    completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    completion_tokens = sum(len(c.token_ids) for out in outputs if out is not None for c in out.outputs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chunk_usage(options: StreamOptions | None, prompts: list[list[int]],
+                outputs: list[RequestOutput | None]) -> dict:
+    """The `usage` field of a content chunk: absent without include_usage, null with it, and
+    the counts so far with vLLM's continuous_usage_stats."""
+    if options is None or not options.include_usage:
+        return {}
+    return {"usage": usage(prompts, outputs) if options.continuous_usage_stats else None}
 
 
 def sse(payload: dict | str) -> str:

@@ -9,14 +9,16 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
-from kvserve.engine.llm_engine import NO_TOKENIZER
+from kvserve.engine.llm_engine import NO_TOKENIZER, LLMEngine
 from kvserve.entrypoints.openai.errors import OpenAIError
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from kvserve.entrypoints.openai.request_checks import check_chat_request, check_sampling_request
 from kvserve.entrypoints.openai.serving import (
-    ServerState, StreamThrottle, collect_final, generate_all, sampling_params, sse_stream,
-    token_text, top_entries, usage, validate_prompt,
+    ServerState, StreamThrottle, chunk_usage, collect_final, generate_all, sampling_params,
+    sse_stream, token_text, top_entries, usage, validate_prompt,
 )
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
 
 
 def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
@@ -41,6 +43,10 @@ def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_p
         raise OpenAIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
 
 
+def _chat_prompt_ids(engine: LLMEngine, messages: list[ChatMessage], params: SamplingParams) -> list[int]:
+    return validate_prompt(engine, apply_chat_template(engine.tokenizer, messages), params)
+
+
 def _logprobs(tokenizer, completion: CompletionOutput, start: int, num_top: int) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
         text = token_text(tokenizer, token_id)
@@ -56,13 +62,15 @@ def _logprobs(tokenizer, completion: CompletionOutput, start: int, num_top: int)
 
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
     state.check_model(request.model)
+    check_sampling_request(request, state.max_n, state.engine_args.max_num_seqs)
+    check_chat_request(request)
     engine = state.engine
     if request.top_logprobs is not None and not request.logprobs:
         raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     num_top = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     params = sampling_params(request, engine.sampling_defaults, max_tokens=max_tokens, logprobs=num_top)
-    prompt_ids = validate_prompt(engine, apply_chat_template(engine.tokenizer, request.messages), params)
+    prompt_ids = await state.off_loop(_chat_prompt_ids, engine, request.messages, params)
     state.admit(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -84,12 +92,11 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
 
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     last: list[RequestOutput | None] = [None]
-    usage_field = {"usage": None} if include_usage else {}
 
     def chunk(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
         return {**base("chat.completion.chunk"), "choices": [{
             "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
-        }], **usage_field}
+        }], **chunk_usage(request.stream_options, [prompt_ids], last)}
 
     async def chunks() -> AsyncIterator[dict]:
         for index in range(params.n):

@@ -10,9 +10,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.entrypoints.openai.errors import OpenAIError
 from kvserve.entrypoints.openai.protocol import CompletionRequest
+from kvserve.entrypoints.openai.request_checks import check_completion_request, check_sampling_request
 from kvserve.entrypoints.openai.serving import (
-    ServerState, StreamThrottle, collect_final, generate_all, sampling_params, sse_stream,
-    require_tokenizer, token_text, top_entries, usage, validate_prompt,
+    ServerState, StreamThrottle, chunk_usage, collect_final, generate_all, sampling_params,
+    sse_stream, require_tokenizer, token_text, top_entries, usage, validate_prompt,
 )
 from kvserve.outputs import RequestOutput
 
@@ -54,8 +55,8 @@ class _LogprobsBuilder:
 
 async def create_completion(state: ServerState, request: CompletionRequest) -> JSONResponse | StreamingResponse:
     state.check_model(request.model)
-    if request.suffix is not None:
-        raise OpenAIError(400, "suffix is not supported by this server", param="suffix")
+    check_sampling_request(request, state.max_n, state.engine_args.max_num_seqs)
+    check_completion_request(request)
     engine = state.engine
     num_logprobs = request.logprobs
     echo = bool(request.echo)
@@ -64,11 +65,11 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> J
         prompt_logprobs=num_logprobs if echo else None,
     )
     prompts = _prompt_list(request.prompt)
-    token_lists = [validate_prompt(engine, prompt, params) for prompt in prompts]
-    state.admit(len(token_lists))
+    token_lists = [await state.off_loop(validate_prompt, engine, prompt, params) for prompt in prompts]
     # Echo repeats the prompt as sent; token-id prompts are shown decoded.
-    prompt_texts = [p if isinstance(p, str) else require_tokenizer(engine, "echo of token ids", "echo").decode(p)
-                    for p in prompts] if echo else []
+    prompt_texts = [p if isinstance(p, str) else await state.off_loop(
+        require_tokenizer(engine, "echo of token ids", "echo").decode, p) for p in prompts] if echo else []
+    state.admit(len(token_lists))
     logprobs = _LogprobsBuilder(engine.tokenizer, num_logprobs) if num_logprobs is not None else None
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -130,7 +131,7 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> J
                 yield {**chunk_base(), "choices": [{
                     "index": choice, "text": text, "logprobs": choice_logprobs,
                     "finish_reason": completion.finish_reason,
-                }], **({"usage": None} if include_usage else {})}
+                }], **chunk_usage(request.stream_options, token_lists, finals)}
 
     def usage_chunk() -> dict | None:
         if not include_usage:
