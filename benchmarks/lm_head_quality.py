@@ -30,7 +30,7 @@ def main() -> None:
     results = {}
     for name in ("fp32", "int8", "int4-g32", "int4-g64"):
         llm = LLM(model=None, kv_cache_memory="1GiB", compile_decode=False)
-        model = llm.engine.runner.model
+        model = llm.engine.core.runner.model
         if name == "int8":
             quantize_lm_head(model)
         elif name.startswith("int4"):

@@ -8,7 +8,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kvserve.engine.engine_args import EngineArgs
-from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.engine.input_processor import PromptType
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model_executor.loader import LoadedModel
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams

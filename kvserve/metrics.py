@@ -3,8 +3,8 @@
 Names mirror vLLM's with the `kvserve:` prefix so dashboards port by a rename. Each server
 owns a CollectorRegistry (not the global one), so several servers or tests never collide.
 Request latencies are observed by the server as outputs arrive; engine state (queues,
-KV usage, preemptions, prefix-cache and speculative-decoding totals) is read from the
-engine at scrape time.
+KV usage, preemptions, prefix-cache and speculative-decoding totals) is the engine's
+SchedulerStats, read at scrape time.
 """
 
 from __future__ import annotations
@@ -138,25 +138,23 @@ class _EngineCollector(Collector):
         return family
 
     def collect(self) -> Iterator[Metric]:
-        engine = self._engine
-        scheduler = engine.scheduler
-        stats = scheduler.prefix_cache_stats
+        stats = self._engine.stats()
         yield self._family(GaugeMetricFamily, "kvserve:num_requests_running",
-                           "Sequences running in the engine.", len(scheduler.running))
+                           "Sequences running in the engine.", stats.num_running_seqs)
         yield self._family(GaugeMetricFamily, "kvserve:num_requests_waiting",
-                           "Sequences waiting to be scheduled.", len(scheduler.waiting))
+                           "Sequences waiting to be scheduled.", stats.num_waiting_seqs)
         yield self._family(GaugeMetricFamily, "kvserve:kv_cache_usage_perc",
-                           "Fraction of KV-cache blocks in use (0..1).", engine.kv_cache.usage)
+                           "Fraction of KV-cache blocks in use (0..1).", stats.kv_cache_usage)
         yield self._family(GaugeMetricFamily, "kvserve:decode_graphs_pending",
                            "CPU decode graphs still to compile; `kvserve serve` compiles them while idle, "
-                           "and steps of their batch sizes run eager until then.", engine.decode_graphs_pending)
+                           "and steps of their batch sizes run eager until then.", stats.decode_graphs_pending)
         yield self._family(CounterMetricFamily, "kvserve:num_preemptions",
-                           "Sequences preempted for lack of KV blocks.", scheduler.num_preemptions)
+                           "Sequences preempted for lack of KV blocks.", stats.num_preemptions)
         yield self._family(CounterMetricFamily, "kvserve:prefix_cache_queries",
-                           "Prompt tokens looked up in the prefix cache.", stats.queried_tokens)
+                           "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
         yield self._family(CounterMetricFamily, "kvserve:prefix_cache_hits",
-                           "Prompt tokens found in the prefix cache.", stats.hit_tokens)
-        spec = engine.spec_decode_stats
+                           "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        spec = stats.spec_decode
         if spec is None:
             return
         yield self._family(CounterMetricFamily, "kvserve:spec_decode_num_drafts",

@@ -79,11 +79,11 @@ def test_small_prefill_chunks_match_transformers(loaded, prompt_ids, hf_greedy):
 def test_prefix_cache_hits_match_transformers(loaded, prompt_ids, hf_greedy):
     llm = LLM(loaded=loaded, enable_prefix_caching=True, kv_cache_memory="256MiB")
     assert _greedy(llm, prompt_ids) == hf_greedy
-    stats = llm.engine.scheduler.prefix_cache_stats
+    stats = llm.engine.core.scheduler.prefix_cache_stats
     hits_first_run = stats.hit_tokens
     # Second run: every prompt's full blocks are cached now.
     assert _greedy(llm, prompt_ids) == hf_greedy
-    block_size = llm.engine.cache_config.block_size
+    block_size = llm.engine.core.cache_config.block_size
     expected_second = sum((len(ids) - 1) // block_size * block_size for ids in prompt_ids)
     assert stats.hit_tokens - hits_first_run == expected_second
 
@@ -96,7 +96,7 @@ def test_preemption_matches_transformers(loaded, prompt_ids, hf_greedy):
         loaded=loaded, enable_prefix_caching=False, block_size=block_size,
         kv_cache_memory=str(num_blocks * kv_cache_bytes_per_block(loaded.config, block_size)),
     )
-    assert llm.engine.runner.num_blocks == num_blocks
+    assert llm.engine.core.runner.num_blocks == num_blocks
     assert _greedy(llm, prompt_ids) == hf_greedy
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.kv_cache.num_free_blocks == num_blocks
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert llm.engine.core.kv_cache.num_free_blocks == num_blocks

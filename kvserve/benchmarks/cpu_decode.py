@@ -28,7 +28,7 @@ class DecodeStepTimer:
     """Wall time of each engine step whose batch is decodes only."""
 
     def __init__(self, llm: LLM) -> None:
-        engine, runner = llm.engine, llm.engine.runner
+        engine, runner = llm.engine, llm.engine.core.runner
         self.times: list[float] = []
         execute, step = runner.execute, engine.step
         decode_only = [False]
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
               max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
     print(f"load + compile {time.perf_counter() - start:.1f} s, torch threads "
           f"{torch.get_num_threads()}, load average {os.getloadavg()}")
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     compiled = runner.compiled_decode
     timer = DecodeStepTimer(llm)
     results: dict[tuple[int, str], list[float]] = {}

@@ -20,7 +20,6 @@ from kvserve.benchmarks.roofline import (
     copy_bandwidth,
     decode_step_floor_s,
     kv_bytes_per_token,
-    weight_bytes_per_step,
 )
 from kvserve.benchmarks.throughput import make_requests
 from kvserve.engine.engine_args import EngineArgs
@@ -67,7 +66,8 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
                              engine.model_config.vocab_size, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     step_ends: list[float] = []  # time.time(), the clock of RequestMetrics
-    graphs = engine.runner.cuda_graphs
+    # The replay timings of CUDA graphs need the core in this process.
+    graphs = None if engine.core is None else engine.core.runner.cuda_graphs
     if graphs is not None:
         graphs.replay_events = []
         replays_before = graphs.replays.copy()
@@ -89,8 +89,8 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
     tpot = statistics.median(tpots)
     mean_context = input_len + output_len / 2
     floor = decode_step_floor_s(
-        weight_bytes_per_step(engine.runner.model, engine.model_config),
-        kv_bytes_per_token(engine.model_config, engine.runner.kv_cache_dtype),
+        engine.client.info.decode_weight_bytes,
+        kv_bytes_per_token(engine.model_config, engine.client.info.kv_cache_dtype),
         round(batch_size * mean_context), bandwidth,
     )
     return LatencyResult(batch_size, input_len, output_len, statistics.median(ttfts) * 1e3,

@@ -28,18 +28,6 @@ def copy_bandwidth(device: torch.device, num_bytes: int | None = None, repeats: 
     return 2 * num_bytes / sorted(times)[len(times) // 2]
 
 
-def weight_bytes_per_step(model: torch.nn.Module, config: ModelConfig) -> int:
-    """Every parameter and buffer is read once per step, except an untied input embedding,
-    of which a step only gathers one row per token, and a float LM head that a quantized copy
-    replaces in decode steps (it serves the larger inputs). Counts quantized weights as stored."""
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    if not config.tie_word_embeddings:
-        tensors.pop(id(model.model.embed_tokens.weight))
-    if getattr(model, "quantized_lm_head", None) is not None:
-        tensors.pop(id(model.model.embed_tokens.weight if config.tie_word_embeddings else model.lm_head.weight))
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype | None = None) -> int:
     element_size = torch.empty((), dtype=kv_dtype or config.dtype).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_size

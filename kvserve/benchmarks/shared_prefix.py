@@ -19,7 +19,7 @@ import torch
 
 from kvserve.benchmarks.serve_metrics import summarize_ms
 from kvserve.engine.engine_args import EngineArgs
-from kvserve.engine.llm_engine import load_engine_model
+from kvserve.engine.core import load_engine_model
 from kvserve.llm import LLM
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -58,7 +58,7 @@ def run_prefix(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[Pre
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(p) for p in prompts)
     result = PrefixRunResult(
-        llm.engine.cache_config.enable_prefix_caching, len(prompts), wall, ttft["p50"], ttft["p90"], ttft["p99"],
+        llm.engine.core.cache_config.enable_prefix_caching, len(prompts), wall, ttft["p50"], ttft["p90"], ttft["p99"],
         generated / wall, (generated + prompt_tokens) / wall,
         sum(o.num_cached_tokens for o in outputs), prompt_tokens,
     )

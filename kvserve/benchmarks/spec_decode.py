@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from kvserve.engine.engine_args import EngineArgs
-from kvserve.engine.llm_engine import load_engine_model
+from kvserve.engine.core import load_engine_model
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
 

@@ -24,31 +24,31 @@ from kvserve.sampling_params import SamplingParams
 
 
 class StepTimer:
-    """Wraps the engine's step and its runner's execute; sorts each step by its kind."""
+    """Wraps the engine's step and its runner's forward passes; sorts each step by its kind."""
 
     def __init__(self, llm: LLM) -> None:
         self.engine = llm.engine
         self.totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])
         self._kind = ""
         self._model_s = 0.0
-        runner, engine = self.engine.runner, self.engine
-        execute, execute_ahead, step = runner.execute, runner.execute_ahead, engine.step
+        runner, engine = self.engine.core.runner, self.engine
+        forward, forward_ahead, step = runner.forward, runner.forward_ahead, engine.step
 
-        def timed_execute(sched):
+        def timed_forward(sched):
             tokens = sched.total_num_scheduled_tokens
             self._kind = "decode only" if tokens == len(sched.num_scheduled_tokens) else "with prefill"
             self._tokens = tokens
             self._sync()
             start = time.perf_counter()
-            result = execute(sched)
+            result = forward(sched)
             self._sync()
             self._model_s = time.perf_counter() - start
             return result
 
-        def timed_execute_ahead(sched, token_ids):
+        def timed_forward_ahead(sched, token_ids):
             self._kind, self._tokens = "decode ahead", len(sched.num_scheduled_tokens)
             start = time.perf_counter()
-            result = execute_ahead(sched, token_ids)
+            result = forward_ahead(sched, token_ids)
             self._model_s = time.perf_counter() - start
             return result
 
@@ -64,8 +64,8 @@ class StepTimer:
                 entry[3] += self._tokens
             return outputs
 
-        runner.execute = timed_execute
-        runner.execute_ahead = timed_execute_ahead
+        runner.forward = timed_forward
+        runner.forward_ahead = timed_forward_ahead
         engine.step = timed_step
 
     def _sync(self) -> None:

@@ -19,7 +19,6 @@ from kvserve.benchmarks.roofline import (
     copy_bandwidth,
     matmul_peak_flops,
     offline_floor_s,
-    weight_bytes_per_step,
 )
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
@@ -186,8 +185,8 @@ def _offline_floor(
     engine = llm.engine
     floor_s = offline_floor_s(
         [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests],
-        engine.model_config, weight_bytes_per_step(engine.runner.model, engine.model_config),
-        bandwidth, peak, engine.runner.kv_cache_dtype, linear_peak,
+        engine.model_config, engine.client.info.decode_weight_bytes,
+        bandwidth, peak, engine.client.info.kv_cache_dtype, linear_peak,
     )
     return {"floor_s": floor_s, "floor_output_tok_s": sum(r.output_len for r in requests) / floor_s,
             "bandwidth_bytes_per_s": bandwidth, "peak_flops": peak, "linear_peak_flops": linear_peak or peak}

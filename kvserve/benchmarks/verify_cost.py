@@ -18,7 +18,7 @@ from kvserve.llm import LLM
 
 @torch.inference_mode()
 def step_time_ms(llm: LLM, num_query_tokens: int, context_len: int, repeats: int = 50) -> float:
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     graphs = runner.cuda_graphs
     if graphs is None:
         raise SystemExit("verify_cost needs CUDA graphs: a CUDA device, the Triton backend, "

@@ -7,29 +7,22 @@ A request with `n` samples starts as one sequence; when its prompt is done it fo
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as Seq
 from typing import Protocol
-
-import torch
 
 from kvserve.sampling_params import SamplingParams
 
 
 class SequenceOwner(Protocol):
-    """What a sequence reads of the request it samples (the engine's Request)."""
+    """What a sequence reads of the request it samples (the engine core's request)."""
 
+    request_id: str
     params: SamplingParams
     prompt_token_ids: list[int]
     priority: int
     arrival_time: float
     max_tokens: int
-
-
-class TextStream(Protocol):
-    """Turns a sequence's tokens into text as they arrive (the engine's detokenizer)."""
-
-    def add_tokens(self, token_ids: list[int]) -> str | None: ...
-
-    def take_delta(self, finished: bool) -> str: ...
+    sequences: list[Sequence]
 
 
 class SequenceStatus(enum.Enum):
@@ -50,8 +43,6 @@ class Sequence:
         seq_id: str,
         request: SequenceOwner,
         index: int,
-        generator: torch.Generator | None,
-        detokenizer: TextStream | None,
     ) -> None:
         self.seq_id = seq_id
         self.request = request
@@ -61,18 +52,12 @@ class Sequence:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
-        self.generator = generator
-        self.detokenizer = detokenizer
-        self.logprobs: list[dict[int, float]] = []
-        self.cumulative_logprob = 0.0
-        self.stop_reason: str | int | None = None
-        self.emitted_text = ""  # text handed out so far (a prefix of the final text)
+        self.stop_reason: int | None = None  # the stop token id that ended it
         self.num_preemptions = 0
         # Drafted continuation to verify in the next step (speculative decoding): not part
-        # of the sequence until accepted. `spec_draft_probs` [k, V] are the distributions
-        # the drafts were sampled from (None: one-hot, e.g. n-gram or greedy drafts).
+        # of the sequence until accepted. The runner that drafted them keeps what else
+        # verifying needs (the distributions they were sampled from).
         self.spec_token_ids: list[int] = []
-        self.spec_draft_probs: torch.Tensor | None = None
         # Parent of each draft (-1: the last verified token) when the drafts form a tree
         # rather than a chain; the verify pass then attends each along its own path.
         self.spec_tree_parents: list[int] | None = None
@@ -114,11 +99,38 @@ class Sequence:
 
     def clear_drafts(self) -> None:
         self.spec_token_ids = []
-        self.spec_draft_probs = None
         self.spec_tree_parents = None
+
+    def fork(self, index: int) -> Sequence:
+        """Sample `index` of the request, branching off at this sequence's tokens (its KV
+        blocks are shared by the caller)."""
+        child = Sequence(f"{self.request.request_id}#{index}", self.request, index)
+        self.request.sequences.append(child)
+        return child
 
     def __repr__(self) -> str:
         return (
             f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens})"
         )
+
+
+def check_stop(
+    token_id: int,
+    num_output_tokens: int,
+    num_tokens: int,
+    params: SamplingParams,
+    max_tokens: int,
+    eos_token_ids: Seq[int],
+    max_model_len: int | None,
+) -> tuple[SequenceStatus | None, int | None]:
+    """Whether the token just appended ends its sequence, and the stop token id if one
+    did. Stop strings are matched on text, by whoever detokenizes."""
+    if num_output_tokens >= params.min_tokens:
+        if token_id in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, token_id
+        if not params.ignore_eos and token_id in eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, None
+    if num_output_tokens >= max_tokens or (max_model_len is not None and num_tokens >= max_model_len):
+        return SequenceStatus.FINISHED_LENGTH, None
+    return None, None

@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvserve.engine.engine_args import EngineArgs
-from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.engine.input_processor import PromptType
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 

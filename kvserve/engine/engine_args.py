@@ -65,6 +65,8 @@ class EngineArgs:
     enforce_eager: bool = False
     overlap_scheduling: bool | None = None  # None: on for GPUs (resolved_overlap_scheduling)
     compile_decode: bool | None = False  # None: on where supported (serve's default)
+    # The engine core (scheduler and model) in a process of its own (core_proc.py).
+    multiprocess_engine_core: bool = False
     speculative_config: dict[str, Any] | None = None
 
     def resolved_device(self) -> torch.device:
@@ -242,6 +244,12 @@ class EngineArgs:
             "for GPUs, off on CPU, where the model runs in the host thread; always off with "
             "speculative decoding). A sequence that ends at a stop token computes one extra "
             "token, which is dropped.",
+        )
+        group.add_argument(
+            "--multiprocess-engine-core", action=argparse.BooleanOptionalAction, default=False,
+            help="Run the engine core (scheduler, model, sampling) in a process of its own and "
+            "tokenizing, detokenizing and building outputs in the server's, so they overlap "
+            "with the model's steps (default: off; see docs/architecture.md for when it pays).",
         )
         group.add_argument(
             "--compile-decode", action=argparse.BooleanOptionalAction, default=False,

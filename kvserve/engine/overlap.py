@@ -9,14 +9,11 @@ token is dropped. A sequence that N certainly ends (its length limit) is left ou
 
 Only steps whose sampling reads nothing of the host's lagging state run ahead (see
 `can_sample_ahead`); every other step, and every step with speculative decoding, runs one
-at a time as before.
+at a time. The runner keeps the launched steps (ModelRunner.launch / collect); the core
+decides which steps may go ahead (EngineCore.step).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-
-import torch
 
 from kvserve.core.sequence import Sequence
 
@@ -35,30 +32,3 @@ def can_sample_ahead(seq: Sequence) -> bool:
         and params.presence_penalty == 0.0
         and len(seq.output_token_ids) >= params.min_tokens
     )
-
-
-@dataclass
-class InflightStep:
-    """A decode step whose sampled ids the host has not read yet."""
-
-    seqs: list[Sequence]
-    token_ids: torch.Tensor  # [B] on the device: the inputs of a step launched after it
-    host_token_ids: torch.Tensor  # [B] on the host, valid once `ready` has completed
-    ready: torch.cuda.Event | None  # None when the ids were computed on the host
-
-    @classmethod
-    def start(cls, seqs: list[Sequence], token_ids: torch.Tensor) -> InflightStep:
-        """Queue the copy of the ids to the host behind the step's work."""
-        if token_ids.device.type != "cuda":
-            return cls(seqs, token_ids, token_ids, None)
-        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        host.copy_(token_ids, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(seqs, token_ids, host, ready)
-
-    def read(self) -> list[int]:
-        """The sampled ids, waiting for this step only (not for steps queued after it)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host_token_ids.tolist()

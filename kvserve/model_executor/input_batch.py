@@ -3,10 +3,35 @@ step's SchedulerOutput."""
 
 from __future__ import annotations
 
+import itertools
 from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvserve.core.sched.output import SchedulerOutput
+from kvserve.sampling_params import SamplingParams
+
+
+class TokenSpan(Sequence[int]):
+    """tokens[start:stop] without the copy (the sampler reads a sequence's prompt and
+    outputs every step, but rarely more than their length)."""
+
+    __slots__ = ("_tokens", "_start", "_stop")
+
+    def __init__(self, tokens: list[int], start: int, stop: int | None = None) -> None:
+        self._tokens, self._start, self._stop = tokens, start, stop
+
+    def _end(self) -> int:
+        return len(self._tokens) if self._stop is None else self._stop
+
+    def __len__(self) -> int:
+        return self._end() - self._start
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._tokens[self._start : self._end()][index]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._tokens, self._start, self._end())
 
 
 @dataclass
@@ -16,10 +41,21 @@ class RunnerSequence:
     num_computed_tokens: int  # as of the step being run
     block_ids: array  # int32, copied as they are into the step's block tables
     wants_prompt_logprobs: bool
+    params: SamplingParams | None  # None: not sampled by the runner
+    sample_index: int
+    max_tokens: int
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 class SequenceStates(dict[str, RunnerSequence]):
@@ -32,7 +68,8 @@ class SequenceStates(dict[str, RunnerSequence]):
         for new in out.new_seqs:
             self[new.seq_id] = RunnerSequence(
                 new.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
-                array("i", new.block_ids), new.wants_prompt_logprobs,
+                array("i", new.block_ids), new.wants_prompt_logprobs, new.params,
+                new.sample_index, new.max_tokens,
             )
         for cached in out.cached_seqs:
             state = self[cached.seq_id]

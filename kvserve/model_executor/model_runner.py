@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,13 +14,16 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.selector import get_attn_backend
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, as_storage
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.core.sched.output import SchedulerOutput
+from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
+from kvserve.model_executor.inflight import InflightStep
 from kvserve.model_executor.input_batch import SequenceStates
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
+from kvserve.model_executor.step_sampler import StepSampler
 from kvserve.ops.argmax import row_argmax
 from kvserve.ops.cpu import float_matmul_op
+from kvserve.spec_decode.speculator import Speculator
 from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
 logger = logging.getLogger(__name__)
@@ -35,7 +39,7 @@ KV_SCALE_HEADROOM = 4.0
 
 @dataclass
 class StepLogits:
-    """Logits of one forward pass, for the positions the engine asked for."""
+    """Logits of one forward pass, for the positions the step samples or scores."""
 
     # [R, V] fp32: next-token logits of each sequence that samples this step, in
     # sampling_seq_ids order: one row, or 1 + k for a sequence verifying k drafts (the last
@@ -108,6 +112,9 @@ class ModelRunner:
         self.num_blocks = cache_config.num_blocks
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.seqs = SequenceStates()
+        self.step_sampler = StepSampler(device, model_config.eos_token_ids, max_model_len)
+        self.speculator: Speculator | None = None  # set by the engine when it speculates
+        self._inflight: deque[InflightStep] = deque()
         # The scales belong to this runner's cache (weights may be shared with other engines).
         for layer in model.model.layers:
             layer.self_attn.kv_scales = (1.0, 1.0)
@@ -371,12 +378,59 @@ class ModelRunner:
         )
         return StepLogits(logits, seq_ids, num_rows, [])
 
+    def _apply(self, sched: SchedulerOutput) -> None:
+        """Bring the held sequences up to date; forget the sampling and drafting state of
+        those that are gone."""
+        self.seqs.apply(sched)
+        if sched.finished_seq_ids:
+            self.step_sampler.forget(sched.finished_seq_ids)
+        if self.speculator is not None and (sched.finished_seq_ids or sched.preempted_seq_ids):
+            self.speculator.retain(self.seqs)
+
+    # -- a step with its sampling ----------------------------------------------------------
+
     @torch.inference_mode()
-    def execute_ahead(self, sched: SchedulerOutput, token_ids: torch.Tensor) -> torch.Tensor:
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step and sample it; returns once the tokens are on the host. A step
+        that schedules nothing only says what finished."""
+        if sched.is_empty:
+            self._apply(sched)
+            return ModelRunnerOutput()
+        logits = self.forward(sched)
+        return self.step_sampler.sample(
+            sched, self.seqs, logits.sample_logits, logits.sampling_seq_ids,
+            logits.num_sample_rows, logits.prompt_logits, self.speculator,
+        )
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> None:
+        """Run a decode step whose sampled ids stay on the device until `collect` (the
+        next step may take them as inputs: sched.inputs_in_flight). Only steps whose
+        sampling needs none of the host's lagging state are launched (no logprobs,
+        penalties or min_tokens bans, no drafts)."""
+        seq_ids = sched.scheduled_seq_ids
+        if sched.inputs_in_flight:
+            logits = self.forward_ahead(sched, self._inflight[-1].inputs_for(seq_ids))
+        else:
+            logits = self.forward(sched).sample_logits
+        token_ids = self.step_sampler.sample_ids(logits, seq_ids, self.seqs)
+        self._inflight.append(InflightStep.start(seq_ids, token_ids))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest launched step, waiting for that step only."""
+        step = self._inflight.popleft()
+        return ModelRunnerOutput(
+            [SampledSequence(seq_id, [token_id]) for seq_id, token_id in zip(step.seq_ids, step.read())]
+        )
+
+    # -- forward passes --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward_ahead(self, sched: SchedulerOutput, token_ids: torch.Tensor) -> torch.Tensor:
         """A decode step launched before the host has read its input tokens: the i-th
         scheduled sequence feeds token_ids[i] (on the device, sampled by the step still in
         flight) at its num_computed_tokens. Returns next-token logits [B, V] fp32."""
-        self.seqs.apply(sched)
+        self._apply(sched)
         seqs = [self.seqs[seq_id] for seq_id in sched.num_scheduled_tokens]
         positions = [seq.num_computed_tokens for seq in seqs]
         tables = [seq.block_ids for seq in seqs]
@@ -391,8 +445,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepLogits:
-        self.seqs.apply(sched)
+    def forward(self, sched: SchedulerOutput) -> StepLogits:
+        """The step's forward pass: logits of the positions that sample or score."""
+        self._apply(sched)
         if self.cuda_graphs is not None and self._graph_can_run(sched):
             return self._execute_graph(sched)
         input_ids: list[int] = []

@@ -18,13 +18,12 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.sched.output import SchedulerOutput
 from kvserve.core.sched.step_builder import StepBuilder
-from kvserve.core.sequence import Sequence
 from kvserve.model_executor.loader import LoadedModel, load_model
 from kvserve.model_executor.model_runner import ModelRunner
 from kvserve.quantization import get_quantization_method, quantize_model
 from kvserve.sample.sampler import SamplingRow, final_probs
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.spec_decode.proposer import Draft
+from kvserve.spec_decode.proposer import Draft, DraftContext
 
 
 def load_draft_model(
@@ -93,7 +92,7 @@ class DraftModelProposer:
             self.kv_cache.free(seq_id)
             self.step_builder.drop(seq_id)
 
-    def _num_valid(self, seq: Sequence) -> int:
+    def _num_valid(self, seq: DraftContext) -> int:
         """Cached positions that still match the sequence (drafts it accepted count)."""
         state = self._states.setdefault(seq.seq_id, _CacheState())
         valid = state.num_verified
@@ -104,7 +103,7 @@ class DraftModelProposer:
         return min(valid, seq.num_tokens - 1)  # the last token's logits are needed anew
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[DraftContext], num_tokens: list[int]) -> list[Draft]:
         # Per sequence: its tokens with the drafts so far, and how many the cache holds.
         contexts: list[list[int]] = []
         num_cached: list[int] = []
@@ -128,7 +127,7 @@ class DraftModelProposer:
             for i in active:
                 self.step_builder.add(sched, seqs[i].seq_id, contexts[i], seqs[i].num_prompt_tokens,
                                       num_cached[i], len(contexts[i]) - num_cached[i])
-            logits = self.runner.execute(sched).sample_logits
+            logits = self.runner.forward(sched).sample_logits
             tokens, token_probs = self._sample(logits, [seqs[i] for i in active],
                                                [drafted[i] for i in active])
             for row, i in enumerate(active):
@@ -144,7 +143,7 @@ class DraftModelProposer:
             self._states[seq.seq_id] = _CacheState(
                 min(seq.num_tokens, computed), context[seq.num_tokens : computed]
             )
-            greedy = seq.request.params.is_greedy
+            greedy = seq.params.is_greedy
             drafts.append(Draft(tokens, None if greedy or not rows else torch.stack(rows)))
         return drafts
 
@@ -154,14 +153,14 @@ class DraftModelProposer:
         ) is not None
 
     def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]]
+        self, logits: torch.Tensor, seqs: list[DraftContext], drafted: list[list[int]]
     ) -> tuple[list[int], torch.Tensor | None]:
         """Drafts follow the request's own sampling transforms (greedy: the argmax), which
         keeps q close to the target's p; the distribution is returned for verification."""
-        if all(seq.request.params.is_greedy for seq in seqs):
+        if all(seq.params.is_greedy for seq in seqs):
             return logits.argmax(dim=-1).tolist(), None
         rows = [
-            SamplingRow(seq.request.params, seq.prompt_token_ids,
+            SamplingRow(seq.params, seq.prompt_token_ids,
                         seq.output_token_ids + tokens, seq.generator, self.eos_token_ids)
             for seq, tokens in zip(seqs, drafted)
         ]

@@ -8,8 +8,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from kvserve.core.sequence import Sequence as EngineSequence
-from kvserve.spec_decode.proposer import Draft
+from kvserve.spec_decode.proposer import Draft, DraftContext
 
 
 def ngram_propose(
@@ -39,7 +38,7 @@ class NgramProposer:
         self.max_n = max_n
         self.min_n = min_n
 
-    def propose(self, seqs: list[EngineSequence], num_tokens: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[DraftContext], num_tokens: list[int]) -> list[Draft]:
         return [
             Draft(ngram_propose(seq.all_token_ids, k, self.max_n, self.min_n))
             for seq, k in zip(seqs, num_tokens)

@@ -1,4 +1,4 @@
-"""What every drafting method hands the engine."""
+"""What every drafting method reads of a sequence and hands back."""
 
 from __future__ import annotations
 
@@ -8,7 +8,31 @@ from typing import Protocol
 
 import torch
 
-from kvserve.core.sequence import Sequence
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class DraftContext:
+    """A sequence about to draft: every token it holds, the newest sampled one included."""
+
+    seq_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_tokens: int
+    generator: torch.Generator | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -19,7 +43,7 @@ class Draft:
 
 
 class Proposer(Protocol):
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[DraftContext], num_tokens: list[int]) -> list[Draft]:
         """Up to num_tokens[i] drafted tokens continuing seqs[i] (fewer, or none, is fine)."""
 
     def retain(self, seq_ids: Iterable[str]) -> None:

@@ -1,19 +1,18 @@
-"""The engine's side of speculative decoding: who drafts this step, and verifying drafts
-against the target's logits of one forward pass."""
+"""The runner's side of speculative decoding: who drafts for the next step, and verifying
+drafts against the target's logits of one forward pass."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
-from kvserve.core.sequence import Sequence, SequenceStatus
 from kvserve.sample.sampler import SamplingRow, final_probs, gather_logprobs
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.spec_decode.proposer import Proposer
+from kvserve.spec_decode.proposer import DraftContext, Proposer
 from kvserve.spec_decode.rejection_sampler import DraftVerification, VerifiedRun, rejection_sample
-from kvserve.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass
@@ -24,86 +23,87 @@ class VerifiedTokens:
 
 
 class Speculator:
-    """Drafting rule, per step: a sequence drafts when it is decoding (its prompt is done),
-    its request has n == 1 and no prompt logprobs, and at most
-    `config.disable_by_batch_size` sequences are running; it drafts at most
-    num_speculative_tokens, fewer near max_tokens or the context limit. Everyone else
-    decodes plainly in the same batch."""
+    """Drafting rule, per step: a sequence drafts when it has just got tokens, its request
+    has n == 1 and no prompt logprobs, and at most `config.disable_by_batch_size`
+    sequences got tokens in the step; it drafts at most num_speculative_tokens, fewer near
+    max_tokens or the context limit. Everyone else decodes plainly in the same batch."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
-        self.stats = SpecDecodeStats()
+        # The distributions each sequence's pending drafts were sampled from (None: one-hot).
+        self._draft_probs: dict[str, torch.Tensor | None] = {}
 
-    def _num_to_draft(self, seq: Sequence) -> int:
-        request = seq.request
-        if (
-            request.params.n != 1
-            or request.params.prompt_logprobs is not None
-            or seq.status is not SequenceStatus.RUNNING
-            or seq.num_tokens - seq.num_computed_tokens != 1
-        ):
+    def _num_to_draft(self, seq: DraftContext) -> int:
+        if seq.params.n != 1 or seq.params.prompt_logprobs is not None:
             return 0
         # Room for the drafts plus the target's own token within both limits.
-        room_output = request.max_tokens - len(seq.output_token_ids) - 1
+        room_output = seq.max_tokens - len(seq.output_token_ids) - 1
         room_context = self.max_model_len - seq.num_tokens - 1
         return max(0, min(self.config.num_speculative_tokens, room_output, room_context))
 
-    def propose(self, running: list[Sequence]) -> None:
-        """Set each running sequence's drafts for the coming step."""
-        for seq in running:
-            seq.clear_drafts()
-        if len(running) > self.config.disable_by_batch_size:
-            return
+    def propose(self, candidates: list[DraftContext], batch_size: int) -> dict[str, list[int]]:
+        """The drafts of each candidate's next step (sequences with none are left out)."""
+        if batch_size > self.config.disable_by_batch_size:
+            return {}
         seqs, budgets = [], []
-        for seq in running:
+        for seq in candidates:
             k = self._num_to_draft(seq)
             if k > 0:
                 seqs.append(seq)
                 budgets.append(k)
         if not seqs:
-            return
+            return {}
+        drafts = {}
         for seq, draft in zip(seqs, self.proposer.propose(seqs, budgets)):
-            seq.spec_token_ids = draft.token_ids
-            seq.spec_draft_probs = draft.probs
+            if draft.token_ids:
+                drafts[seq.seq_id] = draft.token_ids
+                self._draft_probs[seq.seq_id] = draft.probs
+        return drafts
 
-    def release(self, running: list[Sequence]) -> None:
-        """Free the drafting state (a draft model's KV blocks) of every sequence that is no
-        longer running: finished, aborted or preempted."""
-        self.proposer.retain(seq.seq_id for seq in running)
+    def retain(self, seq_ids: Iterable[str]) -> None:
+        """Free the drafting state (a draft model's KV blocks, pending drafts' distributions)
+        of every sequence not in `seq_ids`: finished, aborted or preempted."""
+        keep = set(seq_ids)
+        for seq_id in [s for s in self._draft_probs if s not in keep]:
+            del self._draft_probs[seq_id]
+        self.proposer.retain(keep)
 
     def verify(
-        self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Seq[int]
+        self,
+        logits: torch.Tensor,
+        seqs: list[DraftContext],
+        drafts: list[list[int]],
+        eos_token_ids: Seq[int],
     ) -> list[VerifiedTokens]:
-        """logits: per sequence (in order) 1 + len(spec_token_ids) rows."""
+        """logits: per sequence (in order) 1 + len(drafts[i]) rows. `drafts` are the ones
+        the step carried: a prefix of what was proposed when the token budget cut them."""
         rows: list[SamplingRow] = []
-        for seq in seqs:
-            drafts = seq.spec_token_ids
-            for j in range(len(drafts) + 1):
+        verifications: list[DraftVerification] = []
+        for seq, seq_drafts in zip(seqs, drafts):
+            for j in range(len(seq_drafts) + 1):
                 # Row j is reached only if drafts[:j] were accepted: penalties and
                 # min_tokens see them as already generated.
                 rows.append(SamplingRow(
-                    params=seq.request.params,
+                    params=seq.params,
                     prompt_token_ids=seq.prompt_token_ids,
-                    output_token_ids=seq.output_token_ids + drafts[:j],
+                    output_token_ids=seq.output_token_ids + seq_drafts[:j],
                     generator=seq.generator,
                     eos_token_ids=eos_token_ids,
                 ))
-        runs = rejection_sample(
-            final_probs(logits, rows),
-            [DraftVerification(seq.spec_token_ids, seq.spec_draft_probs, seq.generator)
-             for seq in seqs],
-        )
+            probs = self._draft_probs.pop(seq.seq_id, None)
+            if probs is not None:
+                probs = probs[: len(seq_drafts)]
+            verifications.append(DraftVerification(seq_drafts, probs, seq.generator))
+        runs = rejection_sample(final_probs(logits, rows), verifications)
         results, offset = [], 0
-        for seq, run in zip(seqs, runs):
-            self.stats.observe(len(seq.spec_token_ids), run.num_accepted)
-            seq.request.spec_stats.observe(len(seq.spec_token_ids), run.num_accepted)
+        for seq, seq_drafts, run in zip(seqs, drafts, runs):
             logprobs = None
-            num_top = seq.request.params.logprobs
+            num_top = seq.params.logprobs
             if num_top is not None:
                 emitted = logits[offset : offset + len(run.token_ids)]
                 logprobs = gather_logprobs(emitted, run.token_ids, [num_top] * len(run.token_ids))
             results.append(VerifiedTokens(run, logprobs))
-            offset += len(seq.spec_token_ids) + 1
+            offset += len(seq_drafts) + 1
         return results

@@ -7,7 +7,8 @@ import torch
 
 from kvserve import LLM
 from kvserve.benchmarks.latency import run_latency
-from kvserve.benchmarks.roofline import kv_bytes_per_token, weight_bytes_per_step
+from kvserve.benchmarks.roofline import kv_bytes_per_token
+from kvserve.model_executor.model_bytes import weight_bytes_per_step
 from kvserve.model_executor.dummy import dummy_model_config
 from kvserve.model_executor.models.llama import LlamaForCausalLM
 
@@ -55,7 +56,7 @@ def test_latency_result_is_consistent(kv_cache_dtype):
     assert result.ttft_ms_median > 0 and result.tpot_ms_median > 0
     assert result.output_tok_s == pytest.approx(3 / (result.tpot_ms_median / 1e3))
     config = llm.engine.model_config
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.core.runner.model.parameters())
     weights -= 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size * 4
     value_bytes = 1 if kv_cache_dtype == "fp8" else 4
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * value_bytes

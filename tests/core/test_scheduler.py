@@ -37,8 +37,12 @@ def make_seq(i: int, prompt: list[int], *, priority: int = 0, arrival: float | N
         params=types.SimpleNamespace(n=1, prompt_logprobs=None),
         priority=priority,
         arrival_time=float(i) if arrival is None else arrival,
+        max_tokens=1 << 30,
+        sequences=[],
     )
-    return Sequence(f"s{i}", request, 0, None, None)
+    seq = Sequence(f"s{i}", request, 0)
+    request.sequences.append(seq)
+    return seq
 
 
 def greedy_token(tokens: list[int]) -> int:

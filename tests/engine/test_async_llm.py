@@ -64,7 +64,7 @@ def test_cancelled_stream_aborts_and_frees_blocks(async_llm):
 
     assert asyncio.run(main()) == 3
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+    assert engine.core.kv_cache.num_free_blocks == engine.core.runner.num_blocks
 
 
 def test_bad_request_raises_in_caller_and_others_continue(async_llm):

@@ -42,11 +42,11 @@ def test_bad_input_raises_then_engine_still_serves(smollm2_llm, make_call, expec
     assert expected in str(info.value)
     # Nothing was scheduled or leaked, and a valid request still works.
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+    assert engine.core.kv_cache.num_free_blocks == engine.core.runner.num_blocks
     output = smollm2_llm.generate("The capital of France is", VALID)[0]
     assert len(output.outputs[0].token_ids) == 4
     assert output.outputs[0].finish_reason == "length"
-    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+    assert engine.core.kv_cache.num_free_blocks == engine.core.runner.num_blocks
 
 
 def test_context_overflow_message_has_the_numbers(smollm2_llm):
@@ -68,7 +68,7 @@ def test_one_bad_prompt_in_a_batch_schedules_nothing(smollm2_llm):
     with pytest.raises(ValueError):
         smollm2_llm.generate(["Hello", ""], VALID)
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+    assert engine.core.kv_cache.num_free_blocks == engine.core.runner.num_blocks
 
 
 @pytest.mark.parametrize(("device", "expected"), [("tpu", "not a device name"), ("mps", "runs on cpu, cuda"),

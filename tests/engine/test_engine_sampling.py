@@ -28,28 +28,29 @@ def test_seeded_sampling_does_not_depend_on_the_batch(smollm2_llm):
 
 def test_n_samples_share_prompt_blocks_and_copy_on_write(smollm2_llm):
     engine = smollm2_llm.engine
-    block_size = engine.cache_config.block_size
+    block_size = engine.core.cache_config.block_size
     prompt = list(range(2000, 2000 + 2 * block_size + 5))  # two full blocks and a partial one
-    request = engine.add_request(
+    engine.add_request(
         "fork", {"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
     )
+    request = engine.core.requests["fork"]
     engine.step()  # prefill, then the prompt forks into three samples
-    tables = [engine.kv_cache.block_ids(seq.seq_id) for seq in request.sequences]
+    tables = [engine.core.kv_cache.block_ids(seq.seq_id) for seq in request.sequences]
     assert len(tables) == 3 and tables[0] == tables[1] == tables[2] and len(tables[0]) == 3
-    assert [engine.kv_cache.pool.blocks[b].ref_count for b in tables[0]] == [3, 3, 3]
+    assert [engine.core.kv_cache.pool.blocks[b].ref_count for b in tables[0]] == [3, 3, 3]
 
     engine.step()  # each sample writes its first token into the shared partial block
-    tables = [engine.kv_cache.block_ids(seq.seq_id) for seq in request.sequences]
+    tables = [engine.core.kv_cache.block_ids(seq.seq_id) for seq in request.sequences]
     full_blocks = tables[0][:2]
     assert all(table[:2] == full_blocks for table in tables)
-    assert [engine.kv_cache.pool.blocks[b].ref_count for b in full_blocks] == [3, 3]
+    assert [engine.core.kv_cache.pool.blocks[b].ref_count for b in full_blocks] == [3, 3]
     partial_blocks = {table[2] for table in tables}
     assert len(partial_blocks) == 3  # two copies were made; the last writer kept the original
-    assert all(engine.kv_cache.pool.blocks[b].ref_count == 1 for b in partial_blocks)
+    assert all(engine.core.kv_cache.pool.blocks[b].ref_count == 1 for b in partial_blocks)
 
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+    assert engine.core.kv_cache.num_free_blocks == engine.core.runner.num_blocks
 
 
 def test_greedy_n_samples_equal_single_greedy(smollm2_llm):
@@ -120,25 +121,25 @@ def test_abort_frees_blocks_and_others_finish(smollm2_llm):
     engine.step()
     aborted = engine.abort_request("drop")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
-    assert engine.kv_cache.block_ids("drop#0") == []
+    assert engine.core.kv_cache.block_ids("drop#0") == []
     finished = []
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in finished] == ["keep"]
     reference = smollm2_llm.generate(PROMPT, params)[0]
     assert _tokens(finished[0]) == _tokens(reference)
-    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+    assert engine.core.kv_cache.num_free_blocks == engine.core.runner.num_blocks
 
 
 def test_prompt_logprobs_cover_the_whole_prompt_with_prefix_caching(smollm2_llm):
-    assert smollm2_llm.engine.cache_config.enable_prefix_caching
+    assert smollm2_llm.engine.core.cache_config.enable_prefix_caching
     prompt = " ".join([PROMPT] * 4)  # long enough for several full blocks
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
     smollm2_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2))  # fills the cache
     first = smollm2_llm.generate(prompt, params)[0]
     second = smollm2_llm.generate(prompt, params)[0]
     num_prompt = len(first.prompt_token_ids)
-    assert num_prompt > 2 * smollm2_llm.engine.cache_config.block_size
+    assert num_prompt > 2 * smollm2_llm.engine.core.cache_config.block_size
     assert len(first.prompt_logprobs) == len(second.prompt_logprobs) == num_prompt
     for a, b in zip(first.prompt_logprobs[1:], second.prompt_logprobs[1:]):
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)

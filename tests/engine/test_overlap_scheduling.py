@@ -60,9 +60,9 @@ def test_overlapped_outputs_equal_one_step_at_a_time(smollm2_loaded):
     llm = LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", overlap_scheduling=True)
     overlapped = _run(llm)
     assert overlapped == reference
-    assert llm.engine.num_steps_ahead >= 10  # it did overlap
+    assert llm.engine.core.num_steps_ahead >= 10  # it did overlap
     # Every block is back in the pool: no step ahead left one behind.
-    assert llm.engine.kv_cache.num_free_blocks == llm.engine.runner.num_blocks
+    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.runner.num_blocks
 
 
 def test_overlap_stops_at_the_length_limit(smollm2_loaded):
@@ -88,14 +88,14 @@ def test_abort_while_a_step_is_in_flight(smollm2_loaded):
     engine.add_request("drop", PROMPTS[1], params)
     for _ in range(8):
         engine.step()
-    assert engine._inflight is not None
+    assert engine.core._inflight is not None
     aborted = engine.abort_request("drop")
     assert aborted.outputs[0].finish_reason == "abort"
     finals = []
     while engine.has_unfinished_requests():
         finals += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in finals] == ["keep"]
-    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+    assert engine.core.kv_cache.num_free_blocks == engine.core.runner.num_blocks
     reference = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB")
     expected = reference.generate(PROMPTS[0], params)[0]
     assert finals[0].outputs[0].token_ids == expected.outputs[0].token_ids

@@ -89,9 +89,9 @@ def test_decode_steps_with_pdl_equal_the_steps_without(save_hf_model, quantizati
         monkeypatch.setenv("KVSERVE_PDL", setting)
         llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", quantization=quantization,
                   max_num_seqs=4, gpu_memory_utilization=0.3)
-        assert llm.engine.runner.cuda_graphs is not None
+        assert llm.engine.core.runner.cuda_graphs is not None
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        assert llm.engine.runner.cuda_graphs.num_replays > 0
+        assert llm.engine.core.runner.cuda_graphs.num_replays > 0
         results[setting] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
         del llm
         gc.collect()

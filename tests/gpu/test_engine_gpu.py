@@ -76,7 +76,7 @@ def test_mixture_of_experts_greedy_matches_transformers_on_gpu(save_hf_model, ar
 
     llm = LLM(model=model_dir, dtype="float32", device="cuda", max_num_batched_tokens=64,
               gpu_memory_utilization=0.5)
-    assert llm.engine.runner.cuda_graphs is None
+    assert llm.engine.core.runner.cuda_graphs is None
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -100,7 +100,7 @@ def test_triton_backend_greedy_equals_torch_reference(save_hf_model):
                   max_num_batched_tokens=96, gpu_memory_utilization=0.3)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         results[backend] = [o.outputs[0].token_ids for o in outputs]
-        assert llm.engine.scheduler.prefix_cache_stats.hit_tokens > 0
+        assert llm.engine.core.scheduler.prefix_cache_stats.hit_tokens > 0
         del llm
         gc.collect()
         torch.cuda.empty_cache()
@@ -131,7 +131,7 @@ def test_cuda_graph_decode_equals_eager(save_hf_model, num_prompts, dtype):
                   max_num_seqs=16, gpu_memory_utilization=0.3)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         results[eager] = outputs
-        graphs = llm.engine.runner.cuda_graphs
+        graphs = llm.engine.core.runner.cuda_graphs
         if eager:
             assert graphs is None
         else:
@@ -167,7 +167,7 @@ def test_fp8_kv_cache_triton_equals_torch_reference(save_hf_model):
     for backend in ("torch", "triton"):
         llm = LLM(model=model_dir, dtype="float32", device="cuda", attention_backend=backend,
                   kv_cache_dtype="fp8", gpu_memory_utilization=0.3)
-        assert llm.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+        assert llm.engine.core.runner.kv_caches[0].dtype == torch.float8_e4m3fn
         results[backend] = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params)]
         del llm
@@ -206,8 +206,8 @@ def test_overlap_scheduling_equals_one_step_at_a_time(save_hf_model, eager):
             if steps == 5:
                 for i in (4, 5):
                     engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params[i])
-        assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
-        ahead = engine.num_steps_ahead
+        assert engine.core.kv_cache.num_free_blocks == engine.core.runner.num_blocks
+        ahead = engine.core.num_steps_ahead
         del llm, engine
         gc.collect()
         torch.cuda.empty_cache()
@@ -241,7 +241,7 @@ def test_latency_times_each_served_decode_graph():
 
     llm = LLM(load_format="dummy", model_shape="smollm2-135m", device="cuda", gpu_memory_utilization=0.3,
               max_num_batched_tokens=64)
-    graphs = llm.engine.runner.cuda_graphs
+    graphs = llm.engine.core.runner.cuda_graphs
     replays = graphs.num_replays
     result = run_latency(llm, batch_size=8, input_len=24, output_len=12, bandwidth=1e12)
     assert graphs.replay_events is None and graphs.num_replays > replays
@@ -273,7 +273,7 @@ def test_wide_short_decode_plan_scores_like_the_wide_tile(save_hf_model, monkeyp
         llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", max_num_seqs=64, gpu_memory_utilization=0.3)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0))
-        graphs = llm.engine.runner.cuda_graphs
+        graphs = llm.engine.core.runner.cuda_graphs
         took_short = any(bucket == 64 and plan == paged_attention.DecodePlan(1, SHORT_DECODE_TILE)
                          for bucket, _, plan in graphs.replays)
         assert took_short == short_tile

@@ -35,11 +35,11 @@ def test_triton_verify_matches_plain_greedy(save_hf_model, enforce_eager):
     def run(speculative_config=None, proposer=None):
         llm = LLM(**common, speculative_config=speculative_config)
         if proposer is not None:
-            llm.engine.speculator.proposer = proposer
+            llm.engine.core.runner.speculator.proposer = proposer
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         stats = llm.engine.spec_decode_stats
-        assert llm.engine.kv_cache.num_free_blocks == llm.engine.runner.num_blocks
-        graphs = llm.engine.runner.cuda_graphs
+        assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.runner.num_blocks
+        graphs = llm.engine.core.runner.cuda_graphs
         if speculative_config is not None and not enforce_eager:
             assert any(width > 1 for _, width, _ in graphs.graphs), "no verify step replayed"
         return [list(o.outputs[0].token_ids) for o in outputs], stats

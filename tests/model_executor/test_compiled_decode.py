@@ -92,7 +92,7 @@ def test_serve_defaults_with_compiled_decode_match_eager(smollm2_path) -> None:
     near-ties, at batch 1 and batch 6, and the compiled graph really ran."""
     llm = LLM(model=smollm2_path, quantization="auto", compile_decode=True,
               kv_cache_memory="256MiB", enable_prefix_caching=False)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     compiled, calls = runner.compiled_decode, []
     forward = compiled.forward
     compiled.forward = lambda *args: calls.append(1) or forward(*args)
@@ -130,9 +130,9 @@ def test_serve_default_compiles_where_it_applies(save_hf_model, monkeypatch) -> 
 
     monkeypatch.setattr(CompiledDecode, "compile_next", compile_next)
     on = LLM(model=path, compile_decode=None, kv_cache_memory="16MiB")
-    assert isinstance(on.engine.runner.compiled_decode, CompiledDecode) and compiled_sizes == [1, 2]
+    assert isinstance(on.engine.core.runner.compiled_decode, CompiledDecode) and compiled_sizes == [1, 2]
     off = LLM(model=path, compile_decode=None, kv_cache_dtype="fp8", kv_cache_memory="16MiB")
-    assert off.engine.runner.compiled_decode is None and compiled_sizes == [1, 2]
+    assert off.engine.core.runner.compiled_decode is None and compiled_sizes == [1, 2]
 
 
 def test_a_graph_per_band_of_the_kernel_row_threshold(save_hf_model) -> None:
@@ -162,7 +162,7 @@ def test_serve_default_falls_back_to_eager_when_compiling_fails(save_hf_model, m
 
     monkeypatch.setattr(CompiledDecode, "compile_next", fail)
     llm = LLM(model=path, compile_decode=None, kv_cache_memory="16MiB")
-    assert llm.engine.runner.compiled_decode is None
+    assert llm.engine.core.runner.compiled_decode is None
     reference = LLM(model=path, compile_decode=False, kv_cache_memory="16MiB")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = [{"prompt_token_ids": [5, 6, 7, 8]}]
@@ -199,7 +199,7 @@ def test_serve_default_compiles_while_idle_and_steps_eager_until_then(save_hf_mo
         engine = await async_llm.started()
         metrics = ServerMetrics("m")
         metrics.attach_engine(engine)
-        compiled = engine.runner.compiled_decode
+        compiled = engine.core.runner.compiled_decode
         pending_at_start = compiled.pending, metrics.exposition().decode()
         early = await generate_all()
         deadline = time.monotonic() + 600

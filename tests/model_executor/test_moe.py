@@ -45,7 +45,7 @@ def test_continuous_batch_decodes_as_transformers(save_hf_model, sliding_window)
 def test_int8_quantizes_every_expert_and_keeps_the_router(save_hf_model) -> None:
     hf_model = _mixtral()
     llm = LLM(model=save_hf_model(hf_model), kv_cache_memory="16MiB", quantization="int8")
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     quantized = [name for name, m in model.model.layers.named_modules() if isinstance(m, QuantizedLinear)]
     layers = SMALL["num_hidden_layers"]
     assert len(quantized) == layers * (2 + 2 * NUM_EXPERTS)  # qkv, o; each expert's gate/up (w1, w3), down (w2)
@@ -66,4 +66,4 @@ def test_compile_decode_is_refused_and_off_by_default(save_hf_model) -> None:
     path = save_hf_model(_mixtral())
     with pytest.raises(ValueError, match="not a mixture of experts"):
         LLM(model=path, compile_decode=True, kv_cache_memory="16MiB")
-    assert LLM(model=path, compile_decode=None, kv_cache_memory="16MiB").engine.runner.compiled_decode is None
+    assert LLM(model=path, compile_decode=None, kv_cache_memory="16MiB").engine.core.runner.compiled_decode is None

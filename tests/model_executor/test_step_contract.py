@@ -31,25 +31,38 @@ class ConstantDrafts:
         pass
 
 
-def _record_steps(llm: LLM) -> tuple[list[bytes], list[torch.Tensor]]:
-    """Drive the engine: a prompt that drafts while it decodes, one with two samples that
-    never drafts (n > 1) and forks, and once both decode a prompt sharing the first one's
-    prefix (a prefix hit), prefilled in chunks."""
-    engine = llm.engine
-    engine.speculator.proposer = ConstantDrafts()
-    steps: list[bytes] = []
-    logits: list[torch.Tensor] = []
-    execute = engine.runner.execute
+def _record(runner, steps: list[bytes], logits: list[torch.Tensor], outputs: list[bytes]) -> None:
+    """Record what the runner gets (pickled), the logits of its forward passes and what
+    it hands back (pickled)."""
+    runner.speculator.proposer = ConstantDrafts()
+    execute, forward = runner.execute, runner.forward
 
     def recording_execute(sched):
         steps.append(pickle.dumps(sched))
         result = execute(sched)
+        outputs.append(pickle.dumps(result))
+        return result
+
+    def recording_forward(sched):
+        result = forward(sched)
         logits.append(result.sample_logits.clone())
         return result
 
-    engine.runner.execute = recording_execute
+    runner.execute, runner.forward = recording_execute, recording_forward
+
+
+def _record_steps(llm: LLM) -> tuple[list[bytes], list[torch.Tensor], list[bytes]]:
+    """Drive the engine: a prompt that drafts while it decodes, one with two samples that
+    never drafts (n > 1) and forks, and once both decode a prompt sharing the first one's
+    prefix (a prefix hit), prefilled in chunks."""
+    engine = llm.engine
+    steps: list[bytes] = []
+    logits: list[torch.Tensor] = []
+    outputs: list[bytes] = []
+    _record(engine.core.runner, steps, logits, outputs)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    drafting = engine.add_request("a", SHARED_PREFIX, greedy).sequences[0]
+    engine.add_request("a", SHARED_PREFIX, greedy)
+    drafting = engine.core.requests["a"].sequences[0]
     engine.add_request("c", "Two samples of this", SamplingParams(
         n=2, temperature=0.8, seed=0, max_tokens=12, ignore_eos=True))
     while drafting.num_computed_tokens < drafting.num_prompt_tokens or not drafting.output_token_ids:
@@ -57,7 +70,7 @@ def _record_steps(llm: LLM) -> tuple[list[bytes], list[torch.Tensor]]:
     engine.add_request("b", SHARED_PREFIX + "and then something else entirely " * 10, greedy)
     while engine.has_unfinished_requests():
         engine.step()
-    return steps, logits
+    return steps, logits, outputs
 
 
 def _replay_in_fresh_process(model_path: str, steps: list[bytes], result_file: str, num_threads: int) -> None:
@@ -65,15 +78,19 @@ def _replay_in_fresh_process(model_path: str, steps: list[bytes], result_file: s
 
     torch.set_num_threads(num_threads)  # as many as the recording: fp32 sums in the same order
     loaded = load_model(model_path, dtype=torch.float32)
-    runner = LLM(loaded=loaded, **ENGINE_KWARGS).engine.runner
-    logits = [runner.execute(pickle.loads(step)).sample_logits for step in steps]
+    runner = LLM(loaded=loaded, **ENGINE_KWARGS).engine.core.runner
+    logits: list[torch.Tensor] = []
+    outputs: list[bytes] = []
+    _record(runner, [], logits, outputs)
+    for step in steps:
+        runner.execute(pickle.loads(step))
     with open(result_file, "wb") as f:
-        pickle.dump(logits, f)
+        pickle.dump((logits, [pickle.loads(output) for output in outputs]), f)
 
 
 def test_pickled_steps_replay_in_another_process(smollm2_loaded, smollm2_path, tmp_path):
     llm = LLM(loaded=smollm2_loaded, **ENGINE_KWARGS)
-    steps, expected = _record_steps(llm)
+    steps, expected, expected_outputs = _record_steps(llm)
 
     decoded = [pickle.loads(step) for step in steps]
 
@@ -90,6 +107,7 @@ def test_pickled_steps_replay_in_another_process(smollm2_loaded, smollm2_path, t
     assert any(is_mixed(out) for out in decoded)
     assert any(out.cached_seqs and out.block_copies for out in decoded)  # the samples' copy-on-write
     assert any(out.finished_seq_ids for out in decoded)
+    assert any(out.forks for out in decoded)  # the two samples, forked at their prompt's end
 
     result_file = tmp_path / "logits.pkl"
     process = multiprocessing.get_context("spawn").Process(
@@ -99,7 +117,11 @@ def test_pickled_steps_replay_in_another_process(smollm2_loaded, smollm2_path, t
     process.start()
     process.join(timeout=600)
     assert process.exitcode == 0
-    replayed = pickle.loads(result_file.read_bytes())
+    replayed, replayed_outputs = pickle.loads(result_file.read_bytes())
     assert len(replayed) == len(expected)
     for step, (got, want) in enumerate(zip(replayed, expected)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    # The same tokens, verified runs and next drafts: the seeded samples draw from
+    # generators the replaying runner seeds itself.
+    assert replayed_outputs == [pickle.loads(output) for output in expected_outputs]
+    assert any(s.num_drafts for output in replayed_outputs for s in output.sampled)

@@ -209,7 +209,7 @@ def test_benchmarks_load_the_model_as_an_engine_would(smollm2_path, quantization
     """load_engine_model (what `bench prefix` and `bench spec-decode` load once for several
     engines) applies "auto"'s plan and reads "none" as no quantization, as LLMEngine does;
     before it, those benchmarks passed "auto" to load_model, which rejected it."""
-    from kvserve.engine.llm_engine import load_engine_model
+    from kvserve.engine.core import load_engine_model
 
     loaded = load_engine_model(EngineArgs(model=smollm2_path, quantization=quantization))
     kinds = {type(m).__name__ for m in loaded.model.modules() if isinstance(m, QuantizedLinear)}
@@ -223,7 +223,7 @@ def test_auto_runs_a_gguf_too_large_to_dequantize_from_its_packed_blocks(smollm2
     (quantization=gguf: no fp32 copies) and says why; with 2 GB, its usual plan."""
     import logging
 
-    from kvserve.engine.llm_engine import load_engine_model
+    from kvserve.engine.core import load_engine_model
 
     monkeypatch.setattr(cpu_plan, "available_memory_bytes", lambda: 10**9)
     with caplog.at_level(logging.WARNING):

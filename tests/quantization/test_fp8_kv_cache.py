@@ -34,8 +34,8 @@ def test_fp8_cache_holds_four_times_the_fp32_blocks(smollm2_loaded, kv_cache_dty
     budget = 64 * 2**20
     llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", kv_cache_dtype=kv_cache_dtype)
     bytes_per_block = config.num_hidden_layers * 16 * 2 * config.num_key_value_heads * config.head_dim
-    assert llm.engine.runner.num_blocks == budget // bytes_per_block
-    assert all(cache.dtype.itemsize == 1 for cache in llm.engine.runner.kv_caches)
+    assert llm.engine.core.runner.num_blocks == budget // bytes_per_block
+    assert all(cache.dtype.itemsize == 1 for cache in llm.engine.core.runner.kv_caches)
 
 
 @pytest.mark.slow  # keeps CI within 10 minutes; the fp8 tests below cover the cache path

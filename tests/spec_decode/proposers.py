@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvserve.core.sequence import Sequence
-from kvserve.spec_decode.proposer import Draft
+from kvserve.spec_decode.proposer import Draft, DraftContext
 
 
 class ScriptedProposer:
@@ -25,7 +24,7 @@ class ScriptedProposer:
         self.num_correct = num_correct
         self.proposed: list[list[int]] = []  # every draft handed out, for assertions
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[DraftContext], num_tokens: list[int]) -> list[Draft]:
         drafts = []
         for seq, k in zip(seqs, num_tokens):
             reference = self.continuations[tuple(seq.prompt_token_ids)]

@@ -124,11 +124,13 @@ def test_abort_and_finish_free_both_caches(models):
     engine.add_request("drop", {"prompt_token_ids": PROMPT * 3}, params)
     for _ in range(3):
         engine.step()
-    draft_cache = engine.speculator.proposer.kv_cache
+    draft_cache = engine.core.runner.speculator.proposer.kv_cache
     assert engine.spec_decode_stats.num_drafts > 0 and "drop#0" in draft_cache.block_tables
     engine.abort_request("drop")
+    assert "drop#0" not in engine.core.kv_cache.block_tables
+    engine.step()  # the runner, which holds the draft model, learns of it with the next step
     assert "drop#0" not in draft_cache.block_tables
     while engine.has_unfinished_requests():
         engine.step()
-    for cache in (engine.kv_cache, draft_cache):
-        assert cache.num_free_blocks == engine.runner.num_blocks
+    for cache in (engine.core.kv_cache, draft_cache):
+        assert cache.num_free_blocks == engine.core.runner.num_blocks

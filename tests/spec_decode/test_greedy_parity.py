@@ -75,7 +75,7 @@ def _check(llm: LLM, prompt_ids, plain) -> None:
     stats = llm.engine.spec_decode_stats
     assert stats.num_drafts > 0
     # The pool is whole again: nothing leaked by rejected drafts.
-    assert llm.engine.kv_cache.num_free_blocks == llm.engine.runner.num_blocks
+    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.runner.num_blocks
 
 
 # The tiny random draft runs slow (the int4 self-draft covers draft_model in CI's 10 minutes).
@@ -108,6 +108,6 @@ def test_forced_preemption(method, smollm2_loaded, tiny_smollm2_draft, prompt_id
         bytes_per_block += 2 * 2 * block_size * 1 * 16 * 4  # 2 layers, 1 KV head of 16, fp32
     llm = LLM(loaded=smollm2_loaded, block_size=block_size, enable_prefix_caching=False,
               kv_cache_memory=str(num_blocks * bytes_per_block), speculative_config=config)
-    assert llm.engine.runner.num_blocks == num_blocks
+    assert llm.engine.core.runner.num_blocks == num_blocks
     _check(llm, prompt_ids, plain)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0

@@ -23,13 +23,13 @@ def _llm(loaded, speculative: bool) -> LLM:
 
 
 def _check_pool(llm: LLM) -> None:
-    kv = llm.engine.kv_cache
+    kv = llm.engine.core.kv_cache
     holders = Counter(id(block) for table in kv.block_tables.values() for block in table)
     for block in kv.pool.blocks:
         assert block.ref_count == holders.get(id(block), 0)
     in_use = sum(1 for block in kv.pool.blocks if block.ref_count > 0)
     assert kv.num_free_blocks == kv.pool.num_blocks - in_use
-    for seq in llm.engine.scheduler.running:
+    for seq in llm.engine.core.scheduler.running:
         if seq.num_tokens - seq.num_computed_tokens == 1:  # decoding
             # Exactly the blocks of the verified tokens' KV: none kept for rejected drafts.
             assert len(kv.block_tables[seq.seq_id]) == kv.num_blocks_needed(seq.num_computed_tokens)
@@ -69,18 +69,18 @@ def test_rejections_leave_the_pool_exact(smollm2_loaded):
         {tuple(p): r for p, r in zip(prompt_ids, reference)},
         smollm2_loaded.config.vocab_size, num_correct=1,
     )
-    spec.engine.speculator.proposer = proposer
+    spec.engine.core.runner.speculator.proposer = proposer
     assert _run(spec, prompt_ids) == reference
     stats = spec.engine.spec_decode_stats
     assert stats.num_draft_tokens - stats.num_accepted_tokens > 3 * stats.num_drafts // 2
 
     for llm in (plain, spec):
-        pool = llm.engine.kv_cache.pool
+        pool = llm.engine.core.kv_cache.pool
         assert pool.num_free_blocks == pool.num_blocks
         assert all(block.ref_count == 0 for block in pool.blocks)
     # The same blocks are cached, and each is made of verified tokens only.
-    cached = set(spec.engine.kv_cache.pool._cached)
-    assert cached == set(plain.engine.kv_cache.pool._cached)
+    cached = set(spec.engine.core.kv_cache.pool._cached)
+    assert cached == set(plain.engine.core.kv_cache.pool._cached)
     assert cached <= _verified_hashes([p + r for p, r in zip(prompt_ids, reference)])
 
     # A prompt continuing with a rejected draft hits the cache only as far as verified

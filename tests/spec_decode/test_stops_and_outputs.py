@@ -35,7 +35,7 @@ def continuation(plain_llm, prompt_ids) -> list[int]:
 def spec_llm(smollm2_loaded, prompt_ids, continuation) -> LLM:
     llm = LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB",
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    llm.engine.speculator.proposer = ScriptedProposer(
+    llm.engine.core.runner.speculator.proposer = ScriptedProposer(
         {tuple(prompt_ids): continuation}, smollm2_loaded.config.vocab_size)
     return llm
 

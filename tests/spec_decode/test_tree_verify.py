@@ -16,11 +16,11 @@ def _verify_logits(llm: LLM, seq, drafts: list[int], parents: list[int] | None) 
     engine = llm.engine
     seq.spec_token_ids, seq.spec_tree_parents = list(drafts), parents
     num_new = 1 + len(drafts)
-    assert engine.kv_cache.allocate_slots(
+    assert engine.core.kv_cache.allocate_slots(
         seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, num_new) == []
     sched = SchedulerOutput()
-    engine.scheduler.add_to_step(sched, seq, num_new)
-    step = engine.runner.execute(sched)
+    engine.core.scheduler.add_to_step(sched, seq, num_new)
+    step = engine.core.runner.forward(sched)
     assert step.num_sample_rows == [num_new]
     return step.sample_logits
 
@@ -46,7 +46,7 @@ def test_tree_matches_chains(smollm2_loaded):
     engine = llm.engine
     engine.add_request("r", "The capital of France is", SamplingParams(temperature=0, max_tokens=8))
     engine.step()  # prefill: one output token, the sequence now decodes
-    seq = engine.scheduler.running[0]
+    seq = engine.core.scheduler.running[0]
     assert seq.num_tokens - seq.num_computed_tokens == 1
 
     branch_a, branch_b = [3681, 30, 378], [6256, 28]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.sampling_params import SamplingParams
+
 
 @dataclass
 class NewSequenceData:
@@ -22,6 +24,11 @@ class NewSequenceData:
     block_ids: list[int]
     # Prompt logprobs are gathered from the request's first sample only.
     wants_prompt_logprobs: bool = False
+    # How the runner samples it (None: the caller samples from the logits itself, as a
+    # draft model's proposer does); `sample_index` seeds its generator (seed + index).
+    params: SamplingParams | None = None
+    sample_index: int = 0
+    max_tokens: int = 0
 
 
 @dataclass
@@ -48,6 +55,12 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_tree_parents: dict[str, list[int]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination)
+    # Sequences that finish their prompt this step and fork into n samples: parent id ->
+    # (child id, sample index) of each other sample, sampled from the parent's logits.
+    forks: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    # Overlapped scheduling: each sequence's input is the token its previous step sampled,
+    # still on the device (the scheduler does not know it yet).
+    inputs_in_flight: bool = False
     # Sequences the runner forgets before this step: finished or aborted since the last
     # step, and those preempted in this one (they come back as new sequences).
     finished_seq_ids: list[str] = field(default_factory=list)
@@ -64,3 +77,27 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+
+@dataclass
+class SampledSequence:
+    """What one sequence got from a step."""
+
+    seq_id: str
+    token_ids: list[int]  # one sampled token, or a verified run (accepted drafts + one)
+    # One entry per token when the request asked for logprobs.
+    logprobs: list[dict[int, float]] | None = None
+    num_drafts: int = 0  # drafts verified this step
+    num_accepted: int = 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner hands back for a step: plain data, like the step itself."""
+
+    # In batch order; the samples a prompt forks into follow their parent.
+    sampled: list[SampledSequence] = field(default_factory=list)
+    # (sequence id, index of the first prompt token the entries score, entries).
+    prompt_logprobs: list[tuple[str, int, list[dict[int, float]]]] = field(default_factory=list)
+    # Speculative decoding: drafts proposed for each sequence's next step.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -9,13 +9,14 @@ cache, and gives back the blocks of rejected drafts.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import BlockCopy, KVCacheManager
-from kvserve.core.sched.output import SchedulerOutput
+from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
 from kvserve.core.sched.step_builder import StepBuilder
-from kvserve.core.sequence import Sequence, SequenceStatus
+from kvserve.core.sequence import Sequence, SequenceStatus, check_stop
 
 
 @dataclass
@@ -24,10 +25,31 @@ class PrefixCacheStats:
     hit_tokens: int = 0
 
 
+@dataclass
+class SequenceUpdate:
+    """Tokens a step appended to a sequence (a verified run stops at a token that ends it)."""
+
+    seq: Sequence
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    num_drafts: int = 0  # drafts verified, and accepted
+    num_accepted: int = 0
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        eos_token_ids: Seq[int] = (),
+        max_model_len: int | None = None,
+    ) -> None:
+        """`eos_token_ids`, `max_model_len`: what ends a sequence besides its request's
+        own stop tokens and max_tokens."""
         self.config = config
         self.kv_cache = kv_cache
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}  # every sequence waiting or running, by id
@@ -48,12 +70,19 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
         bisect.insort_right(self.waiting, seq, key=self._queue_key)
 
-    def add_fork(self, parent: Sequence, child: Sequence) -> None:
-        """A sample forked from a running parent runs right after it."""
-        self.kv_cache.fork(parent.seq_id, child.seq_id)
-        child.status = SequenceStatus.RUNNING
-        self.seqs[child.seq_id] = child
-        self.running.insert(self.running.index(parent) + 1, child)
+    def _fork(self, out: SchedulerOutput, seq: Sequence) -> None:
+        """A prompt that this step finishes forks into its request's n samples: they share
+        its blocks, run right after it, and sample their first tokens from its logits."""
+        previous = seq
+        for index in range(1, seq.request.params.n):
+            child = seq.fork(index)
+            child.num_computed_tokens = seq.num_tokens  # the prompt, once this step ran
+            self.kv_cache.fork(seq.seq_id, child.seq_id)
+            child.status = SequenceStatus.RUNNING
+            self.seqs[child.seq_id] = child
+            self.running.insert(self.running.index(previous) + 1, child)
+            out.forks.setdefault(seq.seq_id, []).append((child.seq_id, index))
+            previous = child
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Remove a sequence wherever it is and free its blocks."""
@@ -181,12 +210,20 @@ class Scheduler:
                 seq.seq_id, seq.all_token_ids, seq.num_computed_tokens + num_new
             )
             self.add_to_step(out, seq, num_new)
+            if (
+                seq.request.params.n > 1
+                and len(seq.request.sequences) == 1
+                and seq.num_computed_tokens + num_new == seq.num_tokens
+            ):
+                self._fork(out, seq)
         return out
 
     def add_to_step(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        request = seq.request
         self.step_builder.add(
             out, seq.seq_id, seq.all_token_ids, seq.num_prompt_tokens, seq.num_computed_tokens,
-            num_new, seq.wants_prompt_logprobs and seq.index == 0,
+            num_new, seq.wants_prompt_logprobs and seq.index == 0, request.params, seq.index,
+            request.max_tokens,
         )
         if seq.spec_token_ids:
             out.spec_token_ids[seq.seq_id] = seq.spec_token_ids
@@ -210,29 +247,61 @@ class Scheduler:
             if seq_copies is None:
                 return None
             copies += seq_copies
-        out = SchedulerOutput(finished_seq_ids=self.step_builder.take_dropped(), block_copies=copies)
+        out = SchedulerOutput(finished_seq_ids=self.step_builder.take_dropped(), block_copies=copies,
+                              inputs_in_flight=True)
         for seq in seqs:
             self.add_to_step(out, seq, 1)
         return out
 
-    def advance(self, out: SchedulerOutput, seqs: list[Sequence]) -> None:
-        """After the step ran: the scheduled tokens are computed. Drafts' KV is written but
-        counts only once they are accepted (accept_drafts)."""
-        for seq in seqs:
-            seq.num_computed_tokens += out.num_scheduled_tokens[seq.seq_id] - len(
-                out.spec_token_ids.get(seq.seq_id, ())
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step is running: its scheduled tokens count as computed. Drafts' KV is
+        written but counts only once they are accepted (update_from_output)."""
+        for seq_id, num in out.num_scheduled_tokens.items():
+            seq = self.seqs.get(seq_id)
+            if seq is not None:
+                seq.num_computed_tokens += num - len(out.spec_token_ids.get(seq_id, ()))
+
+    # -- after the step --------------------------------------------------------------------
+
+    def update_from_output(self, out: ModelRunnerOutput, inputs_were_in_flight: bool = False) -> list[SequenceUpdate]:
+        """Append what the step sampled (the accepted part of verified runs), end the
+        sequences whose tokens end them, give back the blocks of rejected drafts, and take
+        the drafts of the next step. `inputs_were_in_flight`: an overlapped step, whose
+        tokens were unknown when it was scheduled (its full blocks are registered now)."""
+        updates = []
+        for sampled in out.sampled:
+            seq = self.seqs.get(sampled.seq_id)
+            if seq is None:
+                continue  # ended by the step before (an overlapped step's extra token) or aborted
+            updates.append(self._append(seq, sampled))
+            if seq.status.is_finished:
+                continue
+            if sampled.num_drafts:
+                self.kv_cache.trim(seq.seq_id, seq.num_computed_tokens)
+            if inputs_were_in_flight:
+                self.kv_cache.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+        for seq_id, drafts in out.draft_token_ids.items():
+            seq = self.seqs.get(seq_id)
+            if seq is not None:
+                seq.spec_token_ids = drafts
+        return updates
+
+    def _append(self, seq: Sequence, sampled: SampledSequence) -> SequenceUpdate:
+        if sampled.num_drafts:  # the accepted drafts' KV is valid
+            seq.num_computed_tokens += sampled.num_accepted
+            seq.clear_drafts()
+        request = seq.request
+        for i, token_id in enumerate(sampled.token_ids):
+            seq.append_token(token_id)
+            status, seq.stop_reason = check_stop(
+                token_id, len(seq.output_token_ids), seq.num_tokens, request.params,
+                request.max_tokens, self.eos_token_ids, self.max_model_len,
             )
-
-    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
-        """A verify step accepted `num_accepted` of the sequence's drafts: their KV is valid."""
-        seq.num_computed_tokens += num_accepted
-        seq.clear_drafts()
-
-    def release_rejected_drafts(self, seq: Sequence) -> None:
-        """Give back the blocks that only held the sequence's rejected drafts."""
-        self.kv_cache.trim(seq.seq_id, seq.num_computed_tokens)
-
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's full blocks once the tokens in them are known (after an
-        overlapped step's token is read; the step writing its KV is already queued)."""
-        self.kv_cache.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            if status is not None:
+                self.finish(seq, status)
+                num = i + 1
+                break
+        else:
+            num = len(sampled.token_ids)
+        logprobs = None if sampled.logprobs is None else sampled.logprobs[:num]
+        return SequenceUpdate(seq, sampled.token_ids[:num], logprobs, sampled.num_drafts, sampled.num_accepted)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.sched.output import CachedSequenceData, NewSequenceData, SchedulerOutput
+from kvserve.sampling_params import SamplingParams
 
 
 class StepBuilder:
@@ -27,15 +28,19 @@ class StepBuilder:
         num_computed_tokens: int,
         num_new_tokens: int,
         wants_prompt_logprobs: bool = False,
+        params: SamplingParams | None = None,
+        sample_index: int = 0,
+        max_tokens: int = 0,
     ) -> None:
-        """Schedule `num_new_tokens` of the sequence, after its computed ones, in `out`."""
+        """Schedule `num_new_tokens` of the sequence, after its computed ones, in `out`
+        (`params` etc.: how the runner samples it, see NewSequenceData)."""
         num_held = self._num_tokens_held.get(seq_id)
         self._num_tokens_held[seq_id] = len(token_ids)
         if num_held is None:
             _, block_ids = self.kv_cache.take_block_delta(seq_id, whole=True)
             out.new_seqs.append(NewSequenceData(
                 seq_id, list(token_ids), num_prompt_tokens, num_computed_tokens, block_ids,
-                wants_prompt_logprobs,
+                wants_prompt_logprobs, params, sample_index, max_tokens,
             ))
         else:
             num_kept, new_block_ids = self.kv_cache.take_block_delta(seq_id)

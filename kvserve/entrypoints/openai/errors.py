@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
-# The prefix of LLMEngine.context_length_error's message (OpenAI's wording).
+# The prefix of input_processor.context_length_error's message (OpenAI's wording).
 _CONTEXT_LENGTH_PREFIX = "This model's maximum context length is"
 # Validation problems spelled out in one message; a body with a million bad token ids
 # would otherwise get a response as large as itself.

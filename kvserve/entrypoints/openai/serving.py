@@ -17,7 +17,8 @@ from transformers import PreTrainedTokenizerBase
 
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.engine_args import EngineArgs
-from kvserve.engine.llm_engine import NO_TOKENIZER, LLMEngine
+from kvserve.engine.input_processor import NO_TOKENIZER
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.errors import OpenAIError, bad_request
 from kvserve.entrypoints.openai.protocol import SamplingRequest, StreamOptions
 from kvserve.metrics import ServerMetrics
@@ -92,14 +93,15 @@ class ServerState:
             return
         self.metrics.attach_engine(engine)
         self.async_llm = async_llm
-        runner, block_size = engine.runner, engine.cache_config.block_size
+        info = engine.client.info
+        num_blocks, block_size = info.num_blocks, info.block_size
         logger.info(
             "serving %s as %r: dtype=%s device=%s, %d KV blocks x %d tokens = %d max "
             "concurrent tokens, max_model_len=%d",
             self.engine_args.model or "the embedded SmolLM2-135M-Instruct GGUF",
             self.served_model_name,
             str(self.engine_args.resolved_dtype(engine.device)).removeprefix("torch."),
-            engine.device, runner.num_blocks, block_size, runner.num_blocks * block_size,
+            engine.device, num_blocks, block_size, num_blocks * block_size,
             engine.max_model_len,
         )
 

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
-from kvserve.engine.llm_engine import NO_TOKENIZER, LLMEngine
+from kvserve.engine.input_processor import NO_TOKENIZER
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.errors import OpenAIError
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from kvserve.entrypoints.openai.request_checks import check_chat_request, check_sampling_request

@@ -1,0 +1,351 @@
+"""The engine core: requests in, steps of schedule -> execute -> update, output deltas and
+stats out. Its edges are plain data (messages.py), so it can run in a process of its own;
+tokenizing and detokenizing are the front's (llm_engine.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.sched.scheduler import Scheduler
+from kvserve.core.sequence import Sequence, SequenceStatus
+from kvserve.engine.cpu_malloc import retain_freed_memory
+from kvserve.engine.engine_args import EngineArgs
+from kvserve.engine.messages import (
+    EngineCoreInfo,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+    SequenceDelta,
+)
+from kvserve.engine.overlap import can_sample_ahead
+from kvserve.engine.request import Request
+from kvserve.model_executor.default_model import default_model_path
+from kvserve.model_executor.loader import LoadedModel, load_model
+from kvserve.model_executor.model_bytes import weight_bytes_per_step
+from kvserve.model_executor.model_runner import ModelRunner, kv_cache_bytes_per_block
+from kvserve.quantization.cpu_plan import (
+    AUTO,
+    NONE,
+    apply_plan,
+    gguf_too_large_to_dequantize,
+    resolve_auto_quantization,
+)
+from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.speculator import Speculator
+from kvserve.spec_decode.stats import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
+
+
+def load_engine_model(args: EngineArgs) -> LoadedModel:
+    """The model as an engine built from `args` runs it: loaded, and quantized as
+    `args.quantization` says ("auto": the per-device plan of quantization/cpu_plan.py, logged; "none":
+    not at all). Benchmarks that compare engine configurations on one copy of the weights
+    load it once with this and pass it to each engine."""
+    device = args.resolved_device()
+    quantization = None if args.quantization == NONE else args.quantization
+    auto = quantization == AUTO
+    if auto and device.type == "cpu" and args.load_format != "dummy":
+        path = args.model or default_model_path()
+        too_large = gguf_too_large_to_dequantize(path) if path.endswith(".gguf") else None
+        if too_large is not None:
+            logger.warning("quantization=auto: %s", too_large)
+            quantization, auto = "gguf", False
+    loaded = load_model(
+        args.model, load_format=args.load_format, model_shape=args.model_shape,
+        dtype=args.resolved_dtype(device), device=device, seed=args.seed, tokenizer=args.tokenizer,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        quantization=None if auto else quantization,
+        quantization_config=None if auto else args.quantization_config,
+    )
+    if auto:
+        plan = resolve_auto_quantization(loaded, device)
+        for reason in plan.reasons:
+            logger.info("quantization=auto: %s", reason)
+        apply_plan(loaded, plan)
+    return loaded
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        """`loaded` lets several engines (e.g. configurations under comparison) share weights."""
+        self.args = args
+        self.device = args.resolved_device()
+        dtype = args.resolved_dtype(self.device)
+        if args.quantization == NONE:
+            args = replace(args, quantization=None)
+        if loaded is None:
+            loaded = load_engine_model(args)
+        if self.device.type == "cpu":  # after loading: its transients are not kept
+            retain_freed_memory()
+        if args.max_num_batched_tokens is None:
+            logger.info(
+                "max_num_batched_tokens=%d (per-device default%s)",
+                args.resolved_max_num_batched_tokens(self.device),
+                ": small prefill chunks on CPU so one step does not hold every stream for seconds"
+                if self.device.type == "cpu" else "",
+            )
+        self.loaded = loaded
+        self.model_config = loaded.config
+        self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
+        self.cache_config = CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_bytes(),
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_dtype=args.resolved_kv_cache_dtype(),
+        )
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.resolved_max_num_batched_tokens(self.device),
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            policy=args.scheduling_policy,
+        )
+        spec_config = draft = None
+        if args.speculative_config is not None:
+            # Validated and the draft loaded before the target's cache is sized, so a bad
+            # config fails fast and the draft's weights count against GPU memory.
+            spec_config = SpeculativeConfig.from_dict(args.speculative_config)
+            if spec_config.method == "draft_model":
+                from kvserve.spec_decode.draft_model_proposer import load_draft_model
+
+                draft = load_draft_model(spec_config, loaded, dtype, self.device)
+        self.runner = ModelRunner(
+            loaded.model, self.model_config, self.cache_config, self.scheduler_config,
+            self.device, args.attention_backend, self.max_model_len, args.enforce_eager,
+            extra_kv_bytes_per_block=(
+                0 if draft is None else kv_cache_bytes_per_block(draft.config, args.block_size)
+            ),
+            max_draft_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
+            max_verify_batch=None if spec_config is None else spec_config.disable_by_batch_size,
+            compile_decode=args.compile_decode,
+        )
+        self.kv_cache = KVCacheManager(
+            self.runner.num_blocks, args.block_size, args.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.kv_cache, self.model_config.eos_token_ids, self.max_model_len
+        )
+        self.spec_decode_stats: SpecDecodeStats | None = None
+        if spec_config is not None:
+            self.runner.speculator = self._make_speculator(spec_config, draft)
+            self.spec_decode_stats = SpecDecodeStats()
+        self.requests: dict[str, Request] = {}
+        self.overlap_scheduling = args.resolved_overlap_scheduling(self.device) and spec_config is None
+        self._inflight: list[Sequence] | None = None  # a launched step's sequences, unread
+        self.num_steps_ahead = 0
+        logger.info(
+            "kvserve engine: %s layers=%d dtype=%s device=%s attention=%s, %d KV blocks (%s) of "
+            "%d tokens (%d tokens), max_model_len=%d, overlapped scheduling %s",
+            self.model_config.architecture, self.model_config.num_hidden_layers,
+            str(dtype).removeprefix("torch."), self.device,
+            type(self.runner.attn_backend).__name__,
+            self.runner.num_blocks,
+            str(self.runner.kv_cache_dtype).removeprefix("torch."),
+            args.block_size, self.runner.num_blocks * args.block_size, self.max_model_len,
+            "on" if self.overlap_scheduling else "off",
+        )
+
+    def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | None) -> Speculator:
+        if draft is None:
+            from kvserve.spec_decode.ngram_proposer import NgramProposer
+
+            proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+        else:
+            from kvserve.spec_decode.draft_model_proposer import DraftModelProposer
+
+            # As many blocks as the target: the draft never holds more tokens than it.
+            proposer = DraftModelProposer(
+                draft, self.runner.num_blocks, self.args.block_size, self.device,
+                self.args.attention_backend, self.model_config.eos_token_ids,
+                min(config.disable_by_batch_size, self.scheduler_config.max_num_seqs),
+            )
+        logger.info("speculative decoding: %s", config)
+        return Speculator(config, proposer, self.max_model_len)
+
+    @property
+    def info(self) -> EngineCoreInfo:
+        return EngineCoreInfo(
+            self.model_config, self.loaded.tokenizer, self.max_model_len, self.args.block_size,
+            self.runner.num_blocks, str(self.device), self.runner.kv_cache_dtype,
+            type(self.runner.attn_backend).__name__,
+            weight_bytes_per_step(self.runner.model, self.model_config),
+        )
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        core_request = Request(
+            request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
+            request.priority, request.arrival_time,
+        )
+        self.requests[request.request_id] = core_request
+        seq = Sequence(f"{request.request_id}#0", core_request, 0)
+        core_request.sequences.append(seq)
+        self.scheduler.add(seq)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                self._finish(request, SequenceStatus.FINISHED_ABORTED)
+        self._release_when_idle()
+
+    def stop_sequences(self, stops: list[tuple[str, int]]) -> None:
+        """End samples (request id, index) whose text hit a stop string; a request whose
+        samples have all ended is done."""
+        for request_id, index in stops:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            seq = request.sequences[index]
+            if not seq.status.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            if all(s.status.is_finished for s in request.sequences):
+                del self.requests[request_id]
+        self._release_when_idle()
+
+    def _release_when_idle(self) -> None:
+        """Once nothing runs, the runner forgets what finished now rather than with a next
+        step that may not come (a draft model's blocks, seeded generators)."""
+        if not self.has_unfinished_requests():
+            finished = self.scheduler.step_builder.take_dropped()
+            if finished:
+                self.runner.execute(SchedulerOutput(finished_seq_ids=finished))
+
+    def _finish(self, request: Request, status: SequenceStatus) -> None:
+        for seq in request.sequences:
+            if not seq.status.is_finished:
+                self.scheduler.finish(seq, status)
+
+    def has_unfinished_requests(self) -> bool:
+        """Also true while a step is in flight, so that stepping drains it."""
+        return bool(self.requests) or self._inflight is not None
+
+    def run_idle_work(self) -> bool:
+        """One piece of deferred start-up work, for when no request is waiting: a CPU decode
+        graph of serve's default compile-decode. Returns whether there was any."""
+        return not self.has_unfinished_requests() and self.runner.compile_idle()
+
+    def stats(self) -> SchedulerStats:
+        prefix = self.scheduler.prefix_cache_stats
+        compiled = self.runner.compiled_decode
+        return SchedulerStats(
+            num_running_seqs=len(self.scheduler.running),
+            num_waiting_seqs=len(self.scheduler.waiting),
+            num_unfinished_requests=len(self.requests),
+            kv_cache_usage=self.kv_cache.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=prefix.queried_tokens,
+            prefix_cache_hits=prefix.hit_tokens,
+            decode_graphs_pending=0 if compiled is None else compiled.pending,
+            num_steps_ahead=self.num_steps_ahead,
+            spec_decode=self.spec_decode_stats,
+        )
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule -> execute -> update. With overlapped scheduling a decode step's
+        tokens are read one call later: the call launches the next step first (see
+        kvserve/engine/overlap.py)."""
+        if self._inflight is None:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return EngineCoreOutputs(stats=self.stats())
+            seqs = self.scheduler.scheduled(sched)
+            first_scheduled = self._note_scheduled(seqs)
+            if not self._can_defer(sched, seqs):
+                runner_output = self.runner.execute(sched)
+                self.scheduler.advance(sched)
+                outputs = self._update(runner_output)
+                outputs.first_scheduled = first_scheduled
+                return outputs
+            self.runner.launch(sched)
+            self.scheduler.advance(sched)
+            self._inflight = seqs
+        inflight = self._inflight
+        self._inflight = self._launch_ahead(inflight)
+        return self._update(self.runner.collect(), inputs_were_in_flight=True)
+
+    def _note_scheduled(self, seqs: list[Sequence]) -> dict[str, tuple[float, int]]:
+        now = time.time()
+        first = {}
+        for seq in seqs:
+            request = seq.request
+            if not request.scheduled:
+                request.scheduled = True
+                first[request.request_id] = (now, seq.num_computed_tokens)
+        return first
+
+    def _can_defer(self, sched: SchedulerOutput, seqs: list[Sequence]) -> bool:
+        """A step whose tokens may be read later: every sequence decodes one token and can
+        be sampled ahead."""
+        return self.overlap_scheduling and all(
+            sched.num_scheduled_tokens[seq.seq_id] == 1
+            and seq.num_computed_tokens + 1 == seq.num_tokens
+            and can_sample_ahead(seq)
+            for seq in seqs
+        )
+
+    def _launch_ahead(self, inflight: list[Sequence]) -> list[Sequence] | None:
+        """The next decode step of the in-flight step's sequences, fed its sampled ids on
+        the device; None when it must wait for the host (requests waiting for admission,
+        too few free blocks, nothing left to run)."""
+        seqs = []
+        for seq in inflight:
+            if seq.status is not SequenceStatus.RUNNING or self._ends_at_inflight_token(seq):
+                continue
+            if not can_sample_ahead(seq):
+                return None
+            seqs.append(seq)
+        if not seqs:
+            return None
+        sched = self.scheduler.schedule_ahead(seqs)
+        if sched is None:
+            return None
+        self.runner.launch(sched)
+        self.scheduler.advance(sched)
+        self.num_steps_ahead += 1
+        return seqs
+
+    def _ends_at_inflight_token(self, seq: Sequence) -> bool:
+        """Whether the token in flight is certainly the sequence's last (length limits)."""
+        return (
+            len(seq.output_token_ids) + 1 >= seq.request.max_tokens
+            or seq.num_tokens + 1 >= self.max_model_len
+        )
+
+    def _update(self, runner_output: ModelRunnerOutput, inputs_were_in_flight: bool = False) -> EngineCoreOutputs:
+        outputs = EngineCoreOutputs()
+        for seq_id, first_target, entries in runner_output.prompt_logprobs:
+            request = self.scheduler.seqs[seq_id].request
+            if first_target < request.num_prompt_logprobs:
+                continue  # recomputed after a preemption: already sent
+            request.num_prompt_logprobs += len(entries)
+            outputs.prompt_logprobs.setdefault(request.request_id, []).extend(entries)
+        touched: dict[str, Request] = {}
+        for update in self.scheduler.update_from_output(runner_output, inputs_were_in_flight):
+            seq, request = update.seq, update.seq.request
+            if update.num_drafts:
+                self.spec_decode_stats.observe(update.num_drafts, update.num_accepted)
+            outputs.deltas.append(SequenceDelta(
+                request.request_id, seq.index, update.token_ids, update.logprobs,
+                seq.status.value if seq.status.is_finished else None, seq.stop_reason,
+                update.num_drafts, update.num_accepted,
+            ))
+            touched[request.request_id] = request
+        for request_id, request in touched.items():
+            if all(seq.status.is_finished for seq in request.sequences):
+                del self.requests[request_id]
+                outputs.finished_requests.append(request_id)
+        self._release_when_idle()
+        outputs.stats = self.stats()
+        return outputs

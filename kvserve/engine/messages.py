@@ -1,0 +1,82 @@
+"""What crosses between the engine's front (LLMEngine: tokenizing, detokenizing, outputs)
+and its core (scheduling and running the model): plain, picklable data, so the core can
+run in a process of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.stats import SpecDecodeStats
+
+
+@dataclass
+class EngineCoreRequest:
+    """A validated request: token ids, parameters, and its output budget."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context length
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+@dataclass
+class SequenceDelta:
+    """What one sample of a request got in a step."""
+
+    request_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | None = None  # the stop token id that ended it
+    num_drafts: int = 0  # speculative drafts verified this step, and accepted
+    num_accepted: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    """The core's gauges and counters, as of the end of a step."""
+
+    num_running_seqs: int = 0
+    num_waiting_seqs: int = 0
+    num_unfinished_requests: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0
+    decode_graphs_pending: int = 0  # CPU decode graphs still to compile
+    num_steps_ahead: int = 0  # decode steps launched before the previous one was read
+    spec_decode: SpecDecodeStats | None = None  # None: the engine does not speculate
+
+
+@dataclass
+class EngineCoreOutputs:
+    deltas: list[SequenceDelta] = field(default_factory=list)
+    # Requests scheduled for the first time: (when, prompt tokens found in the prefix cache).
+    first_scheduled: dict[str, tuple[float, int]] = field(default_factory=dict)
+    # Prompt logprobs entries computed this step, per request, in prompt order.
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    finished_requests: list[str] = field(default_factory=list)
+    stats: SchedulerStats | None = None
+
+
+@dataclass
+class EngineCoreInfo:
+    """What the front needs to know of the core once it is built."""
+
+    model_config: ModelConfig
+    tokenizer: Any  # None without one (dummy weights, skip_tokenizer_init)
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    device: str
+    kv_cache_dtype: torch.dtype
+    attention_backend: str
+    decode_weight_bytes: int  # what a decode step reads of the weights (its bandwidth floor)

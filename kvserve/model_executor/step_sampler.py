@@ -1,0 +1,141 @@
+"""Turns a step's logits into its ModelRunnerOutput: a token for every sequence that
+samples (and for each sample a prompt forks into), verified runs for sequences with
+drafts, prompt logprobs, and the drafts of the next step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
+from kvserve.core.sequence import check_stop
+from kvserve.model_executor.input_batch import RunnerSequence, SequenceStates, TokenSpan
+from kvserve.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from kvserve.spec_decode.proposer import DraftContext
+from kvserve.spec_decode.speculator import Speculator
+
+
+class StepSampler:
+    def __init__(self, device: torch.device, eos_token_ids: Sequence[int], max_model_len: int | None) -> None:
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.sampler = Sampler()
+        # A seeded sequence's generator lives as long as the sequence (a preemption keeps
+        # it), so its draws do not depend on what else ran.
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, seq_ids: Iterable[str]) -> None:
+        """Finished or aborted sequences."""
+        for seq_id in seq_ids:
+            self._generators.pop(seq_id, None)
+
+    def generator(self, seq_id: str, seq: RunnerSequence, index: int | None = None) -> torch.Generator | None:
+        seed = seq.params.seed
+        if seed is None:
+            return None
+        generator = self._generators.get(seq_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed + (seq.sample_index if index is None else index))
+            self._generators[seq_id] = generator
+        return generator
+
+    def row(self, seq_id: str, seq: RunnerSequence, index: int | None = None) -> SamplingRow:
+        """`index`: a sample the sequence forks into (sampled from its logits)."""
+        return SamplingRow(
+            params=seq.params,
+            prompt_token_ids=TokenSpan(seq.token_ids, 0, seq.num_prompt_tokens),
+            output_token_ids=TokenSpan(seq.token_ids, seq.num_prompt_tokens),
+            generator=self.generator(seq_id, seq, index),
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def sample_ids(self, logits: torch.Tensor, seq_ids: list[str], seqs: SequenceStates) -> torch.Tensor:
+        """One id per sequence, left on the device (overlapped decode steps)."""
+        return self.sampler.sample_ids(logits, [self.row(seq_id, seqs[seq_id]) for seq_id in seq_ids])
+
+    def sample(
+        self,
+        sched: SchedulerOutput,
+        seqs: SequenceStates,
+        sample_logits: torch.Tensor,
+        sampling_seq_ids: list[str],
+        num_sample_rows: list[int],
+        prompt_logits: list[tuple[str, torch.Tensor, int]],
+        speculator: Speculator | None,
+    ) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
+        for seq_id, logits, first_target in prompt_logits:
+            seq = seqs[seq_id]
+            targets = seq.token_ids[first_target : first_target + logits.shape[0]]
+            out.prompt_logprobs.append(
+                (seq_id, first_target, compute_prompt_logprobs(logits, targets, seq.params.prompt_logprobs))
+            )
+
+        # Plain decodes and prefills sample one row; sequences with drafts verify 1 + k.
+        plain_ids, plain_rows, spec_ids, spec_rows = [], [], [], []
+        row = 0
+        for seq_id, num_rows in zip(sampling_seq_ids, num_sample_rows):
+            if num_rows == 1:
+                plain_ids.append(seq_id)
+                plain_rows.append(row)
+            else:
+                spec_ids.append(seq_id)
+                spec_rows.extend(range(row, row + num_rows))
+            row += num_rows
+
+        rows, row_seq_ids, logit_rows = [], [], []
+        for logit_row, seq_id in enumerate(plain_ids):
+            seq = seqs[seq_id]
+            rows.append(self.row(seq_id, seq))
+            row_seq_ids.append(seq_id)
+            logit_rows.append(plain_rows[logit_row])
+            for child_id, index in sched.forks.get(seq_id, ()):
+                rows.append(self.row(child_id, seq, index))
+                row_seq_ids.append(child_id)
+                logit_rows.append(plain_rows[logit_row])
+        if rows:
+            sampled = self.sampler(sample_logits[logit_rows], rows)
+            for seq_id, token_id, logprobs in zip(row_seq_ids, sampled.token_ids, sampled.logprobs):
+                out.sampled.append(SampledSequence(seq_id, [token_id], None if logprobs is None else [logprobs]))
+        if spec_ids:
+            verified = speculator.verify(
+                sample_logits[spec_rows],
+                [self._draft_context(seq_id, seqs[seq_id]) for seq_id in spec_ids],
+                [sched.spec_token_ids[seq_id] for seq_id in spec_ids],
+                self.eos_token_ids,
+            )
+            for seq_id, result in zip(spec_ids, verified):
+                out.sampled.append(SampledSequence(
+                    seq_id, result.run.token_ids, result.logprobs,
+                    len(sched.spec_token_ids[seq_id]), result.run.num_accepted,
+                ))
+        if speculator is not None:
+            out.draft_token_ids = speculator.propose(self._drafting(out.sampled, seqs), len(out.sampled))
+        return out
+
+    def _draft_context(self, seq_id: str, seq: RunnerSequence, new_token_ids: Sequence[int] = ()) -> DraftContext:
+        return DraftContext(
+            seq_id, seq.token_ids + list(new_token_ids) if new_token_ids else seq.token_ids,
+            seq.num_prompt_tokens, seq.params, seq.max_tokens, self.generator(seq_id, seq),
+        )
+
+    def _drafting(self, sampled: list[SampledSequence], seqs: SequenceStates) -> list[DraftContext]:
+        """Sequences that may draft for their next step: those that got tokens and did
+        not end with them (a stop string is only seen on text: drafting then is wasted).
+        The samples a prompt forked into are not among them: n > 1 does not draft."""
+        contexts = []
+        for item in sampled:
+            seq = seqs.get(item.seq_id)
+            if seq is None or seq.params.n != 1:
+                continue
+            num_output = seq.num_tokens - seq.num_prompt_tokens
+            if not any(
+                check_stop(token_id, num_output + i + 1, seq.num_tokens + i + 1, seq.params,
+                           seq.max_tokens, self.eos_token_ids, self.max_model_len)[0]
+                for i, token_id in enumerate(item.token_ids)
+            ):
+                contexts.append(self._draft_context(item.seq_id, seq, item.token_ids))
+        return contexts
