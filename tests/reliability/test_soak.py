@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 import traffic
-from server_process import launch_server
+from tests.entrypoints.server_process import launch_server
 
 
 def _gauges(server) -> dict[str, float]:
