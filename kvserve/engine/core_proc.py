@@ -47,6 +47,13 @@ def run_engine_core(args: EngineArgs, inputs: Connection, outputs: Connection, n
         outputs.send(("error", error if _picklable(error) else RuntimeError(repr(error))))
         return
     outputs.send(("ready", core.info))
+    try:
+        _serve(core, inputs, outputs)
+    except (EOFError, BrokenPipeError):
+        pass  # the front is gone: so is the reason to run
+
+
+def _serve(core: Any, inputs: Connection, outputs: Connection) -> None:
     while True:
         idle = not core.has_unfinished_requests()
         if idle and not inputs.poll(0) and core.run_idle_work():
