@@ -13,6 +13,7 @@ from typing import Any
 
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.messages import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvserve.logger import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +32,18 @@ def _merge(first: EngineCoreOutputs, later: EngineCoreOutputs) -> EngineCoreOutp
     return first
 
 
-def run_engine_core(args: EngineArgs, inputs: Connection, outputs: Connection, num_threads: int) -> None:
+def run_engine_core(
+    args: EngineArgs, inputs: Connection, outputs: Connection, num_threads: int, log_level: int,
+) -> None:
     """The core process's main: build the core, then step while there is work, taking
     every queued message between steps; wait for one only when idle. `num_threads`: the
-    front's torch threads (its model would have run on them)."""
+    front's torch threads (its model would have run on them); the core logs as the front
+    does, to the same stderr."""
     import torch
 
     from kvserve.engine.core import EngineCore
 
+    configure_logging(log_level)
     torch.set_num_threads(num_threads)
 
     try:
@@ -46,7 +51,7 @@ def run_engine_core(args: EngineArgs, inputs: Connection, outputs: Connection, n
     except BaseException as error:  # reported to the front, which raises it
         outputs.send(("error", error if _picklable(error) else RuntimeError(repr(error))))
         return
-    outputs.send(("ready", core.info))
+    outputs.send(("ready", (core.info, core.stats())))
     try:
         _serve(core, inputs, outputs)
     except (EOFError, BrokenPipeError):
@@ -57,6 +62,7 @@ def _serve(core: Any, inputs: Connection, outputs: Connection) -> None:
     while True:
         idle = not core.has_unfinished_requests()
         if idle and not inputs.poll(0) and core.run_idle_work():
+            outputs.send(("stats", core.stats()))  # e.g. a decode graph less to compile
             continue
         if idle or inputs.poll(0):
             handled = _handle(core, inputs.recv())
@@ -113,7 +119,8 @@ class MPClient:
         input_reader, self._input = context.Pipe(duplex=False)
         self._output, output_writer = context.Pipe(duplex=False)
         self._process = context.Process(
-            target=run_engine_core, args=(args, input_reader, output_writer, torch.get_num_threads()),
+            target=run_engine_core,
+            args=(args, input_reader, output_writer, torch.get_num_threads(), logging.getLogger().level),
             name="kvserve-engine-core", daemon=True,
         )
         self._process.start()
@@ -124,8 +131,9 @@ class MPClient:
         if kind == "error":
             self._process.join(timeout=10)
             raise payload
-        self.info: EngineCoreInfo = payload
-        self._stats = SchedulerStats()
+        self.info: EngineCoreInfo
+        self._stats: SchedulerStats
+        self.info, self._stats = payload
         self._outputs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._pending_error: BaseException | None = None  # met while merging outputs
         self._send_lock = threading.Lock()

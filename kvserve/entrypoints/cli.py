@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
+
+from kvserve.logger import configure_logging
 
 # This module imports nothing that loads torch: main() sets GOMP_SPINCOUNT first (see there),
 # and the engine's modules load when the parser is built or a command runs.
@@ -169,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     # before anything imports torch; an explicit setting wins.
     os.environ.setdefault("GOMP_SPINCOUNT", "1000000")
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level.upper())
     try:
         return args.handler(args)
     except (ValueError, OSError) as error:  # bad input, a file that cannot be read or written
