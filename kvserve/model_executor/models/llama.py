@@ -14,6 +14,7 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, TorchReferenceBackend
 from kvserve.config import ModelConfig
+from kvserve.distributed.parallel_state import GroupCoordinator
 from kvserve.model_executor.layers.layernorm import RMSNorm
 from kvserve.model_executor.layers.linear import Linear, linear
 from kvserve.model_executor.layers.mlp import GatedMLP
@@ -177,6 +178,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # Set by quantize_lm_head: a weight-only copy of the LM head for decode-sized rows.
         self.quantized_lm_head: nn.Module | None = None
+        # Set by tensor_parallel.shard_model: this rank computes its slice of the vocabulary.
+        self.tp_group: GroupCoordinator | None = None
 
     def forward(
         self,
@@ -207,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
             logits = linear(hidden_states, weight)
+        if self.tp_group is not None:  # every rank's slice, without the padding
+            logits = self.tp_group.all_gather(logits)[:, : self.config.vocab_size]
         return logits.float() if out is None else out.copy_(logits)
 
     def shard_sizes(self, module_name: str) -> list[int]:

@@ -1,0 +1,1 @@
+"""Process groups and collectives for running one model over several processes."""

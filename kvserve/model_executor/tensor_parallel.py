@@ -1,0 +1,122 @@
+"""Megatron-style tensor parallelism of a loaded model: each rank keeps its share of the
+attention heads and of the MLP's intermediate rows. q/k/v and gate/up are column-parallel
+(this rank's output rows), o_proj and down_proj row-parallel (this rank's input columns,
+one all-reduce each), the embedding and LM head vocab-parallel (vocabulary padded to a
+multiple of 64 per rank, logits gathered). Every rank's KV cache holds its KV heads only.
+
+The model is loaded whole and then cut down, which needs each rank to hold it once while
+starting; quantized linears and mixtures of experts are not sharded yet."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.distributed.parallel_state import GroupCoordinator
+from kvserve.model_executor.layers.linear import Linear, linear
+from kvserve.quantization.base import QuantizedLinear
+
+VOCAB_PADDING = 64
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_shardable(config: ModelConfig, tp: int) -> None:
+    """Raise naming the value that `tp` ranks cannot split, and what would work."""
+    for name, value in (("attention heads", config.num_attention_heads),
+                        ("KV heads", config.num_key_value_heads),
+                        ("MLP intermediate rows", config.intermediate_size)):
+        if value % tp:
+            raise ValueError(f"{value} {name} cannot be split over {tp} ranks; "
+                             f"use a tensor_parallel_size among {_divisors(value)}")
+    if config.num_experts:
+        raise ValueError("tensor parallelism of mixture-of-experts models is not supported yet")
+
+
+def _dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """A Linear holding exactly these tensors (contiguous, for the CPU kernel)."""
+    layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+    return layer
+
+
+class RowParallelLinear(Linear):
+    """y = sum over ranks of x_rank @ W_rank^T: each rank holds in_features / tp columns."""
+
+    def __init__(self, weight: torch.Tensor, group: GroupCoordinator) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + rows) of the (padded) vocabulary; ids elsewhere look up zeros,
+    and the all-reduce adds the rank that holds them."""
+
+    def __init__(self, weight: torch.Tensor, start: int, group: GroupCoordinator) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.start = start
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.group.all_reduce(out.masked_fill(outside[:, None], 0))
+
+
+def _vocab_shard(weight: torch.Tensor, rank: int, tp: int) -> tuple[torch.Tensor, int]:
+    """This rank's rows of the vocabulary padded with zero rows to VOCAB_PADDING x tp."""
+    per_rank = -(-weight.shape[0] // (VOCAB_PADDING * tp)) * VOCAB_PADDING
+    start = rank * per_rank
+    rows = weight[start : start + per_rank]
+    if rows.shape[0] < per_rank:
+        rows = torch.cat([rows, rows.new_zeros(per_rank - rows.shape[0], weight.shape[1])])
+    return rows, start
+
+
+@torch.no_grad()
+def shard_model(model: nn.Module, group: GroupCoordinator) -> ModelConfig:
+    """Cut a loaded LlamaForCausalLM down to this rank's share, in place; returns the rank's
+    config (its heads: what its KV cache holds)."""
+    config: ModelConfig = model.config
+    tp, rank = group.world_size, group.rank_in_group
+    check_shardable(config, tp)
+    if model.quantized_lm_head is not None or any(isinstance(m, QuantizedLinear) for m in model.modules()):
+        raise ValueError("tensor parallelism of quantized models is not supported yet")
+    heads, kv_heads = config.num_attention_heads // tp, config.num_key_value_heads // tp
+    d = config.head_dim
+    q_total, kv_total = config.num_attention_heads * d, config.num_key_value_heads * d
+    q_rows = torch.arange(rank * heads * d, (rank + 1) * heads * d)
+    kv_rows = torch.arange(rank * kv_heads * d, (rank + 1) * kv_heads * d)
+    qkv_rows = torch.cat([q_rows, q_total + kv_rows, q_total + kv_total + kv_rows])
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias[qkv_rows]
+        attn.qkv_proj = _dense(attn.qkv_proj.weight[qkv_rows], bias)
+        attn.o_proj = RowParallelLinear(attn.o_proj.weight[:, q_rows], group)
+        attn.num_heads, attn.num_kv_heads = heads, kv_heads
+        attn.q_size, attn.kv_size = heads * d, kv_heads * d
+        mlp = layer.mlp
+        rows = config.intermediate_size // tp
+        ours = torch.arange(rank * rows, (rank + 1) * rows)
+        mlp.gate_up_proj = _dense(mlp.gate_up_proj.weight[torch.cat([ours, config.intermediate_size + ours])])
+        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight[:, ours], group)
+    embedding, start = _vocab_shard(model.model.embed_tokens.weight, rank, tp)
+    model.model.embed_tokens = VocabParallelEmbedding(embedding, start, group)
+    if not config.tie_word_embeddings:
+        model.lm_head = _dense(_vocab_shard(model.lm_head.weight, rank, tp)[0])
+    model.tp_group = group
+    return replace(config, num_attention_heads=heads, num_key_value_heads=kv_heads)

@@ -1,0 +1,171 @@
+"""Tensor parallelism on real gloo process groups: the collectives, and a model sharded over
+two processes that replay an engine's recorded steps (broadcast by rank 0, as the driver
+will) to the unsharded model's logits and tokens."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import socket
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import randomize, save_tokenizer
+
+# Vocabulary not a multiple of 64: the vocab-parallel padding is exercised.
+TINY = dict(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+ENGINE_KWARGS = dict(kv_cache_memory="4MiB", block_size=4, max_num_batched_tokens=24,
+                     attention_backend="torch", enable_prefix_caching=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(target, world_size: int, *args) -> None:
+    context = multiprocessing.get_context("spawn")
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    processes = [context.Process(target=target, args=(rank, world_size, init_method, *args))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=300)
+    assert [p.exitcode for p in processes] == [0] * world_size
+
+
+def _collectives(rank: int, world_size: int, init_method: str, result_file: str) -> None:
+    from kvserve.distributed import parallel_state as ps
+
+    ps.init_distributed_environment(world_size, rank, init_method, torch.device("cpu"))
+    ps.initialize_model_parallel(world_size)
+    group = ps.get_tp_group()
+    summed = group.all_reduce(torch.full((3,), float(rank + 1)))
+    gathered = group.all_gather(torch.full((2, 1), float(rank)), dim=1)
+    plan = group.broadcast_object({"step": 7, "ids": list(range(rank, rank + 3))} if rank == 0 else None)
+    if rank == 1:
+        with open(result_file, "wb") as f:
+            pickle.dump((summed, gathered, plan), f)
+    ps.destroy_model_parallel()
+
+
+def test_collectives_on_two_processes(tmp_path):
+    result_file = str(tmp_path / "result.pkl")
+    _spawn(_collectives, 2, result_file)
+    summed, gathered, plan = pickle.loads(open(result_file, "rb").read())
+    assert summed.tolist() == [3.0, 3.0, 3.0]
+    assert gathered.tolist() == [[0.0, 1.0], [0.0, 1.0]]
+    assert plan == {"step": 7, "ids": [0, 1, 2]}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def tiny_dir(request, tmp_path_factory):
+    model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=request.param))
+    randomize(model, seed=0)
+    directory = str(tmp_path_factory.mktemp("tiny"))
+    model.save_pretrained(directory)
+    save_tokenizer(directory, TINY["vocab_size"])
+    return directory
+
+
+def _record(model_dir: str) -> tuple[list[bytes], list[torch.Tensor], list[list], int]:
+    """An engine run whose steps mix chunked prefills, a prefix hit and decodes; and its
+    number of KV blocks (the block ids the steps use)."""
+    llm = LLM(model_dir, dtype="float32", **ENGINE_KWARGS)
+    runner = llm.engine.core.runner
+    steps, logits, tokens = [], [], []
+    execute, forward = runner.execute, runner.forward
+
+    def recording_execute(sched):
+        steps.append(pickle.dumps(sched))
+        out = execute(sched)
+        tokens.append([(s.seq_id, s.token_ids) for s in out.sampled])
+        return out
+
+    def recording_forward(sched):
+        result = forward(sched)
+        logits.append(result.sample_logits.clone())
+        return result
+
+    runner.execute, runner.forward = recording_execute, recording_forward
+    shared = list(range(3, 40))
+    prompts = [shared + [41, 42], shared + [43], list(range(100, 131)), [7, 8, 9]]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10))
+    return steps, logits, tokens, runner.num_blocks
+
+
+def _replay(rank: int, world_size: int, init_method: str, model_dir: str, num_blocks: int,
+            steps_file: str, result_file: str) -> None:
+    """A worker: load, shard, then run every step rank 0 broadcasts."""
+    from kvserve.config import CacheConfig, SchedulerConfig
+    from kvserve.distributed import parallel_state as ps
+    from kvserve.model_executor.loader import load_model
+    from kvserve.model_executor.model_runner import ModelRunner
+    from kvserve.model_executor.tensor_parallel import shard_model
+
+    torch.set_num_threads(1)
+    ps.init_distributed_environment(world_size, rank, init_method, torch.device("cpu"))
+    ps.initialize_model_parallel(world_size)
+    group = ps.get_tp_group()
+    loaded = load_model(model_dir, dtype=torch.float32)
+    config = shard_model(loaded.model, group)
+    runner = ModelRunner(loaded.model, config, CacheConfig(block_size=4, num_blocks=num_blocks),
+                         SchedulerConfig(max_num_batched_tokens=24), torch.device("cpu"), "torch",
+                         max_model_len=256)
+    steps = pickle.loads(open(steps_file, "rb").read()) if rank == 0 else None
+    num_steps = group.broadcast_object(None if steps is None else len(steps))
+    logits, tokens = [], []
+    forward = runner.forward
+
+    def recording_forward(sched):
+        result = forward(sched)
+        logits.append(result.sample_logits.clone())
+        return result
+
+    runner.forward = recording_forward
+    for i in range(num_steps):
+        sched = pickle.loads(group.broadcast_object(None if steps is None else steps[i]))
+        out = runner.execute(sched)
+        tokens.append([(s.seq_id, s.token_ids) for s in out.sampled])
+    if rank == 0:
+        with open(result_file, "wb") as f:
+            pickle.dump((logits, tokens), f)
+    ps.destroy_model_parallel()
+
+
+def test_two_ranks_replay_the_unsharded_models_steps(tiny_dir, tmp_path):
+    steps, expected_logits, expected_tokens, num_blocks = _record(tiny_dir)
+    assert any(sched_has_prefix_hit(pickle.loads(s)) for s in steps)
+    steps_file, result_file = str(tmp_path / "steps.pkl"), str(tmp_path / "result.pkl")
+    with open(steps_file, "wb") as f:
+        pickle.dump(steps, f)
+    _spawn(_replay, 2, tiny_dir, num_blocks, steps_file, result_file)
+    logits, tokens = pickle.loads(open(result_file, "rb").read())
+    assert tokens == expected_tokens
+    assert len(logits) == len(expected_logits)
+    for step, (got, want) in enumerate(zip(logits, expected_logits)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+
+
+def sched_has_prefix_hit(sched) -> bool:
+    return any(new.num_computed_tokens > 0 for new in sched.new_seqs)
+
+
+def test_heads_that_do_not_split_are_refused():
+    from kvserve.config import ModelConfig
+    from kvserve.model_executor.tensor_parallel import check_shardable
+
+    config = ModelConfig("LlamaForCausalLM", vocab_size=250, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    with pytest.raises(ValueError, match="8 attention heads cannot be split over 3 ranks; use a "
+                                         "tensor_parallel_size among 1, 2, 4, 8"):
+        check_shardable(config, 3)
+    with pytest.raises(ValueError, match="4 KV heads cannot be split over 8 ranks"):
+        check_shardable(config, 8)
