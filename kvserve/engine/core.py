@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -26,7 +29,6 @@ from kvserve.engine.overlap import can_sample_ahead
 from kvserve.engine.request import Request
 from kvserve.model_executor.default_model import default_model_path
 from kvserve.model_executor.loader import LoadedModel, load_model
-from kvserve.model_executor.model_bytes import weight_bytes_per_step
 from kvserve.model_executor.model_runner import ModelRunner, kv_cache_bytes_per_block
 from kvserve.quantization.cpu_plan import (
     AUTO,
@@ -38,6 +40,9 @@ from kvserve.quantization.cpu_plan import (
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.spec_decode.stats import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from kvserve.executor.multiproc import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +84,6 @@ class EngineCore:
         dtype = args.resolved_dtype(self.device)
         if args.quantization == NONE:
             args = replace(args, quantization=None)
-        if loaded is None:
-            loaded = load_engine_model(args)
-        if self.device.type == "cpu":  # after loading: its transients are not kept
-            retain_freed_memory()
         if args.max_num_batched_tokens is None:
             logger.info(
                 "max_num_batched_tokens=%d (per-device default%s)",
@@ -90,9 +91,6 @@ class EngineCore:
                 ": small prefill chunks on CPU so one step does not hold every stream for seconds"
                 if self.device.type == "cpu" else "",
             )
-        self.loaded = loaded
-        self.model_config = loaded.config
-        self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         self.cache_config = CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_bytes(),
@@ -107,24 +105,24 @@ class EngineCore:
             policy=args.scheduling_policy,
         )
         spec_config = draft = None
-        if args.speculative_config is not None:
-            # Validated and the draft loaded before the target's cache is sized, so a bad
-            # config fails fast and the draft's weights count against GPU memory.
-            spec_config = SpeculativeConfig.from_dict(args.speculative_config)
-            if spec_config.method == "draft_model":
-                from kvserve.spec_decode.draft_model_proposer import load_draft_model
-
-                draft = load_draft_model(spec_config, loaded, dtype, self.device)
-        self.runner = ModelRunner(
-            loaded.model, self.model_config, self.cache_config, self.scheduler_config,
-            self.device, args.attention_backend, self.max_model_len, args.enforce_eager,
-            extra_kv_bytes_per_block=(
-                0 if draft is None else kv_cache_bytes_per_block(draft.config, args.block_size)
-            ),
-            max_draft_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
-            max_verify_batch=None if spec_config is None else spec_config.disable_by_batch_size,
-            compile_decode=args.compile_decode,
-        )
+        if args.tensor_parallel_size > 1:
+            self.runner = self._tensor_parallel_executor(args, loaded)
+            self.model_config, self.tokenizer = self.runner.model_config, self.runner.tokenizer
+            self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
+        else:
+            spec_config, draft, loaded = self._load(args, loaded, dtype)
+            self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
+            self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
+            self.runner = ModelRunner(
+                loaded.model, self.model_config, self.cache_config, self.scheduler_config,
+                self.device, args.attention_backend, self.max_model_len, args.enforce_eager,
+                extra_kv_bytes_per_block=(
+                    0 if draft is None else kv_cache_bytes_per_block(draft.config, args.block_size)
+                ),
+                max_draft_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
+                max_verify_batch=None if spec_config is None else spec_config.disable_by_batch_size,
+                compile_decode=args.compile_decode,
+            )
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
@@ -136,7 +134,8 @@ class EngineCore:
             self.runner.speculator = self._make_speculator(spec_config, draft)
             self.spec_decode_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}
-        self.overlap_scheduling = args.resolved_overlap_scheduling(self.device) and spec_config is None
+        self.overlap_scheduling = (args.resolved_overlap_scheduling(self.device) and spec_config is None
+                                   and args.tensor_parallel_size == 1)
         self._inflight: list[Sequence] | None = None  # a launched step's sequences, unread
         self.num_steps_ahead = 0
         logger.info(
@@ -144,12 +143,48 @@ class EngineCore:
             "%d tokens (%d tokens), max_model_len=%d, overlapped scheduling %s",
             self.model_config.architecture, self.model_config.num_hidden_layers,
             str(dtype).removeprefix("torch."), self.device,
-            type(self.runner.attn_backend).__name__,
+            self.runner.attention_backend_name,
             self.runner.num_blocks,
             str(self.runner.kv_cache_dtype).removeprefix("torch."),
             args.block_size, self.runner.num_blocks * args.block_size, self.max_model_len,
             "on" if self.overlap_scheduling else "off",
         )
+
+    def _load(
+        self, args: EngineArgs, loaded: LoadedModel | None, dtype: torch.dtype,
+    ) -> tuple[SpeculativeConfig | None, LoadedModel | None, LoadedModel]:
+        """(speculation config, draft model, target model) for an engine in one process."""
+        if loaded is None:
+            loaded = load_engine_model(args)
+        if self.device.type == "cpu":  # after loading: its transients are not kept
+            retain_freed_memory()
+        spec_config = draft = None
+        if args.speculative_config is not None:
+            # Validated and the draft loaded before the target's cache is sized, so a bad
+            # config fails fast and the draft's weights count against GPU memory.
+            spec_config = SpeculativeConfig.from_dict(args.speculative_config)
+            if spec_config.method == "draft_model":
+                from kvserve.spec_decode.draft_model_proposer import load_draft_model
+
+                draft = load_draft_model(spec_config, loaded, dtype, self.device)
+        return spec_config, draft, loaded
+
+    @staticmethod
+    def _tensor_parallel_executor(args: EngineArgs, loaded: LoadedModel | None) -> MultiprocExecutor:
+        """Workers that load and shard the model themselves; what one process alone can do
+        (a model loaded here, speculation, quantized weights) is refused by name."""
+        from kvserve.executor.multiproc import MultiprocExecutor
+
+        if loaded is not None:
+            raise ValueError("tensor_parallel_size > 1: the workers load the model; pass a model path")
+        if args.speculative_config is not None:
+            raise ValueError("tensor_parallel_size > 1 does not support speculative decoding yet")
+        if args.quantization not in (None, AUTO):
+            raise ValueError(f"tensor_parallel_size > 1 shards dense weights only; quantization="
+                             f"{args.quantization!r} is not supported with it yet")
+        if args.quantization == AUTO:
+            logger.info("quantization=auto with tensor_parallel_size > 1: dense weights (they are sharded)")
+        return MultiprocExecutor(replace(args, quantization=None, compile_decode=False))
 
     def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | None) -> Speculator:
         if draft is None:
@@ -171,10 +206,9 @@ class EngineCore:
     @property
     def info(self) -> EngineCoreInfo:
         return EngineCoreInfo(
-            self.model_config, self.loaded.tokenizer, self.max_model_len, self.args.block_size,
+            self.model_config, self.tokenizer, self.max_model_len, self.args.block_size,
             self.runner.num_blocks, str(self.device), self.runner.kv_cache_dtype,
-            type(self.runner.attn_backend).__name__,
-            weight_bytes_per_step(self.runner.model, self.model_config),
+            self.runner.attention_backend_name, self.runner.decode_weight_bytes,
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -224,6 +258,10 @@ class EngineCore:
         for seq in request.sequences:
             if not seq.status.is_finished:
                 self.scheduler.finish(seq, status)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, where the model runs in some."""
+        self.runner.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         """Also true while a step is in flight, so that stepping drains it."""

@@ -44,4 +44,4 @@ class InprocClient:
         self.stats = core.stats
 
     def shutdown(self) -> None:
-        pass
+        self.core.shutdown()

@@ -67,6 +67,7 @@ class EngineArgs:
     compile_decode: bool | None = False  # None: on where supported (serve's default)
     # The engine core (scheduler and model) in a process of its own (core_proc.py).
     multiprocess_engine_core: bool = False
+    tensor_parallel_size: int = 1  # worker processes, one per rank (executor/multiproc.py)
     speculative_config: dict[str, Any] | None = None
 
     def resolved_device(self) -> torch.device:
@@ -244,6 +245,13 @@ class EngineArgs:
             "for GPUs, off on CPU, where the model runs in the host thread; always off with "
             "speculative decoding). A sequence that ends at a stop token computes one extra "
             "token, which is dropped.",
+        )
+        group.add_argument(
+            "--tensor-parallel-size", "-tp", type=int, default=1,
+            help="Split every layer over this many worker processes (one per GPU; on a CPU "
+            "each takes its share of the cores), Megatron-style: attention heads and MLP rows "
+            "per rank, one all-reduce after each attention and MLP. Dense (unquantized) "
+            "Llama-family models; no speculative decoding, CUDA graphs or CPU decode graphs yet.",
         )
         group.add_argument(
             "--multiprocess-engine-core", action=argparse.BooleanOptionalAction, default=False,

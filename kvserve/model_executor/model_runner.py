@@ -18,6 +18,7 @@ from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, Schedu
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
 from kvserve.model_executor.inflight import InflightStep
+from kvserve.model_executor.model_bytes import weight_bytes_per_step
 from kvserve.model_executor.input_batch import SequenceStates
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
 from kvserve.model_executor.step_sampler import StepSampler
@@ -228,6 +229,25 @@ class ModelRunner:
             "%s KV cache: per-layer scales %.2e..%.2e from %d random tokens",
             str(self.kv_cache_dtype).removeprefix("torch."), min(scales), max(scales), num_tokens,
         )
+
+    @property
+    def attention_backend_name(self) -> str:
+        return type(self.attn_backend).__name__
+
+    @property
+    def decode_weight_bytes(self) -> int:
+        """What a decode step reads of the weights (its bandwidth floor)."""
+        return weight_bytes_per_step(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        """Nothing of a runner lives outside this process (an executor's workers do)."""
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Hold `num_blocks` blocks instead (tensor-parallel ranks agree on the smallest)."""
+        if num_blocks != self.num_blocks:
+            self.kv_caches = []
+            self.kv_caches = self._allocate_kv_caches(num_blocks)
+            self.num_blocks = self.cache_config.num_blocks = num_blocks
 
     # -- memory ----------------------------------------------------------------------------
 

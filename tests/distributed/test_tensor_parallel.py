@@ -169,3 +169,57 @@ def test_heads_that_do_not_split_are_refused():
         check_shardable(config, 3)
     with pytest.raises(ValueError, match="4 KV heads cannot be split over 8 ranks"):
         check_shardable(config, 8)
+
+
+def test_engine_with_two_ranks_generates_the_same_tokens(tiny_dir):
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 250 for j in range(5 + 9 * i)]} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kwargs = dict(dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=40)
+    expected = [o.outputs[0].token_ids for o in LLM(tiny_dir, **kwargs).generate(prompts, params)]
+    llm = LLM(tiny_dir, tensor_parallel_size=2, **kwargs)
+    try:
+        assert llm.engine.core.runner.num_blocks > 0
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("tiny_dir", [True], indirect=True, ids=["tied"])
+def test_what_one_process_alone_can_do_is_refused_by_name(tiny_dir):
+    with pytest.raises(ValueError, match="speculative decoding"):
+        LLM(tiny_dir, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="quantization='int8'"):
+        LLM(tiny_dir, tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(RuntimeError, match="rank .* failed to start.*3 ranks"):
+        LLM(tiny_dir, tensor_parallel_size=3, dtype="float32")
+
+
+def _spawned_children() -> list:
+    import psutil
+
+    return [child for child in psutil.Process().children()
+            if child.is_running() and "spawn_main" in " ".join(child.cmdline())]
+
+
+@pytest.mark.parametrize("tiny_dir", [True], indirect=True, ids=["tied"])
+def test_a_dead_rank_fails_the_step_and_nothing_is_left_behind(tiny_dir):
+    import signal
+    import time
+
+    before = {child.pid for child in _spawned_children()}
+    llm = LLM(tiny_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory="4MiB")
+    engine = llm.engine
+    engine.add_request("r", {"prompt_token_ids": list(range(3, 20))},
+                       SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    engine.step()
+    ranks = [child for child in _spawned_children() if child.pid not in before]
+    assert len(ranks) == 2
+    ranks[1].send_signal(signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel .*rank 1 exited \(code -9\)"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10
+    engine.shutdown()
+    for rank in ranks:
+        rank.wait(timeout=15)

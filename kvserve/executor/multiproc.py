@@ -1,0 +1,130 @@
+"""Tensor parallelism on this host: one worker process per rank (tp_worker.py), spawned at
+start. The engine core hands it steps as it would a ModelRunner; rank 0 answers."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import weakref
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from kvserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.engine.engine_args import EngineArgs
+from kvserve.executor.tp_worker import WorkerInfo, run_worker
+
+logger = logging.getLogger(__name__)
+
+_LIVENESS_CHECK_S = 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MultiprocExecutor:
+    """What EngineCore reads of a ModelRunner, backed by `tensor_parallel_size` workers."""
+
+    compiled_decode = None  # CPU decode graphs and speculation run in one process only
+    speculator = None
+
+    def __init__(self, args: EngineArgs) -> None:
+        import multiprocessing
+
+        world_size = args.tensor_parallel_size
+        device = args.resolved_device()
+        if device.type == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs; "
+                             f"this host has {torch.cuda.device_count()}")
+        context = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # Each rank computes on its share of the cores.
+        threads = max(1, torch.get_num_threads() // world_size) if device.type == "cpu" else 1
+        self._connections: list[Connection] = []
+        self._processes = []
+        for rank in range(world_size):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=run_worker, name=f"kvserve-tp-rank-{rank}",
+                args=(args, rank, world_size, init_method, theirs, threads, logging.getLogger().level),
+                daemon=True,
+            )
+            process.start()
+            theirs.close()
+            self._connections.append(ours)
+            self._processes.append(process)
+        weakref.finalize(self, _stop, self._processes, self._connections[0])
+        info = self._wait_ready()
+        self.model_config = info.model_config
+        self.tokenizer = info.tokenizer
+        self.num_blocks = info.num_blocks
+        self.kv_cache_dtype = info.kv_cache_dtype
+        self.attention_backend_name = info.attention_backend_name
+        self.decode_weight_bytes = info.decode_weight_bytes
+        logger.info("tensor parallelism: %d ranks on %s, %d KV blocks on each", world_size, device, self.num_blocks)
+
+    def _wait_ready(self) -> WorkerInfo:
+        """Rank 0's WorkerInfo once every rank is ready; the first rank's error otherwise
+        (the others are stopped: none is left behind)."""
+        replies: dict[int, tuple[str, Any]] = {}
+        try:
+            while len(replies) < len(self._processes):
+                for rank, connection in enumerate(self._connections):
+                    if rank in replies:
+                        continue
+                    if connection.poll(_LIVENESS_CHECK_S / len(self._connections)):
+                        replies[rank] = connection.recv()
+                        if replies[rank][0] == "error":
+                            raise replies[rank][1]
+                    elif not self._processes[rank].is_alive():
+                        raise RuntimeError(f"tensor-parallel rank {rank} exited while starting "
+                                           f"(code {self._processes[rank].exitcode})")
+        except BaseException:
+            _stop(self._processes, self._connections[0])
+            raise
+        return replies[0][1]
+
+    def _receive(self, rank: int) -> tuple[str, Any]:
+        """The next message of rank `rank`, failing loudly if any rank has died."""
+        connection = self._connections[rank]
+        while not connection.poll(_LIVENESS_CHECK_S):
+            if not all(process.is_alive() for process in self._processes):
+                self._raise_dead()
+        try:
+            return connection.recv()
+        except EOFError:
+            self._raise_dead()
+
+    def _raise_dead(self) -> None:
+        for process in self._processes:
+            process.join(timeout=_LIVENESS_CHECK_S)  # a rank its peer's death ends is ending too
+        dead = [f"rank {rank} exited (code {process.exitcode})"
+                for rank, process in enumerate(self._processes) if not process.is_alive()]
+        raise RuntimeError(f"tensor-parallel {'; '.join(dead) or 'rank 0 closed its pipe'}")
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._connections[0].send(("execute", sched))
+        _, output = self._receive(0)
+        return output
+
+    def compile_idle(self) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        _stop(self._processes, self._connections[0])
+
+
+def _stop(processes: list, rank0: Connection) -> None:
+    try:
+        rank0.send(("shutdown", None))
+    except (OSError, ValueError):
+        pass
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=5)

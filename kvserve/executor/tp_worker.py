@@ -1,0 +1,100 @@
+"""One tensor-parallel rank: loads the model, keeps its share (model_executor/
+tensor_parallel.py), and runs every step on it. Rank 0 takes the steps from the driver,
+broadcasts each to the other ranks over the group's gloo channel, and returns the output."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.engine.engine_args import EngineArgs
+from kvserve.logger import configure_logging
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerInfo:
+    """What rank 0 tells the driver once every rank is ready."""
+
+    model_config: ModelConfig  # the whole model's
+    tokenizer: Any
+    num_blocks: int  # the same on every rank
+    kv_cache_dtype: torch.dtype
+    attention_backend_name: str
+    decode_weight_bytes: int  # all ranks together
+
+
+def worker_device(args: EngineArgs, rank: int) -> torch.device:
+    device = args.resolved_device()
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def run_worker(
+    args: EngineArgs, rank: int, world_size: int, init_method: str, connection: Connection,
+    num_threads: int, log_level: int,
+) -> None:
+    configure_logging(log_level)
+    torch.set_num_threads(num_threads)
+    try:
+        runner, group, info = _start(args, rank, world_size, init_method)
+    except BaseException as error:  # reported to the driver, which raises it
+        connection.send(("error", RuntimeError(f"tensor-parallel rank {rank} failed to start: {error!r}")))
+        return
+    connection.send(("ready", info))
+    try:
+        _serve(runner, group, connection if rank == 0 else None)
+    except (EOFError, BrokenPipeError):
+        pass  # the driver is gone
+
+
+def _start(args: EngineArgs, rank: int, world_size: int, init_method: str) -> tuple[Any, Any, WorkerInfo | None]:
+    from kvserve.distributed import parallel_state
+    from kvserve.engine.core import load_engine_model
+    from kvserve.model_executor.model_bytes import weight_bytes_per_step
+    from kvserve.model_executor.model_runner import ModelRunner
+    from kvserve.model_executor.tensor_parallel import shard_model
+
+    device = worker_device(args, rank)
+    parallel_state.init_distributed_environment(world_size, rank, init_method, device)
+    parallel_state.initialize_model_parallel(world_size)
+    group = parallel_state.get_tp_group()
+    loaded = load_engine_model(replace(args, device=str(device)))
+    config = shard_model(loaded.model, group)
+    max_model_len = args.max_model_len or loaded.config.max_position_embeddings
+    runner = ModelRunner(
+        loaded.model, config,
+        CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_bytes(),
+                    gpu_memory_utilization=args.gpu_memory_utilization,
+                    kv_cache_dtype=args.resolved_kv_cache_dtype()),
+        SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.resolved_max_num_batched_tokens(device)),
+        device, args.attention_backend, max_model_len, enforce_eager=True,
+    )
+    # Every rank must hold every block the scheduler hands out: the smallest cache wins.
+    sizes = torch.tensor([runner.num_blocks, weight_bytes_per_step(loaded.model, loaded.config)])
+    dist.all_reduce(sizes[:1], op=dist.ReduceOp.MIN, group=group.cpu_group)
+    dist.all_reduce(sizes[1:], op=dist.ReduceOp.SUM, group=group.cpu_group)
+    num_blocks, weight_bytes = sizes.tolist()
+    runner.resize_kv_cache(num_blocks)
+    info = WorkerInfo(loaded.config, loaded.tokenizer, num_blocks, runner.kv_cache_dtype,
+                      type(runner.attn_backend).__name__, weight_bytes) if rank == 0 else None
+    return runner, group, info
+
+
+def _serve(runner: Any, group: Any, driver: Connection | None) -> None:
+    """Run steps until told to stop; rank 0 (the one with `driver`) relays them."""
+    while True:
+        message = driver.recv() if driver is not None else None
+        kind, sched = group.broadcast_object(message)
+        if kind == "shutdown":
+            return
+        output = runner.execute(sched)
+        if driver is not None:
+            driver.send(("output", output))
