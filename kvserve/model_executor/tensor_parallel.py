@@ -2,7 +2,8 @@
 attention heads and of the MLP's intermediate rows. q/k/v and gate/up are column-parallel
 (this rank's output rows), o_proj and down_proj row-parallel (this rank's input columns,
 one all-reduce each), the embedding and LM head vocab-parallel (vocabulary padded to a
-multiple of 64 per rank, logits gathered). Every rank's KV cache holds its KV heads only.
+multiple of 64 per rank, logits gathered). Every rank's KV cache holds its KV heads only
+(a copy of one, where there are fewer KV heads than ranks, as vLLM does).
 
 The model is loaded whole and then cut down, which needs each rank to hold it once while
 starting; quantized linears and mixtures of experts are not sharded yet."""
@@ -30,11 +31,14 @@ def _divisors(n: int) -> str:
 def check_shardable(config: ModelConfig, tp: int) -> None:
     """Raise naming the value that `tp` ranks cannot split, and what would work."""
     for name, value in (("attention heads", config.num_attention_heads),
-                        ("KV heads", config.num_key_value_heads),
                         ("MLP intermediate rows", config.intermediate_size)):
         if value % tp:
             raise ValueError(f"{value} {name} cannot be split over {tp} ranks; "
                              f"use a tensor_parallel_size among {_divisors(value)}")
+    kv_heads = config.num_key_value_heads
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"{kv_heads} KV heads can be neither split over nor replicated on {tp} ranks; "
+                         f"use a tensor_parallel_size that divides {kv_heads} or is a multiple of it")
     if config.num_experts:
         raise ValueError("tensor parallelism of mixture-of-experts models is not supported yet")
 
@@ -96,11 +100,14 @@ def shard_model(model: nn.Module, group: GroupCoordinator) -> ModelConfig:
     check_shardable(config, tp)
     if model.quantized_lm_head is not None or any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise ValueError("tensor parallelism of quantized models is not supported yet")
-    heads, kv_heads = config.num_attention_heads // tp, config.num_key_value_heads // tp
+    heads = config.num_attention_heads // tp
+    # Fewer KV heads than ranks: each rank keeps a copy of the one its query heads read.
+    kv_heads = max(1, config.num_key_value_heads // tp)
+    first_kv = rank * kv_heads if config.num_key_value_heads >= tp else rank * config.num_key_value_heads // tp
     d = config.head_dim
     q_total, kv_total = config.num_attention_heads * d, config.num_key_value_heads * d
     q_rows = torch.arange(rank * heads * d, (rank + 1) * heads * d)
-    kv_rows = torch.arange(rank * kv_heads * d, (rank + 1) * kv_heads * d)
+    kv_rows = torch.arange(first_kv * d, (first_kv + kv_heads) * d)
     qkv_rows = torch.cat([q_rows, q_total + kv_rows, q_total + kv_total + kv_rows])
     for layer in model.model.layers:
         attn = layer.self_attn

@@ -67,7 +67,11 @@ def test_collectives_on_two_processes(tmp_path):
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
 def tiny_dir(request, tmp_path_factory):
-    model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=request.param))
+    return _save_tiny(tmp_path_factory, tie_word_embeddings=request.param)
+
+
+def _save_tiny(tmp_path_factory, **overrides) -> str:
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
     randomize(model, seed=0)
     directory = str(tmp_path_factory.mktemp("tiny"))
     model.save_pretrained(directory)
@@ -141,12 +145,22 @@ def _replay(rank: int, world_size: int, init_method: str, model_dir: str, num_bl
 
 
 def test_two_ranks_replay_the_unsharded_models_steps(tiny_dir, tmp_path):
+    _replay_matches(tiny_dir, 2, tmp_path)
+
+
+def test_ranks_beyond_the_kv_heads_hold_copies_of_them(tmp_path_factory, tmp_path):
+    # 8 query heads and 2 KV heads over 4 ranks: each KV head lives on two ranks.
+    model_dir = _save_tiny(tmp_path_factory, num_key_value_heads=2, tie_word_embeddings=True)
+    _replay_matches(model_dir, 4, tmp_path)
+
+
+def _replay_matches(tiny_dir: str, world_size: int, tmp_path) -> None:
     steps, expected_logits, expected_tokens, num_blocks = _record(tiny_dir)
     assert any(sched_has_prefix_hit(pickle.loads(s)) for s in steps)
     steps_file, result_file = str(tmp_path / "steps.pkl"), str(tmp_path / "result.pkl")
     with open(steps_file, "wb") as f:
         pickle.dump(steps, f)
-    _spawn(_replay, 2, tiny_dir, num_blocks, steps_file, result_file)
+    _spawn(_replay, world_size, tiny_dir, num_blocks, steps_file, result_file)
     logits, tokens = pickle.loads(open(result_file, "rb").read())
     assert tokens == expected_tokens
     assert len(logits) == len(expected_logits)
@@ -159,6 +173,8 @@ def sched_has_prefix_hit(sched) -> bool:
 
 
 def test_heads_that_do_not_split_are_refused():
+    from dataclasses import replace
+
     from kvserve.config import ModelConfig
     from kvserve.model_executor.tensor_parallel import check_shardable
 
@@ -167,8 +183,9 @@ def test_heads_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match="8 attention heads cannot be split over 3 ranks; use a "
                                          "tensor_parallel_size among 1, 2, 4, 8"):
         check_shardable(config, 3)
-    with pytest.raises(ValueError, match="4 KV heads cannot be split over 8 ranks"):
-        check_shardable(config, 8)
+    with pytest.raises(ValueError, match="4 KV heads can be neither split over nor replicated on 6 ranks"):
+        check_shardable(replace(config, num_attention_heads=12, intermediate_size=96), 6)
+    check_shardable(config, 8)  # 8 query heads, 4 KV heads, each held by two ranks
 
 
 def test_engine_with_two_ranks_generates_the_same_tokens(tiny_dir):
