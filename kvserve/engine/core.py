@@ -171,20 +171,19 @@ class EngineCore:
 
     @staticmethod
     def _tensor_parallel_executor(args: EngineArgs, loaded: LoadedModel | None) -> MultiprocExecutor:
-        """Workers that load and shard the model themselves; what one process alone can do
-        (a model loaded here, speculation, quantized weights) is refused by name."""
+        """Workers that load, shard and quantize the model themselves; what one process
+        alone can do (a model loaded here, speculation, GGUF blocks kept packed) is refused
+        by name."""
         from kvserve.executor.multiproc import MultiprocExecutor
 
         if loaded is not None:
             raise ValueError("tensor_parallel_size > 1: the workers load the model; pass a model path")
         if args.speculative_config is not None:
             raise ValueError("tensor_parallel_size > 1 does not support speculative decoding yet")
-        if args.quantization not in (None, AUTO):
-            raise ValueError(f"tensor_parallel_size > 1 shards dense weights only; quantization="
-                             f"{args.quantization!r} is not supported with it yet")
-        if args.quantization == AUTO:
-            logger.info("quantization=auto with tensor_parallel_size > 1: dense weights (they are sharded)")
-        return MultiprocExecutor(replace(args, quantization=None, compile_decode=False))
+        if args.quantization == "gguf":
+            raise ValueError("tensor_parallel_size > 1 cannot split GGUF blocks kept packed (quantization="
+                             "'gguf'); use auto, int8 or int4, applied on each rank after sharding")
+        return MultiprocExecutor(replace(args, compile_decode=False))
 
     def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | None) -> Speculator:
         if draft is None:

@@ -29,7 +29,9 @@ def _free_port() -> int:
 class MultiprocExecutor:
     """What EngineCore reads of a ModelRunner, backed by `tensor_parallel_size` workers."""
 
-    compiled_decode = None  # CPU decode graphs and speculation run in one process only
+    # CPU decode graphs, CUDA graphs and speculation run in one process only, for now.
+    compiled_decode = None
+    cuda_graphs = None
     speculator = None
 
     def __init__(self, args: EngineArgs) -> None:
@@ -77,7 +79,10 @@ class MultiprocExecutor:
                     if rank in replies:
                         continue
                     if connection.poll(_LIVENESS_CHECK_S / len(self._connections)):
-                        replies[rank] = connection.recv()
+                        try:
+                            replies[rank] = connection.recv()
+                        except EOFError:
+                            self._raise_dead()
                         if replies[rank][0] == "error":
                             raise replies[rank][1]
                     elif not self._processes[rank].is_alive():

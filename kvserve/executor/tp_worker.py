@@ -59,14 +59,16 @@ def _start(args: EngineArgs, rank: int, world_size: int, init_method: str) -> tu
     from kvserve.engine.core import load_engine_model
     from kvserve.model_executor.model_bytes import weight_bytes_per_step
     from kvserve.model_executor.model_runner import ModelRunner
-    from kvserve.model_executor.tensor_parallel import shard_model
+    from kvserve.model_executor.tensor_parallel import quantize_shard, shard_model
+    from kvserve.quantization.cpu_plan import NONE
 
     device = worker_device(args, rank)
     parallel_state.init_distributed_environment(world_size, rank, init_method, device)
     parallel_state.initialize_model_parallel(world_size)
     group = parallel_state.get_tp_group()
-    loaded = load_engine_model(replace(args, device=str(device)))
+    loaded = load_engine_model(replace(args, device=str(device), quantization=NONE, quantization_config=None))
     config = shard_model(loaded.model, group)
+    quantize_shard(loaded, args.quantization, args.quantization_config, device)
     max_model_len = args.max_model_len or loaded.config.max_position_embeddings
     runner = ModelRunner(
         loaded.model, config,

@@ -5,8 +5,9 @@ one all-reduce each), the embedding and LM head vocab-parallel (vocabulary padde
 multiple of 64 per rank, logits gathered). Every rank's KV cache holds its KV heads only
 (a copy of one, where there are fewer KV heads than ranks, as vLLM does).
 
-The model is loaded whole and then cut down, which needs each rank to hold it once while
-starting; quantized linears and mixtures of experts are not sharded yet."""
+The model is loaded whole and dense, cut down, and then quantized on each rank where asked
+(quantize_shard), which needs each rank to hold it once while starting; checkpoints stored
+quantized and mixtures of experts are not sharded yet."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.distributed.parallel_state import GroupCoordinator
-from kvserve.model_executor.layers.linear import Linear, linear
+from kvserve.model_executor.loader import LoadedModel
+from kvserve.model_executor.layers.linear import Linear
 from kvserve.quantization.base import QuantizedLinear
 
 VOCAB_PADDING = 64
@@ -52,16 +54,19 @@ def _dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
     return layer
 
 
-class RowParallelLinear(Linear):
-    """y = sum over ranks of x_rank @ W_rank^T: each rank holds in_features / tp columns."""
+class RowParallel(nn.Module):
+    """y = sum over ranks of x_rank @ W_rank^T: each rank's `linear` holds in_features / tp
+    columns. The linear is a module of its own so that a quantization method applied after
+    sharding swaps it like any other; kernels that would fuse a norm into it do not see
+    through the wrapper, whose all-reduce must come first."""
 
-    def __init__(self, weight: torch.Tensor, group: GroupCoordinator) -> None:
-        super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    def __init__(self, linear: nn.Module, group: GroupCoordinator) -> None:
+        super().__init__()
+        self.linear = linear
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(linear(x, self.weight))
+        return self.group.all_reduce(self.linear(x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -99,7 +104,8 @@ def shard_model(model: nn.Module, group: GroupCoordinator) -> ModelConfig:
     tp, rank = group.world_size, group.rank_in_group
     check_shardable(config, tp)
     if model.quantized_lm_head is not None or any(isinstance(m, QuantizedLinear) for m in model.modules()):
-        raise ValueError("tensor parallelism of quantized models is not supported yet")
+        raise ValueError("a checkpoint stored quantized (GPTQ, AWQ, compressed-tensors, fp8) cannot be "
+                         "sharded yet; load a float checkpoint with --quantization instead")
     heads = config.num_attention_heads // tp
     # Fewer KV heads than ranks: each rank keeps a copy of the one its query heads read.
     kv_heads = max(1, config.num_key_value_heads // tp)
@@ -113,17 +119,30 @@ def shard_model(model: nn.Module, group: GroupCoordinator) -> ModelConfig:
         attn = layer.self_attn
         bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias[qkv_rows]
         attn.qkv_proj = _dense(attn.qkv_proj.weight[qkv_rows], bias)
-        attn.o_proj = RowParallelLinear(attn.o_proj.weight[:, q_rows], group)
+        attn.o_proj = RowParallel(_dense(attn.o_proj.weight[:, q_rows]), group)
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
         attn.q_size, attn.kv_size = heads * d, kv_heads * d
         mlp = layer.mlp
         rows = config.intermediate_size // tp
         ours = torch.arange(rank * rows, (rank + 1) * rows)
         mlp.gate_up_proj = _dense(mlp.gate_up_proj.weight[torch.cat([ours, config.intermediate_size + ours])])
-        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight[:, ours], group)
+        mlp.down_proj = RowParallel(_dense(mlp.down_proj.weight[:, ours]), group)
     embedding, start = _vocab_shard(model.model.embed_tokens.weight, rank, tp)
     model.model.embed_tokens = VocabParallelEmbedding(embedding, start, group)
     if not config.tie_word_embeddings:
         model.lm_head = _dense(_vocab_shard(model.lm_head.weight, rank, tp)[0])
     model.tp_group = group
     return replace(config, num_attention_heads=heads, num_key_value_heads=kv_heads)
+
+
+def quantize_shard(loaded: LoadedModel, quantization: str | None, quantization_config: dict | None,
+                   device: torch.device) -> None:
+    """A rank's share quantized as a whole model would be: `auto` by the CPU plan, a named
+    load-time method by quantize_model (groups run along each shard's own columns)."""
+    from kvserve.quantization import get_quantization_method, quantize_model
+    from kvserve.quantization.cpu_plan import AUTO, apply_plan, resolve_auto_quantization
+
+    if quantization == AUTO:
+        apply_plan(loaded, resolve_auto_quantization(loaded, device))
+    elif quantization is not None:
+        quantize_model(loaded.model, get_quantization_method(quantization, quantization_config))

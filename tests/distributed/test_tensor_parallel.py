@@ -201,12 +201,28 @@ def test_engine_with_two_ranks_generates_the_same_tokens(tiny_dir):
         llm.engine.shutdown()
 
 
+def test_int4_ranks_generate_the_unsharded_int4_models_tokens(tmp_path_factory):
+    # 32-wide groups: every rank's share of o_proj's and down_proj's columns starts on a group
+    # boundary, so the ranks quantize exactly the groups one process would.
+    model_dir = _save_tiny(tmp_path_factory, intermediate_size=128, tie_word_embeddings=False)
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 250 for j in range(4 + 7 * i)]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(dtype="float32", kv_cache_memory="4MiB", quantization="int4",
+                  quantization_config={"group_size": 32})
+    expected = [o.outputs[0].token_ids for o in LLM(model_dir, **kwargs).generate(prompts, params)]
+    llm = LLM(model_dir, tensor_parallel_size=2, **kwargs)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("tiny_dir", [True], indirect=True, ids=["tied"])
 def test_what_one_process_alone_can_do_is_refused_by_name(tiny_dir):
     with pytest.raises(ValueError, match="speculative decoding"):
         LLM(tiny_dir, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="quantization='int8'"):
-        LLM(tiny_dir, tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ValueError, match="quantization='gguf'"):
+        LLM(tiny_dir, tensor_parallel_size=2, quantization="gguf")
     with pytest.raises(RuntimeError, match="rank .* failed to start.*3 ranks"):
         LLM(tiny_dir, tensor_parallel_size=3, dtype="float32")
 
@@ -240,3 +256,17 @@ def test_a_dead_rank_fails_the_step_and_nothing_is_left_behind(tiny_dir):
     engine.shutdown()
     for rank in ranks:
         rank.wait(timeout=15)
+
+
+@pytest.mark.slow
+def test_serve_defaults_on_three_ranks_generate_the_one_process_text():
+    """The embedded GGUF (9 heads, 3 KV heads) with quantization=auto: each rank quantizes
+    its share by the CPU plan (int4 groups of 32 that start on its own columns)."""
+    params = SamplingParams(temperature=0, max_tokens=24)
+    prompts = ["The capital of France is", "Write a haiku about the sea:"]
+    expected = [o.outputs[0].text for o in LLM(kv_cache_memory="64MiB").generate(prompts, params)]
+    llm = LLM(kv_cache_memory="64MiB", tensor_parallel_size=3)
+    try:
+        assert [o.outputs[0].text for o in llm.generate(prompts, params)] == expected
+    finally:
+        llm.engine.shutdown()
