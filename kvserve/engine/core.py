@@ -43,6 +43,7 @@ from kvserve.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from kvserve.executor.multiproc import MultiprocExecutor
+    from kvserve.executor.ray_executor import RayExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -170,12 +171,12 @@ class EngineCore:
         return spec_config, draft, loaded
 
     @staticmethod
-    def _tensor_parallel_executor(args: EngineArgs, loaded: LoadedModel | None) -> MultiprocExecutor:
+    def _tensor_parallel_executor(args: EngineArgs, loaded: LoadedModel | None) -> MultiprocExecutor | RayExecutor:
         """Workers that load, shard and quantize the model themselves; what one process
         alone can do (a model loaded here, speculation, GGUF blocks kept packed) is refused
         by name."""
-        from kvserve.executor.multiproc import MultiprocExecutor
-
+        if args.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray; got {args.distributed_executor_backend!r}")
         if loaded is not None:
             raise ValueError("tensor_parallel_size > 1: the workers load the model; pass a model path")
         if args.speculative_config is not None:
@@ -183,7 +184,14 @@ class EngineCore:
         if args.quantization == "gguf":
             raise ValueError("tensor_parallel_size > 1 cannot split GGUF blocks kept packed (quantization="
                              "'gguf'); use auto, int8 or int4, applied on each rank after sharding")
-        return MultiprocExecutor(replace(args, compile_decode=False))
+        args = replace(args, compile_decode=False)
+        if args.distributed_executor_backend == "ray":
+            from kvserve.executor.ray_executor import RayExecutor
+
+            return RayExecutor(args)
+        from kvserve.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(args)
 
     def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | None) -> Speculator:
         if draft is None:

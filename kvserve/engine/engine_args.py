@@ -68,6 +68,7 @@ class EngineArgs:
     # The engine core (scheduler and model) in a process of its own (core_proc.py).
     multiprocess_engine_core: bool = False
     tensor_parallel_size: int = 1  # worker processes, one per rank (executor/multiproc.py)
+    distributed_executor_backend: str = "mp"  # "mp": processes on this host; "ray": Ray actors
     speculative_config: dict[str, Any] | None = None
 
     def resolved_device(self) -> torch.device:
@@ -252,6 +253,13 @@ class EngineArgs:
             "each takes its share of the cores), Megatron-style: attention heads and MLP rows "
             "per rank, one all-reduce after each attention and MLP. Dense (unquantized) "
             "Llama-family models; no speculative decoding, CUDA graphs or CPU decode graphs yet.",
+        )
+        group.add_argument(
+            "--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+            help="Where the ranks of --tensor-parallel-size run: mp, one process each on this "
+            "host; ray, one Ray actor each on the Ray cluster this machine belongs to (`ray start "
+            "--head`, then `ray start --address HEAD:6379` on the others), so a model can span "
+            "machines.",
         )
         group.add_argument(
             "--multiprocess-engine-core", action=argparse.BooleanOptionalAction, default=False,

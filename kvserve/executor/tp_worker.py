@@ -31,9 +31,10 @@ class WorkerInfo:
     decode_weight_bytes: int  # all ranks together
 
 
-def worker_device(args: EngineArgs, rank: int) -> torch.device:
+def worker_device(args: EngineArgs, gpu_index: int) -> torch.device:
+    """The rank's device: GPU `gpu_index` of those this process sees, or the CPU."""
     device = args.resolved_device()
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    return torch.device("cuda", gpu_index) if device.type == "cuda" else device
 
 
 def run_worker(
@@ -43,7 +44,7 @@ def run_worker(
     configure_logging(log_level)
     torch.set_num_threads(num_threads)
     try:
-        runner, group, info = _start(args, rank, world_size, init_method)
+        runner, group, info = start_rank(args, rank, world_size, init_method, worker_device(args, rank))
     except BaseException as error:  # reported to the driver, which raises it
         connection.send(("error", RuntimeError(f"tensor-parallel rank {rank} failed to start: {error!r}")))
         return
@@ -54,7 +55,10 @@ def run_worker(
         pass  # the driver is gone
 
 
-def _start(args: EngineArgs, rank: int, world_size: int, init_method: str) -> tuple[Any, Any, WorkerInfo | None]:
+def start_rank(
+    args: EngineArgs, rank: int, world_size: int, init_method: str, device: torch.device,
+) -> tuple[Any, Any, WorkerInfo | None]:
+    """Join the group, load, shard and quantize; returns (runner, group, rank 0's info)."""
     from kvserve.distributed import parallel_state
     from kvserve.engine.core import load_engine_model
     from kvserve.model_executor.model_bytes import weight_bytes_per_step
@@ -62,7 +66,6 @@ def _start(args: EngineArgs, rank: int, world_size: int, init_method: str) -> tu
     from kvserve.model_executor.tensor_parallel import quantize_shard, shard_model
     from kvserve.quantization.cpu_plan import NONE
 
-    device = worker_device(args, rank)
     parallel_state.init_distributed_environment(world_size, rank, init_method, device)
     parallel_state.initialize_model_parallel(world_size)
     group = parallel_state.get_tp_group()
