@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     KVSERVE_PDL: bool
     KVSERVE_QUANTIZED_GPU_KERNELS: bool
     KVSERVE_API_KEY: str | None
+    KVSERVE_PP_LAYER_PARTITION: str | None
     KVSERVE_LLAMA_CPP_DIR: Path
     OPENAI_API_KEY: str | None
     TRITON_INTERPRET: bool
@@ -41,6 +42,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "0": quantized linears built while it is set run every CUDA call on the dequantize path
     # instead of kvserve's kernels (the reference those are tested against).
     "KVSERVE_QUANTIZED_GPU_KERNELS": lambda: os.environ.get("KVSERVE_QUANTIZED_GPU_KERNELS", "1") != "0",
+    # Layers per pipeline stage, comma-separated ("12,10,10"), instead of an even split.
+    "KVSERVE_PP_LAYER_PARTITION": lambda: os.environ.get("KVSERVE_PP_LAYER_PARTITION"),
     # The key `kvserve serve` requires of clients (its --api-key default); unset: none.
     "KVSERVE_API_KEY": lambda: os.environ.get("KVSERVE_API_KEY"),
     # Where `kvserve bench cpu-compare` builds and keeps llama.cpp's llama-server; default

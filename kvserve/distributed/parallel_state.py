@@ -41,6 +41,19 @@ class GroupCoordinator:
         dist.all_gather(parts, x.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=dim)
 
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    def send_to_next(self, x: torch.Tensor) -> None:
+        """To the next rank of the group (pipeline stages pass the residual stream on)."""
+        dist.send(x.contiguous(), self.ranks[self.rank_in_group + 1], group=self.device_group)
+
+    def recv_from_previous(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, self.ranks[self.rank_in_group - 1], group=self.device_group)
+        return x
+
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """`obj` from rank `src` of the group (pickled once, sent as one byte tensor)."""
         if self.world_size == 1:
@@ -60,10 +73,20 @@ class GroupCoordinator:
 
 
 _TP = GroupCoordinator()
+_PP = GroupCoordinator()
+_WORLD = GroupCoordinator()
 
 
 def get_tp_group() -> GroupCoordinator:
     return _TP
+
+
+def get_pp_group() -> GroupCoordinator:
+    return _PP
+
+
+def get_world_group() -> GroupCoordinator:
+    return _WORLD
 
 
 def init_distributed_environment(world_size: int, rank: int, init_method: str, device: torch.device) -> None:
@@ -74,23 +97,38 @@ def init_distributed_environment(world_size: int, rank: int, init_method: str, d
     dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank)
 
 
-def initialize_model_parallel(tensor_parallel_size: int) -> None:
-    """Tensor-parallel groups of consecutive ranks. Every rank builds every group, as
-    torch.distributed requires, and keeps its own."""
-    global _TP
+def initialize_model_parallel(tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
+    """Rank r is tensor-parallel rank r % tp of pipeline stage r // tp: a stage's ranks are
+    consecutive (on one host, NVLink apart), and pipeline groups join rank i of every stage.
+    Every rank builds every group, as torch.distributed requires, and keeps its own."""
+    global _TP, _PP, _WORLD
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    if world_size % tensor_parallel_size:
-        raise ValueError(f"{world_size} processes cannot form groups of tensor_parallel_size={tensor_parallel_size}")
-    for start in range(0, world_size, tensor_parallel_size):
-        ranks = tuple(range(start, start + tensor_parallel_size))
-        device_group = dist.new_group(list(ranks))
-        cpu_group = dist.new_group(list(ranks), backend="gloo") if dist.get_backend() != "gloo" else device_group
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    if world_size != tp * pp:
+        raise ValueError(f"{world_size} processes are not tensor_parallel_size x pipeline_parallel_size = {tp} x {pp}")
+    gloo = dist.get_backend() == "gloo"
+    _WORLD = _coordinator(tuple(range(world_size)), rank, gloo)
+    for stage in range(pp):
+        ranks = tuple(range(stage * tp, (stage + 1) * tp))
+        group = _coordinator(ranks, rank, gloo)
         if rank in ranks:
-            _TP = GroupCoordinator(ranks.index(rank), tensor_parallel_size, device_group, cpu_group, ranks)
+            _TP = group
+    for index in range(tp):
+        ranks = tuple(range(index, world_size, tp))
+        group = _coordinator(ranks, rank, gloo)
+        if rank in ranks:
+            _PP = group
+
+
+def _coordinator(ranks: tuple[int, ...], rank: int, gloo: bool) -> GroupCoordinator:
+    device_group = dist.new_group(list(ranks))
+    cpu_group = device_group if gloo else dist.new_group(list(ranks), backend="gloo")
+    index = ranks.index(rank) if rank in ranks else 0
+    return GroupCoordinator(index, len(ranks), device_group, cpu_group, ranks)
 
 
 def destroy_model_parallel() -> None:
-    global _TP
-    _TP = GroupCoordinator()
+    global _TP, _PP, _WORLD
+    _TP, _PP, _WORLD = GroupCoordinator(), GroupCoordinator(), GroupCoordinator()
     if dist.is_initialized():
         dist.destroy_process_group()

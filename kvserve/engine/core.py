@@ -106,8 +106,8 @@ class EngineCore:
             policy=args.scheduling_policy,
         )
         spec_config = draft = None
-        if args.tensor_parallel_size > 1:
-            self.runner = self._tensor_parallel_executor(args, loaded)
+        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+            self.runner = self._parallel_executor(args, loaded)
             self.model_config, self.tokenizer = self.runner.model_config, self.runner.tokenizer
             self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         else:
@@ -136,7 +136,7 @@ class EngineCore:
             self.spec_decode_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}
         self.overlap_scheduling = (args.resolved_overlap_scheduling(self.device) and spec_config is None
-                                   and args.tensor_parallel_size == 1)
+                                   and args.tensor_parallel_size * args.pipeline_parallel_size == 1)
         self._inflight: list[Sequence] | None = None  # a launched step's sequences, unread
         self.num_steps_ahead = 0
         logger.info(
@@ -171,19 +171,22 @@ class EngineCore:
         return spec_config, draft, loaded
 
     @staticmethod
-    def _tensor_parallel_executor(args: EngineArgs, loaded: LoadedModel | None) -> MultiprocExecutor | RayExecutor:
+    def _parallel_executor(args: EngineArgs, loaded: LoadedModel | None) -> MultiprocExecutor | RayExecutor:
         """Workers that load, shard and quantize the model themselves; what one process
         alone can do (a model loaded here, speculation, GGUF blocks kept packed) is refused
         by name."""
         if args.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be mp or ray; got {args.distributed_executor_backend!r}")
         if loaded is not None:
-            raise ValueError("tensor_parallel_size > 1: the workers load the model; pass a model path")
+            raise ValueError("tensor or pipeline parallelism: the workers load the model; pass a model path")
         if args.speculative_config is not None:
-            raise ValueError("tensor_parallel_size > 1 does not support speculative decoding yet")
+            raise ValueError("tensor or pipeline parallelism does not support speculative decoding yet")
         if args.quantization == "gguf":
-            raise ValueError("tensor_parallel_size > 1 cannot split GGUF blocks kept packed (quantization="
+            raise ValueError("tensor or pipeline parallelism cannot split GGUF blocks kept packed (quantization="
                              "'gguf'); use auto, int8 or int4, applied on each rank after sharding")
+        if args.pipeline_parallel_size > 1 and args.kv_cache_dtype != "auto":
+            raise ValueError("pipeline parallelism does not support a float8 KV cache yet (its scales are "
+                             "measured by a forward pass of one process)")
         args = replace(args, compile_decode=False)
         if args.distributed_executor_backend == "ray":
             from kvserve.executor.ray_executor import RayExecutor

@@ -68,6 +68,7 @@ class EngineArgs:
     # The engine core (scheduler and model) in a process of its own (core_proc.py).
     multiprocess_engine_core: bool = False
     tensor_parallel_size: int = 1  # worker processes, one per rank (executor/multiproc.py)
+    pipeline_parallel_size: int = 1  # stages of consecutive layers, each tensor_parallel_size ranks
     distributed_executor_backend: str = "mp"  # "mp": processes on this host; "ray": Ray actors
     speculative_config: dict[str, Any] | None = None
 
@@ -253,6 +254,13 @@ class EngineArgs:
             "each takes its share of the cores), Megatron-style: attention heads and MLP rows "
             "per rank, one all-reduce after each attention and MLP. Dense (unquantized) "
             "Llama-family models; no speculative decoding, CUDA graphs or CPU decode graphs yet.",
+        )
+        group.add_argument(
+            "--pipeline-parallel-size", "-pp", type=int, default=1,
+            help="Split the decoder layers into this many stages of consecutive layers (an even "
+            "split, or KVSERVE_PP_LAYER_PARTITION's counts), each of --tensor-parallel-size "
+            "ranks; the first stage holds the embedding, the last the norm and LM head. One batch "
+            "is in flight at a time for now.",
         )
         group.add_argument(
             "--distributed-executor-backend", default="mp", choices=["mp", "ray"],

@@ -1,5 +1,6 @@
-"""Tensor parallelism on this host: one worker process per rank (tp_worker.py), spawned at
-start. The engine core hands it steps as it would a ModelRunner; rank 0 answers."""
+"""Tensor and pipeline parallelism on this host: one worker process per rank (tp_worker.py),
+spawned at start. The engine core hands it steps as it would a ModelRunner; rank 0 takes
+them, the first rank of the last stage answers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from kvserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.engine.engine_args import EngineArgs
-from kvserve.executor.tp_worker import WorkerInfo, run_worker
+from kvserve.executor.tp_worker import WorkerInfo, output_rank, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ def _free_port() -> int:
 
 
 class MultiprocExecutor:
-    """What EngineCore reads of a ModelRunner, backed by `tensor_parallel_size` workers."""
+    """What EngineCore reads of a ModelRunner, backed by tensor x pipeline parallel workers."""
 
     # CPU decode graphs, CUDA graphs and speculation run in one process only, for now.
     compiled_decode = None
@@ -37,10 +38,11 @@ class MultiprocExecutor:
     def __init__(self, args: EngineArgs) -> None:
         import multiprocessing
 
-        world_size = args.tensor_parallel_size
+        world_size = args.tensor_parallel_size * args.pipeline_parallel_size
+        self._output_rank = output_rank(args)
         device = args.resolved_device()
         if device.type == "cuda" and torch.cuda.device_count() < world_size:
-            raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs; "
+            raise ValueError(f"{world_size} ranks (tensor x pipeline parallel) need {world_size} GPUs; "
                              f"this host has {torch.cuda.device_count()}")
         context = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -67,7 +69,9 @@ class MultiprocExecutor:
         self.kv_cache_dtype = info.kv_cache_dtype
         self.attention_backend_name = info.attention_backend_name
         self.decode_weight_bytes = info.decode_weight_bytes
-        logger.info("tensor parallelism: %d ranks on %s, %d KV blocks on each", world_size, device, self.num_blocks)
+        logger.info("tensor parallelism: %d ranks, pipeline parallelism: %d stages (%d processes on %s), "
+                    "%d KV blocks on each", args.tensor_parallel_size, args.pipeline_parallel_size,
+                    world_size, device, self.num_blocks)
 
     def _wait_ready(self) -> WorkerInfo:
         """Rank 0's WorkerInfo once every rank is ready; the first rank's error otherwise
@@ -113,7 +117,7 @@ class MultiprocExecutor:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._connections[0].send(("execute", sched))
-        _, output = self._receive(0)
+        _, output = self._receive(self._output_rank)
         return output
 
     def compile_idle(self) -> bool:

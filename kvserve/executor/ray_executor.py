@@ -1,9 +1,9 @@
-"""Tensor parallelism over a Ray cluster: one actor per rank, placed by Ray on any node
+"""Tensor and pipeline parallelism over a Ray cluster: one actor per rank, placed by Ray on any node
 (one GPU each on GPUs), so one model can span machines. Start the cluster with
 `ray start --head` on one machine and `ray start --address HEAD:6379` on the others; kvserve
 joins it with `ray.init(address="auto")` (or uses the Ray runtime already started in this
-process). Every rank receives each step from the object store and runs it; rank 0's output
-is the step's."""
+process). Every rank receives each step from the object store and runs it; the output of
+the first rank of the last stage is the step's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from kvserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.engine.engine_args import EngineArgs
-from kvserve.executor.tp_worker import WorkerInfo, start_rank, worker_device
+from kvserve.executor.tp_worker import WorkerInfo, output_rank, start_rank, worker_device
 from kvserve.logger import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def _connect() -> Any:
 
 
 class RayExecutor:
-    """What EngineCore reads of a ModelRunner, backed by `tensor_parallel_size` Ray actors."""
+    """What EngineCore reads of a ModelRunner, backed by one Ray actor per rank."""
 
     compiled_decode = None
     cuda_graphs = None
@@ -71,7 +71,8 @@ class RayExecutor:
     def __init__(self, args: EngineArgs) -> None:
         ray = _connect()
         self._ray = ray
-        world_size = args.tensor_parallel_size
+        world_size = args.tensor_parallel_size * args.pipeline_parallel_size
+        self._output_rank = output_rank(args)
         gpus = 1 if args.resolved_device().type == "cuda" else 0
         actor = ray.remote(num_cpus=0 if gpus else 1, num_gpus=gpus)(RayWorker)
         self._workers = [actor.remote(1, logging.getLogger().level) for _ in range(world_size)]
@@ -109,7 +110,7 @@ class RayExecutor:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         step = self._ray.put(sched)
-        return self._get([worker.execute.remote(step) for worker in self._workers])[0]
+        return self._get([worker.execute.remote(step) for worker in self._workers])[self._output_rank]
 
     def compile_idle(self) -> bool:
         return False

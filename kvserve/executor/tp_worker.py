@@ -1,6 +1,7 @@
-"""One tensor-parallel rank: loads the model, keeps its share (model_executor/
-tensor_parallel.py), and runs every step on it. Rank 0 takes the steps from the driver,
-broadcasts each to the other ranks over the group's gloo channel, and returns the output."""
+"""One rank of tensor and pipeline parallelism: loads the model, keeps its stage's layers
+(model_executor/pipeline_parallel.py) and its share of them (tensor_parallel.py), and runs
+every step on it. Rank 0 takes the steps from the driver and broadcasts each to every rank
+over gloo; the first rank of the last stage returns the output."""
 
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ def worker_device(args: EngineArgs, gpu_index: int) -> torch.device:
     return torch.device("cuda", gpu_index) if device.type == "cuda" else device
 
 
+def output_rank(args: EngineArgs) -> int:
+    """The rank that returns each step's output: the first of the last stage."""
+    return (args.pipeline_parallel_size - 1) * args.tensor_parallel_size
+
+
 def run_worker(
     args: EngineArgs, rank: int, world_size: int, init_method: str, connection: Connection,
     num_threads: int, log_level: int,
@@ -50,7 +56,7 @@ def run_worker(
         return
     connection.send(("ready", info))
     try:
-        _serve(runner, group, connection if rank == 0 else None)
+        _serve(runner, group, connection, rank == 0, rank == output_rank(args))
     except (EOFError, BrokenPipeError):
         pass  # the driver is gone
 
@@ -63,14 +69,21 @@ def start_rank(
     from kvserve.engine.core import load_engine_model
     from kvserve.model_executor.model_bytes import weight_bytes_per_step
     from kvserve.model_executor.model_runner import ModelRunner
+    from kvserve.model_executor.pipeline_parallel import keep_stage
     from kvserve.model_executor.tensor_parallel import quantize_shard, shard_model
     from kvserve.quantization.cpu_plan import NONE
 
     parallel_state.init_distributed_environment(world_size, rank, init_method, device)
-    parallel_state.initialize_model_parallel(world_size)
-    group = parallel_state.get_tp_group()
+    parallel_state.initialize_model_parallel(args.tensor_parallel_size, args.pipeline_parallel_size)
+    world = parallel_state.get_world_group()
     loaded = load_engine_model(replace(args, device=str(device), quantization=NONE, quantization_config=None))
-    config = shard_model(loaded.model, group)
+    config = loaded.config
+    if args.pipeline_parallel_size > 1:
+        config = keep_stage(loaded.model, parallel_state.get_pp_group())
+    if args.tensor_parallel_size > 1:
+        heads = shard_model(loaded.model, parallel_state.get_tp_group())
+        config = replace(config, num_attention_heads=heads.num_attention_heads,
+                         num_key_value_heads=heads.num_key_value_heads)
     quantize_shard(loaded, args.quantization, args.quantization_config, device)
     max_model_len = args.max_model_len or loaded.config.max_position_embeddings
     runner = ModelRunner(
@@ -84,22 +97,22 @@ def start_rank(
     )
     # Every rank must hold every block the scheduler hands out: the smallest cache wins.
     sizes = torch.tensor([runner.num_blocks, weight_bytes_per_step(loaded.model, loaded.config)])
-    dist.all_reduce(sizes[:1], op=dist.ReduceOp.MIN, group=group.cpu_group)
-    dist.all_reduce(sizes[1:], op=dist.ReduceOp.SUM, group=group.cpu_group)
+    dist.all_reduce(sizes[:1], op=dist.ReduceOp.MIN, group=world.cpu_group)
+    dist.all_reduce(sizes[1:], op=dist.ReduceOp.SUM, group=world.cpu_group)
     num_blocks, weight_bytes = sizes.tolist()
     runner.resize_kv_cache(num_blocks)
     info = WorkerInfo(loaded.config, loaded.tokenizer, num_blocks, runner.kv_cache_dtype,
                       type(runner.attn_backend).__name__, weight_bytes) if rank == 0 else None
-    return runner, group, info
+    return runner, world, info
 
 
-def _serve(runner: Any, group: Any, driver: Connection | None) -> None:
-    """Run steps until told to stop; rank 0 (the one with `driver`) relays them."""
+def _serve(runner: Any, world: Any, driver: Connection, relays: bool, answers: bool) -> None:
+    """Run steps until told to stop; the rank that `relays` takes them from the driver,
+    the one that `answers` returns their outputs."""
     while True:
-        message = driver.recv() if driver is not None else None
-        kind, sched = group.broadcast_object(message)
+        kind, sched = world.broadcast_object(driver.recv() if relays else None)
         if kind == "shutdown":
             return
         output = runner.execute(sched)
-        if driver is not None:
+        if answers:
             driver.send(("output", output))

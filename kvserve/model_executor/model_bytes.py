@@ -12,8 +12,9 @@ def weight_bytes_per_step(model: torch.nn.Module, config: ModelConfig) -> int:
     of which a step only gathers one row per token, and a float LM head that a quantized copy
     replaces in decode steps (it serves the larger inputs). Counts quantized weights as stored."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    if not config.tie_word_embeddings:
-        tensors.pop(id(model.model.embed_tokens.weight))
+    embedding = model.model.embed_tokens  # None on a pipeline stage without it
+    if not config.tie_word_embeddings and embedding is not None:
+        tensors.pop(id(embedding.weight))
     if getattr(model, "quantized_lm_head", None) is not None:
-        tensors.pop(id(model.model.embed_tokens.weight if config.tie_word_embeddings else model.lm_head.weight))
+        tensors.pop(id(embedding.weight if config.tie_word_embeddings else model.lm_head.weight))
     return sum(t.numel() * t.element_size() for t in tensors.values())

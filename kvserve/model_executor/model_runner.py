@@ -301,7 +301,8 @@ class ModelRunner:
         )
         hidden = self.model(input_ids, positions, caches, metadata)
         num_sampled = min(self.scheduler_config.max_num_seqs, num_tokens)
-        self.model.compute_logits(hidden[:num_sampled])
+        if self.model.is_last_stage:
+            self.model.compute_logits(hidden[:num_sampled])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         cache_bytes = sum(cache.numel() * cache.element_size() for cache in caches)
@@ -530,6 +531,8 @@ class ModelRunner:
             hidden = self.compiled_decode.forward(input_ids_t, rope_positions_t, metadata)
         else:
             hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata)
+        if not self.model.is_last_stage:  # a pipeline stage that hands its hidden states on
+            return StepLogits(hidden.new_empty(0, 0), [], [], [])
         sample_logits = self.model.compute_logits(hidden[sample_indices])
         prompt_logits = [
             (seq_id, self.model.compute_logits(hidden[flat : flat + count]), pos + 1)

@@ -127,9 +127,10 @@ def shard_model(model: nn.Module, group: GroupCoordinator) -> ModelConfig:
         ours = torch.arange(rank * rows, (rank + 1) * rows)
         mlp.gate_up_proj = _dense(mlp.gate_up_proj.weight[torch.cat([ours, config.intermediate_size + ours])])
         mlp.down_proj = RowParallel(_dense(mlp.down_proj.weight[:, ours]), group)
-    embedding, start = _vocab_shard(model.model.embed_tokens.weight, rank, tp)
-    model.model.embed_tokens = VocabParallelEmbedding(embedding, start, group)
-    if not config.tie_word_embeddings:
+    if model.model.embed_tokens is not None:  # a pipeline stage may hold neither
+        embedding, start = _vocab_shard(model.model.embed_tokens.weight, rank, tp)
+        model.model.embed_tokens = VocabParallelEmbedding(embedding, start, group)
+    if not config.tie_word_embeddings and model.lm_head is not None:
         model.lm_head = _dense(_vocab_shard(model.lm_head.weight, rank, tp)[0])
     model.tp_group = group
     return replace(config, num_attention_heads=heads, num_key_value_heads=kv_heads)

@@ -139,6 +139,13 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.hidden_size, self.dtype = config.hidden_size, config.dtype
+        # Set by pipeline_parallel.keep_stage: this stage runs only its own layers.
+        self.pp_group: GroupCoordinator | None = None
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_group is None or self.pp_group.is_last_rank
 
     def forward(
         self,
@@ -147,10 +154,17 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        """The final norm's output; a pipeline stage other than the last sends its residual
+        stream to the next stage instead (and returns it)."""
         cos, sin = self.rotary.cos_sin(positions)
-        residual = self.embed_tokens(input_ids)
+        pp = self.pp_group
+        if pp is None or pp.is_first_rank:
+            residual = self.embed_tokens(input_ids)
+        else:
+            residual = pp.recv_from_previous((positions.shape[0], self.hidden_size), self.dtype, positions.device)
         hidden_states = self.layers[0].input_layernorm(residual)
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        last_norm = self.norm if self.is_last_stage else _StageEnd()
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [last_norm]
         next_linears = [layer.self_attn.qkv_proj for layer in self.layers[1:]] + [None]
         for layer, next_norm, next_linear, kv_cache in zip(
             self.layers, next_norms, next_linears, kv_caches, strict=True
@@ -158,7 +172,20 @@ class LlamaModel(nn.Module):
             hidden_states, residual = layer(
                 hidden_states, residual, next_norm, next_linear, cos, sin, kv_cache, attn_metadata
             )
+        if not self.is_last_stage:
+            pp.send_to_next(residual)
         return hidden_states
+
+
+class _StageEnd:
+    """Where a pipeline stage's last layer would apply the next layer's norm: only the
+    residual add (the next stage norms what it receives)."""
+
+    @staticmethod
+    def add_after(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                  consumer: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + linear(x)
+        return residual, residual
 
 
 # Our fused linears -> the Hugging Face linears stacked into them (by output rows), in order.
@@ -189,6 +216,11 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this process computes logits (pipeline parallelism: the last stage)."""
+        return self.model.is_last_stage
 
     @property
     def graph_capturable(self) -> bool:

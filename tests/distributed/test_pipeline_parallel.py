@@ -1,0 +1,42 @@
+"""Pipeline parallelism on real gloo process groups: stages of consecutive layers generate
+the one-process tokens, alone and with tensor parallelism inside every stage."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.model_executor.pipeline_parallel import stage_layers
+from tests.distributed.test_tensor_parallel import _save_tiny
+
+
+def test_stage_layers_split_evenly_or_as_told(monkeypatch):
+    assert stage_layers(32, 4) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert stage_layers(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    monkeypatch.setenv("KVSERVE_PP_LAYER_PARTITION", "1,4,2")
+    assert stage_layers(7, 3) == [(0, 1), (1, 5), (5, 7)]
+    monkeypatch.setenv("KVSERVE_PP_LAYER_PARTITION", "4,4")
+    with pytest.raises(ValueError, match="needs 2 positive layer counts that add up to the model's 7 layers"):
+        stage_layers(7, 2)
+    monkeypatch.delenv("KVSERVE_PP_LAYER_PARTITION")
+    with pytest.raises(ValueError, match="pipeline_parallel_size=8 exceeds the model's 7 layers"):
+        stage_layers(7, 8)
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize(("tied", "tp", "pp"), [(True, 1, 2), (False, 1, 3), (False, 2, 2)],
+                         ids=["tied-pp2", "untied-pp3", "tp2-pp2"])
+def test_stages_generate_the_one_process_tokens(tmp_path_factory, tied, tp, pp):
+    model_dir = _save_tiny(tmp_path_factory, num_hidden_layers=3, tie_word_embeddings=tied)
+    prompts = [{"prompt_token_ids": [(11 * i + j) % 250 for j in range(5 + 8 * i)]} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kwargs = dict(dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=32)
+    expected = _tokens(LLM(model_dir, **kwargs), prompts, params)
+    llm = LLM(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **kwargs)
+    try:
+        assert _tokens(llm, prompts, params) == expected
+    finally:
+        llm.engine.shutdown()
