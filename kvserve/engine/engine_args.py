@@ -69,6 +69,7 @@ class EngineArgs:
     multiprocess_engine_core: bool = False
     tensor_parallel_size: int = 1  # worker processes, one per rank (executor/multiproc.py)
     pipeline_parallel_size: int = 1  # stages of consecutive layers, each tensor_parallel_size ranks
+    enable_expert_parallel: bool = False  # mixtures of experts: whole experts per rank
     distributed_executor_backend: str = "mp"  # "mp": processes on this host; "ray": Ray actors
     speculative_config: dict[str, Any] | None = None
 
@@ -261,6 +262,12 @@ class EngineArgs:
             "split, or KVSERVE_PP_LAYER_PARTITION's counts), each of --tensor-parallel-size "
             "ranks; the first stage holds the embedding, the last the norm and LM head. One batch "
             "is in flight at a time for now.",
+        )
+        group.add_argument(
+            "--enable-expert-parallel", action="store_true",
+            help="With --tensor-parallel-size N on a mixture of experts (Mixtral, Qwen2-MoE, "
+            "Qwen3-MoE): each rank holds 1/N of the experts whole instead of 1/N of every "
+            "expert's rows; each token's expert outputs are summed over the ranks.",
         )
         group.add_argument(
             "--distributed-executor-backend", default="mp", choices=["mp", "ray"],

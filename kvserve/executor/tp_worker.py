@@ -81,7 +81,7 @@ def start_rank(
     if args.pipeline_parallel_size > 1:
         config = keep_stage(loaded.model, parallel_state.get_pp_group())
     if args.tensor_parallel_size > 1:
-        heads = shard_model(loaded.model, parallel_state.get_tp_group())
+        heads = shard_model(loaded.model, parallel_state.get_tp_group(), args.enable_expert_parallel)
         config = replace(config, num_attention_heads=heads.num_attention_heads,
                          num_key_value_heads=heads.num_key_value_heads)
     quantize_shard(loaded, args.quantization, args.quantization_config, device)

@@ -7,7 +7,8 @@ multiple of 64 per rank, logits gathered). Every rank's KV cache holds its KV he
 
 The model is loaded whole and dense, cut down, and then quantized on each rank where asked
 (quantize_shard), which needs each rank to hold it once while starting; checkpoints stored
-quantized and mixtures of experts are not sharded yet."""
+quantized are not sharded yet. A mixture of experts splits every expert's rows, or with
+expert parallelism gives each rank whole experts; either way one all-reduce sums the layer."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from kvserve.config import ModelConfig
 from kvserve.distributed.parallel_state import GroupCoordinator
 from kvserve.model_executor.loader import LoadedModel
 from kvserve.model_executor.layers.linear import Linear
+from kvserve.model_executor.layers.mlp import GatedMLP
+from kvserve.model_executor.layers.moe import SparseMoE
 from kvserve.quantization.base import QuantizedLinear
 
 VOCAB_PADDING = 64
@@ -30,10 +33,17 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def check_shardable(config: ModelConfig, tp: int) -> None:
+def check_shardable(config: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
     """Raise naming the value that `tp` ranks cannot split, and what would work."""
-    for name, value in (("attention heads", config.num_attention_heads),
-                        ("MLP intermediate rows", config.intermediate_size)):
+    sizes = [("attention heads", config.num_attention_heads)]
+    if not config.num_experts or config.dense_mlp_layers:
+        sizes.append(("MLP intermediate rows", config.intermediate_size))
+    if config.num_experts:
+        sizes.append(("experts", config.num_experts) if expert_parallel
+                     else ("expert intermediate rows", config.moe_intermediate_size))
+    if config.shared_expert_intermediate_size:
+        sizes.append(("shared-expert intermediate rows", config.shared_expert_intermediate_size))
+    for name, value in sizes:
         if value % tp:
             raise ValueError(f"{value} {name} cannot be split over {tp} ranks; "
                              f"use a tensor_parallel_size among {_divisors(value)}")
@@ -41,8 +51,6 @@ def check_shardable(config: ModelConfig, tp: int) -> None:
     if kv_heads % tp and tp % kv_heads:
         raise ValueError(f"{kv_heads} KV heads can be neither split over nor replicated on {tp} ranks; "
                          f"use a tensor_parallel_size that divides {kv_heads} or is a multiple of it")
-    if config.num_experts:
-        raise ValueError("tensor parallelism of mixture-of-experts models is not supported yet")
 
 
 def _dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
@@ -96,13 +104,44 @@ def _vocab_shard(weight: torch.Tensor, rank: int, tp: int) -> tuple[torch.Tensor
     return rows, start
 
 
+def _shard_rows(mlp: GatedMLP, rank: int, tp: int, group: GroupCoordinator | None) -> None:
+    """This rank's share of a gated MLP's intermediate rows; its down_proj all-reduces over
+    `group` (None: the caller sums, as a mixture of experts does once for all of them)."""
+    total = mlp.gate_up_proj.out_features // 2
+    rows = total // tp
+    ours = torch.arange(rank * rows, (rank + 1) * rows)
+    mlp.gate_up_proj = _dense(mlp.gate_up_proj.weight[torch.cat([ours, total + ours])])
+    down = _dense(mlp.down_proj.weight[:, ours])
+    mlp.down_proj = down if group is None else RowParallel(down, group)
+
+
+def _shard_experts(moe: SparseMoE, group: GroupCoordinator, expert_parallel: bool) -> None:
+    """Tensor parallel: a share of every expert's rows. Expert parallel: whole experts, a
+    contiguous 1/tp of them per rank (the router stays whole: every rank routes every
+    token). Either way the shared expert's rows are split and the layer sums its output
+    over the group once."""
+    tp, rank = group.world_size, group.rank_in_group
+    if expert_parallel:
+        per_rank = len(moe.experts) // tp
+        for index in range(len(moe.experts)):
+            if index // per_rank != rank:
+                moe.experts[index] = None
+    else:
+        for expert in moe.experts:
+            _shard_rows(expert, rank, tp, None)
+    if hasattr(moe, "shared_expert"):
+        _shard_rows(moe.shared_expert, rank, tp, None)
+    moe.tp_group = group
+
+
 @torch.no_grad()
-def shard_model(model: nn.Module, group: GroupCoordinator) -> ModelConfig:
+def shard_model(model: nn.Module, group: GroupCoordinator, expert_parallel: bool = False) -> ModelConfig:
     """Cut a loaded LlamaForCausalLM down to this rank's share, in place; returns the rank's
-    config (its heads: what its KV cache holds)."""
+    config (its heads: what its KV cache holds). `expert_parallel`: a mixture of experts'
+    layers keep whole experts per rank instead of a share of each."""
     config: ModelConfig = model.config
     tp, rank = group.world_size, group.rank_in_group
-    check_shardable(config, tp)
+    check_shardable(config, tp, expert_parallel)
     if model.quantized_lm_head is not None or any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise ValueError("a checkpoint stored quantized (GPTQ, AWQ, compressed-tensors, fp8) cannot be "
                          "sharded yet; load a float checkpoint with --quantization instead")
@@ -122,11 +161,11 @@ def shard_model(model: nn.Module, group: GroupCoordinator) -> ModelConfig:
         attn.o_proj = RowParallel(_dense(attn.o_proj.weight[:, q_rows]), group)
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
         attn.q_size, attn.kv_size = heads * d, kv_heads * d
-        mlp = layer.mlp
-        rows = config.intermediate_size // tp
-        ours = torch.arange(rank * rows, (rank + 1) * rows)
-        mlp.gate_up_proj = _dense(mlp.gate_up_proj.weight[torch.cat([ours, config.intermediate_size + ours])])
-        mlp.down_proj = RowParallel(_dense(mlp.down_proj.weight[:, ours]), group)
+        mlp = getattr(layer, layer.mlp_name)
+        if isinstance(mlp, SparseMoE):
+            _shard_experts(mlp, group, expert_parallel)
+        else:
+            _shard_rows(mlp, rank, tp, group)
     if model.model.embed_tokens is not None:  # a pipeline stage may hold neither
         embedding, start = _vocab_shard(model.model.embed_tokens.weight, rank, tp)
         model.model.embed_tokens = VocabParallelEmbedding(embedding, start, group)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.distributed.parallel_state import GroupCoordinator
 from kvserve.model_executor.layers.mlp import GatedMLP
 
 
@@ -43,6 +44,10 @@ class SparseMoE(nn.Module):
         if shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = Router(hidden_size, 1)
+        # Set by tensor_parallel.shard_model: this rank computes a part of every token's
+        # output (a share of each expert's rows, or whole experts of its own, the others
+        # None), and the parts are summed over the group.
+        self.tp_group: GroupCoordinator | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -57,11 +62,11 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         start = 0
         for expert, count in zip(self.experts, counts):
-            if count:
+            if count and expert is not None:
                 rows = tokens[start : start + count]
                 y = expert.output(x[rows]) * weights[start : start + count, None]
                 out.index_add_(0, rows, y.to(out.dtype))
-                start += count
+            start += count
         if hasattr(self, "shared_expert"):
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.output(x)
-        return out
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)
