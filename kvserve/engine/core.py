@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Below this hidden size a layer's matmuls are too small for splitting them to pay for the
+# all-reduces (vLLM's users report TP slower than one GPU for such models).
+SMALL_FOR_TENSOR_PARALLEL = 2048
+
 
 def load_engine_model(args: EngineArgs) -> LoadedModel:
     """The model as an engine built from `args` runs it: loaded, and quantized as
@@ -109,6 +113,11 @@ class EngineCore:
         if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
             self.runner = self._parallel_executor(args, loaded)
             self.model_config, self.tokenizer = self.runner.model_config, self.runner.tokenizer
+            if args.tensor_parallel_size > 1 and self.model_config.hidden_size < SMALL_FOR_TENSOR_PARALLEL:
+                logger.warning(
+                    "tensor parallelism on a model this small (hidden size %d) likely runs slower than one "
+                    "device: each layer waits on two all-reduces that cost more than its share of the "
+                    "work saves", self.model_config.hidden_size)
             self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         else:
             spec_config, draft, loaded = self._load(args, loaded, dtype)

@@ -20,8 +20,12 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
-@pytest.mark.parametrize("architecture", list(MODELS))
+@pytest.mark.parametrize(("architecture", "expert_parallel"), [
+    pytest.param("qwen2-moe", True, id="qwen2-moe-ep"),
+    pytest.param("qwen2-moe", False, id="qwen2-moe-tp", marks=pytest.mark.slow),
+    pytest.param("mixtral", True, id="mixtral-ep", marks=pytest.mark.slow),
+    pytest.param("mixtral", False, id="mixtral-tp", marks=pytest.mark.slow),
+])
 def test_two_ranks_generate_the_one_process_tokens(save_hf_model, architecture, expert_parallel):
     model_dir = save_hf_model(MODELS[architecture](), name=architecture)
     prompts = [{"prompt_token_ids": [(13 * i + j) % 256 for j in range(6 + 9 * i)]} for i in range(5)]

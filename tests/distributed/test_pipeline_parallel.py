@@ -27,8 +27,11 @@ def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize(("tied", "tp", "pp"), [(True, 1, 2), (False, 1, 3), (False, 2, 2)],
-                         ids=["tied-pp2", "untied-pp3", "tp2-pp2"])
+@pytest.mark.parametrize(("tied", "tp", "pp"), [
+    pytest.param(True, 1, 2, id="tied-pp2", marks=pytest.mark.slow),
+    pytest.param(False, 1, 3, id="untied-pp3", marks=pytest.mark.slow),
+    pytest.param(False, 2, 2, id="tp2-pp2"),
+])
 def test_stages_generate_the_one_process_tokens(tmp_path_factory, tied, tp, pp):
     model_dir = _save_tiny(tmp_path_factory, num_hidden_layers=3, tie_word_embeddings=tied)
     prompts = [{"prompt_token_ids": [(11 * i + j) % 250 for j in range(5 + 8 * i)]} for i in range(6)]

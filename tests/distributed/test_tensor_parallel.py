@@ -65,7 +65,7 @@ def test_collectives_on_two_processes(tmp_path):
     assert plan == {"step": 7, "ids": [0, 1, 2]}
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+@pytest.fixture(scope="module", params=[True, pytest.param(False, marks=pytest.mark.slow)], ids=["tied", "untied"])
 def tiny_dir(request, tmp_path_factory):
     return _save_tiny(tmp_path_factory, tie_word_embeddings=request.param)
 
@@ -148,6 +148,7 @@ def test_two_ranks_replay_the_unsharded_models_steps(tiny_dir, tmp_path):
     _replay_matches(tiny_dir, 2, tmp_path)
 
 
+@pytest.mark.slow
 def test_ranks_beyond_the_kv_heads_hold_copies_of_them(tmp_path_factory, tmp_path):
     # 8 query heads and 2 KV heads over 4 ranks: each KV head lives on two ranks.
     model_dir = _save_tiny(tmp_path_factory, num_key_value_heads=2, tie_word_embeddings=True)
