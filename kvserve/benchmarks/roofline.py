@@ -7,6 +7,7 @@ import time
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.model_executor.kv_sizing import kv_bytes_per_token
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int | None = None, repeats: int = 10) -> float:
@@ -26,11 +27,6 @@ def copy_bandwidth(device: torch.device, num_bytes: int | None = None, repeats: 
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return 2 * num_bytes / sorted(times)[len(times) // 2]
-
-
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype | None = None) -> int:
-    element_size = torch.empty((), dtype=kv_dtype or config.dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_size
 
 
 def decode_step_floor_s(weight_bytes: int, kv_bytes_per_tok: int, context_tokens: int, bandwidth: float) -> float:

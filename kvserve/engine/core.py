@@ -29,7 +29,8 @@ from kvserve.engine.overlap import can_sample_ahead
 from kvserve.engine.request import Request
 from kvserve.model_executor.default_model import default_model_path
 from kvserve.model_executor.loader import LoadedModel, load_model
-from kvserve.model_executor.model_runner import ModelRunner, kv_cache_bytes_per_block
+from kvserve.model_executor.kv_sizing import kv_cache_bytes_per_block
+from kvserve.model_executor.model_runner import ModelRunner
 from kvserve.quantization.cpu_plan import (
     AUTO,
     NONE,

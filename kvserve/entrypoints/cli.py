@@ -1,4 +1,4 @@
-"""`kvserve` command line: generate, chat, serve, bench, eval."""
+"""`kvserve` command line: generate, chat, serve, plan, cost, bench, eval."""
 
 from __future__ import annotations
 
@@ -118,6 +118,13 @@ _TOOLS = [
      "kvserve.eval.perplexity", True),
 ]
 _TOOL_GROUPS = {"bench": "Benchmarks.", "eval": "Quality evaluations."}
+# Commands that size and price a deployment without loading a model: (command, help, module).
+_PLANNERS = [
+    ("plan", "Capacity plan: weights, KV blocks, concurrent sequences and floors of a model on a device.",
+     "kvserve.planning.plan_cli"),
+    ("cost", "Serving cost per million tokens from a `kvserve bench serve` or `bench throughput` JSON.",
+     "kvserve.planning.cost_cli"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(serve)
     serve.set_defaults(handler=cmd_serve)
+
+    for name, help, module_name in _PLANNERS:
+        module = importlib.import_module(module_name)
+        planner = commands.add_parser(name, help=help)
+        module.add_cli_args(planner)
+        planner.set_defaults(handler=module.run_from_args)
 
     groups = {
         name: commands.add_parser(name, help=help).add_subparsers(

@@ -56,14 +56,26 @@ def _eos_ids(value: int | list[int] | None) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
+# config.json keys without which a dense model's shape is unknown.
+REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                        "num_attention_heads")
+
+
 def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json (+ generation_config.json for EOS)."""
-    config_path = os.path.join(model_dir, "config.json")
+    """ModelConfig from a Hugging Face config.json (+ generation_config.json for EOS);
+    `model_dir` is the model's directory or its config.json itself."""
+    if os.path.isfile(model_dir):
+        config_path, model_dir = model_dir, os.path.dirname(model_dir)
+    else:
+        config_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ModelLoadError(f"{config_path}: no config.json in the model directory")
     cfg = _read_json(config_path)
     if not cfg.get("architectures"):
         raise ModelLoadError(f"{config_path}: no 'architectures' entry naming the model class")
+    missing = [key for key in REQUIRED_CONFIG_KEYS if key not in cfg]
+    if missing:
+        raise ModelLoadError(f"{config_path}: missing required keys {', '.join(missing)}")
     architecture = cfg["architectures"][0]
     try:
         get_model_class(architecture)

@@ -18,6 +18,11 @@ from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, Schedu
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
 from kvserve.model_executor.inflight import InflightStep
+from kvserve.model_executor.kv_sizing import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    blocks_in_budget,
+    kv_cache_bytes_per_block,
+)
 from kvserve.model_executor.model_bytes import weight_bytes_per_step
 from kvserve.model_executor.input_batch import SequenceStates
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
@@ -29,7 +34,6 @@ from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 # float8 KV scales: measured on this many random tokens, with this much room above the
 # largest |K| and |V| seen (real text can exceed what random tokens produce; beyond the
 # room values saturate). Within the normal range float8's relative precision does not
@@ -58,14 +62,6 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     costs resident memory only for the blocks in use, not its whole budget up front."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
-
-
-def kv_cache_bytes_per_block(
-    config: ModelConfig, block_size: int, kv_cache_dtype: torch.dtype | None = None
-) -> int:
-    element_size = torch.empty((), dtype=kv_cache_dtype or config.dtype).element_size()
-    per_token = 2 * config.num_key_value_heads * config.head_dim * element_size
-    return config.num_hidden_layers * block_size * per_token
 
 
 class ModelRunner:
@@ -275,14 +271,7 @@ class ModelRunner:
             budget = self._profile_free_gpu_memory()
         else:
             budget = self.cache_config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = int(budget // bytes_per_block)
-        if num_blocks < 1:
-            raise ValueError(
-                f"The KV cache budget ({budget / 2**20:.1f} MiB) does not hold a single block of "
-                f"{self.block_size} tokens ({bytes_per_block / 2**20:.2f} MiB); raise "
-                "--kv-cache-memory / --gpu-memory-utilization or lower --block-size."
-            )
-        return num_blocks
+        return blocks_in_budget(budget, bytes_per_block, self.block_size)
 
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> int:

@@ -94,9 +94,21 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(out.masked_fill(outside[:, None], 0))
 
 
+def vocab_rows_per_rank(vocab_size: int, tp: int) -> int:
+    """Rows of the embedding and LM head on each rank, the vocabulary padded to VOCAB_PADDING x tp."""
+    return -(-vocab_size // (VOCAB_PADDING * tp)) * VOCAB_PADDING
+
+
+def rank_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The attention shape one of `tp` ranks holds (what its KV cache is sized by)."""
+    # Fewer KV heads than ranks: each rank keeps a copy of the one its query heads read.
+    return replace(config, num_attention_heads=config.num_attention_heads // tp,
+                   num_key_value_heads=max(1, config.num_key_value_heads // tp))
+
+
 def _vocab_shard(weight: torch.Tensor, rank: int, tp: int) -> tuple[torch.Tensor, int]:
     """This rank's rows of the vocabulary padded with zero rows to VOCAB_PADDING x tp."""
-    per_rank = -(-weight.shape[0] // (VOCAB_PADDING * tp)) * VOCAB_PADDING
+    per_rank = vocab_rows_per_rank(weight.shape[0], tp)
     start = rank * per_rank
     rows = weight[start : start + per_rank]
     if rows.shape[0] < per_rank:
@@ -145,9 +157,8 @@ def shard_model(model: nn.Module, group: GroupCoordinator, expert_parallel: bool
     if model.quantized_lm_head is not None or any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise ValueError("a checkpoint stored quantized (GPTQ, AWQ, compressed-tensors, fp8) cannot be "
                          "sharded yet; load a float checkpoint with --quantization instead")
-    heads = config.num_attention_heads // tp
-    # Fewer KV heads than ranks: each rank keeps a copy of the one its query heads read.
-    kv_heads = max(1, config.num_key_value_heads // tp)
+    shard_config = rank_config(config, tp)
+    heads, kv_heads = shard_config.num_attention_heads, shard_config.num_key_value_heads
     first_kv = rank * kv_heads if config.num_key_value_heads >= tp else rank * config.num_key_value_heads // tp
     d = config.head_dim
     q_total, kv_total = config.num_attention_heads * d, config.num_key_value_heads * d
@@ -172,7 +183,7 @@ def shard_model(model: nn.Module, group: GroupCoordinator, expert_parallel: bool
     if not config.tie_word_embeddings and model.lm_head is not None:
         model.lm_head = _dense(_vocab_shard(model.lm_head.weight, rank, tp)[0])
     model.tp_group = group
-    return replace(config, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    return shard_config
 
 
 def quantize_shard(loaded: LoadedModel, quantization: str | None, quantization_config: dict | None,

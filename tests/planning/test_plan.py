@@ -1,0 +1,116 @@
+"""`kvserve plan` against hand-computed sizes, and against the blocks the engine allocates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.entrypoints.cli import main
+from kvserve.planning.capacity import PlanOptions, plan
+from kvserve.planning.devices import GiB, KNOWN_GPUS, DeviceSpec
+from kvserve.planning.plan_cli import model_shape
+from kvserve.planning.suggest import suggestions
+
+# A CPU with fixed ceilings, so that nothing is measured.
+CPU = DeviceSpec("cpu:16", "cpu", 16 * GiB, 20e9, 100e9, "test")
+
+LLAMA_70B = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+    "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture
+def llama70b(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_70B))
+    return model_shape(None, None, str(path))[0]
+
+
+def test_llama70b_kv_per_token_and_request(llama70b):
+    # 2 (K and V) x 80 layers x 8 KV heads x 128 head dim x 2 bytes (bf16).
+    p = plan(llama70b, "70b", KNOWN_GPUS["h100-80gb"], PlanOptions(input_len=4000, output_len=96))
+    assert p.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert p.request_kv_bytes_total == 327_680 * 4096 == 1_342_177_280  # 1.34 GB, not 6.7
+    # Parameters: 2 x vocab x hidden (untied) + 80 x (q, k, v, o, gate, up, down, 2 norms) + norm.
+    layer = 8192 * 8192 * 2 + 8192 * 1024 * 2 + 3 * 8192 * 28672 + 2 * 8192
+    assert p.weight_bytes == 2 * (2 * 128256 * 8192 + 80 * layer + 8192) == 141_107_412_992
+    assert not p.fits  # 141 GB of bf16 weights on an 80 GB card
+
+
+def test_tensor_parallel_shares_per_rank(llama70b):
+    p = plan(llama70b, "70b", KNOWN_GPUS["h200"], PlanOptions(tensor_parallel_size=8))
+    assert p.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2  # one KV head a rank
+    # A rank: 8 query heads, 1 KV head, 3584 MLP rows, 16,064 vocabulary rows (128,256 padded
+    # to a multiple of 64 x 8); norms whole.
+    layer = 8192 * 1024 * 2 + 8192 * 128 * 2 + 3 * 8192 * 3584 + 2 * 8192
+    assert p.weight_bytes == 2 * (2 * 16064 * 8192 + 80 * layer + 8192)
+    assert p.fits
+
+
+def test_what_would_fit(llama70b):
+    # 32 sequences of 4,096 tokens hold 32 x 1.34 GB = 42.9 GB of KV; 90% of an H100 is 77 GB.
+    # int4 weights (~38 GB) and two ranks (70.6 GB of weights each + 21.5 GB of KV) fall
+    # short; four ranks hold 35.3 GB of weights and 10.7 GB of KV each.
+    device, options = KNOWN_GPUS["h100-80gb"], PlanOptions(input_len=4000, output_len=96, concurrency=32)
+    current = plan(llama70b, "70b", device, options)
+    assert current.concurrent_sequences == 0 and not current.fits
+    flags = [f for f, _ in suggestions(llama70b, "70b", device, options, current)]
+    assert flags == ["--tensor-parallel-size 4", "--tensor-parallel-size 8"]
+
+
+def test_shorter_context_suggested():
+    config = model_shape(None, "smollm2-135m", None)[0]
+    # 30 layers x 3 KV heads x 64 x 2 x 4 bytes (fp32) x 16 tokens = 737,280 bytes a block.
+    options = PlanOptions(kv_cache_memory=10 * 737_280, input_len=200, output_len=100)
+    current = plan(config, "smollm2", CPU, options)
+    assert current.num_blocks == 10 and current.concurrent_sequences == 0 and not current.fits
+    flags = [f for f, _ in suggestions(config, "smollm2", CPU, options, current)]
+    assert "--max-model-len 160 (prompts up to 60 tokens)" in flags
+
+
+def test_default_model_blocks_equal_the_engine(capsys):
+    from kvserve.llm import LLM
+
+    # fp32 on CPU: 64 MiB // 737,280 bytes a block = 91 blocks.
+    config, name = model_shape(None, None, None)
+    assert plan(config, name, CPU, PlanOptions(kv_cache_memory=64 * 2**20)).num_blocks == 91
+    llm = LLM(kv_cache_memory="64MiB")
+    assert llm.engine.core.runner.num_blocks == 91
+
+
+@pytest.mark.slow  # 2 GB of random fp32 weights
+def test_dummy_qwen_blocks_equal_the_engine():
+    from kvserve.llm import LLM
+
+    # 24 layers x 2 KV heads x 64 x 2 x 4 bytes x 16 = 393,216 bytes a block; 2 GiB of them.
+    config, name = model_shape(None, "qwen2.5-0.5b", None)
+    assert plan(config, name, CPU, PlanOptions()).num_blocks == 2 * 2**30 // 393_216 == 5461
+    llm = LLM(load_format="dummy", model_shape="qwen2.5-0.5b", skip_tokenizer_init=True)
+    assert llm.engine.core.runner.num_blocks == 5461
+
+
+def test_cli_json(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_70B))
+    assert main(["plan", "--hf-config", str(path), "--device", "h200", "-tp", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fits"] and result["kv_bytes_per_token"] == 2 * 80 * 4 * 128 * 2
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--device", "tpu-v9"], "known: h100-80gb, h200, a100-80gb, l40s, l4, cpu:GiB, auto"),
+    (["--model-shape", "llama9"], "known: llama3-8b, qwen2.5-0.5b, smollm2-135m"),
+])
+def test_unknown_names_list_the_known(flags, expected, capsys):
+    assert main(["plan", *flags]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_config_missing_fields_names_them(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in LLAMA_70B.items() if k not in ("hidden_size", "vocab_size")}))
+    assert main(["plan", "--hf-config", str(path), "--device", "h200"]) == 2
+    assert "missing required keys vocab_size, hidden_size" in capsys.readouterr().err
