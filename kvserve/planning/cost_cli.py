@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 
 from kvserve.planning.bench_results import bench_runs
@@ -25,6 +26,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-output-price", type=float, default=None,
                         help="An API's US$ per million output tokens (default: the input price).")
     parser.add_argument("--json", action="store_true", help="Print the costs as JSON.")
+    parser.add_argument("--plot", default=None,
+                        help="Write a PNG of the cost per million tokens against requests in flight "
+                        "(a row per rate of a `bench serve --sweep` result) to this path.")
 
 
 def _price(args: argparse.Namespace) -> tuple[float, str]:
@@ -80,4 +84,9 @@ def run_from_args(args: argparse.Namespace) -> int:
                           "costs": [asdict(c) for c in costs]}, indent=2))
     else:
         print(format_costs(costs, note))
+    if args.plot:
+        from kvserve.planning.cost_plot import plot_costs
+
+        plot_costs(costs, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -55,7 +55,9 @@ def test_sweep_gives_a_row_per_rate(tmp_path, capsys):
     slow = SERVE | {"request_rate": 1.0, "duration_s": 300.0}
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"sweep": [slow, SERVE], "plot": "p.png"}))
-    assert main(["cost", str(path), "--gpu-price", "3.6"]) == 0
+    plot = tmp_path / "cost.png"
+    assert main(["cost", str(path), "--gpu-price", "3.6", "--plot", str(plot)]) == 0
+    assert plot.read_bytes().startswith(b"\x89PNG")
     table = capsys.readouterr().out
     # 1,000 and 3,000 tok/s at $0.001 a second: $1/M and $0.3333/M.
     assert "1 req/s" in table and " 1.0000 " in table
