@@ -1,4 +1,5 @@
-"""What a decode step reads of a model's weights: the numerator of its bandwidth floor."""
+"""What a model's weights take: held in memory, and read by a decode step (the numerator of
+its bandwidth floor)."""
 
 from __future__ import annotations
 
@@ -17,4 +18,10 @@ def weight_bytes_per_step(model: torch.nn.Module, config: ModelConfig) -> int:
         tensors.pop(id(embedding.weight))
     if getattr(model, "quantized_lm_head", None) is not None:
         tensors.pop(id(embedding.weight if config.tie_word_embeddings else model.lm_head.weight))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Every parameter and buffer once (a tied LM head is the embedding)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return sum(t.numel() * t.element_size() for t in tensors.values())

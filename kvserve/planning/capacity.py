@@ -18,7 +18,7 @@ from kvserve.model_executor.kv_sizing import (
     kv_bytes_per_token,
     kv_cache_bytes_per_block,
 )
-from kvserve.model_executor.model_bytes import weight_bytes_per_step
+from kvserve.model_executor.model_bytes import resident_weight_bytes, weight_bytes_per_step
 from kvserve.model_executor.models.registry import get_model_class
 from kvserve.model_executor.tensor_parallel import check_shardable, rank_config, vocab_rows_per_rank
 from kvserve.planning.devices import DeviceSpec
@@ -136,7 +136,7 @@ def plan(config: ModelConfig, name: str, device: DeviceSpec, options: PlanOption
     tp = options.tensor_parallel_size
     shape = _rank_shape(config, tp)
     model = _rank_model(shape, quantization, options.quantization_config)
-    weight_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+    weight_bytes = resident_weight_bytes(model)
     step_bytes = weight_bytes_per_step(model, shape)
     bytes_per_block = kv_cache_bytes_per_block(shape, options.block_size, kv_dtype)
     problems: list[str] = []

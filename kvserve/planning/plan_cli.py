@@ -117,9 +117,9 @@ def format_plan(p: Plan, alternatives: list[tuple[str, Plan]]) -> str:
         ("request", f"{p.request_tokens:,} tokens, {_gb(p.request_kv_bytes_total)} of KV (max_model_len "
                     f"{p.max_model_len:,})"),
         ("concurrent sequences", f"{p.concurrent_sequences:,} fit ({p.running_sequences:,} with max_num_seqs)"),
-        ("decode floor", f"{p.decode_step_floor_batch1_s * 1e3:.2f} ms/step at batch 1; "
-                         f"{p.decode_step_floor_s * 1e3:.2f} ms at {max(p.running_sequences, 1)} "
-                         f"= {p.decode_output_tok_s:,.0f} output tok/s"),
+        ("decode floor", f"{p.decode_step_floor_batch1_s * 1e3:.2f} ms/step at batch 1"
+                         + (f"; {p.decode_step_floor_s * 1e3:.2f} ms at {p.running_sequences} "
+                            f"= {p.decode_output_tok_s:,.0f} output tok/s" if p.running_sequences > 1 else "")),
         ("prefill floor", f"{p.prefill_floor_s * 1e3:.1f} ms for one prompt"),
         ("fits", "yes" if p.fits else "no"),
     ]
