@@ -236,7 +236,7 @@ def _load_tokenizer(
         raise ModelLoadError(f"{source}: cannot load the tokenizer ({e})") from e
 
 
-def _load_tokenizer_at(source: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a Hugging Face directory or a GGUF file (its vocabulary)."""
     if not os.path.exists(source):
         raise ModelLoadError(f"tokenizer {source}: no such file or directory")
@@ -361,12 +361,12 @@ def load_model(
     # Resolved first so that a bad method, config or tokenizer fails before any weight is read.
     method = get_quantization_method(quantization, quantization_config)
     gguf_packed = method is not None and method.name == "gguf"
-    chosen_tokenizer = None if tokenizer is None else _load_tokenizer_at(tokenizer)
+    chosen_tokenizer = None if tokenizer is None else load_tokenizer(tokenizer)
     loaded, source = _load_weights(model, load_format, model_shape, dtype, device, seed, gguf_packed)
     if chosen_tokenizer is not None:
         loaded.tokenizer = chosen_tokenizer
     elif source is not None and not skip_tokenizer_init:
-        loaded.tokenizer = _load_tokenizer_at(source)
+        loaded.tokenizer = load_tokenizer(source)
     if gguf_packed:
         packed = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
         logger.info(

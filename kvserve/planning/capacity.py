@@ -69,6 +69,8 @@ class Plan:
     num_blocks: int
     block_size: int
     max_model_len: int
+    input_len: int
+    output_len: int
     request_tokens: int
     request_kv_bytes_total: int
     concurrent_sequences: int  # requests of request_tokens the cache holds at once
@@ -189,7 +191,8 @@ def plan(config: ModelConfig, name: str, device: DeviceSpec, options: PlanOption
         weight_bytes=weight_bytes, weight_bytes_per_step=step_bytes, activation_peak_bytes=activations,
         kv_bytes_per_token=kv_token, kv_bytes_per_token_total=kv_token * tp,
         kv_budget_bytes=max(budget, 0), num_blocks=num_blocks, block_size=options.block_size,
-        max_model_len=max_model_len, request_tokens=request_tokens,
+        max_model_len=max_model_len, input_len=options.input_len, output_len=options.output_len,
+        request_tokens=request_tokens,
         request_kv_bytes_total=kv_token * tp * request_tokens,
         concurrent_sequences=concurrent, running_sequences=running,
         decode_step_floor_s=step_s, decode_step_floor_batch1_s=decode_s(1),

@@ -14,7 +14,20 @@ from kvserve.engine.engine_args import KV_CACHE_DTYPES
 from kvserve.planning.capacity import Plan, PlanOptions, plan
 from kvserve.planning.devices import known_devices, resolve_device
 from kvserve.planning.suggest import suggestions
+from kvserve.planning.workload import sharegpt_mean_lengths
 from kvserve.utils import parse_size
+
+
+def _dataset_lengths(args: argparse.Namespace) -> tuple[int, int]:
+    """--dataset's mean lengths, counted by --tokenizer or the model's own tokenizer."""
+    source = args.tokenizer
+    if source is None and args.model_shape is None and args.hf_config is None:
+        from kvserve.model_executor.default_model import default_model_path
+
+        source = args.model or default_model_path()
+    if source is None:
+        raise ValueError("--dataset needs --tokenizer to count tokens with --model-shape or --hf-config")
+    return sharegpt_mean_lengths(args.dataset, source, args.num_prompts)
 
 
 def model_shape(model: str | None, shape: str | None, hf_config: str | None) -> tuple[ModelConfig, str]:
@@ -82,12 +95,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     workload = parser.add_argument_group("workload")
     workload.add_argument("--input-len", type=int, default=1024, help="Prompt tokens of a request.")
     workload.add_argument("--output-len", type=int, default=256, help="Output tokens of a request.")
+    workload.add_argument("--dataset", default=None,
+                          help="A ShareGPT JSON file: the workload is the mean prompt and answer length "
+                          "of --num-prompts of its conversations (as `kvserve bench serve` samples them), "
+                          "instead of --input-len and --output-len.")
+    workload.add_argument("--num-prompts", type=int, default=256, help="Conversations of --dataset to average.")
+    workload.add_argument("--tokenizer", default=None,
+                          help="Tokenizer directory or .gguf file that counts --dataset's tokens "
+                          "(default: the model's own, from --model or the embedded model).")
     workload.add_argument("--concurrency", type=int, default=None,
                           help="Sequences that must be resident at once for the plan to fit.")
     parser.add_argument("--json", action="store_true", help="Print the plan as JSON.")
 
 
-def options_from_args(args: argparse.Namespace) -> PlanOptions:
+def options_from_args(args: argparse.Namespace, input_len: int, output_len: int) -> PlanOptions:
     return PlanOptions(
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, quantization=args.quantization,
         quantization_config=args.quantization_config, kv_cache_dtype=args.kv_cache_dtype,
@@ -95,7 +116,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         block_size=args.block_size,
         kv_cache_memory=None if args.kv_cache_memory is None else parse_size(args.kv_cache_memory),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        input_len=args.input_len, output_len=args.output_len, concurrency=args.concurrency,
+        input_len=input_len, output_len=output_len, concurrency=args.concurrency,
     )
 
 
@@ -142,12 +163,16 @@ def run_from_args(args: argparse.Namespace) -> int:
         device = replace(device, bandwidth=(args.bandwidth_gbps or device.bandwidth / 1e9) * 1e9,
                          peak_flops=(args.peak_tflops or device.peak_flops / 1e12) * 1e12,
                          source="ceilings given on the command line")
-    options = options_from_args(args)
+    lengths = (args.input_len, args.output_len) if args.dataset is None else _dataset_lengths(args)
+    options = options_from_args(args, *lengths)
     result = plan(config, name, device, options)
     alternatives = [] if result.fits else suggestions(config, name, device, options, result)
     if args.json:
         print(json.dumps(asdict(result) | {"fits": result.fits, "alternatives": [
             {"flags": flags, "plan": asdict(alt)} for flags, alt in alternatives]}, indent=2))
     else:
+        if args.dataset is not None:
+            print(f"workload: mean of {args.num_prompts} conversations of {args.dataset}: "
+                  f"{lengths[0]} prompt and {lengths[1]} output tokens")
         print(format_plan(result, alternatives))
     return 0 if result.fits else 1

@@ -114,3 +114,25 @@ def test_config_missing_fields_names_them(tmp_path, capsys):
     path.write_text(json.dumps({k: v for k, v in LLAMA_70B.items() if k not in ("hidden_size", "vocab_size")}))
     assert main(["plan", "--hf-config", str(path), "--device", "h200"]) == 2
     assert "missing required keys vocab_size, hidden_size" in capsys.readouterr().err
+
+
+def test_sharegpt_workload_is_the_mean_of_its_conversations(tmp_path, capsys):
+    from kvserve.model_executor.default_model import default_model_path
+    from kvserve.model_executor.loader import load_tokenizer
+
+    texts = [("Tell me about the sea and its tides.", "The sea rises and falls twice a day with the moon."),
+             ("What is a paged KV cache in an inference engine?", "Fixed-size blocks of keys and values.")]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]} for q, a in texts
+    ] + [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}]))
+    tokenizer = load_tokenizer(default_model_path())
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    # The third conversation is under the 4-token minimum bench serve's sampling drops.
+    assert main(["plan", "--dataset", str(path), "--num-prompts", "2", "--device", "h200", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["input_len"] == -(-sum(count(q) for q, _ in texts) // 2)
+    assert result["output_len"] == -(-sum(count(a) for _, a in texts) // 2)
