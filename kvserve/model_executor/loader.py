@@ -73,14 +73,14 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
     cfg = _read_json(config_path)
     if not cfg.get("architectures"):
         raise ModelLoadError(f"{config_path}: no 'architectures' entry naming the model class")
-    missing = [key for key in REQUIRED_CONFIG_KEYS if key not in cfg]
-    if missing:
-        raise ModelLoadError(f"{config_path}: missing required keys {', '.join(missing)}")
     architecture = cfg["architectures"][0]
     try:
         get_model_class(architecture)
     except ValueError as e:
         raise ModelLoadError(f"{config_path}: {e}") from None
+    missing = [key for key in REQUIRED_CONFIG_KEYS if key not in cfg]
+    if missing:
+        raise ModelLoadError(f"{config_path}: missing required keys {', '.join(missing)}")
     # transformers 5 folds rope_theta and scaling into `rope_parameters`.
     rope_parameters = dict(cfg.get("rope_parameters") or {})
     rope_theta = cfg.get("rope_theta") or rope_parameters.pop("rope_theta", 10000.0)
