@@ -48,6 +48,16 @@ class PlanOptions:
     output_len: int = 256
     concurrency: int | None = None  # sequences that must fit at once, if any
 
+    def __post_init__(self) -> None:
+        positive = {"--tensor-parallel-size": self.tensor_parallel_size, "--block-size": self.block_size,
+                    "--max-num-seqs": self.max_num_seqs, "--input-len": self.input_len,
+                    "--output-len": self.output_len, "--concurrency": self.concurrency or 1}
+        for flag, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
 
 @dataclass
 class Plan:
@@ -127,8 +137,6 @@ def plan(config: ModelConfig, name: str, device: DeviceSpec, options: PlanOption
         raise ValueError(f"--quantization {options.quantization} depends on the file's own blocks; "
                          "name the method to plan for (int8, int4, nf4 or fp8), or none")
     quantization = None if options.quantization == "none" else options.quantization
-    if options.input_len < 1 or options.output_len < 1:
-        raise ValueError("--input-len and --output-len must be >= 1")
     args = EngineArgs(dtype=options.dtype, kv_cache_dtype=options.kv_cache_dtype,
                       max_num_batched_tokens=options.max_num_batched_tokens)
     torch_device = torch.device(device.kind)

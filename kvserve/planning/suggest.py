@@ -29,7 +29,7 @@ def _variants(config: ModelConfig, device: DeviceSpec, options: PlanOptions) -> 
 def suggestions(config: ModelConfig, name: str, device: DeviceSpec, options: PlanOptions,
                 current: Plan) -> list[tuple[str, Plan]]:
     """(flags to change, the plan with them) for each single change that fits; a shorter
-    request when the cache holds some blocks but not the workload."""
+    context when the cache holds some blocks but not the workload's requests."""
     found = []
     for flags, variant in _variants(config, device, options):
         try:
@@ -38,11 +38,11 @@ def suggestions(config: ModelConfig, name: str, device: DeviceSpec, options: Pla
             continue
         if candidate.fits:
             found.append((flags, candidate))
-    cache_tokens = current.num_blocks * current.block_size
-    if 0 < cache_tokens < current.request_tokens and options.output_len < cache_tokens:
-        shorter = replace(options, input_len=cache_tokens - options.output_len, max_model_len=cache_tokens,
-                          concurrency=None)
+    # Each of the sequences asked for (at least one) gets an equal share of the blocks.
+    share = current.num_blocks // (options.concurrency or 1) * current.block_size
+    if options.output_len < share < current.request_tokens:
+        shorter = replace(options, input_len=share - options.output_len, max_model_len=share)
         candidate = plan(config, name, device, shorter)
         if candidate.fits:
-            found.append((f"--max-model-len {cache_tokens} (prompts up to {shorter.input_len} tokens)", candidate))
+            found.append((f"--max-model-len {share} (prompts up to {shorter.input_len} tokens)", candidate))
     return found

@@ -69,6 +69,11 @@ def test_shorter_context_suggested():
     assert current.num_blocks == 10 and current.concurrent_sequences == 0 and not current.fits
     flags = [f for f, _ in suggestions(config, "smollm2", CPU, options, current)]
     assert "--max-model-len 160 (prompts up to 60 tokens)" in flags
+    # Two sequences at once: five blocks (80 tokens) each.
+    options = PlanOptions(kv_cache_memory=10 * 737_280, input_len=200, output_len=50, concurrency=2)
+    current = plan(config, "smollm2", CPU, options)
+    flags = [f for f, _ in suggestions(config, "smollm2", CPU, options, current)]
+    assert "--max-model-len 80 (prompts up to 30 tokens)" in flags
 
 
 def test_default_model_blocks_equal_the_engine(capsys):
