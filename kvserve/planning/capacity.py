@@ -101,12 +101,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _rank_shape(config: ModelConfig, tp: int) -> ModelConfig:
-    """A whole model of one rank's size: its heads, MLP rows and (padded) vocabulary rows;
-    building it gives exactly the tensors a rank keeps after sharding."""
+    """A whole model of one rank's size: its heads, MLP and expert rows and (padded)
+    vocabulary rows; building it gives exactly the tensors a rank keeps after sharding
+    (tensor parallelism; expert parallelism is not planned)."""
     if tp == 1:
         return config
     check_shardable(config, tp)
     return replace(rank_config(config, tp), intermediate_size=config.intermediate_size // tp,
+                   moe_intermediate_size=config.moe_intermediate_size // tp,
+                   shared_expert_intermediate_size=config.shared_expert_intermediate_size // tp,
                    vocab_size=vocab_rows_per_rank(config.vocab_size, tp))
 
 

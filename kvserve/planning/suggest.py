@@ -20,7 +20,7 @@ def _variants(config: ModelConfig, device: DeviceSpec, options: PlanOptions) -> 
     if options.quantization in (None, "none"):
         variants += [(f"--quantization {q}", replace(options, quantization=q)) for q in _QUANTIZATIONS
                      if q != "fp8" or device.kind == "cuda"]
-    if device.kind == "cuda" and not config.num_experts:  # MoE models are not sharded yet
+    if device.kind == "cuda":
         variants += [(f"--tensor-parallel-size {tp}", replace(options, tensor_parallel_size=tp))
                      for tp in _TENSOR_PARALLEL_SIZES if tp > options.tensor_parallel_size]
     return variants

@@ -50,6 +50,21 @@ def test_tensor_parallel_shares_per_rank(llama70b):
     assert p.fits
 
 
+def test_tensor_parallel_mixture_of_experts_splits_every_expert(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "architectures": ["MixtralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2}))
+    config = model_shape(None, None, str(path))[0]
+    p = plan(config, "mixtral", KNOWN_GPUS["h200"], PlanOptions(tensor_parallel_size=2))
+    # A rank: 16 query and 4 KV heads of 128, the whole router, half the rows of each of the
+    # 8 experts (7,168), 16,000 vocabulary rows (32,000 is a multiple of 64 x 2).
+    layer = 4096 * 2048 * 2 + 4096 * 512 * 2 + 4096 * 8 + 8 * 3 * 4096 * 7168 + 2 * 4096
+    assert p.weight_bytes == 2 * (2 * 16000 * 4096 + 32 * layer + 4096)
+    assert p.kv_bytes_per_token == 2 * 32 * 4 * 128 * 2
+
+
 def test_what_would_fit(llama70b):
     # 32 sequences of 4,096 tokens hold 32 x 1.34 GB = 42.9 GB of KV; 90% of an H100 is 77 GB.
     # int4 weights (~38 GB) and two ranks (70.6 GB of weights each + 21.5 GB of KV) fall
