@@ -48,7 +48,7 @@ def _measured_cpu(memory_bytes: int) -> DeviceSpec:
     from kvserve.benchmarks.roofline import copy_bandwidth, matmul_peak_flops
 
     cpu = torch.device("cpu")
-    return DeviceSpec(f"cpu:{memory_bytes / GiB:g}", "cpu", memory_bytes, copy_bandwidth(cpu, repeats=5),
+    return DeviceSpec(f"cpu:{memory_bytes / GiB:.1f}", "cpu", memory_bytes, copy_bandwidth(cpu, repeats=5),
                       matmul_peak_flops(cpu, repeats=3), "bandwidth and fp32 matmul measured on this machine")
 
 
