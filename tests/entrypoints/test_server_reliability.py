@@ -215,13 +215,15 @@ def test_out_of_range_seed_never_fails_a_request_running_beside_it(server):
 
     def stream() -> None:
         with httpx.stream("POST", f"{server.base_url}/v1/completions",
-                          json={"prompt": "Tell me a story:", "max_tokens": 24, "stream": True,
+                          json={"prompt": "Tell me a story:", "max_tokens": 64, "stream": True,
                                 "ignore_eos": True, "temperature": 0}, timeout=120) as response:
-            events.extend(sse_payloads(response))
+            for line in response.iter_lines():  # as they arrive: the bad requests come mid-stream
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
 
     worker = threading.Thread(target=stream)
     worker.start()
-    assert wait_for(lambda: len(events) >= 2)
+    assert wait_for(lambda: len(events) >= 2, timeout=120)
     for seed, n in ((2**64 - 1, 2), (2**64, 1), (-(2**64), 1)):
         bad = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
                          json={"prompt": "x", "seed": seed, "n": n, "max_tokens": 4})
