@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvserve.router.admission import AdmissionQueue, ClientGone, RateLimiter
 from kvserve.router.errors import RouterError
 from kvserve.router.health import HealthChecker
 from kvserve.router.metrics import RouterMetrics
@@ -35,6 +36,8 @@ class RouterState:
     client: httpx.AsyncClient
     health: HealthChecker
     forwarder: Forwarder
+    admission: AdmissionQueue
+    rate_limiter: RateLimiter | None
     draining: bool = False
     tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -88,9 +91,20 @@ def build_app(state: RouterState) -> FastAPI:
         if not isinstance(body, dict):
             raise RouterError(400, "the body must be a JSON object")
         model = _resolve_model(state, body)
+        if state.rate_limiter is not None:
+            state.rate_limiter.check(request.headers.get("authorization", ""))
+        # Passed through in the body: the worker schedules by it too.
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RouterError(400, "priority must be an integer", param="priority")
+        wait_disconnect = lambda: _wait_for_disconnect(request)
+        try:
+            await state.admission.admit(model, priority, wait_disconnect)
+        except ClientGone:
+            return Response(status_code=499)
         return await state.forwarder.forward(
             request.url.path, model, raw, routing_key(body), dict(request.headers),
-            lambda: _wait_for_disconnect(request), lambda worker: None)
+            wait_disconnect, lambda worker: state.admission.wake())
 
     for path in _ROUTED_PATHS:
         app.add_api_route(path, routed, methods=["POST"])

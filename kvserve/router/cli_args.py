@@ -45,6 +45,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                          help="Workers tried for one request that fails before its first byte.")
     routing.add_argument("--connect-timeout", type=float, default=5.0,
                          help="Seconds to connect to a worker before trying another.")
+    admission = parser.add_argument_group("admission")
+    admission.add_argument("--max-outstanding-per-worker", type=int, default=None,
+                           help="Requests in flight that saturate a worker; when every worker of "
+                                "a model is saturated, requests queue in the router by priority "
+                                "(default: no limit, the workers queue)")
+    admission.add_argument("--max-queue-size", type=int, default=1024,
+                           help="Requests the router's queue holds; beyond it, 429 with Retry-After.")
+    admission.add_argument("--rate-limit", type=float, default=None, metavar="REQUESTS_PER_S",
+                           help="Requests a second allowed per API key (token bucket); beyond it, "
+                                "429 with Retry-After (default: no limit)")
+    admission.add_argument("--rate-limit-burst", type=int, default=10,
+                           help="Requests one API key may send at once within --rate-limit.")
     health = parser.add_argument_group("health checks")
     health.add_argument("--health-check-interval", type=float, default=5.0,
                         help="Seconds between GET /health checks of a worker.")

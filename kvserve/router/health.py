@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -31,8 +32,10 @@ class HealthSettings:
 
 class HealthChecker:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, settings: HealthSettings,
-                 metrics: RouterMetrics, worker_api_key: str | None) -> None:
+                 metrics: RouterMetrics, worker_api_key: str | None,
+                 after_round: Callable[[], None]) -> None:
         self.pool = pool
+        self.after_round = after_round
         self.client = client
         self.settings = settings
         self.metrics = metrics
@@ -95,6 +98,7 @@ class HealthChecker:
         now = time.monotonic()
         due = [w for w in self.pool.workers if w.next_check_at <= now]
         await asyncio.gather(*(self.check(worker) for worker in due))
+        self.after_round()
 
     async def run(self) -> None:
         while True:

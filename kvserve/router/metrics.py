@@ -33,7 +33,7 @@ class RouterMetrics:
         self.queue_depth = Gauge(_PREFIX + "queue_depth", "Requests waiting for a worker with room.",
                                  registry=r)
         self.queue_time = Histogram(_PREFIX + "queue_time_seconds",
-                                    "Time a request waited in the router's queue.", ["priority"],
+                                    "Time a request waited in the router's queue for a worker with room.",
                                     buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60),
                                     registry=r)
         self.rejected = Counter(_PREFIX + "rejected_requests",

@@ -38,8 +38,10 @@ class Upstream:
 
 class Forwarder:
     def __init__(self, pool: WorkerPool, policy: Policy, client: httpx.AsyncClient,
-                 metrics: RouterMetrics, max_attempts: int, retry_down_s: float) -> None:
+                 metrics: RouterMetrics, max_attempts: int, retry_down_s: float,
+                 has_room: Callable[[Worker], bool]) -> None:
         self.pool = pool
+        self.has_room = has_room
         self.policy = policy
         self.client = client
         self.metrics = metrics
@@ -56,6 +58,8 @@ class Forwarder:
         last_failure = "no worker answered"
         for _ in range(self.max_attempts):
             candidates = [w for w in self.pool.healthy_for(model) if w.url not in tried]
+            # Admission let the request in because some worker had room: prefer those.
+            candidates = [w for w in candidates if self.has_room(w)] or candidates
             if not candidates:
                 break
             worker, branch = self.policy.choose(model, candidates, key)

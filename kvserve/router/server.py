@@ -8,6 +8,7 @@ import logging
 import httpx
 import uvicorn
 
+from kvserve.router.admission import AdmissionQueue, RateLimiter
 from kvserve.router.app import RouterState, build_app
 from kvserve.router.config import WorkerSpec, load_config, specs_from_urls
 from kvserve.router.health import HealthChecker, HealthSettings
@@ -33,6 +34,8 @@ def worker_specs(args: argparse.Namespace, launched_urls: list[str]) -> list[Wor
 def build_state(args: argparse.Namespace, specs: list[WorkerSpec]) -> RouterState:
     metrics = RouterMetrics()
     pool = WorkerPool.from_specs(specs)
+    admission = AdmissionQueue(pool, args.max_outstanding_per_worker, args.max_queue_size, metrics)
+    rate_limiter = RateLimiter(args.rate_limit, args.rate_limit_burst) if args.rate_limit else None
     # No read timeout: a long generation may be silent for minutes before its first token.
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=args.connect_timeout),
@@ -42,13 +45,13 @@ def build_state(args: argparse.Namespace, specs: list[WorkerSpec]) -> RouterStat
         interval_s=args.health_check_interval, timeout_s=args.health_check_timeout,
         failure_threshold=args.health_failure_threshold,
         success_threshold=args.health_success_threshold,
-        max_backoff_s=args.health_max_backoff), metrics, args.worker_api_key)
+        max_backoff_s=args.health_max_backoff), metrics, args.worker_api_key, admission.wake)
     policy = make_policy(args.policy, CacheAwareSettings(
         cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size), metrics)
     forwarder = Forwarder(pool, policy, client, metrics, max_attempts=args.max_attempts,
-                          retry_down_s=args.health_check_interval)
-    return RouterState(pool, metrics, client, health, forwarder)
+                          retry_down_s=args.health_check_interval, has_room=admission.has_room)
+    return RouterState(pool, metrics, client, health, forwarder, admission, rate_limiter)
 
 
 class _DrainingServer(uvicorn.Server):

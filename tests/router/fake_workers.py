@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 def fake_worker(model: str, mode: str = "ok") -> FastAPI:
     """An OpenAI-ish completions server. mode "ok" streams three chunks; "die_mid_stream"
-    sends one and then drops the connection; "slow" takes two seconds to answer."""
+    sends one and then drops the connection; "slow" takes 0.2 s to answer."""
     app = FastAPI()
     app.state.requests = 0
 
@@ -31,7 +31,7 @@ def fake_worker(model: str, mode: str = "ok") -> FastAPI:
     async def completions(body: dict):
         app.state.requests += 1
         if mode == "slow":
-            await asyncio.sleep(2)
+            await asyncio.sleep(0.2)
         if not body.get("stream"):
             return JSONResponse({"choices": [{"text": "abc", "index": 0}], "worker": mode})
 
