@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 import httpx
 import uvicorn
@@ -55,19 +56,24 @@ def build_state(args: argparse.Namespace, specs: list[WorkerSpec]) -> RouterStat
 
 
 class _DrainingServer(uvicorn.Server):
-    """On SIGTERM the router answers 503 to new requests (and /health) while uvicorn lets
-    the requests in flight finish, up to --shutdown-timeout."""
+    """SIGTERM/SIGINT: stop listening, answer 503 on open connections, let the requests in
+    flight finish (uvicorn waits up to --shutdown-timeout), exit 0. A second signal stops at
+    once."""
 
     def __init__(self, config: uvicorn.Config, state: RouterState) -> None:
         super().__init__(config)
         self.state = state
 
     def handle_exit(self, sig: int, frame) -> None:
-        if not self.state.draining:
-            logger.info("draining: %d requests in flight",
+        # Unlike uvicorn's own handler this does not re-raise the signal after shutdown,
+        # so a drained router exits 0.
+        if self.state.draining:
+            self.force_exit = True
+        else:
+            logger.info("received %s: draining %d requests in flight", signal.Signals(sig).name,
                         sum(w.outstanding for w in self.state.pool.workers))
-        self.state.draining = True
-        super().handle_exit(sig, frame)
+            self.state.draining = True
+        self.should_exit = True
 
 
 def serve(args: argparse.Namespace, specs: list[WorkerSpec]) -> int:

@@ -1,15 +1,19 @@
 """The router's failure paths against stand-in workers: a dead worker is skipped before the
 first byte, a worker dying mid-stream ends the stream with an error event, no healthy worker
-is a 503, a server that is not an OpenAI server is kept out, and a bad config stops start-up."""
+is a 503, a server that is not an OpenAI server is kept out, a worker that returns is taken
+back, and SIGTERM lets the requests in flight finish."""
 
 from __future__ import annotations
 
 import json
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from fake_workers import ThreadServer, fake_worker, free_url, health_only
+from replicas import launch_router
 
 from kvserve.entrypoints.cli import _build_router_only_parser
 from kvserve.router.app import build_app
@@ -102,3 +106,20 @@ def _config(tmp_path, models: dict[str, list[str]]) -> str:
     path = tmp_path / "router.yaml"
     path.write_text("models:\n" + "".join(f"  {m}: [{', '.join(urls)}]\n" for m, urls in models.items()))
     return str(path)
+
+
+def test_sigterm_drains_requests_in_flight(tmp_path):
+    worker = ThreadServer(fake_worker("m", "slow"))
+    router = launch_router(tmp_path, "--worker", worker.url)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(httpx.post, f"{router.base_url}/v1/completions",
+                                    json={"model": "m", "prompt": "x"}, timeout=10)
+            _wait(lambda: worker.server.config.app.state.requests == 1)
+            router.process.send_signal(signal.SIGTERM)
+            assert in_flight.result().status_code == 200
+        assert router.process.wait(timeout=10) == 0
+        assert "received SIGTERM: draining 1 requests in flight" in router.log()
+    finally:
+        router.stop()
+        worker.stop()
