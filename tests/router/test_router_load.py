@@ -1,11 +1,12 @@
 """Heavier `kvserve router` runs on real replicas (slow): the shared-prefix workload, where
-cache-aware routing must at least double round-robin's prefix-cache hit rate, and a replica
-SIGKILLed under load, which the router must route around."""
+cache-aware routing must at least double round-robin's prefix-cache hit rate; a replica
+SIGKILLed under load, which the router must route around; and --launch."""
 
 from __future__ import annotations
 
 import random
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -97,3 +98,23 @@ def test_failover_when_a_replica_is_killed_under_load(replicas, tmp_path_factory
             routed.completions.create(model="tiny-a", prompt="t9", max_tokens=1)
     finally:
         proc.stop()
+
+
+def test_launch_starts_replicas_and_stops_them(tiny_model, tmp_path):
+    proc = launch_router(tmp_path, "--launch", "2", "--", "--model", tiny_model,
+                         "--served-model-name", "tiny-l", "--kv-cache-memory", "32MiB",
+                         "--quantization", "none", "--no-compile-decode")
+    try:
+        deadline = time.monotonic() + 120
+        while sum(w["healthy"] for w in httpx.get(f"{proc.base_url}/workers").json()["workers"]) < 2:
+            assert time.monotonic() < deadline, proc.log()
+            time.sleep(0.5)
+        reply = client(proc.base_url).completions.create(model="tiny-l", prompt="t5", max_tokens=2)
+        assert reply.usage.completion_tokens == 2
+        replica_urls = [w["url"] for w in httpx.get(f"{proc.base_url}/workers").json()["workers"]]
+    finally:
+        proc.stop()
+    assert proc.process.returncode == 0
+    for url in replica_urls:  # the replicas went with the router
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=2)
