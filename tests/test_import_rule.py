@@ -8,6 +8,7 @@ TYPE_CHECKING blocks included:
 * kvserve/core (block pool, KV cache manager, scheduler) knows no engine, model executor or
   HTTP server.
 * Only kvserve/entrypoints imports kvserve.entrypoints: the CLI and the server are the top.
+* kvserve/router imports nothing of kvserve but itself: it talks HTTP to its workers.
 """
 
 from __future__ import annotations
@@ -99,4 +100,14 @@ def test_core_imports_no_engine_model_executor_or_entrypoints() -> None:
 def test_only_entrypoints_import_entrypoints() -> None:
     violations = [violation for violation in _violations("kvserve", ("kvserve.entrypoints",))
                   if not violation.startswith("kvserve.entrypoints")]
+    assert violations == []
+
+
+def test_router_imports_nothing_of_kvserve_but_itself() -> None:
+    """The router talks HTTP to its workers: no engine (nor torch) loads in its process."""
+    violations = sorted(
+        f"{module} imports {imported}" for module, imports in _imports().items()
+        if _within(module, "kvserve.router") for imported in imports
+        if (_within(imported, "kvserve") and not _within(imported, "kvserve.router")
+            and imported != "kvserve") or imported.partition(".")[0] in ("torch", "triton"))
     assert violations == []

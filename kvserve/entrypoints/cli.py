@@ -97,6 +97,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from kvserve.router.main import run_router
+
+    return run_router(args)
+
+
 # Benchmark and evaluation tools: each module has add_cli_args(parser) and run_from_args(args).
 # (group, command, help, module, whether it loads an engine and so takes the engine flags)
 _TOOLS = [
@@ -125,6 +131,29 @@ _PLANNERS = [
     ("cost", "Serving cost per million tokens from a `kvserve bench serve` or `bench throughput` JSON.",
      "kvserve.planning.cost_cli"),
 ]
+
+
+_ROUTER_HELP = "One OpenAI endpoint in front of many serve replicas: cache-aware routing, failover."
+
+
+def _add_router_parser(commands) -> argparse.ArgumentParser:
+    from kvserve.router.cli_args import add_cli_args as add_router_args
+
+    router = commands.add_parser("router", help=_ROUTER_HELP, description=_ROUTER_HELP)
+    add_router_args(router)
+    router.add_argument("serve_args", nargs=argparse.REMAINDER,
+                        help="After `--`: the `kvserve serve` arguments of --launch replicas.")
+    router.set_defaults(handler=cmd_router)
+    return router
+
+
+def _build_router_only_parser() -> argparse.ArgumentParser:
+    """`kvserve router` without loading the engine's modules (torch among them) to build the
+    other commands' flags: the router starts in a moment."""
+    parser = _Parser(prog="kvserve", description="LLM inference engine with a paged KV cache.")
+    parser.add_argument("--log-level", default="INFO", help="Logging level (DEBUG, INFO, WARNING).")
+    _add_router_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         planner = commands.add_parser(name, help=help)
         module.add_cli_args(planner)
         planner.set_defaults(handler=module.run_from_args)
+    _add_router_parser(commands)
 
     groups = {
         name: commands.add_parser(name, help=help).add_subparsers(
@@ -182,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     # awake across a step. libgomp reads the variable when torch loads it, so it is set here,
     # before anything imports torch; an explicit setting wins.
     os.environ.setdefault("GOMP_SPINCOUNT", "1000000")
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    command = next((w for i, w in enumerate(words) if not w.startswith("-")
+                    and (i == 0 or words[i - 1] != "--log-level")), None)
+    parser = _build_router_only_parser() if command == "router" else build_parser()
+    args = parser.parse_args(argv)
     configure_logging(args.log_level.upper())
     try:
         return args.handler(args)

@@ -1,0 +1,73 @@
+"""Admission against a stand-in worker that takes 0.2 s a request: with the worker saturated,
+requests queue by priority, a full queue answers 429 with Retry-After, and an API key over
+its rate limit gets 429 while another key goes through."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import httpx
+import pytest
+from fake_workers import ThreadServer, fake_worker
+
+from kvserve.entrypoints.cli import _build_router_only_parser
+from kvserve.router.app import build_app
+from kvserve.router.server import build_state, worker_specs
+
+
+@pytest.fixture
+def router():
+    worker = ThreadServer(fake_worker("m", "slow"))
+    args = _build_router_only_parser().parse_args([
+        "router", "--worker", worker.url, "--max-outstanding-per-worker", "1",
+        "--max-queue-size", "8", "--rate-limit", "2", "--rate-limit-burst", "30"])
+    server = ThreadServer(build_app(build_state(args, worker_specs(args, []))))
+    yield server
+    server.stop()
+    worker.stop()
+
+
+async def _load(url: str) -> tuple[dict[int, list[float]], list[httpx.Response]]:
+    """One request to fill the worker, then four low- (10) and four high-priority (-1)
+    ones arriving in that order, then one more than the queue holds."""
+    waits: dict[int, list[float]] = {10: [], -1: []}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        async def one(priority: int) -> httpx.Response:
+            start = time.monotonic()
+            response = await client.post("/v1/completions", json={"model": "m", "prompt": "x",
+                                                                   "priority": priority})
+            waits.setdefault(priority, []).append(time.monotonic() - start)
+            return response
+
+        tasks = [asyncio.create_task(one(0))]
+        for priority in [10] * 4 + [-1] * 4:
+            await asyncio.sleep(0.01)
+            tasks.append(asyncio.create_task(one(priority)))
+        await asyncio.sleep(0.05)
+        overflow = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        responses = await asyncio.gather(*tasks)
+    return waits, [*responses, overflow]
+
+
+def test_priority_queue_and_overflow(router):
+    waits, responses = asyncio.run(_load(router.url))
+    assert [r.status_code for r in responses[:-1]] == [200] * 9
+    assert responses[-1].status_code == 429 and responses[-1].headers["retry-after"] == "1"
+    assert responses[-1].json()["error"]["code"] == "queue_full"
+    assert statistics.median(waits[-1]) <= 0.5 * statistics.median(waits[10]), waits
+    metrics = httpx.get(f"{router.url}/metrics").text
+    assert "kvserve_router:queue_time_seconds_count 8.0" in metrics
+
+
+def test_rate_limit_per_api_key(router):
+    statuses = []
+    for _ in range(40):
+        response = httpx.post(f"{router.url}/tokenize", headers={"Authorization": "Bearer a"},
+                              json={"model": "m", "prompt": "x"})
+        statuses.append(response.status_code)
+    assert statuses.count(429) >= 1 and int(response.headers["retry-after"]) >= 1
+    other = httpx.post(f"{router.url}/tokenize", headers={"Authorization": "Bearer b"},
+                       json={"model": "m", "prompt": "x"})
+    assert other.status_code != 429
