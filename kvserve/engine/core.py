@@ -172,7 +172,8 @@ class EngineCore:
     def info(self) -> EngineCoreInfo:
         return EngineCoreInfo(
             self.model_config, self.loaded.tokenizer, self.max_model_len, self.args.block_size,
-            self.runner.num_blocks, str(self.device), self.runner.kv_cache_dtype,
+            self.runner.num_blocks, self.scheduler_config.max_num_seqs, str(self.device),
+            self.runner.kv_cache_dtype,
             type(self.runner.attn_backend).__name__,
             weight_bytes_per_step(self.runner.model, self.model_config),
         )

@@ -63,6 +63,9 @@ class InputProcessor:
                 f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
             )
         params.verify_token_ids(vocab_size)
+        if params.n > info.max_num_seqs:
+            # All n samples run side by side once the prompt is done: more never fit a step.
+            raise ValueError(f"n must be at most max_num_seqs ({info.max_num_seqs}), got n={params.n}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{NO_TOKENIZER}: stop strings {params.stop!r} cannot be matched; use stop_token_ids")
         num_prompt = len(prompt_token_ids)

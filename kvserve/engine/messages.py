@@ -76,6 +76,7 @@ class EngineCoreInfo:
     max_model_len: int
     block_size: int
     num_blocks: int
+    max_num_seqs: int
     device: str
     kv_cache_dtype: torch.dtype
     attention_backend: str

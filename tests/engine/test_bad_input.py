@@ -23,6 +23,8 @@ VALID = SamplingParams(temperature=0.0, max_tokens=4)
         (lambda llm: llm.generate("Hi", SamplingParams(top_k=0)), "top_k"),
         (lambda llm: llm.generate("Hi", SamplingParams(top_k=-2)), "top_k"),
         (lambda llm: llm.generate("Hi", SamplingParams(n=0)), "n"),
+        # More samples than a step runs could never be admitted.
+        (lambda llm: llm.generate("Hi", SamplingParams(n=257)), "n must be at most max_num_seqs (256), got n=257"),
         (lambda llm: llm.generate("Hi", SamplingParams(max_tokens=0)), "max_tokens"),
         (lambda llm: llm.generate("Hi", SamplingParams(stop=5)), "stop"),
         (lambda llm: llm.generate("Hi", SamplingParams(stop=["ok", 3])), "stop"),
