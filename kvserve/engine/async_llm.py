@@ -149,6 +149,9 @@ class AsyncLLM:
                 item = await out_queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    finished = True  # the engine has let go of it
+                    raise RuntimeError(f"request failed in the engine: {item.error}")
                 finished = item.finished
                 yield item
                 if finished:

@@ -324,6 +324,17 @@ class EngineCore:
             or seq.num_tokens + 1 >= self.max_model_len
         )
 
+    def _fail(self, failed: dict[str, str], outputs: EngineCoreOutputs) -> None:
+        """End the requests of sequences whose sampling raised, and only those."""
+        for seq_id, error in failed.items():
+            seq = self.scheduler.seqs.get(seq_id)
+            request = None if seq is None else self.requests.pop(seq.request.request_id, None)
+            if request is None:
+                continue  # a sibling sample failed too
+            logger.warning("request %s failed in sampling: %s", request.request_id, error)
+            self._finish(request, SequenceStatus.FINISHED_ABORTED)
+            outputs.failed_requests[request.request_id] = error
+
     def _update(self, runner_output: ModelRunnerOutput, inputs_were_in_flight: bool = False) -> EngineCoreOutputs:
         outputs = EngineCoreOutputs()
         for seq_id, first_target, entries in runner_output.prompt_logprobs:
@@ -332,6 +343,7 @@ class EngineCore:
                 continue  # recomputed after a preemption: already sent
             request.num_prompt_logprobs += len(entries)
             outputs.prompt_logprobs.setdefault(request.request_id, []).extend(entries)
+        self._fail(runner_output.failed, outputs)
         touched: dict[str, Request] = {}
         for update in self.scheduler.update_from_output(runner_output, inputs_were_in_flight):
             seq, request = update.seq, update.seq.request

@@ -140,7 +140,12 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Runs one iteration; returns an output for every request that got tokens (only
         for those that finished, with final_only: building outputs costs host time)."""
-        outputs, stops = self.output_processor.process(self.client.step(), final_only)
+        core_outputs = self.client.step()
+        outputs, stops = self.output_processor.process(core_outputs, final_only)
+        for request_id, error in core_outputs.failed_requests.items():
+            output = self.output_processor.abort(request_id, error)
+            if output is not None:
+                outputs.append(output)
         if stops:
             self.client.stop_sequences(stops)
         return outputs

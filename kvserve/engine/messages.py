@@ -64,6 +64,8 @@ class EngineCoreOutputs:
     # Prompt logprobs entries computed this step, per request, in prompt order.
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     finished_requests: list[str] = field(default_factory=list)
+    # Requests ended because their own sampling raised (id -> the error); the rest go on.
+    failed_requests: dict[str, str] = field(default_factory=dict)
     stats: SchedulerStats | None = None
 
 
