@@ -138,6 +138,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.overlap_scheduling = args.resolved_overlap_scheduling(self.device) and spec_config is None
         self._inflight: list[Sequence] | None = None  # a launched step's sequences, unread
+        self.num_steps = 0
         self.num_steps_ahead = 0
         logger.info(
             "kvserve engine: %s layers=%d dtype=%s device=%s attention=%s, %d KV blocks (%s) of "
@@ -238,7 +239,10 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         prefix = self.scheduler.prefix_cache_stats
         compiled = self.runner.compiled_decode
+        num_running_reqs, num_waiting_reqs = self.scheduler.num_requests()
         return SchedulerStats(
+            num_running_reqs=num_running_reqs,
+            num_waiting_reqs=num_waiting_reqs,
             num_running_seqs=len(self.scheduler.running),
             num_waiting_seqs=len(self.scheduler.waiting),
             num_unfinished_requests=len(self.requests),
@@ -247,6 +251,7 @@ class EngineCore:
             prefix_cache_queries=prefix.queried_tokens,
             prefix_cache_hits=prefix.hit_tokens,
             decode_graphs_pending=0 if compiled is None else compiled.pending,
+            num_steps=self.num_steps,
             num_steps_ahead=self.num_steps_ahead,
             spec_decode=self.spec_decode_stats,
         )
@@ -336,6 +341,7 @@ class EngineCore:
             outputs.failed_requests[request.request_id] = error
 
     def _update(self, runner_output: ModelRunnerOutput, inputs_were_in_flight: bool = False) -> EngineCoreOutputs:
+        self.num_steps += 1
         outputs = EngineCoreOutputs()
         for seq_id, first_target, entries in runner_output.prompt_logprobs:
             request = self.scheduler.seqs[seq_id].request

@@ -44,9 +44,13 @@ class SequenceDelta:
 class SchedulerStats:
     """The core's gauges and counters, as of the end of a step."""
 
+    # Requests: running while any of their samples runs; sequences: each sample.
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
     num_running_seqs: int = 0
     num_waiting_seqs: int = 0
     num_unfinished_requests: int = 0
+    num_steps: int = 0  # steps that ran the model: the engine is making progress
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up

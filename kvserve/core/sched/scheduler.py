@@ -109,6 +109,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting) requests: running with any sample running, else waiting."""
+        running = {seq.request.request_id for seq in self.running}
+        waiting = {seq.request.request_id for seq in self.waiting} - running
+        return len(running), len(waiting)
+
     # -- the step decision -----------------------------------------------------------------
 
     def _pick_victim(self) -> Sequence:
