@@ -125,6 +125,7 @@ class EngineCore:
             max_verify_batch=None if spec_config is None else spec_config.disable_by_batch_size,
             compile_decode=args.compile_decode,
         )
+        self._check_max_model_len_fits()
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
@@ -150,6 +151,21 @@ class EngineCore:
             str(self.runner.kv_cache_dtype).removeprefix("torch."),
             args.block_size, self.runner.num_blocks * args.block_size, self.max_model_len,
             "on" if self.overlap_scheduling else "off",
+        )
+
+    def _check_max_model_len_fits(self) -> None:
+        """One sequence of max_model_len tokens must fit the whole KV cache: otherwise
+        every request that leaves max_tokens unset would be refused (vLLM refuses to start)."""
+        block_size, num_blocks = self.args.block_size, self.runner.num_blocks
+        needed = -(-self.max_model_len // block_size)
+        if needed <= num_blocks:
+            return
+        memory_flag = "--kv-cache-memory" if self.device.type == "cpu" else "--gpu-memory-utilization"
+        raise ValueError(
+            f"max_model_len ({self.max_model_len} tokens) does not fit the KV cache: one sequence "
+            f"of that length needs {needed} blocks of {block_size} tokens, and the cache holds "
+            f"{num_blocks} blocks ({num_blocks * block_size} tokens). Raise {memory_flag} (or use "
+            f"--kv-cache-dtype fp8), or lower --max-model-len to at most {num_blocks * block_size}."
         )
 
     def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | None) -> Speculator:

@@ -74,14 +74,9 @@ class InputProcessor:
             max_tokens = info.max_model_len - num_prompt
             if max_tokens < 1:
                 raise context_length_error(info.max_model_len, num_prompt, 1)
+        # The engine starts only if max_model_len fits the KV cache: so does the request.
         if num_prompt + max_tokens > info.max_model_len:
             raise context_length_error(info.max_model_len, num_prompt, max_tokens)
-        needed = -(-(num_prompt + max_tokens) // info.block_size)
-        if needed > info.num_blocks:
-            raise ValueError(
-                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {needed} KV "
-                f"blocks but the cache has only {info.num_blocks}; raise --kv-cache-memory"
-            )
         return max_tokens
 
     def process(
