@@ -81,7 +81,8 @@ def _check(llm: LLM, prompt_ids, plain) -> None:
 # The tiny random draft runs slow (the int4 self-draft covers draft_model in CI's 10 minutes).
 @pytest.mark.parametrize("method", ["ngram", "int4-self", pytest.param("tiny-draft", marks=pytest.mark.slow)])
 def test_batched_with_prefix_hits(method, smollm2_loaded, tiny_smollm2_draft, prompt_ids, plain):
-    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024,
+    # A self-draft's cache takes as many blocks again: 64 MiB holds 720 tokens then.
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=512,
               speculative_config=_config(method, tiny_smollm2_draft))
     _check(llm, prompt_ids, plain)
     if method == "ngram":
@@ -90,7 +91,7 @@ def test_batched_with_prefix_hits(method, smollm2_loaded, tiny_smollm2_draft, pr
 
 @pytest.mark.parametrize("method", DRAFT_MODEL_SLOW)
 def test_small_prefill_chunks(method, smollm2_loaded, tiny_smollm2_draft, prompt_ids, plain):
-    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=19,
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=512, max_num_batched_tokens=19,
               enable_prefix_caching=False, speculative_config=_config(method, tiny_smollm2_draft))
     _check(llm, prompt_ids, plain)
 
