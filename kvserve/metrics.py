@@ -140,8 +140,15 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.stats()
         yield self._family(GaugeMetricFamily, "kvserve:num_requests_running",
-                           "Sequences running in the engine.", stats.num_running_seqs)
+                           "Requests with a sample running in the engine (one per prompt).",
+                           stats.num_running_reqs)
         yield self._family(GaugeMetricFamily, "kvserve:num_requests_waiting",
+                           "Requests waiting to be scheduled (none of their samples running).",
+                           stats.num_waiting_reqs)
+        yield self._family(GaugeMetricFamily, "kvserve:num_sequences_running",
+                           "Sequences running in the engine: each of a request's n samples.",
+                           stats.num_running_seqs)
+        yield self._family(GaugeMetricFamily, "kvserve:num_sequences_waiting",
                            "Sequences waiting to be scheduled.", stats.num_waiting_seqs)
         yield self._family(GaugeMetricFamily, "kvserve:kv_cache_usage_perc",
                            "Fraction of KV-cache blocks in use (0..1).", stats.kv_cache_usage)

@@ -61,7 +61,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     # Per generated token: {token id: logprob} for the sampled token and the top alternatives.
     logprobs: Sequence[dict[int, float]] | None
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     # The stop string or stop token id that ended the sequence (None for EOS or length).
     stop_reason: str | int | None = None
 
@@ -93,3 +93,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # Why the engine failed this request alone (its samples end with finish_reason "error").
+    error: str | None = None

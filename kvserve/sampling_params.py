@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
@@ -13,6 +14,11 @@ INT64_MAX = 2**63 - 1
 # Float parameters become rows of float32 (or narrower) tensors: a larger value turns into
 # inf there and the row's logits into NaN.
 FLOAT32_MAX = 3.4028234663852886e38
+# Fields the engine uses as integers (counts, ranges, seeds) and as floats: another type
+# would raise inside a step, where it would fail every request in the batch.
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
 
 
 @dataclass
@@ -38,6 +44,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        self._normalize_numbers()
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_token_ids(self.stop_token_ids)
         if self.logit_bias is not None:
@@ -54,6 +61,23 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be finite float32 numbers, got "
                                  f"logit_bias[{token}]={bias!r}")
         self._validate()
+
+    def _normalize_numbers(self) -> None:
+        """Integers (numpy's too, and whole floats such as 2.0) as int, reals as float."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name not in ("n", "top_k", "min_tokens"):
+                continue
+            integral = isinstance(value, numbers.Integral) or (
+                isinstance(value, numbers.Real) and float(value).is_integer())
+            if isinstance(value, bool) or not integral:
+                raise ValueError(f"{name} must be an integer, got {name}={value!r}")
+            setattr(self, name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {name}={value!r}")
+            setattr(self, name, float(value))
 
     def _validate(self) -> None:
         _check(self.n >= 1, "n", self.n, "n >= 1")

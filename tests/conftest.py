@@ -62,7 +62,7 @@ def smollm2_llm(smollm2_loaded):
     """A fresh engine (own KV cache and scheduler) on the shared weights."""
     from kvserve import LLM
 
-    return LLM(loaded=smollm2_loaded, kv_cache_memory="256MiB")
+    return LLM(loaded=smollm2_loaded, kv_cache_memory="256MiB", max_model_len=4096)
 
 
 def randomize(model: PreTrainedModel, seed: int) -> None:

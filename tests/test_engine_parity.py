@@ -63,7 +63,7 @@ def test_prompts_differ_in_length(prompt_ids):
 
 
 def test_batched_greedy_matches_transformers(loaded, prompt_ids, hf_greedy):
-    llm = LLM(loaded=loaded, enable_prefix_caching=False, kv_cache_memory="256MiB")
+    llm = LLM(loaded=loaded, enable_prefix_caching=False, kv_cache_memory="256MiB", max_model_len=4096)
     assert _greedy(llm, prompt_ids) == hf_greedy
 
 
@@ -71,13 +71,13 @@ def test_small_prefill_chunks_match_transformers(loaded, prompt_ids, hf_greedy):
     # A 13-token budget splits every prompt across several steps, off block boundaries.
     llm = LLM(
         loaded=loaded, enable_prefix_caching=False, max_num_batched_tokens=13,
-        kv_cache_memory="256MiB",
+        kv_cache_memory="256MiB", max_model_len=4096,
     )
     assert _greedy(llm, prompt_ids) == hf_greedy
 
 
 def test_prefix_cache_hits_match_transformers(loaded, prompt_ids, hf_greedy):
-    llm = LLM(loaded=loaded, enable_prefix_caching=True, kv_cache_memory="256MiB")
+    llm = LLM(loaded=loaded, enable_prefix_caching=True, kv_cache_memory="256MiB", max_model_len=4096)
     assert _greedy(llm, prompt_ids) == hf_greedy
     stats = llm.engine.core.scheduler.prefix_cache_stats
     hits_first_run = stats.hit_tokens
@@ -95,6 +95,7 @@ def test_preemption_matches_transformers(loaded, prompt_ids, hf_greedy):
     llm = LLM(
         loaded=loaded, enable_prefix_caching=False, block_size=block_size,
         kv_cache_memory=str(num_blocks * kv_cache_bytes_per_block(loaded.config, block_size)),
+        max_model_len=num_blocks * block_size,
     )
     assert llm.engine.core.runner.num_blocks == num_blocks
     assert _greedy(llm, prompt_ids) == hf_greedy

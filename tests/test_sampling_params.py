@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from kvserve.sampling_params import SamplingParams
@@ -114,3 +115,38 @@ def test_verify_token_ids() -> None:
         SamplingParams(logit_bias={-1: 1.0}).verify_token_ids(10)
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[3, 12]).verify_token_ids(10)
+
+
+# Each of these used to pass validation and then raise inside the engine's step (range() of a
+# float n, manual_seed of a float, topk() of a float count), failing every request batched
+# with it; now it is refused when the parameters are built.
+@pytest.mark.parametrize(
+    ("kwargs", "name", "kind"),
+    [
+        ({"n": 2.5}, "n", "an integer"),
+        ({"seed": 1.5}, "seed", "an integer"),
+        ({"logprobs": 1.5}, "logprobs", "an integer"),
+        ({"prompt_logprobs": 0.5}, "prompt_logprobs", "an integer"),
+        ({"top_k": "3"}, "top_k", "an integer"),
+        ({"max_tokens": float("inf")}, "max_tokens", "an integer"),
+        ({"min_tokens": float("nan")}, "min_tokens", "an integer"),
+        ({"n": True}, "n", "an integer"),
+        ({"temperature": "0.5"}, "temperature", "a number"),
+        ({"top_p": None}, "top_p", "a number"),
+        ({"repetition_penalty": False}, "repetition_penalty", "a number"),
+    ],
+)
+def test_values_of_the_wrong_type_raise(kwargs: dict, name: str, kind: str) -> None:
+    value = kwargs[name]
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert str(info.value) == f"{name} must be {kind}, got {name}={value!r}"
+
+
+def test_whole_numbers_of_other_types_become_ints_and_floats() -> None:
+    params = SamplingParams(n=np.int64(2), seed=np.uint64(7), max_tokens=8.0, top_k=40.0,
+                            temperature=1, top_p=np.float32(0.5))
+    assert (params.n, params.seed, params.max_tokens, params.top_k) == (2, 7, 8, 40)
+    assert all(type(v) is int for v in (params.n, params.seed, params.max_tokens, params.top_k))
+    assert (params.temperature, params.top_p) == (1.0, 0.5)
+    assert type(params.temperature) is float and type(params.top_p) is float

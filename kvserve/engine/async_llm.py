@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -39,6 +40,10 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wakeup = threading.Event()
         self._stopped = False
+        # Liveness (stalled_for): whether the worker waits for work, and when it last made
+        # progress (a step that ran the model, a piece of idle work, waking up for work).
+        self._waiting_for_work = False
+        self._last_progress = time.monotonic()
         self._worker = threading.Thread(
             target=self._run, args=(make_engine,), name="kvserve-engine", daemon=True
         )
@@ -65,6 +70,8 @@ class AsyncLLM:
             return
         finally:
             self._loaded.set()
+        num_steps = self.engine.num_steps
+        self._last_progress = time.monotonic()
         while not self._stopped:
             while not self._commands.empty():
                 self._commands.get()()
@@ -72,16 +79,32 @@ class AsyncLLM:
                 # Idle: deferred start-up work (the CPU decode graphs) before waiting; a
                 # request that arrives meanwhile waits for the piece in progress.
                 if self._commands.empty() and self.engine.run_idle_work():
+                    self._last_progress = time.monotonic()
                     continue
+                self._waiting_for_work = True
                 self._wakeup.wait()
                 self._wakeup.clear()
+                self._last_progress = time.monotonic()  # before the flag: see stalled_for
+                self._waiting_for_work = False
                 continue
             try:
                 outputs = self.engine.step()
             except Exception as error:  # a broken step fails its requests, not the server
+                self._last_progress = time.monotonic()
                 self._fail_all(error)
                 continue
+            if self.engine.num_steps != num_steps:
+                num_steps = self.engine.num_steps
+                self._last_progress = time.monotonic()
             self._deliver([(output.request_id, output) for output in outputs])
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has had requests in flight without making progress; 0 while
+        it has none or waits for work. Read from the event loop: the worker sets the time
+        before it clears the flag, so a wake-up never reads as a long stall."""
+        if not self._streams or self._waiting_for_work:
+            return 0.0
+        return time.monotonic() - self._last_progress
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand a step's outputs to their streams with one wake-up of each event loop: a
@@ -149,6 +172,9 @@ class AsyncLLM:
                 item = await out_queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    finished = True  # the engine has let go of it
+                    raise RuntimeError(f"request failed in the engine: {item.error}")
                 finished = item.finished
                 yield item
                 if finished:

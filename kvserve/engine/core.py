@@ -134,6 +134,7 @@ class EngineCore:
                 max_verify_batch=None if spec_config is None else spec_config.disable_by_batch_size,
                 compile_decode=args.compile_decode,
             )
+        self._check_max_model_len_fits()
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
@@ -148,6 +149,7 @@ class EngineCore:
         self.overlap_scheduling = (args.resolved_overlap_scheduling(self.device) and spec_config is None
                                    and args.tensor_parallel_size * args.pipeline_parallel_size == 1)
         self._inflight: list[Sequence] | None = None  # a launched step's sequences, unread
+        self.num_steps = 0
         self.num_steps_ahead = 0
         logger.info(
             "kvserve engine: %s layers=%d dtype=%s device=%s attention=%s, %d KV blocks (%s) of "
@@ -206,6 +208,21 @@ class EngineCore:
 
         return MultiprocExecutor(args)
 
+    def _check_max_model_len_fits(self) -> None:
+        """One sequence of max_model_len tokens must fit the whole KV cache: otherwise
+        every request that leaves max_tokens unset would be refused (vLLM refuses to start)."""
+        block_size, num_blocks = self.args.block_size, self.runner.num_blocks
+        needed = -(-self.max_model_len // block_size)
+        if needed <= num_blocks:
+            return
+        memory_flag = "--kv-cache-memory" if self.device.type == "cpu" else "--gpu-memory-utilization"
+        raise ValueError(
+            f"max_model_len ({self.max_model_len} tokens) does not fit the KV cache: one sequence "
+            f"of that length needs {needed} blocks of {block_size} tokens, and the cache holds "
+            f"{num_blocks} blocks ({num_blocks * block_size} tokens). Raise {memory_flag} (or use "
+            f"--kv-cache-dtype fp8), or lower --max-model-len to at most {num_blocks * block_size}."
+        )
+
     def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | None) -> Speculator:
         if draft is None:
             from kvserve.spec_decode.ngram_proposer import NgramProposer
@@ -227,8 +244,8 @@ class EngineCore:
     def info(self) -> EngineCoreInfo:
         return EngineCoreInfo(
             self.model_config, self.tokenizer, self.max_model_len, self.args.block_size,
-            self.runner.num_blocks, str(self.device), self.runner.kv_cache_dtype,
-            self.runner.attention_backend_name, self.runner.decode_weight_bytes,
+            self.runner.num_blocks, self.scheduler_config.max_num_seqs, str(self.device),
+            self.runner.kv_cache_dtype, self.runner.attention_backend_name, self.runner.decode_weight_bytes,
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -295,7 +312,10 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         prefix = self.scheduler.prefix_cache_stats
         compiled = self.runner.compiled_decode
+        num_running_reqs, num_waiting_reqs = self.scheduler.num_requests()
         return SchedulerStats(
+            num_running_reqs=num_running_reqs,
+            num_waiting_reqs=num_waiting_reqs,
             num_running_seqs=len(self.scheduler.running),
             num_waiting_seqs=len(self.scheduler.waiting),
             num_unfinished_requests=len(self.requests),
@@ -304,6 +324,7 @@ class EngineCore:
             prefix_cache_queries=prefix.queried_tokens,
             prefix_cache_hits=prefix.hit_tokens,
             decode_graphs_pending=0 if compiled is None else compiled.pending,
+            num_steps=self.num_steps,
             num_steps_ahead=self.num_steps_ahead,
             spec_decode=self.spec_decode_stats,
         )
@@ -381,7 +402,19 @@ class EngineCore:
             or seq.num_tokens + 1 >= self.max_model_len
         )
 
+    def _fail(self, failed: dict[str, str], outputs: EngineCoreOutputs) -> None:
+        """End the requests of sequences whose sampling raised, and only those."""
+        for seq_id, error in failed.items():
+            seq = self.scheduler.seqs.get(seq_id)
+            request = None if seq is None else self.requests.pop(seq.request.request_id, None)
+            if request is None:
+                continue  # a sibling sample failed too
+            logger.warning("request %s failed in sampling: %s", request.request_id, error)
+            self._finish(request, SequenceStatus.FINISHED_ABORTED)
+            outputs.failed_requests[request.request_id] = error
+
     def _update(self, runner_output: ModelRunnerOutput, inputs_were_in_flight: bool = False) -> EngineCoreOutputs:
+        self.num_steps += 1
         outputs = EngineCoreOutputs()
         for seq_id, first_target, entries in runner_output.prompt_logprobs:
             request = self.scheduler.seqs[seq_id].request
@@ -389,6 +422,7 @@ class EngineCore:
                 continue  # recomputed after a preemption: already sent
             request.num_prompt_logprobs += len(entries)
             outputs.prompt_logprobs.setdefault(request.request_id, []).extend(entries)
+        self._fail(runner_output.failed, outputs)
         touched: dict[str, Request] = {}
         for update in self.scheduler.update_from_output(runner_output, inputs_were_in_flight):
             seq, request = update.seq, update.seq.request

@@ -28,6 +28,7 @@ def _merge(first: EngineCoreOutputs, later: EngineCoreOutputs) -> EngineCoreOutp
     for request_id, entries in later.prompt_logprobs.items():
         first.prompt_logprobs.setdefault(request_id, []).extend(entries)
     first.finished_requests += later.finished_requests
+    first.failed_requests.update(later.failed_requests)
     first.stats = later.stats
     return first
 

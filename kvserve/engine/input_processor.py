@@ -63,6 +63,9 @@ class InputProcessor:
                 f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
             )
         params.verify_token_ids(vocab_size)
+        if params.n > info.max_num_seqs:
+            # All n samples run side by side once the prompt is done: more never fit a step.
+            raise ValueError(f"n must be at most max_num_seqs ({info.max_num_seqs}), got n={params.n}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{NO_TOKENIZER}: stop strings {params.stop!r} cannot be matched; use stop_token_ids")
         num_prompt = len(prompt_token_ids)
@@ -71,14 +74,9 @@ class InputProcessor:
             max_tokens = info.max_model_len - num_prompt
             if max_tokens < 1:
                 raise context_length_error(info.max_model_len, num_prompt, 1)
+        # The engine starts only if max_model_len fits the KV cache: so does the request.
         if num_prompt + max_tokens > info.max_model_len:
             raise context_length_error(info.max_model_len, num_prompt, max_tokens)
-        needed = -(-(num_prompt + max_tokens) // info.block_size)
-        if needed > info.num_blocks:
-            raise ValueError(
-                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {needed} KV "
-                f"blocks but the cache has only {info.num_blocks}; raise --kv-cache-memory"
-            )
         return max_tokens
 
     def process(

@@ -45,6 +45,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(info)
         self.output_processor = OutputProcessor(info.tokenizer, speculating=args.speculative_config is not None)
         self._request_counter = itertools.count()
+        self.num_steps = 0  # the core's steps that ran the model, as of its latest outputs
 
     def _sampling_defaults(self, generation_config: str) -> dict[str, float]:
         """What requests that leave a sampling value unset take (--generation-config)."""
@@ -117,11 +118,11 @@ class LLMEngine:
 
     @property
     def num_requests_running(self) -> int:
-        return self.stats().num_running_seqs
+        return self.stats().num_running_reqs
 
     @property
     def num_requests_waiting(self) -> int:
-        return self.stats().num_waiting_seqs
+        return self.stats().num_waiting_reqs
 
     @property
     def decode_graphs_pending(self) -> int:
@@ -140,7 +141,14 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Runs one iteration; returns an output for every request that got tokens (only
         for those that finished, with final_only: building outputs costs host time)."""
-        outputs, stops = self.output_processor.process(self.client.step(), final_only)
+        core_outputs = self.client.step()
+        if core_outputs.stats is not None:
+            self.num_steps = core_outputs.stats.num_steps
+        outputs, stops = self.output_processor.process(core_outputs, final_only)
+        for request_id, error in core_outputs.failed_requests.items():
+            output = self.output_processor.abort(request_id, error)
+            if output is not None:
+                outputs.append(output)
         if stops:
             self.client.stop_sequences(stops)
         return outputs

@@ -44,9 +44,13 @@ class SequenceDelta:
 class SchedulerStats:
     """The core's gauges and counters, as of the end of a step."""
 
+    # Requests: running while any of their samples runs; sequences: each sample.
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
     num_running_seqs: int = 0
     num_waiting_seqs: int = 0
     num_unfinished_requests: int = 0
+    num_steps: int = 0  # steps that ran the model: the engine is making progress
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up
@@ -64,6 +68,8 @@ class EngineCoreOutputs:
     # Prompt logprobs entries computed this step, per request, in prompt order.
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     finished_requests: list[str] = field(default_factory=list)
+    # Requests ended because their own sampling raised (id -> the error); the rest go on.
+    failed_requests: dict[str, str] = field(default_factory=dict)
     stats: SchedulerStats | None = None
 
 
@@ -76,6 +82,7 @@ class EngineCoreInfo:
     max_model_len: int
     block_size: int
     num_blocks: int
+    max_num_seqs: int
     device: str
     kv_cache_dtype: torch.dtype
     attention_backend: str

@@ -45,6 +45,7 @@ class RequestState:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     spec_stats: SpecDecodeStats | None = None
     finished: bool = False
+    error: str | None = None  # why the engine failed it
 
     @property
     def request_id(self) -> str:
@@ -145,13 +146,15 @@ class OutputProcessor:
         state.finished_time = time.time()
         del self.requests[state.request_id]
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """End a request that is still running: aborted, or failed by the engine (`error`)."""
         state = self.requests.get(request_id)
         if state is None:
             return None
         for sample in state.samples or [self._sample(state, 0)]:
             if not sample.finished:
-                sample.finish_reason = "abort"
+                sample.finish_reason = "abort" if error is None else "error"
+        state.error = error
         self._finish(state)
         return self.make_output(state)
 
@@ -186,4 +189,5 @@ class OutputProcessor:
                 spec_decode=state.spec_stats,
             ),
             num_cached_tokens=state.num_cached_tokens,
+            error=state.error,
         )

@@ -70,9 +70,12 @@ class StepSampler:
         for seq_id, logits, first_target in prompt_logits:
             seq = seqs[seq_id]
             targets = seq.token_ids[first_target : first_target + logits.shape[0]]
-            out.prompt_logprobs.append(
-                (seq_id, first_target, compute_prompt_logprobs(logits, targets, seq.params.prompt_logprobs))
-            )
+            try:
+                entries = compute_prompt_logprobs(logits, targets, seq.params.prompt_logprobs)
+            except Exception as error:
+                out.failed[seq_id] = repr(error)
+                continue
+            out.prompt_logprobs.append((seq_id, first_target, entries))
 
         # Plain decodes and prefills sample one row; sequences with drafts verify 1 + k.
         plain_ids, plain_rows, spec_ids, spec_rows = [], [], [], []
@@ -97,8 +100,7 @@ class StepSampler:
                 row_seq_ids.append(child_id)
                 logit_rows.append(plain_rows[logit_row])
         if rows:
-            sampled = self.sampler(sample_logits[logit_rows], rows)
-            for seq_id, token_id, logprobs in zip(row_seq_ids, sampled.token_ids, sampled.logprobs):
+            for seq_id, token_id, logprobs in self._sample_rows(sample_logits, logit_rows, rows, row_seq_ids, out):
                 out.sampled.append(SampledSequence(seq_id, [token_id], None if logprobs is None else [logprobs]))
         if spec_ids:
             verified = speculator.verify(
@@ -115,6 +117,32 @@ class StepSampler:
         if speculator is not None:
             out.draft_token_ids = speculator.propose(self._drafting(out.sampled, seqs), len(out.sampled))
         return out
+
+    def _sample_rows(
+        self, logits: torch.Tensor, logit_rows: list[int], rows: list[SamplingRow], seq_ids: list[str],
+        out: ModelRunnerOutput,
+    ) -> list[tuple[str, int, dict[int, float] | None]]:
+        """(seq id, token, logprobs) of every row that samples. A request's own parameters
+        can still break the batched call; then each row is sampled alone, from the seeded
+        generators' states before the failed call, and a row that raises fails only its
+        sequence (out.failed)."""
+        generators = [row.generator for row in rows if row.generator is not None]
+        states = [generator.get_state() for generator in generators]
+        try:
+            sampled = self.sampler(logits[logit_rows], rows)
+            return list(zip(seq_ids, sampled.token_ids, sampled.logprobs))
+        except Exception:
+            for generator, state in zip(generators, states):
+                generator.set_state(state)
+        results = []
+        for seq_id, logit_row, row in zip(seq_ids, logit_rows, rows):
+            try:
+                sampled = self.sampler(logits[logit_row : logit_row + 1], [row])
+            except Exception as error:
+                out.failed[seq_id] = repr(error)
+                continue
+            results.append((seq_id, sampled.token_ids[0], sampled.logprobs[0]))
+        return results
 
     def _draft_context(self, seq_id: str, seq: RunnerSequence, new_token_ids: Sequence[int] = ()) -> DraftContext:
         return DraftContext(

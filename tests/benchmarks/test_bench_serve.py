@@ -209,7 +209,8 @@ def server_url(tmp_path_factory):
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvserve.entrypoints.cli", "--log-level", "WARNING", "serve",
-             "--port", str(port), "--kv-cache-memory", "256MiB", "--no-compile-decode"],
+             "--port", str(port), "--kv-cache-memory", "256MiB", "--max-model-len", "4096",
+             "--no-compile-decode"],
             stdout=log, stderr=log,
         )
     url = f"http://127.0.0.1:{port}"

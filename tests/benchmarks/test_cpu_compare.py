@@ -90,7 +90,7 @@ def test_quick_mode_runs_kvserve_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(
         ["bash", os.path.join(REPO_ROOT, "benchmarks", "cpu_vs_llamacpp.sh"), "--quick",
-         "--output-dir", str(tmp_path), "--kvserve-args", "--kv-cache-memory 128MiB --no-compile-decode"],
+         "--output-dir", str(tmp_path), "--kvserve-args", "--kv-cache-memory 128MiB --max-model-len 2048 --no-compile-decode"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -25,7 +25,7 @@ def test_report_rows_compare_with_transformers_and_floor(tmp_path):
 
 
 def test_step_profile_counts_every_token_once():
-    llm = LLM(load_format="dummy", model_shape="smollm2-135m", kv_cache_memory="64MiB",
+    llm = LLM(load_format="dummy", model_shape="smollm2-135m", kv_cache_memory="64MiB", max_model_len=1024,
               max_num_batched_tokens=32)
     timer = StepTimer(llm)
     prompts = [list(range(1000, 1000 + n)) for n in (20, 45)]

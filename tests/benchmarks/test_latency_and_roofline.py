@@ -49,7 +49,7 @@ def test_a_quantized_lm_head_replaces_the_float_one_in_the_step_bytes(shape):
 def test_latency_result_is_consistent(kv_cache_dtype):
     """The floor counts the weights once and the live KV in the cache's own dtype (one
     byte a value for fp8: 4x less than this fp32 model's)."""
-    llm = LLM(load_format="dummy", model_shape="smollm2-135m", kv_cache_memory="64MiB",
+    llm = LLM(load_format="dummy", model_shape="smollm2-135m", kv_cache_memory="64MiB", max_model_len=1024,
               kv_cache_dtype=kv_cache_dtype)
     bandwidth = 20e9
     result = run_latency(llm, batch_size=3, input_len=24, output_len=8, bandwidth=bandwidth)
@@ -128,7 +128,7 @@ def test_bench_latency_cli_writes_the_step_columns(tmp_path, capsys):
 
     out = tmp_path / "w2.json"
     assert main(["bench", "latency", "--load-format", "dummy", "--model-shape", "smollm2-135m",
-                 "--kv-cache-memory", "64MiB", "--input-len", "8", "--output-len", "4",
+                 "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--input-len", "8", "--output-len", "4",
                  "--batch-sizes", "1,2", "--output-json", str(out)]) == 0
     header = next(line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("batch"))
     assert header.split()[-4:] == ["step", "p50", "step", "max"]

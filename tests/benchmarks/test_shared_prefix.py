@@ -27,7 +27,7 @@ def test_a_run_counts_the_prompt_tokens_the_cache_served() -> None:
     prompts = shared_prefix_prompts(4, 64, 8, vocab_size=49152, seed=0)
     counts = {}
     for caching in (True, False):
-        llm = LLM(load_format="dummy", model_shape="smollm2-135m", kv_cache_memory="64MiB",
+        llm = LLM(load_format="dummy", model_shape="smollm2-135m", kv_cache_memory="64MiB", max_model_len=1024,
                   max_num_batched_tokens=72, enable_prefix_caching=caching)
         result, outputs = run_prefix(llm, prompts, output_len=5)
         assert result.prefix_caching is caching and result.num_requests == 4
@@ -44,7 +44,7 @@ def test_the_command_runs_both_ways_and_writes_json(tmp_path, capsys) -> None:
     the other two find it; the warm-up request must not have cached any of it."""
     path = tmp_path / "w4.json"
     assert main(["--log-level", "WARNING", "bench", "prefix", "--load-format", "dummy", "--model-shape",
-                 "smollm2-135m", "--kv-cache-memory", "64MiB", "--max-num-batched-tokens", "36",
+                 "smollm2-135m", "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--max-num-batched-tokens", "36",
                  "--num-requests", "3", "--prefix-len", "32", "--question-len", "4", "--output-len", "3",
                  "--output-json", str(path)]) == 0
     report = json.loads(path.read_text())

@@ -19,9 +19,11 @@ from hypothesis import strategies as st
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.core.sequence import Sequence, SequenceStatus
 from kvserve.model_executor.input_batch import SequenceStates
+from kvserve.sampling_params import SamplingParams
 
 VOCAB = 7
 
@@ -452,3 +454,97 @@ def test_tight_pool_forces_preemption_and_all_finish(bs, n, data):
         assert sum(s.num_preemptions for s in seqs) == eng.sched.num_preemptions
         for s, p in zip(seqs, prompts):
             assert s.output_token_ids == expected_output(p, max_tokens)
+
+
+# -- n > 1: a prompt forks into its samples ----------------------------------------------
+
+
+def make_request(i: int, prompt: list[int], n: int, max_tokens: int) -> Sequence:
+    request = types.SimpleNamespace(
+        request_id=f"r{i}", prompt_token_ids=list(prompt),
+        params=SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True),
+        priority=0, arrival_time=float(i), max_tokens=max_tokens, sequences=[],
+    )
+    seq = Sequence(f"r{i}#0", request, 0)
+    request.sequences.append(seq)
+    return seq
+
+
+def expected_sample(prompt: list[int], index: int, max_tokens: int) -> list[int]:
+    """Sample `index` draws its first token from its parent's logits (here: the prompt plus
+    its index), then goes on greedily from its own tokens."""
+    tokens = list(prompt)
+    tokens.append(greedy_token(tokens + [index] if index else tokens))
+    while len(tokens) - len(prompt) < max_tokens:
+        tokens.append(greedy_token(tokens))
+    return tokens[len(prompt):]
+
+
+def run_forking(sched: Scheduler, arrivals: list[tuple[int, Sequence]], max_num_seqs: int) -> list[dict]:
+    """schedule -> advance -> update_from_output with a fake runner, asserting after every
+    schedule() that no more than max_num_seqs sequences run; returns each step's record."""
+    pending, steps = list(arrivals), []
+    while pending or sched.has_unfinished():
+        assert len(steps) < 3000, "no progress"
+        for at, seq in list(pending):
+            if at <= len(steps):
+                pending.remove((at, seq))
+                sched.add(seq)
+        out = sched.schedule()
+        assert len(sched.running) <= max_num_seqs, out
+        steps.append({"running": len(sched.running), "scheduled": out.scheduled_seq_ids,
+                      "forks": dict(out.forks)})
+        sched.advance(out)
+        sampled = []
+        for seq in sched.scheduled(out):
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampled.append(SampledSequence(seq.seq_id, [greedy_token(seq.all_token_ids)]))
+                for child_id, index in out.forks.get(seq.seq_id, ()):
+                    prompt = sched.seqs[child_id].all_token_ids
+                    sampled.append(SampledSequence(child_id, [greedy_token(prompt + [index])]))
+        sched.update_from_output(ModelRunnerOutput(sampled))
+    assert sched.kv_cache.num_free_blocks == sched.kv_cache.pool.num_blocks
+    return steps
+
+
+def test_a_prompt_is_admitted_only_when_all_its_samples_fit_max_num_seqs():
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    sched = Scheduler(config, KVCacheManager(64, 4))
+    first, second, third = (make_request(0, [1, 2, 3], 3, 3), make_request(1, [4, 5], 3, 2),
+                            make_request(2, [6], 1, 2))
+    steps = run_forking(sched, [(0, first), (0, second), (0, third)], 4)
+    # Admitting all three at once (3 < 4 running before the forks) would run 3 + 3 + 1.
+    assert steps[0] == {"running": 3, "scheduled": ["r0#0"], "forks": {"r0#0": [("r0#1", 1), ("r0#2", 2)]}}
+    # r1 waits until r0's samples end (3 + 3 > 4); r2 keeps its place behind it (FCFS).
+    second_admitted = next(i for i, step in enumerate(steps) if "r1#0" in step["scheduled"])
+    assert all(s not in step["scheduled"] for step in steps[:second_admitted] for s in ("r1#0", "r2#0"))
+    assert steps[second_admitted - 1]["scheduled"] == ["r0#0", "r0#1", "r0#2"]  # r0's last step
+    assert steps[second_admitted]["scheduled"] == ["r1#0", "r2#0"]
+    assert steps[second_admitted]["running"] == 4
+    for seq in (first, second, third):
+        request = seq.request
+        assert [s.output_token_ids for s in request.sequences] == [
+            expected_sample(request.prompt_token_ids, i, request.max_tokens) for i in range(request.params.n)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_random_forking_workload_never_runs_more_than_max_num_seqs(data):
+    bs = data.draw(st.integers(1, 4))
+    max_num_seqs = data.draw(st.integers(3, 6))
+    requests = []
+    for i in range(data.draw(st.integers(1, 6))):
+        prompt = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10))
+        n = data.draw(st.integers(1, max_num_seqs))
+        requests.append((data.draw(st.integers(0, 5)),
+                         make_request(i, prompt, n, data.draw(st.integers(1, 6)))))
+    longest = max(seq.num_tokens + seq.request.max_tokens for _, seq in requests)
+    num_blocks = data.draw(st.integers(cdiv(longest, bs) + 1, cdiv(longest, bs) + 30))
+    config = SchedulerConfig(max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=data.draw(st.integers(1, 24)))
+    sched = Scheduler(config, KVCacheManager(num_blocks, bs, enable_prefix_caching=data.draw(st.booleans())))
+    run_forking(sched, requests, max_num_seqs)
+    for _, seq in requests:
+        request = seq.request
+        assert [s.output_token_ids for s in request.sequences] == [
+            expected_sample(request.prompt_token_ids, i, request.max_tokens) for i in range(request.params.n)]

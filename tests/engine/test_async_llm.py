@@ -116,3 +116,47 @@ def test_a_failed_build_is_raised_by_started():
     with pytest.raises(ValueError, match="no such model"):
         asyncio.run(async_llm.started())
     async_llm.shutdown()
+
+
+def _unsampleable() -> SamplingParams:
+    """Parameters the sampler raises on. SamplingParams refuses every such value it is built
+    with (tests/test_sampling_params.py), so the row is made by changing a validated object."""
+    params = SamplingParams(temperature=1.0, logprobs=2, max_tokens=8)
+    params.logprobs = 1.5  # topk() takes no float
+    return params
+
+
+def test_a_request_whose_sampling_raises_fails_alone(async_llm, smollm2_llm):
+    engine = async_llm.engine
+    # Seeded: the stream beside the failing row must get exactly its tokens from alone.
+    good = SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)
+
+    async def main():
+        stream = async_llm.generate(PROMPTS[0], good)
+        first = await anext(stream)  # running: the bad request's first step includes it
+
+        async def rest():
+            final = first
+            async for final in stream:
+                pass
+            return final
+
+        good_task = asyncio.create_task(rest())
+        with pytest.raises(RuntimeError, match=r"request failed in the engine: TypeError"):
+            async for _ in async_llm.generate(PROMPTS[1], _unsampleable()):
+                pass
+        return await good_task
+
+    beside = asyncio.run(main())
+    async_llm.shutdown()
+    assert not engine.has_unfinished_requests()
+    assert engine.core.kv_cache.num_free_blocks == engine.core.runner.num_blocks
+    alone = smollm2_llm.generate(PROMPTS[0], good)[0].outputs[0]
+    assert beside.finished and beside.outputs[0].finish_reason == "length"
+    assert beside.outputs[0].token_ids == alone.token_ids
+
+    # Offline, both in the same first step: the failed one says why, the other is untouched.
+    failed, ok = smollm2_llm.generate([PROMPTS[1], PROMPTS[0]], [_unsampleable(), good])
+    assert failed.outputs[0].finish_reason == "error" and "TypeError" in failed.error
+    assert ok.error is None and ok.outputs[0].token_ids == alone.token_ids
+    assert engine.core.kv_cache.num_free_blocks == engine.core.runner.num_blocks

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.model_executor.model_runner import kv_cache_bytes_per_block
 
 VALID = SamplingParams(temperature=0.0, max_tokens=4)
 
@@ -23,6 +24,8 @@ VALID = SamplingParams(temperature=0.0, max_tokens=4)
         (lambda llm: llm.generate("Hi", SamplingParams(top_k=0)), "top_k"),
         (lambda llm: llm.generate("Hi", SamplingParams(top_k=-2)), "top_k"),
         (lambda llm: llm.generate("Hi", SamplingParams(n=0)), "n"),
+        # More samples than a step runs could never be admitted.
+        (lambda llm: llm.generate("Hi", SamplingParams(n=257)), "n must be at most max_num_seqs (256), got n=257"),
         (lambda llm: llm.generate("Hi", SamplingParams(max_tokens=0)), "max_tokens"),
         (lambda llm: llm.generate("Hi", SamplingParams(stop=5)), "stop"),
         (lambda llm: llm.generate("Hi", SamplingParams(stop=["ok", 3])), "stop"),
@@ -78,3 +81,20 @@ def test_a_device_that_is_not_here_is_an_error_before_loading(device, expected):
         expected = "CUDA is not available"
     with pytest.raises(ValueError, match=expected):
         LLM(model="/nonexistent", device=device)  # the device is checked before the model path
+
+
+def test_max_model_len_the_kv_cache_cannot_hold_refuses_to_start(smollm2_loaded):
+    memory = str(91 * kv_cache_bytes_per_block(smollm2_loaded.config, 16))  # 91 blocks: 1456 tokens
+    fits = LLM(loaded=smollm2_loaded, kv_cache_memory=memory, max_model_len=1456)
+    assert fits.engine.core.runner.num_blocks == 91
+    # A request that leaves max_tokens unset may fill the context: it fits the cache too.
+    assert fits.engine.validate([1, 2, 3], SamplingParams(max_tokens=None)) == 1453
+    with pytest.raises(ValueError) as info:
+        LLM(loaded=smollm2_loaded, kv_cache_memory=memory, max_model_len=1457)
+    assert str(info.value) == (
+        "max_model_len (1457 tokens) does not fit the KV cache: one sequence of that length needs "
+        "92 blocks of 16 tokens, and the cache holds 91 blocks (1456 tokens). Raise "
+        "--kv-cache-memory (or use --kv-cache-dtype fp8), or lower --max-model-len to at most 1456."
+    )
+    with pytest.raises(ValueError, match=r"^max_model_len \(8192 tokens\) .* needs 512 blocks"):
+        LLM(loaded=smollm2_loaded, kv_cache_memory=memory)  # the model's own context length

@@ -11,7 +11,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 
-ENGINE_KWARGS = dict(kv_cache_memory="64MiB", max_num_batched_tokens=64)
+ENGINE_KWARGS = dict(kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=64)
 PROMPTS = ["The history of the printing press", "Ingredients for pancakes:", "def quicksort(arr):"]
 
 

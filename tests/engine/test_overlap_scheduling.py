@@ -56,8 +56,8 @@ def _run(llm: LLM) -> dict[str, list]:
 def test_overlapped_outputs_equal_one_step_at_a_time(smollm2_loaded):
     """Same tokens, text, finish reasons and logprob ids (the values differ in the last
     bits: batches are composed differently)."""
-    reference = _run(LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB"))
-    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", overlap_scheduling=True)
+    reference = _run(LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", max_model_len=2048))
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", max_model_len=2048, overlap_scheduling=True)
     overlapped = _run(llm)
     assert overlapped == reference
     assert llm.engine.core.num_steps_ahead >= 10  # it did overlap
@@ -81,7 +81,7 @@ def test_overlap_stops_at_the_length_limit(smollm2_loaded):
 
 
 def test_abort_while_a_step_is_in_flight(smollm2_loaded):
-    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", overlap_scheduling=True)
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024, overlap_scheduling=True)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     engine.add_request("keep", PROMPTS[0], params)
@@ -96,6 +96,6 @@ def test_abort_while_a_step_is_in_flight(smollm2_loaded):
         finals += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in finals] == ["keep"]
     assert engine.core.kv_cache.num_free_blocks == engine.core.runner.num_blocks
-    reference = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB")
+    reference = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024)
     expected = reference.generate(PROMPTS[0], params)[0]
     assert finals[0].outputs[0].token_ids == expected.outputs[0].token_ids

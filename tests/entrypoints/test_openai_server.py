@@ -383,7 +383,8 @@ def test_metrics_count_exactly_what_a_request_used(server):
     assert delta["kvserve:prefix_cache_queries_total"] == result.usage.prompt_tokens
     assert metric(server, "kvserve:request_success_total", finished_reason="length") == length_before + 1
     text = httpx.get(f"{server.base_url}/metrics").text
-    for name in ("kvserve:num_requests_waiting", "kvserve:num_preemptions_total",
+    for name in ("kvserve:num_requests_waiting", "kvserve:num_sequences_running",
+                 "kvserve:num_sequences_waiting", "kvserve:num_preemptions_total",
                  "kvserve:prefix_cache_hits_total", "kvserve:kv_cache_usage_perc"):
         assert name in text
 

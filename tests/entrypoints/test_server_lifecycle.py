@@ -24,7 +24,7 @@ KEY = "test-secret"
 def small_server(tmp_path_factory):
     # One running sequence and one waiting slot make the queue limit reachable on demand;
     # the key comes from the environment to cover KVSERVE_API_KEY.
-    proc = launch_server(tmp_path_factory.mktemp("lifecycle"), "--max-num-seqs", "1",
+    proc = launch_server(tmp_path_factory.mktemp("lifecycle"), "--max-model-len", "1024", "--max-num-seqs", "1",
                          "--max-waiting-requests", "1", "--shutdown-timeout", "60",
                          "--stream-interval", "4", env={"KVSERVE_API_KEY": KEY})
     yield proc

@@ -23,6 +23,7 @@ LONG = {"model": MODEL, "prompt": "Write a long story:", "max_tokens": 900, "ign
 @pytest.fixture(scope="module")
 def limited_server(tmp_path_factory):
     proc = launch_server(tmp_path_factory.mktemp("limits"), "--kv-cache-memory", "64MiB",
+                         "--max-model-len", "1024",
                          "--header-read-timeout", "1", "--body-read-timeout", "1",
                          "--max-body-size", "64KiB", "--request-timeout", str(REQUEST_TIMEOUT_S),
                          "--max-n", "4")
@@ -79,15 +80,16 @@ def test_n_above_max_n_is_refused_at_once_and_below_it_runs(limited_server):
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
 
 
-def test_request_that_cannot_fit_the_kv_cache_names_the_numbers(limited_server):
-    # 2000 tokens fit the context (8192) but not the 64 MiB cache (~1400 tokens of fp32 KV).
-    response = httpx.post(f"{limited_server.base_url}/v1/completions", timeout=30,
-                          json={"prompt": "Hi", "max_tokens": 2000})
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert "plus max_tokens (2000) needs" in error["message"] and "KV blocks" in error["message"]
-    assert error["param"] == "max_tokens"
-    assert_serves(limited_server)
+def test_a_context_the_kv_cache_cannot_hold_stops_the_server_at_start(tmp_path):
+    # The model's 8192-token context does not fit 64 MiB of fp32 KV (1456 tokens): rather than
+    # refuse every request that leaves max_tokens unset, the server does not start.
+    with pytest.raises(RuntimeError) as info:
+        launch_server(tmp_path, "--kv-cache-memory", "64MiB", "--max-model-len", "8192")
+    assert "server exited with 1" in str(info.value)
+    assert ("max_model_len (8192 tokens) does not fit the KV cache: one sequence of that length needs "
+            "512 blocks of 16 tokens, and the cache holds 91 blocks (1456 tokens). Raise "
+            "--kv-cache-memory (or use --kv-cache-dtype fp8), or lower --max-model-len to at most "
+            "1456.") in str(info.value)
 
 
 # -- work stops when nobody waits ------------------------------------------------------------

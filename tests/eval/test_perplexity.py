@@ -69,7 +69,7 @@ def test_cli_prints_the_perplexity(tmp_path, smollm2_llm):
     result = subprocess.run(
         [sys.executable, "-m", "kvserve.entrypoints.cli", "--log-level", "WARNING", "eval",
          "perplexity", "--file", str(text_file), "--window", "64", "--stride", "32",
-         "--kv-cache-memory", "64MiB"],
+         "--kv-cache-memory", "64MiB", "--max-model-len", "1024"],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr

@@ -13,7 +13,7 @@ from kvserve.spec_decode.proposer import Draft
 
 # Small steps so that a prompt is prefilled in chunks beside other sequences' decodes.
 ENGINE_KWARGS = dict(
-    kv_cache_memory="32MiB", block_size=16, max_num_batched_tokens=40,
+    kv_cache_memory="32MiB", max_model_len=512, block_size=16, max_num_batched_tokens=40,
     attention_backend="torch", enable_prefix_caching=True,
     speculative_config={"method": "ngram", "num_speculative_tokens": 3},
 )

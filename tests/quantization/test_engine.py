@@ -35,7 +35,7 @@ def prompt_ids(smollm2_loaded) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def fp32_greedy(smollm2_loaded, prompt_ids) -> list[list[int]]:
-    return _greedy(LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", enable_prefix_caching=False), prompt_ids)
+    return _greedy(LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", max_model_len=2048, enable_prefix_caching=False), prompt_ids)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -63,7 +63,7 @@ def test_int8_greedy_agrees_with_fp32(smollm2_loaded, prompt_ids, fp32_greedy):
     # 120 linears and, on CPU by default, the int8 copy of the LM head.
     assert sum(isinstance(m, QuantizedLinear) for m in loaded.model.modules()) == 121
     assert loaded.model.quantized_lm_head is not None
-    llm = LLM(loaded=loaded, kv_cache_memory="128MiB", enable_prefix_caching=False)
+    llm = LLM(loaded=loaded, kv_cache_memory="128MiB", max_model_len=2048, enable_prefix_caching=False)
     int8_greedy = _greedy(llm, prompt_ids)
     # Greedy paths diverge for good once one near-tie flips, so compare the first tokens.
     same_prefix = [_common_prefix(a, b) for a, b in zip(int8_greedy, fp32_greedy)]
@@ -76,7 +76,7 @@ def test_int8_greedy_agrees_with_fp32(smollm2_loaded, prompt_ids, fp32_greedy):
 
 @pytest.mark.parametrize("method", ["int4", "nf4"])
 def test_four_bit_methods_run_end_to_end(smollm2_loaded, prompt_ids, fp32_greedy, method):
-    llm = LLM(loaded=_quantized_copy(smollm2_loaded, method), kv_cache_memory="128MiB", enable_prefix_caching=False)
+    llm = LLM(loaded=_quantized_copy(smollm2_loaded, method), kv_cache_memory="128MiB", max_model_len=2048, enable_prefix_caching=False)
     outputs = _greedy(llm, prompt_ids[:3], max_tokens=8)
     assert [len(o) for o in outputs] == [8, 8, 8]
     agreement = _top1_agreement(llm, prompt_ids, fp32_greedy)

@@ -32,7 +32,7 @@ def _greedy(llm: LLM) -> list[list[int]]:
 def test_fp8_cache_holds_four_times_the_fp32_blocks(smollm2_loaded, kv_cache_dtype):
     config = smollm2_loaded.config
     budget = 64 * 2**20
-    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024, kv_cache_dtype=kv_cache_dtype)
     bytes_per_block = config.num_hidden_layers * 16 * 2 * config.num_key_value_heads * config.head_dim
     assert llm.engine.core.runner.num_blocks == budget // bytes_per_block
     assert all(cache.dtype.itemsize == 1 for cache in llm.engine.core.runner.kv_caches)
@@ -40,14 +40,14 @@ def test_fp8_cache_holds_four_times_the_fp32_blocks(smollm2_loaded, kv_cache_dty
 
 @pytest.mark.slow  # keeps CI within 10 minutes; the fp8 tests below cover the cache path
 def test_bf16_cache_decodes_as_the_fp32_cache(smollm2_loaded):
-    reference = _greedy(LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB"))
-    bf16 = LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", kv_cache_dtype="bfloat16")
+    reference = _greedy(LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", max_model_len=2048))
+    bf16 = LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", max_model_len=2048, kv_cache_dtype="bfloat16")
     assert _greedy(bf16) == reference
 
 
 def test_fp8_cache_greedy_and_top1_close_to_fp32_cache(smollm2_loaded):
-    reference = _greedy(LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB"))
-    fp8 = LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", kv_cache_dtype="fp8")
+    reference = _greedy(LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", max_model_len=2048))
+    fp8 = LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", max_model_len=2048, kv_cache_dtype="fp8")
     same = sum(a == b for a, b in zip(_greedy(fp8), reference))
     assert same >= 2, f"only {same} of 5 prompts decode identically with an fp8 cache"
 
@@ -68,4 +68,4 @@ def test_fp8_cache_greedy_and_top1_close_to_fp32_cache(smollm2_loaded):
 
 def test_unknown_kv_cache_dtype_is_rejected(smollm2_loaded):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16"):
-        LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", kv_cache_dtype="int4")
+        LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024, kv_cache_dtype="int4")

@@ -165,7 +165,7 @@ def test_smollm2_packed_layers_are_the_file_blocks(smollm2_packed, smollm2_loade
 
 
 def _run(loaded, prompt_ids, params):
-    llm = LLM(loaded=loaded, kv_cache_memory="128MiB", enable_prefix_caching=False)
+    llm = LLM(loaded=loaded, kv_cache_memory="128MiB", max_model_len=2048, enable_prefix_caching=False)
     return llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
 
 

@@ -22,7 +22,8 @@ from tests.entrypoints.server_process import launch_server
 
 
 def _gauges(server) -> dict[str, float]:
-    names = ("kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc")
+    names = ("kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:num_sequences_running",
+             "kvserve:num_sequences_waiting", "kvserve:kv_cache_usage_perc")
     values = dict.fromkeys(names, 0.0)
     for line in httpx.get(f"{server.base_url}/metrics", timeout=30).text.splitlines():
         name = line.split("{")[0]

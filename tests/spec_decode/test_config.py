@@ -32,7 +32,7 @@ def test_bad_config_is_a_clear_error(config, expected):
 
 def test_engine_start_fails_on_bad_config(smollm2_loaded):
     with pytest.raises(ValueError, match=r"num_speculative_tokens=32 .*\[1, 16\]"):
-        LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB",
+        LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB", max_model_len=256,
             speculative_config={"method": "ngram", "num_speculative_tokens": 32})
 
 
@@ -43,7 +43,7 @@ def test_draft_with_other_vocabulary_is_rejected(smollm2_loaded, save_hf_model):
                         num_attention_heads=2, num_key_value_heads=1)
     path = save_hf_model(LlamaForCausalLM(small), "other_vocab")
     with pytest.raises(ValueError, match=r"model=.*vocabulary of 64 tokens; allowed: the target's vocabulary \(49152"):
-        LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB",
+        LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB", max_model_len=256,
             speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
 
 
@@ -55,7 +55,7 @@ def test_draft_with_other_tokenizer_is_rejected(smollm2_loaded, save_hf_model):
                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
     path = save_hf_model(LlamaForCausalLM(small), "other_tokenizer")
     with pytest.raises(ValueError, match="different tokenizer"):
-        LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB",
+        LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB", max_model_len=256,
             speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
 
 

@@ -60,7 +60,7 @@ def _run(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def plain(smollm2_loaded, prompt_ids) -> list[list[int]]:
-    return _run(LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB"), prompt_ids)
+    return _run(LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024), prompt_ids)
 
 
 def _config(method: str, tiny_draft: str) -> dict:
@@ -81,7 +81,8 @@ def _check(llm: LLM, prompt_ids, plain) -> None:
 # The tiny random draft runs slow (the int4 self-draft covers draft_model in CI's 10 minutes).
 @pytest.mark.parametrize("method", ["ngram", "int4-self", pytest.param("tiny-draft", marks=pytest.mark.slow)])
 def test_batched_with_prefix_hits(method, smollm2_loaded, tiny_smollm2_draft, prompt_ids, plain):
-    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB",
+    # A self-draft's cache takes as many blocks again: 64 MiB holds 720 tokens then.
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=512,
               speculative_config=_config(method, tiny_smollm2_draft))
     _check(llm, prompt_ids, plain)
     if method == "ngram":
@@ -90,7 +91,7 @@ def test_batched_with_prefix_hits(method, smollm2_loaded, tiny_smollm2_draft, pr
 
 @pytest.mark.parametrize("method", DRAFT_MODEL_SLOW)
 def test_small_prefill_chunks(method, smollm2_loaded, tiny_smollm2_draft, prompt_ids, plain):
-    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_num_batched_tokens=19,
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=512, max_num_batched_tokens=19,
               enable_prefix_caching=False, speculative_config=_config(method, tiny_smollm2_draft))
     _check(llm, prompt_ids, plain)
 
@@ -107,7 +108,8 @@ def test_forced_preemption(method, smollm2_loaded, tiny_smollm2_draft, prompt_id
     elif method == "tiny-draft":
         bytes_per_block += 2 * 2 * block_size * 1 * 16 * 4  # 2 layers, 1 KV head of 16, fp32
     llm = LLM(loaded=smollm2_loaded, block_size=block_size, enable_prefix_caching=False,
-              kv_cache_memory=str(num_blocks * bytes_per_block), speculative_config=config)
+              kv_cache_memory=str(num_blocks * bytes_per_block), max_model_len=num_blocks * block_size,
+              speculative_config=config)
     assert llm.engine.core.runner.num_blocks == num_blocks
     _check(llm, prompt_ids, plain)
     assert llm.engine.core.scheduler.num_preemptions > 0

@@ -18,7 +18,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 def _llm(loaded, speculative: bool) -> LLM:
     config = {"method": "ngram", "num_speculative_tokens": 4} if speculative else None
-    return LLM(loaded=loaded, kv_cache_memory="16MiB", block_size=BLOCK_SIZE,
+    return LLM(loaded=loaded, kv_cache_memory="16MiB", max_model_len=256, block_size=BLOCK_SIZE,
                speculative_config=config)
 
 

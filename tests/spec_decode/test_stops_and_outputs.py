@@ -22,7 +22,7 @@ def prompt_ids(smollm2_loaded) -> list[int]:
 
 @pytest.fixture(scope="module")
 def plain_llm(smollm2_loaded) -> LLM:
-    return LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB")
+    return LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB", max_model_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def continuation(plain_llm, prompt_ids) -> list[int]:
 
 @pytest.fixture
 def spec_llm(smollm2_loaded, prompt_ids, continuation) -> LLM:
-    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB",
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB", max_model_len=256,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     llm.engine.core.runner.speculator.proposer = ScriptedProposer(
         {tuple(prompt_ids): continuation}, smollm2_loaded.config.vocab_size)

@@ -41,7 +41,7 @@ def test_tree_mask_and_depths():
 
 
 def test_tree_matches_chains(smollm2_loaded):
-    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB", block_size=4,
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="16MiB", max_model_len=256, block_size=4,
               attention_backend="torch")
     engine = llm.engine
     engine.add_request("r", "The capital of France is", SamplingParams(temperature=0, max_tokens=8))

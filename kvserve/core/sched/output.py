@@ -101,3 +101,5 @@ class ModelRunnerOutput:
     prompt_logprobs: list[tuple[str, int, list[dict[int, float]]]] = field(default_factory=list)
     # Speculative decoding: drafts proposed for each sequence's next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Sequences whose sampling raised (id -> the error): their requests fail, no other.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -36,6 +36,13 @@ class SequenceUpdate:
     num_accepted: int = 0
 
 
+def num_seq_slots_held(seq: Sequence) -> int:
+    """Running sequences a sequence stands for: a request's n samples until its prompt
+    forks into them, then one each."""
+    request = seq.request
+    return request.params.n if len(request.sequences) == 1 else 1
+
+
 class Scheduler:
     def __init__(
         self,
@@ -102,6 +109,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting) requests: running with any sample running, else waiting."""
+        running = {seq.request.request_id for seq in self.running}
+        waiting = {seq.request.request_id for seq in self.waiting} - running
+        return len(running), len(waiting)
+
     # -- the step decision -----------------------------------------------------------------
 
     def _pick_victim(self) -> Sequence:
@@ -166,13 +179,13 @@ class Scheduler:
 
         # Then admit waiting sequences while blocks, budget and the sequence limit allow.
         # After a preemption memory is short: admitting now would only thrash.
-        while (
-            self.waiting
-            and not preempted
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        num_seq_slots = sum(num_seq_slots_held(seq) for seq in self.running)
+        while self.waiting and not preempted and budget > 0:
             seq = self.waiting[0]
+            # A prompt counts as all the samples it forks into, so the forks never take
+            # the running count past max_num_seqs.
+            if num_seq_slots + num_seq_slots_held(seq) > self.config.max_num_seqs:
+                break
             # Prompt logprobs need every prompt position computed, so no prefix hits then.
             cached_prefix = (
                 [] if seq.wants_prompt_logprobs
@@ -194,6 +207,7 @@ class Scheduler:
             seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_seq_slots += num_seq_slots_held(seq)
             copies[seq.seq_id] = seq_copies
             scheduled[seq] = num_new
             budget -= num_new

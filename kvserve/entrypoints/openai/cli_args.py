@@ -67,6 +67,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="On SIGTERM, seconds to let in-flight requests finish before exiting.",
     )
     group.add_argument(
+        "--health-stall-timeout", type=_positive(float), default=300.0,
+        help="/health answers 503 once requests are in flight and the engine has made no progress "
+        "(no step finished) for this many seconds; keep it above the longest step (default: 300).",
+    )
+    group.add_argument(
         "--stream-interval", type=int, default=1,
         help="Tokens per streamed chunk; larger values cut SSE overhead at high concurrency.",
     )

@@ -76,6 +76,10 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "loading"}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        stalled = state.async_llm.stalled_for()
+        if stalled > state.health_stall_timeout:
+            return JSONResponse({"status": "stalled", "seconds_without_progress": round(stalled, 1)},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -207,6 +211,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_body_size=args.max_body_size,
         body_read_timeout=args.body_read_timeout,
         stream_interval=args.stream_interval,
+        health_stall_timeout=args.health_stall_timeout,
     )
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")

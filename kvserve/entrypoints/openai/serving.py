@@ -47,6 +47,7 @@ class ServerState:
     max_body_size: int = 16 * 2**20
     body_read_timeout: float = 60.0
     stream_interval: int = 1
+    health_stall_timeout: float = 300.0
     async_llm: AsyncLLM | None = None
     draining: bool = False
     load_error: BaseException | None = None
