@@ -265,8 +265,8 @@ def test_serve_defaults_on_three_ranks_generate_the_one_process_text():
     its share by the CPU plan (int4 groups of 32 that start on its own columns)."""
     params = SamplingParams(temperature=0, max_tokens=24)
     prompts = ["The capital of France is", "Write a haiku about the sea:"]
-    expected = [o.outputs[0].text for o in LLM(kv_cache_memory="64MiB").generate(prompts, params)]
-    llm = LLM(kv_cache_memory="64MiB", tensor_parallel_size=3)
+    expected = [o.outputs[0].text for o in LLM(kv_cache_memory="64MiB", max_model_len=1024).generate(prompts, params)]
+    llm = LLM(kv_cache_memory="64MiB", max_model_len=1024, tensor_parallel_size=3)
     try:
         assert [o.outputs[0].text for o in llm.generate(prompts, params)] == expected
     finally:

@@ -59,7 +59,7 @@ def test_gauges_settle_after_an_abandoned_stream(core_process_server):
 
 
 def test_the_core_process_exits_with_the_server(tmp_path):
-    server = launch_server(tmp_path, "--multiprocess-engine-core")
+    server = launch_server(tmp_path, "--multiprocess-engine-core", "--max-model-len", "1024")
     (core,) = _core_processes(server)
     server.stop()  # SIGKILL: the core sees its pipe close
     core.wait(timeout=30)

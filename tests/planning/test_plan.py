@@ -97,7 +97,7 @@ def test_default_model_blocks_equal_the_engine(capsys):
     # fp32 on CPU: 64 MiB // 737,280 bytes a block = 91 blocks.
     config, name = model_shape(None, None, None)
     assert plan(config, name, CPU, PlanOptions(kv_cache_memory=64 * 2**20)).num_blocks == 91
-    llm = LLM(kv_cache_memory="64MiB")
+    llm = LLM(kv_cache_memory="64MiB", max_model_len=1024)
     assert llm.engine.core.runner.num_blocks == 91
 
 
