@@ -123,7 +123,7 @@ class EngineCore:
             ),
             max_draft_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
             max_verify_batch=None if spec_config is None else spec_config.disable_by_batch_size,
-            compile_decode=args.compile_decode,
+            compile_decode=args.compile_decode, tokenizer=loaded.tokenizer,
         )
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
