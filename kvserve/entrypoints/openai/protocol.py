@@ -2,7 +2,7 @@
 
 Unknown fields are kept aside (`model_extra`) and ignored with a logged warning, as vLLM
 does: load tools and SDKs send vendor extensions freely. Fields whose silent omission would
-change what a client gets (tools, response formats, best_of) are declared so that they can
+change what a client gets (tools, best_of) are declared so that they can
 be refused instead (request_checks.py). Integers carry the ranges they are meaningful in;
 Infinity and NaN, which the JSON parser accepts, are never a valid number. Responses are
 plain dicts built in the serving modules, in the exact OpenAI shapes.
@@ -29,6 +29,19 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str
+    description: str | None = None
+    # Aliased: `schema` would shadow a pydantic method.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (None: the default)."""
 
@@ -51,6 +64,9 @@ class SamplingRequest(_Body):
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
     priority: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    # OpenAI's structured output, and vLLM's extra (json, json_object, regex, choice, grammar).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -84,7 +100,6 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):

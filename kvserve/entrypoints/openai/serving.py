@@ -21,6 +21,7 @@ from kvserve.engine.input_processor import NO_TOKENIZER
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.errors import OpenAIError, bad_request
 from kvserve.entrypoints.openai.protocol import SamplingRequest, StreamOptions
+from kvserve.entrypoints.openai.structured import structured_outputs
 from kvserve.metrics import ServerMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -126,7 +127,7 @@ class ServerState:
 
 def sampling_params(request: SamplingRequest, defaults: dict[str, float], **overrides: object) -> SamplingParams:
     """SamplingParams from the request's non-null fields, else the model's `defaults`
-    (LLMEngine.sampling_defaults); a bad value is a 400 naming it."""
+    (LLMEngine.sampling_defaults), and its output constraint; a bad value is a 400 naming it."""
     values = defaults | {
         name: getattr(request, name)
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -139,8 +140,9 @@ def sampling_params(request: SamplingRequest, defaults: dict[str, float], **over
     if request.logit_bias:
         values["logit_bias"] = {token: min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, bias))
                                 for token, bias in request.logit_bias.items()}
+    constraint = structured_outputs(request)
     try:
-        return SamplingParams(**values, **overrides)
+        return SamplingParams(**values, **overrides, structured_outputs=constraint)
     except ValueError as error:
         raise bad_request(error, _SAMPLING_FIELDS) from None
 
