@@ -207,6 +207,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_body_size=args.max_body_size,
         body_read_timeout=args.body_read_timeout,
         stream_interval=args.stream_interval,
+        tool_call_parser=args.tool_call_parser,
     )
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")

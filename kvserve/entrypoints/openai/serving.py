@@ -48,6 +48,7 @@ class ServerState:
     max_body_size: int = 16 * 2**20
     body_read_timeout: float = 60.0
     stream_interval: int = 1
+    tool_call_parser: str | None = None  # --tool-call-parser: reads "auto" tool calls
     async_llm: AsyncLLM | None = None
     draining: bool = False
     load_error: BaseException | None = None
@@ -140,9 +141,10 @@ def sampling_params(request: SamplingRequest, defaults: dict[str, float], **over
     if request.logit_bias:
         values["logit_bias"] = {token: min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, bias))
                                 for token, bias in request.logit_bias.items()}
-    constraint = structured_outputs(request)
+    if "structured_outputs" not in overrides:  # tool_choice's constraint, when it has one
+        overrides["structured_outputs"] = structured_outputs(request)
     try:
-        return SamplingParams(**values, **overrides, structured_outputs=constraint)
+        return SamplingParams(**values, **overrides)
     except ValueError as error:
         raise bad_request(error, _SAMPLING_FIELDS) from None
 
