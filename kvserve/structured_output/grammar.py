@@ -65,6 +65,15 @@ def _build(key: tuple) -> xgrammar.Grammar:
         raise GrammarError(kind, f"{what}: {lines[0] if lines else repr(error)}") from None
 
 
+# Keywords xgrammar's schema converter accepts but does not enforce: a schema using them would
+# be followed only in part, so it is refused instead.
+UNSUPPORTED_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+    "uniqueItems", "contains", "minContains", "maxContains", "unevaluatedProperties",
+    "unevaluatedItems", "contentEncoding", "contentMediaType",
+})
+
+
 def _check_schema(schema: str) -> None:
     try:
         parsed = json.loads(schema)
@@ -72,3 +81,22 @@ def _check_schema(schema: str) -> None:
         raise ValueError(f"not valid JSON ({error})") from None
     if not isinstance(parsed, (dict, bool)):
         raise ValueError(f"a schema is an object or a boolean, got {type(parsed).__name__}")
+    unsupported = sorted(set(_unsupported(parsed, "#")))
+    if unsupported:
+        raise ValueError(f"uses keywords that cannot be enforced: {', '.join(unsupported)}")
+
+
+def _unsupported(node: object, path: str) -> list[str]:
+    """'keyword at path' for every unenforceable keyword in a schema (enum and const values
+    are data, not schemas)."""
+    found = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in UNSUPPORTED_KEYWORDS or (key == "multipleOf" and node.get("type") != "integer"):
+                found.append(f"{key} at {path}")
+            if key not in ("enum", "const", "default", "examples"):
+                found += _unsupported(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for index, item in enumerate(node):
+            found += _unsupported(item, f"{path}/{index}")
+    return found

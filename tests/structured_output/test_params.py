@@ -46,6 +46,9 @@ def test_sampling_params_reads_a_dict():
     ({"json": "{not json"}, "json"),
     ({"json": "[1, 2]"}, "json"),
     ({"json": {"type": "no-such-type"}}, "json"),
+    ({"json": {"type": "array", "items": {"not": {"type": "string"}}}}, "json"),
+    ({"json": {"type": "array", "uniqueItems": True}}, "json"),
+    ({"json": {"type": "number", "multipleOf": 0.5}}, "json"),
 ])
 def test_content_that_does_not_compile(kwargs, kind):
     with pytest.raises(grammar.GrammarError, match=f"structured_outputs.{kind} ") as error:
@@ -56,6 +59,7 @@ def test_content_that_does_not_compile(kwargs, kind):
 @pytest.mark.parametrize("kwargs", [
     {"regex": "[0-9]{3}"}, {"choice": ['say "hi"', "back\\slash", "new\nline"]},
     {"grammar": 'root ::= "a" root | "b"'}, {"json": {"type": "object"}}, {"json_object": True},
+    {"json": {"type": "integer", "multipleOf": 5}}, {"json": {"enum": [{"not": 1}]}},
 ])
 def test_content_that_compiles(kwargs):
     grammar.check(StructuredOutputsParams(**kwargs))
