@@ -66,6 +66,7 @@ def test_constrained_tool_calls_validate_and_stream_the_same(server, tool_choice
     assert finish_reason == "tool_calls"
 
 
+@pytest.mark.slow
 def test_required_samples_at_temperature_validate(server):
     reply = server.client().chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0.8, seed=5,

@@ -64,14 +64,6 @@ def test_json_schemas_validate(llm):
         jsonschema.validate(json.loads(completion.text), schema)
 
 
-def test_json_object_parses(llm):
-    params = _sampled(StructuredOutputsParams(json_object=True), n=2, seed=1)
-    (output,) = llm.generate('A cat as JSON: {"name": "Tom", "age": 3}\nA dog as JSON:', params)
-    for completion in output.outputs:
-        assert completion.finish_reason == "stop", completion.text
-        assert isinstance(json.loads(completion.text), dict)
-
-
 @pytest.mark.parametrize("structured,holds", [
     (StructuredOutputsParams(regex=DATE), lambda text: re.fullmatch(DATE, text)),
     (StructuredOutputsParams(choice=CHOICES), lambda text: text in CHOICES),
