@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from typing import Any
+
+from kvserve.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 _GREEDY_EPS = 1e-5
@@ -42,6 +45,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Decoding constrained to a JSON schema, regex, choice or grammar (a dict is read as
+    # StructuredOutputsParams' fields).
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._normalize_numbers()
@@ -60,6 +66,14 @@ class SamplingParams:
                 token, bias = next(iter(bad.items()))
                 raise ValueError(f"logit_bias values must be finite float32 numbers, got "
                                  f"logit_bias[{token}]={bias!r}")
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict, got "
+                             f"{type(self.structured_outputs).__name__}")
         self._validate()
 
     def _normalize_numbers(self) -> None:

@@ -132,7 +132,7 @@ class EngineCore:
                 ),
                 max_draft_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
                 max_verify_batch=None if spec_config is None else spec_config.disable_by_batch_size,
-                compile_decode=args.compile_decode,
+                compile_decode=args.compile_decode, tokenizer=loaded.tokenizer,
             )
         self._check_max_model_len_fits()
         self.kv_cache = KVCacheManager(

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvserve.engine.messages import EngineCoreInfo, EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output import grammar as structured_grammar
 
 NO_TOKENIZER = "this engine has no tokenizer (dummy weights or skip_tokenizer_init)"
 
@@ -68,6 +69,10 @@ class InputProcessor:
             raise ValueError(f"n must be at most max_num_seqs ({info.max_num_seqs}), got n={params.n}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{NO_TOKENIZER}: stop strings {params.stop!r} cannot be matched; use stop_token_ids")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"{NO_TOKENIZER}: structured_outputs constrain its vocabulary")
+            structured_grammar.check(params.structured_outputs)
         num_prompt = len(prompt_token_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:

@@ -93,7 +93,7 @@ def start_rank(
                     kv_cache_dtype=args.resolved_kv_cache_dtype()),
         SchedulerConfig(max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.resolved_max_num_batched_tokens(device)),
-        device, args.attention_backend, max_model_len, enforce_eager=True,
+        device, args.attention_backend, max_model_len, enforce_eager=True, tokenizer=loaded.tokenizer,
     )
     # Every rank must hold every block the scheduler hands out: the smallest cache wins.
     sizes = torch.tensor([runner.num_blocks, weight_bytes_per_step(loaded.model, loaded.config)])

@@ -79,6 +79,7 @@ class ModelRunner:
         max_draft_tokens: int = 0,
         max_verify_batch: int | None = None,
         compile_decode: bool | None = False,
+        tokenizer=None,
     ) -> None:
         """`extra_kv_bytes_per_block`: another cache sized in the same number of blocks
         (a speculative draft model's) that the KV memory budget must also hold.
@@ -87,7 +88,8 @@ class ModelRunner:
         step has (None: max_num_seqs), whose graphs are captured at start.
         `compile_decode`: run CPU decode steps through a torch.compile'd graph
         (compiled_decode.py), compiled here; None: where supported, its graphs compiled by
-        `compile_idle` (steps run eager until theirs is ready)."""
+        `compile_idle` (steps run eager until theirs is ready). `tokenizer`: the vocabulary
+        of structured outputs' grammars."""
         self.model = model
         self.attn_backend = get_attn_backend(
             device, attention_backend, model_config.sliding_window
@@ -109,7 +111,8 @@ class ModelRunner:
         self.num_blocks = cache_config.num_blocks
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.seqs = SequenceStates()
-        self.step_sampler = StepSampler(device, model_config.eos_token_ids, max_model_len)
+        self.step_sampler = StepSampler(device, model_config.eos_token_ids, max_model_len,
+                                        tokenizer, model_config.vocab_size)
         self.speculator: Speculator | None = None  # set by the engine when it speculates
         self._inflight: deque[InflightStep] = deque()
         # The scales belong to this runner's cache (weights may be shared with other engines).
@@ -392,6 +395,7 @@ class ModelRunner:
         """Bring the held sequences up to date; forget the sampling and drafting state of
         those that are gone."""
         self.seqs.apply(sched)
+        self.step_sampler.prepare(sched)
         if sched.finished_seq_ids:
             self.step_sampler.forget(sched.finished_seq_ids)
         if self.speculator is not None and (sched.finished_seq_ids or sched.preempted_seq_ids):

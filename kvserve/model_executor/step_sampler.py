@@ -14,22 +14,45 @@ from kvserve.model_executor.input_batch import RunnerSequence, SequenceStates, T
 from kvserve.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from kvserve.spec_decode.proposer import DraftContext
 from kvserve.spec_decode.speculator import Speculator
+from kvserve.structured_output.matchers import ConstrainedRows, GrammarMatchers
 
 
 class StepSampler:
-    def __init__(self, device: torch.device, eos_token_ids: Sequence[int], max_model_len: int | None) -> None:
+    def __init__(self, device: torch.device, eos_token_ids: Sequence[int], max_model_len: int | None,
+                 tokenizer=None, vocab_size: int = 0) -> None:
+        """`tokenizer`, `vocab_size`: the vocabulary structured outputs constrain (the
+        front refuses constrained requests without a tokenizer)."""
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.sampler = Sampler()
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
         # A seeded sequence's generator lives as long as the sequence (a preemption keeps
-        # it), so its draws do not depend on what else ran.
+        # it), so its draws do not depend on what else ran. Grammar matchers likewise.
         self._generators: dict[str, torch.Generator] = {}
+        self._grammars: GrammarMatchers | None = None  # made by the first constrained request
 
     def forget(self, seq_ids: Iterable[str]) -> None:
         """Finished or aborted sequences."""
+        seq_ids = list(seq_ids)
         for seq_id in seq_ids:
             self._generators.pop(seq_id, None)
+        if self._grammars is not None:
+            self._grammars.forget(seq_ids)
+
+    def prepare(self, sched: SchedulerOutput) -> None:
+        """Start compiling the grammars of constrained sequences new to the runner, so the
+        compile overlaps the step's forward pass."""
+        for new in sched.new_seqs:
+            if new.params is not None and new.params.structured_outputs is not None:
+                self.grammars.prefetch(new.params.structured_outputs)
+
+    @property
+    def grammars(self) -> GrammarMatchers:
+        if self._grammars is None:
+            self._grammars = GrammarMatchers(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def generator(self, seq_id: str, seq: RunnerSequence, index: int | None = None) -> torch.Generator | None:
         seed = seq.params.seed
@@ -77,6 +100,7 @@ class StepSampler:
                 continue
             out.prompt_logprobs.append((seq_id, first_target, entries))
 
+        self._mask_constrained(sched, seqs, sample_logits, sampling_seq_ids, num_sample_rows)
         # Plain decodes and prefills sample one row; sequences with drafts verify 1 + k.
         plain_ids, plain_rows, spec_ids, spec_rows = [], [], [], []
         row = 0
@@ -116,6 +140,8 @@ class StepSampler:
                 ))
         if speculator is not None:
             out.draft_token_ids = speculator.propose(self._drafting(out.sampled, seqs), len(out.sampled))
+            if self._grammars is not None:
+                self._check_drafts(out, seqs)
         return out
 
     def _sample_rows(
@@ -143,6 +169,40 @@ class StepSampler:
                 continue
             results.append((seq_id, sampled.token_ids[0], sampled.logprobs[0]))
         return results
+
+    def _mask_constrained(self, sched: SchedulerOutput, seqs: SequenceStates, sample_logits: torch.Tensor,
+                          sampling_seq_ids: list[str], num_sample_rows: list[int]) -> None:
+        """The grammar's bitmask on the rows of constrained sequences, before every other
+        transform (a fork's samples share their parent's row: all start at the grammar's
+        beginning)."""
+        constrained, row = [], 0
+        for seq_id, num_rows in zip(sampling_seq_ids, num_sample_rows):
+            seq = seqs[seq_id]
+            if seq.params.structured_outputs is not None:
+                constrained.append(ConstrainedRows(
+                    seq_id, seq.params.structured_outputs, TokenSpan(seq.token_ids, seq.num_prompt_tokens),
+                    row, sched.spec_token_ids.get(seq_id, [])[: num_rows - 1],
+                ))
+            row += num_rows
+        if constrained:
+            self.grammars.mask_logits(sample_logits, constrained)
+
+    def _check_drafts(self, out: ModelRunnerOutput, seqs: SequenceStates) -> None:
+        """Cut each constrained sequence's drafts at the first token its grammar refuses:
+        verifying it would be wasted."""
+        new_token_ids = {item.seq_id: item.token_ids for item in out.sampled}
+        for seq_id, drafts in list(out.draft_token_ids.items()):
+            seq = seqs[seq_id]
+            if seq.params.structured_outputs is None:
+                continue
+            allowed = self._grammars.allowed_drafts(
+                seq_id, seq.params.structured_outputs, TokenSpan(seq.token_ids, seq.num_prompt_tokens),
+                new_token_ids[seq_id], drafts,
+            )
+            if allowed:
+                out.draft_token_ids[seq_id] = allowed
+            else:
+                del out.draft_token_ids[seq_id]
 
     def _draft_context(self, seq_id: str, seq: RunnerSequence, new_token_ids: Sequence[int] = ()) -> DraftContext:
         return DraftContext(

@@ -9,7 +9,8 @@ from server_process import launch_server
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """The shared server most tests talk to (max_model_len 1024 keeps the overflow case cheap)."""
-    proc = launch_server(tmp_path_factory.mktemp("server"), "--max-model-len", "1024")
+    proc = launch_server(tmp_path_factory.mktemp("server"), "--max-model-len", "1024",
+                         "--tool-call-parser", "hermes")
     yield proc
     proc.stop()
 

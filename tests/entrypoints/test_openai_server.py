@@ -294,12 +294,16 @@ def _post(server, path: str, body) -> httpx.Response:
      "stream_options", "stream"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, 400,
      "stream_options", "stream"),
-    # Declared so that ignoring them cannot hand back something other than what was asked for.
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", "tools"),
+    # Tool and output-format fields are checked, and the deprecated functions refused: ignoring
+    # them would hand back something other than what was asked for.
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400,
+     "tools.0.function", "Field required"),
+    ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions",
+     "use tools"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice",
      "tool_choice"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400,
-     "response_format", "json_object"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400,
+     "response_format.type", "json_schema"),
     ("/v1/completions", "[" * 100_000 + "]" * 100_000, 400, None, "parsing the body"),
     ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, "parsing the body"),
     ("/v1/completions", {"prompt": [[1, 2], []]}, 400, None, "empty"),

@@ -75,6 +75,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--stream-interval", type=int, default=1,
         help="Tokens per streamed chunk; larger values cut SSE overhead at high concurrency.",
     )
+    group.add_argument(
+        "--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "qwen25"], default=None,
+        help='How tool calls are read from the model\'s text for tool_choice "auto" (default: '
+        'none, and "auto" is refused; "required" and named functions work without one).',
+    )
     EngineArgs.add_cli_args(parser)
     # Serving picks per-device settings unless told otherwise (logged at startup).
     parser.set_defaults(quantization="auto", max_num_batched_tokens=None, compile_decode=None)

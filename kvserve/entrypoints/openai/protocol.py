@@ -2,7 +2,7 @@
 
 Unknown fields are kept aside (`model_extra`) and ignored with a logged warning, as vLLM
 does: load tools and SDKs send vendor extensions freely. Fields whose silent omission would
-change what a client gets (tools, response formats, best_of) are declared so that they can
+change what a client gets (the deprecated functions, best_of) are declared so that they can
 be refused instead (request_checks.py). Integers carry the ranges they are meaningful in;
 Infinity and NaN, which the JSON parser accepts, are never a valid number. Responses are
 plain dicts built in the serving modules, in the exact OpenAI shapes.
@@ -29,6 +29,19 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str
+    description: str | None = None
+    # Aliased: `schema` would shadow a pydantic method.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (None: the default)."""
 
@@ -51,6 +64,9 @@ class SamplingRequest(_Body):
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
     priority: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    # OpenAI's structured output, and vLLM's extra (json, json_object, regex, choice, grammar).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -67,10 +83,44 @@ class TextContentPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCallMessage(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -80,11 +130,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, le=INT64_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required": tools.py
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):

@@ -60,16 +60,11 @@ def check_completion_request(request: CompletionRequest) -> None:
 
 
 def check_chat_request(request: ChatCompletionRequest) -> None:
-    """Tool calling and structured output are not implemented: answering as if they had
-    not been asked for would hand the client text it did not ask for."""
-    for name in ("tools", "functions"):
-        if getattr(request, name):
-            raise OpenAIError(400, f"{name} (function calling) is not supported by this server",
-                              param=name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(request, name) not in (None, "none"):
-            raise OpenAIError(400, f"{name} is not supported by this server", param=name)
-    kind = (request.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise OpenAIError(400, f"response_format type {kind!r} is not supported by this server; "
-                          "only 'text'", param="response_format")
+    """The deprecated `functions` / `function_call` are not implemented (`tools` are):
+    answering as if they had not been asked for would hand the client text it did not ask for."""
+    if request.functions:
+        raise OpenAIError(400, "functions is not supported by this server; use tools",
+                          param="functions")
+    if request.function_call not in (None, "none"):
+        raise OpenAIError(400, "function_call is not supported by this server; use tool_choice",
+                          param="function_call")

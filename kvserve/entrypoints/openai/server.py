@@ -212,6 +212,7 @@ def run_server(args: argparse.Namespace) -> int:
         body_read_timeout=args.body_read_timeout,
         stream_interval=args.stream_interval,
         health_stall_timeout=args.health_stall_timeout,
+        tool_call_parser=args.tool_call_parser,
     )
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")

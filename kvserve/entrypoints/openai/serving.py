@@ -21,6 +21,7 @@ from kvserve.engine.input_processor import NO_TOKENIZER
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.errors import OpenAIError, bad_request
 from kvserve.entrypoints.openai.protocol import SamplingRequest, StreamOptions
+from kvserve.entrypoints.openai.structured import structured_outputs
 from kvserve.metrics import ServerMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -48,6 +49,7 @@ class ServerState:
     body_read_timeout: float = 60.0
     stream_interval: int = 1
     health_stall_timeout: float = 300.0
+    tool_call_parser: str | None = None  # --tool-call-parser: reads "auto" tool calls
     async_llm: AsyncLLM | None = None
     draining: bool = False
     load_error: BaseException | None = None
@@ -127,7 +129,7 @@ class ServerState:
 
 def sampling_params(request: SamplingRequest, defaults: dict[str, float], **overrides: object) -> SamplingParams:
     """SamplingParams from the request's non-null fields, else the model's `defaults`
-    (LLMEngine.sampling_defaults); a bad value is a 400 naming it."""
+    (LLMEngine.sampling_defaults), and its output constraint; a bad value is a 400 naming it."""
     values = defaults | {
         name: getattr(request, name)
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -140,6 +142,8 @@ def sampling_params(request: SamplingRequest, defaults: dict[str, float], **over
     if request.logit_bias:
         values["logit_bias"] = {token: min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, bias))
                                 for token, bias in request.logit_bias.items()}
+    if "structured_outputs" not in overrides:  # tool_choice's constraint, when it has one
+        overrides["structured_outputs"] = structured_outputs(request)
     try:
         return SamplingParams(**values, **overrides)
     except ValueError as error:

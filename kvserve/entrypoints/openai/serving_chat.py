@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: the model's chat template, then generation in OpenAI's chat shape."""
+"""POST /v1/chat/completions: the model's chat template, then generation in OpenAI's chat
+shape, with tool calls (tools.py) when the request has tools."""
 
 from __future__ import annotations
 
@@ -12,40 +13,42 @@ from jinja2 import TemplateError
 from kvserve.engine.input_processor import NO_TOKENIZER
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.errors import OpenAIError
-from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, Tool
 from kvserve.entrypoints.openai.request_checks import check_chat_request, check_sampling_request
 from kvserve.entrypoints.openai.serving import (
     ServerState, StreamThrottle, chunk_usage, collect_final, generate_all, sampling_params,
     sse_stream, token_text, top_entries, usage, validate_prompt,
 )
+from kvserve.entrypoints.openai.structured import structured_outputs
+from kvserve.entrypoints.openai.tool_stream import ToolCallDeltas
+from kvserve.entrypoints.openai.tools import (
+    conversation, parse_output, tool_call_json, tool_constraint, tool_mode,
+)
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 
-def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                        tools: list[Tool] | None = None) -> list[int]:
     if tokenizer is None:
         raise OpenAIError(400, f"{NO_TOKENIZER}: chat needs one (its template and the message text)",
                           param="messages")
     if not tokenizer.chat_template:
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    conversation = [
-        {"role": "system" if m.role == "developer" else m.role,
-         "content": m.content if isinstance(m.content, str) or m.content is None
-         else "\n".join(part.text for part in m.content)}
-        for m in messages
-    ]
-    for message in conversation:
-        message["content"] = message["content"] or ""
+    # A template that never mentions tools would drop them (and tool calls) silently.
+    takes_tools = "tools" in str(tokenizer.chat_template)
+    extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools and takes_tools else {}
     try:
         return list(tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
-            return_dict=True)["input_ids"])
+            conversation(messages, tools, takes_tools), add_generation_prompt=add_generation_prompt,
+            tokenize=True, return_dict=True, **extra)["input_ids"])
     except TemplateError as error:
         raise OpenAIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
 
 
-def _chat_prompt_ids(engine: LLMEngine, messages: list[ChatMessage], params: SamplingParams) -> list[int]:
-    return validate_prompt(engine, apply_chat_template(engine.tokenizer, messages), params)
+def _chat_prompt_ids(engine: LLMEngine, messages: list[ChatMessage], params: SamplingParams,
+                     tools: list[Tool] | None) -> list[int]:
+    return validate_prompt(engine, apply_chat_template(engine.tokenizer, messages, tools=tools), params)
 
 
 def _logprobs(tokenizer, completion: CompletionOutput, start: int, num_top: int) -> dict:
@@ -70,8 +73,17 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     num_top = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    params = sampling_params(request, engine.sampling_defaults, max_tokens=max_tokens, logprobs=num_top)
-    prompt_ids = await state.off_loop(_chat_prompt_ids, engine, request.messages, params)
+    mode = tool_mode(request, state.tool_call_parser)
+    tool_constrained = tool_constraint(request, mode)
+    if tool_constrained is not None and structured_outputs(request) is not None:
+        raise OpenAIError(400, f"tool_choice {request.tool_choice if mode == 'required' else 'naming a function'} "
+                          "constrains the output; it cannot be combined with response_format or "
+                          "structured_outputs", param="tool_choice")
+    overrides = {} if tool_constrained is None else {"structured_outputs": tool_constrained}
+    params = sampling_params(request, engine.sampling_defaults, max_tokens=max_tokens, logprobs=num_top,
+                             **overrides)
+    tools = request.tools if mode != "none" else None
+    prompt_ids = await state.off_loop(_chat_prompt_ids, engine, request.messages, params, tools)
     state.admit(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -82,12 +94,20 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
 
     if not request.stream:
         (final,) = await collect_final(state, request_id, [prompt_ids], params, priority)
-        choices = [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": _logprobs(engine.tokenizer, c, 0, num_top) if num_top is not None else None,
-            "finish_reason": c.finish_reason,
-        } for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message: dict = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            parsed = parse_output(c.text, request, mode, state.tool_call_parser)
+            if parsed.tool_calls:
+                message = {"role": "assistant", "content": parsed.content,
+                           "tool_calls": [tool_call_json(call) for call in parsed.tool_calls]}
+                finish_reason = "tool_calls"
+            choices.append({
+                "index": c.index, "message": message,
+                "logprobs": _logprobs(engine.tokenizer, c, 0, num_top) if num_top is not None else None,
+                "finish_reason": finish_reason,
+            })
         return JSONResponse({**base("chat.completion"), "choices": choices,
                              "usage": usage([prompt_ids], [final])})
 
@@ -105,6 +125,8 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         throttle = StreamThrottle(state.stream_interval)
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
+        tool_deltas = {index: ToolCallDeltas(request, mode, state.tool_call_parser)
+                       for index in range(params.n)} if mode != "none" else {}
         async for _, output in generate_all(state, request_id, [prompt_ids], params, priority):
             last[0] = output
             for c in output.outputs:
@@ -114,17 +136,25 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
                     continue
                 if not throttle.due(c.index, len(c.token_ids), finished):
                     continue
+                deltas = ([{"content": text}] if text else []) if not tool_deltas else (
+                    tool_deltas[c.index].update(c.text, finished))
                 if text:
                     logprobs = (_logprobs(engine.tokenizer, c, sent_tokens.get(c.index, 0), num_top)
                                 if num_top is not None else None)
                     sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    yield chunk(c.index, {"content": text}, logprobs, None)
+                    for delta in deltas:
+                        yield chunk(c.index, delta, logprobs, None)
+                        logprobs = None
+                elif deltas:  # tool calls parsed at the end
+                    for delta in deltas:
+                        yield chunk(c.index, delta, None, None)
                 if finished:
                     # Tokens without text of their own (EOS) still get their logprobs.
                     rest = sent_tokens.get(c.index, 0)
                     logprobs = (_logprobs(engine.tokenizer, c, rest, num_top)
                                 if num_top is not None and len(c.token_ids) > rest else None)
-                    yield chunk(c.index, {}, logprobs, c.finish_reason)
+                    called = c.index in tool_deltas and tool_deltas[c.index].num_calls
+                    yield chunk(c.index, {}, logprobs, "tool_calls" if called else c.finish_reason)
 
     def usage_chunk() -> dict | None:
         if not include_usage:

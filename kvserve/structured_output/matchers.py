@@ -1,0 +1,119 @@
+"""The runner's per-sequence grammar state, and each step's token bitmask.
+
+A sequence's matcher has consumed exactly the output tokens the runner holds for it: the
+runner learns a step's accepted tokens with the next step (a verified run, stopped where
+the sequence ended), and catches the matcher up then. A preempted sequence comes back with
+the same tokens, so its matcher stays valid; a fork of n samples gets its own matcher,
+replayed from its tokens. Drafts are tried on the matcher and rolled back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve.structured_output.compiler import GrammarCompiler
+from kvserve.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+
+@dataclass
+class ConstrainedRows:
+    """A constrained sequence's rows of a step's logits: one, or 1 + k verifying k drafts
+    (row j is reached only if drafts[:j] are accepted)."""
+
+    seq_id: str
+    params: StructuredOutputsParams
+    output_token_ids: Sequence[int]
+    first_row: int
+    drafts: Sequence[int] = field(default_factory=list)
+
+
+@dataclass
+class _MatcherState:
+    matcher: xgrammar.GrammarMatcher
+    num_consumed: int = 0  # output tokens accepted so far
+
+
+class GrammarMatchers:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
+        self.vocab_size = vocab_size
+        self._states: dict[str, _MatcherState] = {}
+        self._bitmask: torch.Tensor | None = None  # host buffer, grown to the rows needed
+
+    def prefetch(self, params: StructuredOutputsParams) -> None:
+        self.compiler.prefetch(params)
+
+    def forget(self, seq_ids: Sequence[str]) -> None:
+        for seq_id in seq_ids:
+            self._states.pop(seq_id, None)
+
+    def matcher(self, seq_id: str, params: StructuredOutputsParams,
+                output_token_ids: Sequence[int]) -> xgrammar.GrammarMatcher:
+        """The sequence's matcher, caught up with its output tokens."""
+        import xgrammar as xgr
+
+        state = self._states.get(seq_id)
+        if state is None:
+            state = _MatcherState(xgr.GrammarMatcher(self.compiler.get(params)))
+            self._states[seq_id] = state
+        for token_id in output_token_ids[state.num_consumed:]:
+            # Every sampled token was allowed by the mask; one that is not (a token past
+            # the grammar's end, with ignore_eos) leaves the matcher where it was.
+            state.matcher.accept_token(token_id)
+        state.num_consumed = len(output_token_ids)
+        return state.matcher
+
+    def mask_logits(self, logits: torch.Tensor, constrained: list[ConstrainedRows]) -> None:
+        """Disallowed tokens' logits to -inf, in place, on the constrained rows only."""
+        import xgrammar as xgr
+
+        bitmask = self._bitmask_rows(logits.shape[0])
+        indices = []
+        for rows in constrained:
+            matcher = self.matcher(rows.seq_id, rows.params, rows.output_token_ids)
+            num_accepted = 0
+            for j in range(len(rows.drafts) + 1):
+                matcher.fill_next_token_bitmask(bitmask, rows.first_row + j)
+                indices.append(rows.first_row + j)
+                # Rows after a draft the grammar refuses are never reached: that draft has
+                # probability 0 on its row, so verification rejects it.
+                if j == len(rows.drafts) or not matcher.accept_token(rows.drafts[j]):
+                    break
+                num_accepted += 1
+            if num_accepted:
+                matcher.rollback(num_accepted)
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size,
+            indices=indices,
+        )
+
+    def allowed_drafts(self, seq_id: str, params: StructuredOutputsParams,
+                       output_token_ids: Sequence[int], new_token_ids: Sequence[int],
+                       drafts: Sequence[int]) -> list[int]:
+        """The longest prefix of `drafts` the grammar allows after the output tokens and
+        this step's `new_token_ids` (not yet among them)."""
+        matcher = self.matcher(seq_id, params, output_token_ids)
+        num_accepted = 0
+        allowed: list[int] = []
+        for i, token_id in enumerate([*new_token_ids, *drafts]):
+            if not matcher.accept_token(token_id):
+                break
+            num_accepted += 1
+            if i >= len(new_token_ids):
+                allowed.append(token_id)
+        if num_accepted:
+            matcher.rollback(num_accepted)
+        return allowed
+
+    def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
+        import xgrammar as xgr
+
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        return self._bitmask[:num_rows]
