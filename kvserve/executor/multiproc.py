@@ -14,6 +14,7 @@ import torch
 
 from kvserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.engine.engine_args import EngineArgs
+from kvserve.executor.base import ParallelExecutor
 from kvserve.executor.tp_worker import WorkerInfo, output_rank, run_worker
 
 logger = logging.getLogger(__name__)
@@ -27,13 +28,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(ParallelExecutor):
     """What EngineCore reads of a ModelRunner, backed by tensor x pipeline parallel workers."""
-
-    # CPU decode graphs, CUDA graphs and speculation run in one process only, for now.
-    compiled_decode = None
-    cuda_graphs = None
-    speculator = None
 
     def __init__(self, args: EngineArgs) -> None:
         import multiprocessing
@@ -62,13 +58,7 @@ class MultiprocExecutor:
             self._connections.append(ours)
             self._processes.append(process)
         weakref.finalize(self, _stop, self._processes, self._connections[0])
-        info = self._wait_ready()
-        self.model_config = info.model_config
-        self.tokenizer = info.tokenizer
-        self.num_blocks = info.num_blocks
-        self.kv_cache_dtype = info.kv_cache_dtype
-        self.attention_backend_name = info.attention_backend_name
-        self.decode_weight_bytes = info.decode_weight_bytes
+        self._adopt(self._wait_ready())
         logger.info("tensor parallelism: %d ranks, pipeline parallelism: %d stages (%d processes on %s), "
                     "%d KV blocks on each", args.tensor_parallel_size, args.pipeline_parallel_size,
                     world_size, device, self.num_blocks)
@@ -119,9 +109,6 @@ class MultiprocExecutor:
         self._connections[0].send(("execute", sched))
         _, output = self._receive(self._output_rank)
         return output
-
-    def compile_idle(self) -> bool:
-        return False
 
     def shutdown(self) -> None:
         _stop(self._processes, self._connections[0])

@@ -15,6 +15,7 @@ import torch
 
 from kvserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.engine.engine_args import EngineArgs
+from kvserve.executor.base import ParallelExecutor
 from kvserve.executor.tp_worker import WorkerInfo, output_rank, start_rank, worker_device
 from kvserve.logger import configure_logging
 
@@ -61,12 +62,8 @@ def _connect() -> Any:
     return ray
 
 
-class RayExecutor:
+class RayExecutor(ParallelExecutor):
     """What EngineCore reads of a ModelRunner, backed by one Ray actor per rank."""
-
-    compiled_decode = None
-    cuda_graphs = None
-    speculator = None
 
     def __init__(self, args: EngineArgs) -> None:
         ray = _connect()
@@ -83,13 +80,7 @@ class RayExecutor:
         except BaseException:
             self.shutdown()
             raise
-        info: WorkerInfo = infos[0]
-        self.model_config = info.model_config
-        self.tokenizer = info.tokenizer
-        self.num_blocks = info.num_blocks
-        self.kv_cache_dtype = info.kv_cache_dtype
-        self.attention_backend_name = info.attention_backend_name
-        self.decode_weight_bytes = info.decode_weight_bytes
+        self._adopt(infos[0])
         logger.info("tensor parallelism: %d ranks as Ray actors, %d KV blocks on each", world_size, self.num_blocks)
 
     def _get(self, refs: list) -> list:
@@ -111,9 +102,6 @@ class RayExecutor:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         step = self._ray.put(sched)
         return self._get([worker.execute.remote(step) for worker in self._workers])[self._output_rank]
-
-    def compile_idle(self) -> bool:
-        return False
 
     def shutdown(self) -> None:
         for worker in self._workers:

@@ -1,0 +1,24 @@
+"""What the engine core reads of a ModelRunner, for executors whose ranks run elsewhere."""
+
+from __future__ import annotations
+
+from kvserve.executor.tp_worker import WorkerInfo
+
+
+class ParallelExecutor:
+    # CPU decode graphs, CUDA graphs and speculation run in one process only, for now.
+    compiled_decode = None
+    cuda_graphs = None
+    speculator = None
+
+    def _adopt(self, info: WorkerInfo) -> None:
+        """What rank 0 reported once every rank was ready."""
+        self.model_config = info.model_config
+        self.tokenizer = info.tokenizer
+        self.num_blocks = info.num_blocks
+        self.kv_cache_dtype = info.kv_cache_dtype
+        self.attention_backend_name = info.attention_backend_name
+        self.decode_weight_bytes = info.decode_weight_bytes
+
+    def compile_idle(self) -> bool:
+        return False
