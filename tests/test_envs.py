@@ -16,6 +16,8 @@ OTHER_ENVIRONMENT_USES = {
     "kvserve/envs.py": "reads every variable",
     "kvserve/entrypoints/cli.py": "sets GOMP_SPINCOUNT before torch loads",
     "kvserve/benchmarks/cpu_compare.py": "hands its environment on to the servers it starts",
+    "kvserve/router/launch.py": "shares out the GPUs of CUDA_VISIBLE_DEVICES among the replicas it starts, "
+                                "handing its environment on to them (the router imports nothing of kvserve)",
 }
 
 

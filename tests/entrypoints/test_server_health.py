@@ -140,7 +140,7 @@ def test_health_is_503_while_the_engine_makes_no_progress(core_server):
             time.sleep(0.05)
         stalled_after = time.monotonic() - stopped
         assert reply.status_code == 503 and reply.json()["status"] == "stalled"
-        assert reply.json()["seconds_without_progress"] > STALL_TIMEOUT_S
+        assert reply.json()["seconds_without_progress"] >= STALL_TIMEOUT_S  # rounded to a tenth
         assert stalled_after > STALL_TIMEOUT_S - 0.5  # not before the timeout (one step may precede it)
     finally:
         os.kill(core, signal.SIGCONT)

@@ -54,7 +54,7 @@ def layer_weights(loaded: LoadedModel) -> dict[str, torch.Tensor]:
 
 
 def greedy_with_top5(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int):
-    llm = LLM(loaded=loaded, kv_cache_memory="16MiB", enable_prefix_caching=False)
+    llm = LLM(loaded=loaded, kv_cache_memory="16MiB", enable_prefix_caching=False, max_model_len=256)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [(list(o.outputs[0].token_ids), [set(step) for step in o.outputs[0].logprobs]) for o in outputs]

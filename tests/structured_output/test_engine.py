@@ -49,7 +49,7 @@ def _sampled(structured: StructuredOutputsParams, **kwargs) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_loaded) -> LLM:
-    return LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB")
+    return LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", max_model_len=1024)
 
 
 def test_json_schemas_validate(llm):
@@ -111,7 +111,7 @@ def test_bad_constraint_is_refused_before_queueing(llm):
 
 
 def test_grammar_compiled_once_per_content(smollm2_loaded):
-    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB")
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024)
     params = [SamplingParams(temperature=0.0, max_tokens=8,
                              structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
               for _ in range(3)]
@@ -147,7 +147,7 @@ def greedy_plain(llm) -> list[list[int]]:
 
 
 def test_speculative_decoding_keeps_greedy_constrained_output(smollm2_loaded, greedy_plain):
-    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB",
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     assert _greedy_constrained(llm) == greedy_plain
     stats = llm.engine.spec_decode_stats
@@ -172,6 +172,7 @@ def test_preemption_keeps_greedy_constrained_output(smollm2_loaded, llm):
     block_size = 8
     num_blocks = 6  # one request fits, all three at once do not
     small = LLM(loaded=smollm2_loaded, block_size=block_size, enable_prefix_caching=False,
+                max_model_len=num_blocks * block_size,
                 kv_cache_memory=str(num_blocks * kv_cache_bytes_per_block(smollm2_loaded.config, block_size)))
     assert _numbers(small) == _numbers(llm)
     assert small.engine.core.scheduler.num_preemptions > 0
