@@ -95,6 +95,7 @@ class ModelRunner:
             device, attention_backend, model_config.sliding_window
         )
         model.set_attn_backend(self.attn_backend)
+        model.pack_experts()
         if device.type == "cpu":
             # The fp32 linears' and LM head's kernel: built (once per machine) before the first request.
             float_matmul_op()
@@ -147,7 +148,7 @@ class ModelRunner:
         if not supported:
             raise ValueError(
                 "--compile-decode needs the CPU, the torch attention backend, a KV cache "
-                "that is not float8 and dense MLPs (not a mixture of experts)"
+                "that is not float8 and, in a mixture of experts, unquantized experts all on this rank"
             )
         compiled = CompiledDecode(self.model, self.kv_caches, self.model_config.sliding_window)
         if compile_decode:

@@ -8,9 +8,9 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from kvserve import LLM, SamplingParams
-from kvserve.model_executor.layers.moe import Router
+from kvserve.model_executor.layers.moe import Router, SparseMoE
 from kvserve.quantization.base import QuantizedLinear
-from tests.model_executor.test_llama_parity import SMALL, VOCAB, reference_logits
+from tests.model_executor.test_llama_parity import ARCHITECTURES, SMALL, VOCAB, reference_logits
 
 NUM_EXPERTS = 4
 
@@ -62,8 +62,44 @@ def test_int8_quantizes_every_expert_and_keeps_the_router(save_hf_model) -> None
     assert errors.median() < 0.02 and errors.max() < 0.1, errors
 
 
-def test_compile_decode_is_refused_and_off_by_default(save_hf_model) -> None:
+def test_compiled_decode_holds_packed_experts(save_hf_model) -> None:
+    """Qwen2-MoE (a shared expert, unnormalised top-k, a dense first layer) with its
+    experts packed: the compiled CPU decode steps run (the experts an opaque op inside the
+    graph) and three sequences decode greedily as transformers does, batched and alone."""
+    hf_model = ARCHITECTURES["qwen2-moe-shared-expert"]().eval()
+    llm = LLM(model=save_hf_model(hf_model), compile_decode=True, kv_cache_memory="16MiB", block_size=4)
+    runner = llm.engine.core.runner
+    moe_layers = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
+    assert moe_layers and all(m.packed for m in moe_layers)
+    compiled, calls = runner.compiled_decode, []
+    forward = compiled.forward
+    compiled.forward = lambda *args: calls.append(1) or forward(*args)
+    prompts = _prompts((9, 14, 5))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    alone = llm.generate({"prompt_token_ids": prompts[2]}, params)
+    for prompt, output in zip([*prompts, prompts[2]], [*outputs, *alone], strict=True):
+        with torch.no_grad():
+            expected = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                                         min_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
+        assert list(output.outputs[0].token_ids) == expected
+    assert len(calls) >= 2 * 7 - 2  # decode steps past the shortest context ran compiled
+
+
+def test_quantized_experts_stay_unpacked_and_refuse_compile_decode(save_hf_model) -> None:
     path = save_hf_model(_mixtral())
-    with pytest.raises(ValueError, match="not a mixture of experts"):
-        LLM(model=path, compile_decode=True, kv_cache_memory="16MiB")
-    assert LLM(model=path, compile_decode=None, kv_cache_memory="16MiB").engine.core.runner.compiled_decode is None
+    with pytest.raises(ValueError, match="unquantized experts"):
+        LLM(model=path, quantization="int8", compile_decode=True, kv_cache_memory="16MiB")
+    llm = LLM(model=path, quantization="int8", compile_decode=None, kv_cache_memory="16MiB")
+    assert llm.engine.core.runner.compiled_decode is None
+    assert not any(m.packed for m in llm.engine.core.runner.model.modules() if isinstance(m, SparseMoE))
+
+
+def test_packing_keeps_one_copy_of_the_weights(save_hf_model) -> None:
+    """The experts' linears become views of the stacked tensors: what a loader or a state
+    dict sees is the packed memory itself."""
+    llm = LLM(model=save_hf_model(_mixtral()), kv_cache_memory="16MiB")
+    layer = next(m for m in llm.engine.core.runner.model.modules() if isinstance(m, SparseMoE))
+    for index, expert in enumerate(layer.experts):
+        assert expert.gate_up_proj.weight.data_ptr() == layer.w13[index].data_ptr()
+        assert expert.down_proj.weight.data_ptr() == layer.w2[index].data_ptr()

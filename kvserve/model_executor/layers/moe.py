@@ -3,11 +3,14 @@ top-k of the layer's expert MLPs that its router picks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvserve.distributed.parallel_state import GroupCoordinator
+from kvserve.model_executor.layers.linear import Linear, linear
 from kvserve.model_executor.layers.mlp import GatedMLP
 
 
@@ -23,14 +26,60 @@ class Router(nn.Module):
         return F.linear(x, self.weight)
 
 
+def _grouped(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, num_experts: int,
+             run_expert: Callable[[int, torch.Tensor], torch.Tensor | None]) -> torch.Tensor:
+    """sum over each token's choices of weight x run_expert(expert, its rows of x): one call
+    per expert some token chose, on all of its tokens at once (None: not this rank's)."""
+    top_k = chosen.shape[1]
+    # (token, slot) pairs grouped by expert, tokens ascending within each: the counts are
+    # the layer's one read on the host (a torch.where per expert would be one each).
+    order = torch.argsort(chosen.flatten(), stable=True)
+    counts = torch.bincount(chosen.flatten(), minlength=num_experts).tolist()
+    tokens, weights = order // top_k, weights.flatten()[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            rows = tokens[start : start + count]
+            y = run_expert(expert, x[rows])
+            if y is not None:
+                out.index_add_(0, rows, (y * weights[start : start + count, None]).to(out.dtype))
+        start += count
+    return out
+
+
+@torch.library.custom_op("kvserve_moe::grouped_experts", mutates_args=())
+def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The experts of a packed layer on CPU (`_grouped` over w13 [E, 2I, H] and w2 [E, H, I]),
+    as one op that torch.compile leaves opaque: its host read of the routing stays inside, so
+    the compiled decode step holds a mixture of experts like any other layer."""
+    def run_expert(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(rows, w13[expert]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, w2[expert])
+
+    return _grouped(x, chosen, weights, w13.shape[0], run_expert)
+
+
+@grouped_experts.register_fake
+def _(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+      w2: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 class SparseMoE(nn.Module):
     """Token choice: a softmax over all experts' router logits in fp32, the top_k kept (and,
     with renormalize, scaled to sum to one), the token's output the sum of its chosen
     experts' outputs weighted by them; Qwen2-MoE adds a shared expert, weighted by the
     sigmoid of its own gate, that every token runs. Each expert is a GatedMLP (plain linears,
-    so weight-only quantization and checkpoint loading treat them like any). Only the experts
-    some token picked run, each on its tokens alone; how many tokens each got is read on the
-    host, so a model with this layer runs eagerly (no CUDA graphs, no compiled CPU decode)."""
+    so weight-only quantization, sharding and checkpoint loading treat them like any).
+
+    Once loaded, `pack_experts` stacks dense experts' weights into two [E, ...] tensors (the
+    experts' linears become views of them): on CUDA the fused kernels (ops/fused_moe.py)
+    route and run them without a host read, so CUDA graphs capture the layer; on CPU one
+    opaque op runs them, so the compiled decode step covers the rest of the model. Experts
+    that stay unpacked (quantized, or expert parallel) run one after another, eagerly, with
+    the routing read on the host."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, shared_intermediate_size: int = 0) -> None:
@@ -48,25 +97,55 @@ class SparseMoE(nn.Module):
         # output (a share of each expert's rows, or whole experts of its own, the others
         # None), and the parts are summed over the group.
         self.tp_group: GroupCoordinator | None = None
+        # Set by pack_experts: every expert's stacked weights (not registered: the experts'
+        # own parameters, views of these, are what loaders and state dicts name).
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.w13 is not None
+
+    @torch.no_grad()
+    def pack_experts(self) -> bool:
+        """Stack the experts' weights into w13 [E, 2I, H] and w2 [E, H, I], the experts'
+        linears left as views of them (no second copy). Only for dense, bias-free linears of
+        one dtype and device, all experts present; returns whether it packed."""
+        if self.w13 is not None:
+            return True
+        if any(e is None or type(e.gate_up_proj) is not Linear or type(e.down_proj) is not Linear
+               or e.gate_up_proj.bias is not None or e.down_proj.bias is not None for e in self.experts):
+            return False
+        first = self.experts[0]
+        w13 = torch.empty(len(self.experts), *first.gate_up_proj.weight.shape,
+                          dtype=first.gate_up_proj.weight.dtype, device=first.gate_up_proj.weight.device)
+        w2 = torch.empty(len(self.experts), *first.down_proj.weight.shape,
+                         dtype=first.down_proj.weight.dtype, device=first.down_proj.weight.device)
+        for index, expert in enumerate(self.experts):
+            w13[index].copy_(expert.gate_up_proj.weight)
+            w2[index].copy_(expert.down_proj.weight)
+            expert.gate_up_proj.weight = nn.Parameter(w13[index], requires_grad=False)
+            expert.down_proj.weight = nn.Parameter(w2[index], requires_grad=False)
+        self.w13, self.w2 = w13, w2
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        # (token, slot) pairs grouped by expert, tokens ascending within each: the counts are
-        # the layer's one read on the host (a torch.where per expert would be one each).
-        order = torch.argsort(chosen.flatten(), stable=True)
-        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
-        tokens, weights = order // self.top_k, weights.flatten()[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count and expert is not None:
-                rows = tokens[start : start + count]
-                y = expert.output(x[rows]) * weights[start : start + count, None]
-                out.index_add_(0, rows, y.to(out.dtype))
-            start += count
+        if self.w13 is not None and x.is_cuda:
+            from kvserve.ops.fused_moe import fused_experts
+
+            out = fused_experts(x, chosen, weights, self.w13, self.w2)
+        elif self.w13 is not None:
+            out = torch.ops.kvserve_moe.grouped_experts(x, chosen, weights, self.w13, self.w2)
+        else:
+            out = _grouped(x, chosen, weights, len(self.experts), self._run_unpacked)
         if hasattr(self, "shared_expert"):
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.output(x)
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
+
+    def _run_unpacked(self, expert: int, rows: torch.Tensor) -> torch.Tensor | None:
+        module = self.experts[expert]
+        return None if module is None else module.output(rows)

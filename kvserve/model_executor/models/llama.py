@@ -225,9 +225,16 @@ class LlamaForCausalLM(nn.Module):
     @property
     def graph_capturable(self) -> bool:
         """Whether a step's work is fixed by its input shapes, as CUDA graphs and
-        torch.compile need: not for a mixture of experts, which reads on the host which
-        experts to run (SparseMoE)."""
-        return not self.config.num_experts
+        torch.compile need: not for a mixture of experts whose experts stay unpacked, which
+        reads on the host which experts to run (SparseMoE)."""
+        return all(m.packed for m in self.modules() if isinstance(m, SparseMoE))
+
+    def pack_experts(self) -> None:
+        """Stack each mixture-of-experts layer's dense experts for the fused paths (once the
+        weights are loaded, quantized and sharded)."""
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.pack_experts()
 
     def set_attn_backend(self, attn_backend: AttentionBackend) -> None:
         """Swap the attention implementation (the model runner picks it per device)."""

@@ -1,0 +1,122 @@
+"""A mixture of experts' MLPs on the GPU in two grouped GEMMs, with no host synchronisation
+(so a decode step with it is CUDA-graph capturable).
+
+The (token, choice) pairs are sorted by expert and each expert's run padded to BLOCK_M
+(`align_by_expert`, vLLM's moe_align_block_size idea done with torch ops on the device):
+every BLOCK_M-row tile of the sorted list belongs to one expert, so one program multiplies
+the tile's rows, gathered from the activations, by that expert's weights. A step reads only
+the experts some token chose; padding rows and the tiles past the end exit early. The
+gate/up GEMM writes [pairs, 2 x intermediate], SwiGLU makes [pairs, intermediate], and the
+down GEMM scales each row by its routing weight in the epilogue before the pairs of a token
+are summed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.ops.elementwise import silu_and_mul
+
+# Rows of the sorted (token, choice) list a program takes: tl.dot's minimum. Decode batches
+# route a few rows to each expert, so larger tiles would mostly multiply padding.
+BLOCK_M = 16
+
+
+def align_by_expert(chosen: torch.Tensor, num_experts: int, block: int = BLOCK_M
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chosen [T, top_k] expert ids -> (sorted_pairs, block_experts, num_padded): the flat
+    indices (token x top_k + choice) grouped by expert, each group padded with the sentinel
+    T x top_k to a multiple of `block`, in a buffer of the largest size any routing needs
+    (T x top_k + E x (block - 1)); the expert of each block (num_experts past the end); and
+    the padded length (a 1-element tensor). Shapes depend on T alone: no host reads."""
+    pairs = chosen.numel()
+    flat = chosen.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=chosen.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block - 1) // block * block
+    padded_ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    # A pair's place in its expert's run: its position in the sorted list minus where the
+    # run starts there, shifted to where the run starts in the padded buffer.
+    run_starts = counts.cumsum(0) - counts
+    rank = torch.arange(pairs, device=chosen.device) - run_starts[sorted_experts]
+    destination = padded_ends[sorted_experts] - padded[sorted_experts] + rank
+    capacity = pairs + num_experts * (block - 1)
+    sorted_pairs = torch.full((capacity,), pairs, dtype=torch.int64, device=chosen.device)
+    sorted_pairs.scatter_(0, destination, order)
+    block_starts = torch.arange(0, capacity, block, device=chosen.device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
+    return sorted_pairs, block_experts, padded_ends[-1:]
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
+    num_pairs, N, K, stride_am, stride_be, stride_bn, stride_cm,
+    ROWS_PER_A: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """c[pair, :] = a[pair // ROWS_PER_A, :] @ b[expert]^T (x weights[pair] with SCALE) for
+    the pairs of one BLOCK_M tile of the sorted list and one BLOCK_N slice of c's columns."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    rows = tl.where(valid, pairs // ROWS_PER_A, 0)
+    expert = tl.load(block_experts_ptr + pid_m)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (cols[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if SCALE:
+        acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + pairs[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+                  sorted_pairs: torch.Tensor, block_experts: torch.Tensor, num_padded: torch.Tensor,
+                  rows_per_a: int, scale: bool) -> None:
+    num_pairs, n = out.shape
+    k = b.shape[2]
+    assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
+    block_n = 64 if n >= 64 else 32
+    block_k = 64 if k >= 64 else 32
+    grid = (sorted_pairs.shape[0] // BLOCK_M, triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, b, out, weights, sorted_pairs, block_experts, num_padded,
+        num_pairs, n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        ROWS_PER_A=rows_per_a, SCALE=scale,
+        # fp32 models get fp32 products (tl.dot would round them to tf32).
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+
+
+def fused_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """sum over each token's top_k choices of weights x down(silu(gate(x)) * up(x)) of the
+    chosen expert. x [T, H]; chosen [T, top_k] expert ids; weights [T, top_k] (fp32);
+    w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. Returns [T, H] in x's dtype."""
+    tokens, top_k = chosen.shape
+    num_experts, two_i, hidden = w13.shape
+    sorted_pairs, block_experts, num_padded = align_by_expert(chosen, num_experts)
+    flat_weights = weights.flatten().float().contiguous()
+    gate_up = torch.empty(tokens * top_k, two_i, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, flat_weights, sorted_pairs, block_experts, num_padded, top_k, False)
+    activation = silu_and_mul(gate_up)
+    down = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    _grouped_gemm(activation, w2, down, flat_weights, sorted_pairs, block_experts, num_padded, 1, True)
+    return down.view(tokens, top_k, hidden).sum(dim=1)
