@@ -20,6 +20,22 @@ _DUMMY_CONFIGS: dict[str, dict] = {
         max_position_embeddings=131072, tie_word_embeddings=False,
         bos_token_id=128000, eos_token_ids=[128001, 128008, 128009],
     ),
+    "mixtral-8x7b": dict(
+        architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=32768, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True,
+        bos_token_id=1, eos_token_ids=[2],
+    ),
+    "qwen3-30b-a3b": dict(
+        architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        bos_token_id=None, eos_token_ids=[151645, 151643],
+    ),
     "qwen2.5-0.5b": dict(
         architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896,
         intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

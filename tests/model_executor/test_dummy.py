@@ -62,3 +62,14 @@ def test_meta_build_of_8b_shape() -> None:
 def test_unknown_shape() -> None:
     with pytest.raises(ValueError, match="llama3-8b"):
         load_model(None, load_format="dummy", model_shape="gpt-5")
+
+
+@pytest.mark.parametrize("shape,parameters", [
+    # The published totals: Mixtral-8x7B 46,702,792,704; Qwen3-30B-A3B 30,532,122,624.
+    ("mixtral-8x7b", 46_702_792_704), ("qwen3-30b-a3b", 30_532_122_624)])
+def test_meta_build_of_moe_shapes(shape, parameters) -> None:
+    from kvserve.model_executor.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(dummy_model_config(shape))
+    assert sum(p.numel() for p in model.parameters()) == parameters
