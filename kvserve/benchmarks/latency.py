@@ -24,6 +24,7 @@ from kvserve.benchmarks.roofline import (
 from kvserve.benchmarks.throughput import make_requests
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
+from kvserve.model_executor.model_bytes import decode_step_weight_bytes
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -89,7 +90,8 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
     tpot = statistics.median(tpots)
     mean_context = input_len + output_len / 2
     floor = decode_step_floor_s(
-        engine.client.info.decode_weight_bytes,
+        decode_step_weight_bytes(engine.client.info.decode_weight_bytes, engine.client.info.expert_weight_bytes,
+                                 engine.model_config, batch_size),
         kv_bytes_per_token(engine.model_config, engine.client.info.kv_cache_dtype),
         round(batch_size * mean_context), bandwidth,
     )

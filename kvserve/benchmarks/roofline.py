@@ -8,6 +8,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.model_executor.kv_sizing import kv_bytes_per_token
+from kvserve.model_executor.model_bytes import decode_step_weight_bytes
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int | None = None, repeats: int = 10) -> float:
@@ -65,12 +66,18 @@ def matmul_peak_flops(device: torch.device, repeats: int = 10, float8: bool = Fa
 
 
 def linear_flops_per_token(config: ModelConfig) -> int:
-    """Multiply-adds x 2 of every linear layer and the LM head for one token."""
+    """Multiply-adds x 2 of every linear layer and the LM head for one token: in a mixture
+    of experts' layers, its router, the top_k experts it runs and the shared expert."""
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    h, i = config.hidden_size, config.intermediate_size
-    per_layer = h * (q + 2 * kv) + q * h + h * 2 * i + i * h
-    return 2 * (config.num_hidden_layers * per_layer + h * config.vocab_size)
+    h = config.hidden_size
+    attention = h * (q + 2 * kv) + q * h
+    dense_mlp = 3 * h * config.intermediate_size
+    moe_layers = config.num_hidden_layers - len(config.dense_mlp_layers) if config.num_experts else 0
+    moe_mlp = (h * config.num_experts + 3 * h * config.moe_intermediate_size * config.num_experts_per_tok
+               + 3 * h * config.shared_expert_intermediate_size + h * bool(config.shared_expert_intermediate_size))
+    mlps = (config.num_hidden_layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
+    return 2 * (config.num_hidden_layers * attention + mlps + h * config.vocab_size)
 
 
 def attention_flops_per_key(config: ModelConfig) -> int:
@@ -87,13 +94,16 @@ def offline_floor_s(
     peak_flops: float,
     kv_dtype: torch.dtype | None = None,
     linear_peak_flops: float | None = None,
+    expert_bytes: int = 0,
 ) -> float:
     """W1's floor: every request resident from the start, so one prefill pass over all
     prompts and then one decode step per output position for the requests still running;
     each step costs max(bytes / bandwidth, flops / peak). The KV bytes are the cache's
     dtype's (kv_dtype, default the model's); the linears' FLOPs run at linear_peak_flops
     (fp8 tensor cores for fp8 weights; default peak_flops), attention's at peak_flops.
-    The first output token comes from the prefill pass, the rest from decode steps."""
+    The first output token comes from the prefill pass, the rest from decode steps.
+    weight_bytes: a batch-1 step's; a mixture's steps read more of its `expert_bytes` the
+    more sequences they hold (decode_step_weight_bytes), a prefill pass all of them."""
     kv_per_token = kv_bytes_per_token(config, kv_dtype)
     linear, per_key = linear_flops_per_token(config), attention_flops_per_key(config)
     linear_peak = linear_peak_flops or peak_flops
@@ -102,10 +112,11 @@ def offline_floor_s(
         return linear * linear_tokens / linear_peak + attention_flops / peak_flops
 
     prefill_s = compute_s(sum(prompt_lens), sum(per_key * p * (p + 1) // 2 for p in prompt_lens))
-    total = max(weight_bytes / bandwidth, prefill_s)
+    prefill_bytes = decode_step_weight_bytes(weight_bytes, expert_bytes, config, sum(prompt_lens))
+    total = max(prefill_bytes / bandwidth, prefill_s)
     for step in range(1, max(output_lens)):
         live = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
         context = sum(live)
-        step_bytes = weight_bytes + kv_per_token * context
+        step_bytes = decode_step_weight_bytes(weight_bytes, expert_bytes, config, len(live)) + kv_per_token * context
         total += max(step_bytes / bandwidth, compute_s(len(live), per_key * context))
     return total

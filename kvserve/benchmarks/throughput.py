@@ -186,7 +186,7 @@ def _offline_floor(
     floor_s = offline_floor_s(
         [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests],
         engine.model_config, engine.client.info.decode_weight_bytes,
-        bandwidth, peak, engine.client.info.kv_cache_dtype, linear_peak,
+        bandwidth, peak, engine.client.info.kv_cache_dtype, linear_peak, engine.client.info.expert_weight_bytes,
     )
     return {"floor_s": floor_s, "floor_output_tok_s": sum(r.output_len for r in requests) / floor_s,
             "bandwidth_bytes_per_s": bandwidth, "peak_flops": peak, "linear_peak_flops": linear_peak or peak}

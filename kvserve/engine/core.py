@@ -246,6 +246,7 @@ class EngineCore:
             self.model_config, self.tokenizer, self.max_model_len, self.args.block_size,
             self.runner.num_blocks, self.scheduler_config.max_num_seqs, str(self.device),
             self.runner.kv_cache_dtype, self.runner.attention_backend_name, self.runner.decode_weight_bytes,
+            self.runner.expert_weight_bytes,
         )
 
     # -- requests --------------------------------------------------------------------------

@@ -86,4 +86,5 @@ class EngineCoreInfo:
     device: str
     kv_cache_dtype: torch.dtype
     attention_backend: str
-    decode_weight_bytes: int  # what a decode step reads of the weights (its bandwidth floor)
+    decode_weight_bytes: int  # what a batch-1 decode step reads of the weights (its bandwidth floor)
+    expert_weight_bytes: int  # all experts of a mixture (model_bytes.decode_step_weight_bytes)

@@ -19,6 +19,7 @@ class ParallelExecutor:
         self.kv_cache_dtype = info.kv_cache_dtype
         self.attention_backend_name = info.attention_backend_name
         self.decode_weight_bytes = info.decode_weight_bytes
+        self.expert_weight_bytes = info.expert_weight_bytes
 
     def compile_idle(self) -> bool:
         return False

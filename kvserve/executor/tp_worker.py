@@ -30,6 +30,7 @@ class WorkerInfo:
     kv_cache_dtype: torch.dtype
     attention_backend_name: str
     decode_weight_bytes: int  # all ranks together
+    expert_weight_bytes: int  # likewise
 
 
 def worker_device(args: EngineArgs, gpu_index: int) -> torch.device:
@@ -67,7 +68,6 @@ def start_rank(
     """Join the group, load, shard and quantize; returns (runner, group, rank 0's info)."""
     from kvserve.distributed import parallel_state
     from kvserve.engine.core import load_engine_model
-    from kvserve.model_executor.model_bytes import weight_bytes_per_step
     from kvserve.model_executor.model_runner import ModelRunner
     from kvserve.model_executor.pipeline_parallel import keep_stage
     from kvserve.model_executor.tensor_parallel import quantize_shard, shard_model
@@ -96,13 +96,13 @@ def start_rank(
         device, args.attention_backend, max_model_len, enforce_eager=True, tokenizer=loaded.tokenizer,
     )
     # Every rank must hold every block the scheduler hands out: the smallest cache wins.
-    sizes = torch.tensor([runner.num_blocks, weight_bytes_per_step(loaded.model, loaded.config)])
+    sizes = torch.tensor([runner.num_blocks, runner.decode_weight_bytes, runner.expert_weight_bytes])
     dist.all_reduce(sizes[:1], op=dist.ReduceOp.MIN, group=world.cpu_group)
     dist.all_reduce(sizes[1:], op=dist.ReduceOp.SUM, group=world.cpu_group)
-    num_blocks, weight_bytes = sizes.tolist()
+    num_blocks, weight_bytes, expert_bytes = sizes.tolist()
     runner.resize_kv_cache(num_blocks)
     info = WorkerInfo(loaded.config, loaded.tokenizer, num_blocks, runner.kv_cache_dtype,
-                      type(runner.attn_backend).__name__, weight_bytes) if rank == 0 else None
+                      type(runner.attn_backend).__name__, weight_bytes, expert_bytes) if rank == 0 else None
     return runner, world, info
 
 

@@ -23,7 +23,7 @@ from kvserve.model_executor.kv_sizing import (
     blocks_in_budget,
     kv_cache_bytes_per_block,
 )
-from kvserve.model_executor.model_bytes import weight_bytes_per_step
+from kvserve.model_executor.model_bytes import expert_weight_bytes, weight_bytes_per_step
 from kvserve.model_executor.input_batch import SequenceStates
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
 from kvserve.model_executor.step_sampler import StepSampler
@@ -236,8 +236,13 @@ class ModelRunner:
 
     @property
     def decode_weight_bytes(self) -> int:
-        """What a decode step reads of the weights (its bandwidth floor)."""
+        """What a batch-1 decode step reads of the weights (its bandwidth floor)."""
         return weight_bytes_per_step(self.model, self.model_config)
+
+    @property
+    def expert_weight_bytes(self) -> int:
+        """All experts of a mixture (how the bytes a step reads grow with the batch)."""
+        return expert_weight_bytes(self.model)
 
     def shutdown(self) -> None:
         """Nothing of a runner lives outside this process (an executor's workers do)."""

@@ -137,3 +137,32 @@ def test_bench_latency_cli_writes_the_step_columns(tmp_path, capsys):
     for r in results:
         assert r["decode_steps"] == 3
         assert 0 < r["step_ms_median"] <= r["step_ms_max"]
+
+
+@pytest.mark.parametrize("shape", ["mixtral-8x7b", "qwen3-30b-a3b"])
+def test_mixture_floors_count_the_experts_a_step_reads(shape):
+    """A batch-1 step reads top_k of each layer's experts (Mixtral-8x7B: ~25.5 GB of its
+    93 GB in bf16), a batch of B the expected share under uniform routing, and one token's
+    linear FLOPs are 2 x the parameters it multiplies (the model's own parameters counted)."""
+    from kvserve.benchmarks.roofline import linear_flops_per_token
+    from kvserve.model_executor.layers.moe import SparseMoE
+    from kvserve.model_executor.model_bytes import decode_step_weight_bytes, expert_weight_bytes
+
+    config = dummy_model_config(shape, torch.bfloat16)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    experts = [p for m in model.modules() if isinstance(m, SparseMoE) for e in m.experts for p in e.parameters()]
+    all_params = sum(p.numel() for p in model.parameters())
+    expert_params = sum(p.numel() for p in experts)
+    share = config.num_experts_per_tok / config.num_experts
+    embedding = config.vocab_size * config.hidden_size
+    batch_1 = weight_bytes_per_step(model, config)
+    assert batch_1 == 2 * (all_params - embedding - expert_params) + round(2 * expert_params * share)
+    assert expert_weight_bytes(model) == 2 * expert_params
+    if shape == "mixtral-8x7b":
+        assert batch_1 / 1e9 == pytest.approx(25.5, abs=0.1)
+    # Batch 64 of Mixtral reads every expert but for a chance of (3/4)^64.
+    batch_64 = decode_step_weight_bytes(batch_1, expert_weight_bytes(model), config, 64)
+    assert batch_64 == pytest.approx(2 * (all_params - embedding) - 2 * expert_params * (1 - share) ** 64, rel=1e-9)
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    assert linear_flops_per_token(config) == 2 * (all_params - embedding - norms - expert_params * (1 - share))
