@@ -18,7 +18,12 @@ from kvserve.model_executor.kv_sizing import (
     kv_bytes_per_token,
     kv_cache_bytes_per_block,
 )
-from kvserve.model_executor.model_bytes import resident_weight_bytes, weight_bytes_per_step
+from kvserve.model_executor.model_bytes import (
+    decode_step_weight_bytes,
+    expert_weight_bytes,
+    resident_weight_bytes,
+    weight_bytes_per_step,
+)
 from kvserve.model_executor.models.registry import get_model_class
 from kvserve.model_executor.tensor_parallel import check_shardable, rank_config, vocab_rows_per_rank
 from kvserve.planning.devices import DeviceSpec
@@ -71,7 +76,7 @@ class Plan:
     kv_cache_dtype: str
     quantization: str | None
     weight_bytes: int  # everything resident: parameters and buffers
-    weight_bytes_per_step: int  # what a decode step reads of them
+    weight_bytes_per_step: int  # what a batch-1 decode step reads of them
     activation_peak_bytes: int  # GPU: estimate of the profiled step's transients
     kv_bytes_per_token: int
     kv_bytes_per_token_total: int  # all ranks
@@ -151,6 +156,7 @@ def plan(config: ModelConfig, name: str, device: DeviceSpec, options: PlanOption
     model = _rank_model(shape, quantization, options.quantization_config)
     weight_bytes = resident_weight_bytes(model)
     step_bytes = weight_bytes_per_step(model, shape)
+    experts_bytes = expert_weight_bytes(model)
     bytes_per_block = kv_cache_bytes_per_block(shape, options.block_size, kv_dtype)
     problems: list[str] = []
 
@@ -190,7 +196,8 @@ def plan(config: ModelConfig, name: str, device: DeviceSpec, options: PlanOption
     mean_context = options.input_len + options.output_len / 2
 
     def decode_s(batch: int) -> float:
-        return (step_bytes + kv_token * batch * mean_context) / device.bandwidth
+        weights = decode_step_weight_bytes(step_bytes, experts_bytes, shape, batch)
+        return (weights + kv_token * batch * mean_context) / device.bandwidth
 
     prompt = options.input_len
     prefill_flops = (linear_flops_per_token(shape) * prompt
@@ -208,6 +215,7 @@ def plan(config: ModelConfig, name: str, device: DeviceSpec, options: PlanOption
         concurrent_sequences=concurrent, running_sequences=running,
         decode_step_floor_s=step_s, decode_step_floor_batch1_s=decode_s(1),
         decode_output_tok_s=max(running, 1) / step_s,
-        prefill_floor_s=max(step_bytes / device.bandwidth, prefill_flops / device.peak_flops),
+        prefill_floor_s=max(decode_step_weight_bytes(step_bytes, experts_bytes, shape, options.input_len)
+                            / device.bandwidth, prefill_flops / device.peak_flops),
         problems=problems,
     )

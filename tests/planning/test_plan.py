@@ -63,6 +63,13 @@ def test_tensor_parallel_mixture_of_experts_splits_every_expert(tmp_path):
     layer = 4096 * 2048 * 2 + 4096 * 512 * 2 + 4096 * 8 + 8 * 3 * 4096 * 7168 + 2 * 4096
     assert p.weight_bytes == 2 * (2 * 16000 * 4096 + 32 * layer + 4096)
     assert p.kv_bytes_per_token == 2 * 32 * 4 * 128 * 2
+    # A batch-1 step reads 2 of the 8 experts; 256 sequences read all of them (but for a
+    # chance of (3/4)^256) and each sequence's KV at the mean context.
+    experts = 32 * 8 * 3 * 4096 * 7168 * 2
+    assert p.weight_bytes_per_step == p.weight_bytes - 2 * 16000 * 4096 - experts * 3 // 4
+    context = p.running_sequences * (1024 + 256 // 2) * p.kv_bytes_per_token
+    assert p.decode_step_floor_s == pytest.approx(
+        (p.weight_bytes - 2 * 16000 * 4096 + context) / KNOWN_GPUS["h200"].bandwidth, rel=1e-6)
 
 
 def test_what_would_fit(llama70b):
