@@ -131,6 +131,8 @@ class _EngineCollector(Collector):
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self._engine = engine
         self._labels = [model_name]
+        self._block_size = engine.client.info.block_size
+        self._bytes_per_block = engine.client.info.kv_bytes_per_block
 
     def _family(self, kind: type, name: str, doc: str, value: float) -> Metric:
         family = kind(name, doc, labels=["model_name"])
@@ -152,6 +154,23 @@ class _EngineCollector(Collector):
                            "Sequences waiting to be scheduled.", stats.num_waiting_seqs)
         yield self._family(GaugeMetricFamily, "kvserve:kv_cache_usage_perc",
                            "Fraction of KV-cache blocks in use (0..1).", stats.kv_cache_usage)
+        blocks = GaugeMetricFamily("kvserve:kv_cache_blocks",
+                                   "KV-cache blocks by state: used (held by a sequence), cached (free, "
+                                   "revivable by a prefix hit), free.", labels=["model_name", "state"])
+        free = stats.kv_blocks_total - stats.kv_blocks_used - stats.kv_blocks_cached
+        for state, count in (("used", stats.kv_blocks_used), ("cached", stats.kv_blocks_cached), ("free", free)):
+            blocks.add_metric([*self._labels, state], count)
+        yield blocks
+        yield self._family(GaugeMetricFamily, "kvserve:kv_cache_shared_blocks",
+                           "Used KV blocks held by more than one sequence (prefix sharing, forks).",
+                           stats.kv_blocks_shared)
+        yield self._family(GaugeMetricFamily, "kvserve:kv_cache_sharing_saved_bytes",
+                           "KV bytes that sharing blocks saves: references beyond one per block.",
+                           stats.kv_shared_references * self._bytes_per_block)
+        allocated = stats.kv_blocks_used * self._block_size
+        yield self._family(GaugeMetricFamily, "kvserve:kv_cache_internal_fragmentation",
+                           "Fraction of the used blocks' token slots that hold no token (0..1).",
+                           stats.kv_slots_unused / allocated if allocated else 0.0)
         yield self._family(GaugeMetricFamily, "kvserve:decode_graphs_pending",
                            "CPU decode graphs still to compile; `kvserve serve` compiles them while idle, "
                            "and steps of their batch sizes run eager until then.", stats.decode_graphs_pending)

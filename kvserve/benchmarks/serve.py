@@ -26,12 +26,14 @@ from tqdm import tqdm
 from kvserve import envs
 from kvserve.benchmarks.serve_datasets import BenchPrompt, random_prompts, sharegpt_prompts
 from kvserve.benchmarks.serve_metrics import RequestRecord, compute_metrics
+from kvserve.engine.kv_report import summarize_reports
 
 logger = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # token-count estimate when the server has no /tokenize
 CHECK_MAX_TOKENS = 2
 START_UP_WAIT_S = 600.0  # most time to wait for a kvserve server's CPU decode graphs
+KV_SAMPLE_INTERVAL_S = 0.5  # how often a run samples a kvserve server's /debug/kv
 
 
 class BenchmarkError(Exception):
@@ -78,6 +80,20 @@ class OpenAIClient:
                 return
             logger.info("waiting for the server to compile %s more decode graphs", pending.group(1))
             await asyncio.sleep(poll_s)
+
+    async def kv_report(self) -> dict | None:
+        """The server's /debug/kv report (kvserve's), or None where it has none."""
+        status, body = await self._get_json("GET", "/debug/kv")
+        return body if status == 200 and "blocks" in body else None
+
+    async def sample_kv_reports(self, reports: list[dict], interval_s: float = KV_SAMPLE_INTERVAL_S) -> None:
+        """Append a /debug/kv report every interval until cancelled (none from other servers)."""
+        while True:
+            report = await self.kv_report()
+            if report is None:
+                return
+            reports.append(report)
+            await asyncio.sleep(interval_s)
 
     async def first_model(self) -> str:
         status, body = await self._get_json("GET", "/v1/models")
@@ -246,9 +262,14 @@ async def benchmark_from_args(args: argparse.Namespace, rates: list[float]) -> l
         }
         results = []
         for rate in rates:
+            kv_reports: list[dict] = []
+            sampler = asyncio.create_task(client.sample_kv_reports(kv_reports))
             records, duration = await run_benchmark(client, prompts, rate, args.max_concurrency, args.seed)
+            sampler.cancel()
+            final = await client.kv_report()
+            kv_cache = summarize_reports(kv_reports + [final]) if kv_reports and final else None
             metrics = compute_metrics(records, duration, args.slo_ttft_ms, args.slo_tpot_ms)
-            results.append(config | {"request_rate": rate} | metrics
+            results.append(config | {"request_rate": rate} | metrics | {"kv_cache": kv_cache}
                            | {"requests": [r.to_json() for r in records]})
         return results
 
@@ -274,6 +295,13 @@ def format_table(result: dict) -> str:
         stats = result[f"{name}_ms"]
         cells = " ".join(f"{ms(stats[k]):>9s}" for k in ("mean", "p50", "p90", "p99"))
         lines.append(f"{name.upper():6s} {cells}")
+    kv = result.get("kv_cache")
+    if kv:
+        lines.append(
+            f"KV cache: peak {kv['peak_blocks_used']}/{kv['blocks_total']} blocks, internal fragmentation "
+            f"{100 * kv['mean_internal_fragmentation']:.1f}% (mean), sharing saved up to "
+            f"{kv['peak_sharing_bytes_saved'] / 2**20:.1f} MiB, prefix-cache hit rate "
+            f"{100 * kv['prefix_cache_hit_rate']:.1f}%, {kv['preemptions']} preemptions")
     lines += [f"error: {message}" for message in result["errors"]]
     return "\n".join(lines)
 

@@ -34,6 +34,10 @@ class BlockPool:
         # Free blocks whose hash is still registered, oldest-freed first (LRU order).
         self._evictable: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[int, KVBlock] = {}
+        # Kept in step with the ref counts, so the sharing gauges cost nothing to read:
+        # references held in all, and blocks held by more than one table.
+        self.num_references = 0
+        self.num_shared_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -42,6 +46,10 @@ class BlockPool:
     @property
     def num_cached_evictable_blocks(self) -> int:
         return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -58,6 +66,7 @@ class BlockPool:
         else:
             raise RuntimeError("no free KV blocks (caller must check num_free_blocks)")
         block.ref_count = 1
+        self.num_references += 1
         return block
 
     def lookup(self, block_hash: int) -> KVBlock | None:
@@ -68,11 +77,15 @@ class BlockPool:
         if block.ref_count == 0:
             del self._evictable[block.block_id]
         block.ref_count += 1
+        self.num_references += 1
+        self.num_shared_blocks += block.ref_count == 2
 
     def release(self, block: KVBlock) -> None:
         if block.ref_count <= 0:
             raise RuntimeError(f"block {block.block_id} released more often than acquired")
         block.ref_count -= 1
+        self.num_references -= 1
+        self.num_shared_blocks -= block.ref_count == 1
         if block.ref_count == 0:
             if block.block_hash is not None:
                 self._evictable[block.block_id] = block

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvserve.core.block_pool import BlockPool, KVBlock
 
@@ -39,6 +39,18 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    def num_unused_slots(self, num_computed_tokens: Mapping[str, int]) -> int:
+        """Slots of in-use blocks that hold no token (internal fragmentation): those past each
+        table's computed tokens, once per block (a fork shares its parent's partial block)."""
+        filled: dict[int, int] = {}
+        for seq_id, computed in num_computed_tokens.items():
+            table = self.block_tables.get(seq_id, ())
+            for index in range(computed // self.block_size, len(table)):
+                tokens = max(0, min(self.block_size, computed - index * self.block_size))
+                block_id = table[index].block_id
+                filled[block_id] = max(filled.get(block_id, 0), tokens)
+        return sum(self.block_size - tokens for tokens in filled.values())
 
     def block_ids(self, seq_id: str) -> list[int]:
         return self._block_ids.get(seq_id, array("i")).tolist()

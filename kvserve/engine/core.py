@@ -245,8 +245,9 @@ class EngineCore:
         return EngineCoreInfo(
             self.model_config, self.tokenizer, self.max_model_len, self.args.block_size,
             self.runner.num_blocks, self.scheduler_config.max_num_seqs, str(self.device),
-            self.runner.kv_cache_dtype, self.runner.attention_backend_name, self.runner.decode_weight_bytes,
-            self.runner.expert_weight_bytes,
+            self.runner.kv_cache_dtype, self.runner.attention_backend_name,
+            kv_cache_bytes_per_block(self.model_config, self.args.block_size, self.runner.kv_cache_dtype),
+            self.runner.decode_weight_bytes, self.runner.expert_weight_bytes,
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -314,6 +315,7 @@ class EngineCore:
         prefix = self.scheduler.prefix_cache_stats
         compiled = self.runner.compiled_decode
         num_running_reqs, num_waiting_reqs = self.scheduler.num_requests()
+        pool = self.kv_cache.pool
         return SchedulerStats(
             num_running_reqs=num_running_reqs,
             num_waiting_reqs=num_waiting_reqs,
@@ -321,6 +323,13 @@ class EngineCore:
             num_waiting_seqs=len(self.scheduler.waiting),
             num_unfinished_requests=len(self.requests),
             kv_cache_usage=self.kv_cache.usage,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_cached=pool.num_cached_evictable_blocks,
+            kv_blocks_shared=pool.num_shared_blocks,
+            kv_shared_references=pool.num_references - pool.num_used_blocks,
+            kv_slots_unused=self.kv_cache.num_unused_slots(
+                {seq.seq_id: seq.num_computed_tokens for seq in self.scheduler.running}),
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=prefix.queried_tokens,
             prefix_cache_hits=prefix.hit_tokens,

@@ -52,6 +52,15 @@ class SchedulerStats:
     num_unfinished_requests: int = 0
     num_steps: int = 0  # steps that ran the model: the engine is making progress
     kv_cache_usage: float = 0.0
+    # KV blocks: in use (held by a table), free but cached (a prefix hit revives them), and
+    # of those in use, held by more than one table (prefix sharing, forks before their
+    # copy-on-write); table references beyond one per block are block copies sharing saved.
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_shared: int = 0
+    kv_shared_references: int = 0
+    kv_slots_unused: int = 0  # token slots of used blocks holding nothing (internal fragmentation)
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0
@@ -86,5 +95,6 @@ class EngineCoreInfo:
     device: str
     kv_cache_dtype: torch.dtype
     attention_backend: str
+    kv_bytes_per_block: int  # all layers (and all ranks) of one block of block_size tokens
     decode_weight_bytes: int  # what a batch-1 decode step reads of the weights (its bandwidth floor)
     expert_weight_bytes: int  # all experts of a mixture (model_bytes.decode_step_weight_bytes)

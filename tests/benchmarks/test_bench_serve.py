@@ -293,6 +293,10 @@ def test_random_completions_all_at_once(server_url, tmp_path, capsys):
     assert run["goodput"] == pytest.approx(run["request_throughput"])  # generous SLOs: all good
     assert _max_in_flight(run["requests"]) > 1  # all at once really overlaps
     assert "TTFT" in stdout and "8 completed, 0 failed" in stdout
+    kv = run["kv_cache"]  # sampled from the server's /debug/kv during the run
+    assert kv["samples"] >= 2 and 0 <= kv["peak_blocks_used"] <= kv["blocks_total"]
+    assert kv["preemptions"] >= 0 and 0 <= kv["prefix_cache_hit_rate"] <= 1
+    assert "KV cache: peak" in stdout
 
 
 def test_sweep_poisson_and_capped_concurrency_writes_json_and_plot(server_url, tmp_path, capsys):

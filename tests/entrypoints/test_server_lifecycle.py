@@ -76,7 +76,7 @@ def test_api_key_required_when_configured(small_server):
     assert missing.status_code == 401
     assert missing.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{small_server.base_url}/health").status_code == 200  # no key needed
-    for path in ("/docs", "/redoc", "/openapi.json"):  # the API description is behind the key
+    for path in ("/docs", "/redoc", "/openapi.json", "/debug/kv"):  # behind the key too
         assert httpx.get(f"{small_server.base_url}{path}").status_code == 401, path
         keyed = httpx.get(f"{small_server.base_url}{path}", headers={"Authorization": f"Bearer {KEY}"})
         assert keyed.status_code == 200, path

@@ -18,6 +18,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.engine_args import EngineArgs
+from kvserve.engine.kv_report import kv_cache_report
 from kvserve.entrypoints.openai.disconnect import cancel_on_disconnect
 from kvserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from kvserve.entrypoints.openai.http_limits import RequestBodyLimits, header_timeout_protocol
@@ -85,6 +86,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @api.get("/debug/kv")
+    async def debug_kv() -> JSONResponse:
+        """The KV cache as of the last step: blocks, sharing, fragmentation, prefix hits."""
+        engine = state.engine
+        return JSONResponse(kv_cache_report(engine.stats(), engine.client.info))
 
     @api.get("/v1/models")
     async def models() -> JSONResponse:
