@@ -71,16 +71,12 @@ class AsyncLLM:
         finally:
             self._loaded.set()
         num_steps = self.engine.num_steps
+        self.engine.start_background_work()  # the decode graphs compile beside the steps
         self._last_progress = time.monotonic()
         while not self._stopped:
             while not self._commands.empty():
                 self._commands.get()()
             if not self.engine.has_unfinished_requests():
-                # Idle: deferred start-up work (the CPU decode graphs) before waiting; a
-                # request that arrives meanwhile waits for the piece in progress.
-                if self._commands.empty() and self.engine.run_idle_work():
-                    self._last_progress = time.monotonic()
-                    continue
                 self._waiting_for_work = True
                 self._wakeup.wait()
                 self._wakeup.clear()

@@ -306,6 +306,11 @@ class EngineCore:
         """Also true while a step is in flight, so that stepping drains it."""
         return bool(self.requests) or self._inflight is not None
 
+    def start_background_work(self) -> None:
+        """Deferred start-up work that runs beside the steps: the CPU decode graphs of serve's
+        default compile-decode, compiled in a thread while steps run eager."""
+        self.runner.compile_in_background(busy=self.has_unfinished_requests)
+
     def run_idle_work(self) -> bool:
         """One piece of deferred start-up work, for when no request is waiting: a CPU decode
         graph of serve's default compile-decode. Returns whether there was any."""

@@ -24,6 +24,8 @@ class EngineCoreClient(Protocol):
 
     def run_idle_work(self) -> bool: ...
 
+    def start_background_work(self) -> None: ...
+
     def stats(self) -> SchedulerStats: ...
 
     def shutdown(self) -> None: ...
@@ -41,6 +43,7 @@ class InprocClient:
         self.step = core.step
         self.has_unfinished_requests = core.has_unfinished_requests
         self.run_idle_work = core.run_idle_work
+        self.start_background_work = core.start_background_work
         self.stats = core.stats
 
     def shutdown(self) -> None:

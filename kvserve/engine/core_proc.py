@@ -60,11 +60,9 @@ def run_engine_core(
 
 
 def _serve(core: Any, inputs: Connection, outputs: Connection) -> None:
+    core.start_background_work()
     while True:
         idle = not core.has_unfinished_requests()
-        if idle and not inputs.poll(0) and core.run_idle_work():
-            outputs.send(("stats", core.stats()))  # e.g. a decode graph less to compile
-            continue
         if idle or inputs.poll(0):
             handled = _handle(core, inputs.recv())
             while handled and inputs.poll(0):
@@ -203,8 +201,11 @@ class MPClient:
         return False
 
     def run_idle_work(self) -> bool:
-        """The core process does its idle work itself."""
+        """The core process does its deferred work itself, in the background."""
         return False
+
+    def start_background_work(self) -> None:
+        """Started by the core process itself."""
 
     def stats(self) -> SchedulerStats:
         return self._stats

@@ -289,7 +289,7 @@ class EngineArgs:
             "on 2 cores (~1 min each at the first start, before the compile caches fill); a batch-1 "
             "SmolLM2 step takes ~30%% less time. "
             "`kvserve serve` turns it on by default where it applies (CPU, torch attention, "
-            "a KV cache that is not float8) and compiles the graphs while it has no requests, "
+            "a KV cache that is not float8) and compiles the graphs in a background thread, "
             "serving eager steps until each is ready; --no-compile-decode: eager only.",
         )
         group.add_argument(

@@ -113,6 +113,11 @@ class LLMEngine:
         graph of serve's default compile-decode. Returns whether there was any."""
         return self.client.run_idle_work()
 
+    def start_background_work(self) -> None:
+        """Start the deferred start-up work beside the steps (a server's way: requests never
+        wait for it)."""
+        self.client.start_background_work()
+
     def stats(self) -> SchedulerStats:
         return self.client.stats()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvserve.executor.tp_worker import WorkerInfo
 
 
@@ -23,3 +25,6 @@ class ParallelExecutor:
 
     def compile_idle(self) -> bool:
         return False
+
+    def compile_in_background(self, busy: Callable[[], bool]) -> None:
+        """Workers' steps run eager: nothing to compile."""

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
+import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +37,12 @@ from kvserve.spec_decode.speculator import Speculator
 from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
 logger = logging.getLogger(__name__)
+
+# A background compile waits for this long without requests before it starts a graph: a
+# request that comes right after start-up runs at full eager speed.
+IDLE_BEFORE_COMPILE_S = 0.5
+# How long a background compile pauses for requests, at most, in each graph.
+MAX_PAUSE_PER_GRAPH_S = 20.0
 
 # float8 KV scales: measured on this many random tokens, with this much room above the
 # largest |K| and |V| seen (real text can exceed what random tokens produce; beyond the
@@ -136,6 +146,7 @@ class ModelRunner:
                 max_verify_batch=max_verify_batch,
             )
             self.cuda_graphs.capture_all()
+        self._compile_thread: threading.Thread | None = None
         self.compiled_decode = self._compiled_decode(compile_decode)
 
     def _compiled_decode(self, compile_decode: bool | None) -> CompiledDecode | None:
@@ -157,11 +168,55 @@ class ModelRunner:
             compiled.warm_up()
         else:
             logger.info("compile-decode: on by default for CPU serving: %d decode graphs (%s) compile while "
-                        "the engine is idle, ~10-15 s each on 2 cores (~1 min each the first time); until "
-                        "its graph is ready a step runs eager, and a request that arrives during a compile "
-                        "waits for it (--no-compile-decode: eager only)", compiled.pending,
+                        "the engine is idle (a server: in the background), ~10-15 s each on 2 cores (~1 min "
+                        "each the first time); until its graph is ready a step runs eager "
+                        "(--no-compile-decode: eager only)", compiled.pending,
                         ", ".join(compiled.bands()))
         return compiled
+
+    def compile_in_background(self, busy: Callable[[], bool]) -> None:
+        """Compile the pending decode graphs in a thread of their own while steps run: a step
+        runs eager until its batch band's graph is ready, so no request waits for a compile
+        (what `kvserve serve` does). Dynamo's tracing shares the interpreter with the step
+        loop and would slow eager steps several times over, so the compile yields to them: a
+        graph starts once the engine has not been `busy` for IDLE_BEFORE_COMPILE_S, and
+        pauses while it is, for up to MAX_PAUSE_PER_GRAPH_S a graph (then it finishes beside
+        the steps: a sustained load, or a step that waits for Dynamo's compile lock, never
+        holds it back for long)."""
+        if self._compile_thread is not None or self.compiled_decode is None or not self.compiled_decode.pending:
+            return
+        calls, paused = 0, 0.0
+
+        def pause_while_busy(*_: object) -> None:
+            # A profile hook of this thread alone, checked every few thousand Python calls
+            # of the compile.
+            nonlocal calls, paused
+            calls += 1
+            if calls % 4096 or paused >= MAX_PAUSE_PER_GRAPH_S:
+                return
+            start = time.monotonic()
+            while busy() and paused + time.monotonic() - start < MAX_PAUSE_PER_GRAPH_S:
+                time.sleep(0.002)
+            paused += time.monotonic() - start
+
+        def compile_all() -> None:
+            nonlocal paused
+            quiet_since = time.monotonic()
+            while self.compiled_decode is not None and self.compiled_decode.pending:
+                if busy():
+                    quiet_since = time.monotonic()
+                if time.monotonic() - quiet_since < IDLE_BEFORE_COMPILE_S:
+                    time.sleep(0.05)
+                    continue
+                paused = 0.0
+                sys.setprofile(pause_while_busy)
+                try:
+                    self.compile_idle()
+                finally:
+                    sys.setprofile(None)
+
+        self._compile_thread = threading.Thread(target=compile_all, name="kvserve-compile-decode", daemon=True)
+        self._compile_thread.start()
 
     def compile_idle(self) -> bool:
         """Compile the next pending decode graph (compile_decode=None), if any: what the

@@ -42,17 +42,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_server(log_dir, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+def launch_server(log_dir, *args: str, env: dict[str, str] | None = None,
+                  serve_defaults: bool = False) -> ServerProcess:
     port = _free_port()
     log_path = os.path.join(str(log_dir), f"server-{port}.log")
+    # fp32 weights and eager decode steps, like the offline reference engine these tests
+    # compare with, unless `serve_defaults` (--quantization auto and the compiled decode
+    # step, also covered in tests/quantization/test_cpu_plan.py and
+    # tests/model_executor/test_compiled_decode.py).
+    reference = [] if serve_defaults else ["--quantization", "none", "--no-compile-decode"]
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            # fp32 weights and eager decode steps, like the offline reference engine these tests
-            # compare with (serve's CPU defaults, --quantization auto and the compiled decode
-            # step, are covered in tests/quantization/test_cpu_plan.py and
-            # tests/model_executor/test_compiled_decode.py).
             [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(port),
-             "--kv-cache-memory", "256MiB", "--quantization", "none", "--no-compile-decode", *args],
+             "--kv-cache-memory", "256MiB", *reference, *args],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
     base_url = f"http://127.0.0.1:{port}"
