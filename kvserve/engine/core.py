@@ -255,7 +255,7 @@ class EngineCore:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         core_request = Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
-            request.priority, request.arrival_time,
+            request.priority, request.arrival_time, mm_features=request.mm_features,
         )
         self.requests[request.request_id] = core_request
         seq = Sequence(f"{request.request_id}#0", core_request, 0)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.multimodal.inputs import ImageFeature
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.stats import SpecDecodeStats
 
@@ -24,6 +25,9 @@ class EngineCoreRequest:
     max_tokens: int  # resolved against the context length
     priority: int = 0
     arrival_time: float = 0.0
+    # The prompt's images: placeholder spans (already expanded in prompt_token_ids) and
+    # the preprocessed tensors the vision encoder reads.
+    mm_features: list[ImageFeature] = field(default_factory=list)
 
 
 @dataclass

@@ -189,7 +189,7 @@ class Scheduler:
             # Prompt logprobs need every prompt position computed, so no prefix hits then.
             cached_prefix = (
                 [] if seq.wants_prompt_logprobs
-                else self.kv_cache.find_cached_prefix(seq.all_token_ids)
+                else self.kv_cache.find_cached_prefix(seq.all_token_ids, seq.mm_features)
             )
             num_computed = len(cached_prefix) * self.kv_cache.block_size
             num_new = seq.num_tokens - num_computed
@@ -221,7 +221,7 @@ class Scheduler:
             # all_token_ids holds verified tokens only, so no block holding a draft's KV
             # is ever registered in the prefix cache.
             self.kv_cache.cache_full_blocks(
-                seq.seq_id, seq.all_token_ids, seq.num_computed_tokens + num_new
+                seq.seq_id, seq.all_token_ids, seq.num_computed_tokens + num_new, seq.mm_features
             )
             self.add_to_step(out, seq, num_new)
             if (
@@ -237,7 +237,7 @@ class Scheduler:
         self.step_builder.add(
             out, seq.seq_id, seq.all_token_ids, seq.num_prompt_tokens, seq.num_computed_tokens,
             num_new, seq.wants_prompt_logprobs and seq.index == 0, request.params, seq.index,
-            request.max_tokens,
+            request.max_tokens, seq.mm_features,
         )
         if seq.spec_token_ids:
             out.spec_token_ids[seq.seq_id] = seq.spec_token_ids
@@ -293,7 +293,8 @@ class Scheduler:
             if sampled.num_drafts:
                 self.kv_cache.trim(seq.seq_id, seq.num_computed_tokens)
             if inputs_were_in_flight:
-                self.kv_cache.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+                self.kv_cache.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens,
+                                                seq.mm_features)
         for seq_id, drafts in out.draft_token_ids.items():
             seq = self.seqs.get(seq_id)
             if seq is not None:
