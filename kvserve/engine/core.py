@@ -313,6 +313,8 @@ class EngineCore:
         prefix = self.scheduler.prefix_cache_stats
         compiled = self.runner.compiled_decode
         num_running_reqs, num_waiting_reqs = self.scheduler.num_requests()
+        # Only a runner in this process keeps an encoder cache (parallel workers run text models).
+        encoder_cache = getattr(self.runner, "encoder_cache", None)
         return SchedulerStats(
             num_running_reqs=num_running_reqs,
             num_waiting_reqs=num_waiting_reqs,
@@ -327,6 +329,8 @@ class EngineCore:
             num_steps=self.num_steps,
             num_steps_ahead=self.num_steps_ahead,
             spec_decode=self.spec_decode_stats,
+            num_images_encoded=0 if encoder_cache is None else encoder_cache.num_images_encoded,
+            encoder_seconds=0.0 if encoder_cache is None else encoder_cache.encoder_seconds,
         )
 
     # -- the step --------------------------------------------------------------------------

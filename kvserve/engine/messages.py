@@ -61,6 +61,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     decode_graphs_pending: int = 0  # CPU decode graphs still to compile
     num_steps_ahead: int = 0  # decode steps launched before the previous one was read
+    num_images_encoded: int = 0  # images the vision encoder ran on (not those it had cached)
+    encoder_seconds: float = 0.0  # and the time it took
     spec_decode: SpecDecodeStats | None = None  # None: the engine does not speculate
 
 
