@@ -47,6 +47,15 @@ def image_token_id(hf_config: dict[str, Any]) -> int:
     raise ValueError("config.json names no image_token_id")
 
 
+def _no_init_weights():
+    """transformers' context that skips random initialisation (where it moved in 5.x)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
 class VisionLanguageModel(LlamaForCausalLM):
     """A decoder plus a vision tower; `encode_images` turns preprocessed images into the
     embeddings their placeholder tokens take."""
@@ -60,7 +69,7 @@ class VisionLanguageModel(LlamaForCausalLM):
         # The vision tower is built for real (not on the meta device a loader may build the
         # rest on): its non-persistent buffers (position ids, rotary frequencies) are computed
         # here, kept, and put back after the loader allocates storage (to_empty).
-        with torch.device("cpu"):
+        with torch.device("cpu"), _no_init_weights():  # the checkpoint's weights replace them
             self._build_vision()
         self._vision_buffers = {name: buffer.clone() for name, buffer in self.named_buffers()}
 
