@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import httpx
 import openai
@@ -14,7 +15,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import launch_server
 
-from tests.vision_models import drawn_images, save_model
+from tests.vision_models import drawn_images, num_image_tokens, save_model
 
 MODEL = "tiny-vl"
 MAX_MODEL_LEN = 48
@@ -128,3 +129,23 @@ def test_path_escaping_the_allowed_directory_is_refused(vl_server):
     with pytest.raises(openai.BadRequestError, match="outside the allowed"):
         server.client().chat.completions.create(
             model=MODEL, messages=user(image_part(f"file://{root}/allowed/../outside.png")), max_tokens=2)
+
+
+def test_bench_serve_random_mm_sends_images_the_usage_counts(vl_server, tmp_path, capsys):
+    from kvserve.entrypoints.cli import main
+
+    server, _, _ = vl_server
+    output = tmp_path / "result.json"
+    code = main(["--log-level", "WARNING", "bench", "serve", "--base-url", server.base_url, "--endpoint", "chat",
+                 "--dataset", "random-mm", "--images-per-request", "2", "--image-size", "64x48",
+                 "--num-prompts", "3", "--input-len", "4", "4", "--output-len", "3", "3",
+                 "--random-token-range", "5", "300", "--output-json", str(output)])
+    assert code == 0, capsys.readouterr().out
+    run = json.loads(output.read_text())
+    assert run["completed"] == 3 and run["failed"] == 0
+    assert run["images_per_request"] == 2 and run["image_size"] == "64x48"
+    # Each image's placeholder tokens (as the transformers processor expands them) between
+    # vision start and end, besides the text and the template's 5 ("t3 user ... t4 t3 assistant")
+    # (exact usage counts are checked above; the detokenized random text retokenizes unevenly).
+    per_image = num_image_tokens("qwen2_vl", Image.new("RGB", (64, 48)))
+    assert all(r["prompt_tokens"] > 5 + 2 * (per_image + 2) for r in run["requests"])
