@@ -114,6 +114,10 @@ class EngineCore:
         if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
             self.runner = self._parallel_executor(args, loaded)
             self.model_config, self.tokenizer = self.runner.model_config, self.runner.tokenizer
+            if self.model_config.is_multimodal:
+                self.runner.shutdown()
+                raise ValueError(f"{self.model_config.architecture}: vision-language models run on one device "
+                                 "(tensor and pipeline parallelism do not split the vision encoder yet)")
             if args.tensor_parallel_size > 1 and self.model_config.hidden_size < SMALL_FOR_TENSOR_PARALLEL:
                 logger.warning(
                     "tensor parallelism on a model this small (hidden size %d) likely runs slower than one "

@@ -475,7 +475,8 @@ class ModelRunner:
             positions_t, list(range(len(seqs) + 1)), [p + 1 for p in positions], tables
         )
         if self.model_config.mrope_section:
-            positions_t = torch.cat([self._mrope_chunk(seq, p, p + 1) for seq, p in zip(seqs, positions)], dim=1)
+            positions_t = torch.cat([self._mrope_chunk(seq, p, p + 1) for seq, p in zip(seqs, positions)],
+                                    dim=1).to(self.device)
         hidden = self.model(token_ids, positions_t, self.kv_caches, metadata)
         return self.model.compute_logits(hidden)
 

@@ -13,7 +13,7 @@ from PIL import Image
 
 from kvserve import LLM, SamplingParams
 from tests.vision_models import (
-    IMAGE_PAD, VISION_END, VISION_START, drawn_images, hf_inputs, num_image_tokens, save_model,
+    IMAGE_PAD, LLAVA_IMAGE, VISION_END, VISION_START, drawn_images, hf_inputs, num_image_tokens, save_model,
 )
 
 KIND = "qwen2_vl"
@@ -163,3 +163,30 @@ def test_bad_image_inputs_are_refused_before_queueing(qwen, prompt, error):
     assert not llm.engine.has_unfinished_requests()
     (output,) = llm.generate(_request(_prompt(1), drawn_images()[:1]), GREEDY)  # the engine goes on
     assert len(output.outputs[0].token_ids) == NUM_TOKENS
+
+
+def test_overlapped_decode_steps_keep_mrope_positions(qwen):
+    """Decode steps launched before the host reads their input token (overlapped scheduling,
+    the GPU default) rotate by index + M-RoPE offset too."""
+    directory, hf_model = qwen
+    images = drawn_images()
+    llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, overlap_scheduling=True)
+    prompts = [_prompt(1), _prompt(2, lead=5)]
+    outputs = llm.generate([_request(prompts[0], images[:1]), _request(prompts[1], images[1:])], GREEDY)
+    assert llm.engine.core.num_steps_ahead > 0
+    assert outputs[0].outputs[0].token_ids == _hf_ids(hf_model, prompts[0], images[:1])
+    assert outputs[1].outputs[0].token_ids == _hf_ids(hf_model, prompts[1], images[1:])
+
+
+def test_llava_chunked_prefill_splits_image_tokens(tmp_path):
+    directory, hf_model = save_model("llava", str(tmp_path / "llava"))
+    images = drawn_images()[:2]
+    prompt = [1, 10, 11, LLAVA_IMAGE, 20, LLAVA_IMAGE, 21, 30]
+    llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=5)
+    (output,) = llm.generate(_request(prompt, images), GREEDY)
+    inputs = hf_inputs("llava", prompt, images)
+    with torch.no_grad():
+        expected = hf_model.generate(**inputs, max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    assert output.outputs[0].token_ids == expected
+    assert llm.engine.core.runner.encoder_cache.num_images_encoded == 2
