@@ -19,6 +19,7 @@ from transformers import (
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessor,
+    SiglipImageProcessor,
 )
 
 VOCAB_SIZE = 320
@@ -44,13 +45,21 @@ def _qwen_vision(kind: str) -> dict:
 
 def build_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    if kind == "llava":
+    if kind == "llava":  # CLIP; its CLS token's features dropped, the second-to-last layer's taken
         config = LlavaConfig(
             vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
                            "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 56,
                            "patch_size": 14, "projection_dim": 32},
             text_config={"model_type": "llama", **TEXT}, image_token_id=LLAVA_IMAGE,
             vision_feature_layer=-2)
+        model = LlavaForConditionalGeneration(config)
+    elif kind == "llava_siglip":  # SigLIP has no CLS token: every patch, the last layer
+        config = LlavaConfig(
+            vision_config={"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                           "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 56,
+                           "patch_size": 14},
+            text_config={"model_type": "llama", **TEXT}, image_token_id=LLAVA_IMAGE,
+            vision_feature_layer=-1, vision_feature_select_strategy="full")
         model = LlavaForConditionalGeneration(config)
     else:
         config_class, model_class = ((Qwen2VLConfig, Qwen2VLForConditionalGeneration) if kind == "qwen2_vl"
@@ -71,6 +80,8 @@ def build_model(kind: str) -> torch.nn.Module:
 
 
 def image_processor(kind: str):
+    if kind == "llava_siglip":
+        return SiglipImageProcessor(size={"height": 56, "width": 56})
     if kind == "llava":
         return CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
     # Dynamic resolution between 4 and 24 merged 28x28 patches.
@@ -104,13 +115,17 @@ def drawn_images() -> list[Image.Image]:
     return [gradient, shapes, text]
 
 
+def is_llava(kind: str) -> bool:
+    return kind.startswith("llava")
+
+
 def placeholder_ids(kind: str) -> list[int]:
-    return [LLAVA_IMAGE] if kind == "llava" else [VISION_START, IMAGE_PAD, VISION_END]
+    return [LLAVA_IMAGE] if is_llava(kind) else [VISION_START, IMAGE_PAD, VISION_END]
 
 
 def num_image_tokens(kind: str, image: Image.Image) -> int:
     """What the transformers processor expands one image into."""
-    if kind == "llava":
+    if is_llava(kind):
         return (56 // 14) ** 2
     grid = image_processor(kind)(images=[image], return_tensors="pt")["image_grid_thw"][0]
     return int(grid.prod()) // 4
@@ -118,7 +133,7 @@ def num_image_tokens(kind: str, image: Image.Image) -> int:
 
 def hf_inputs(kind: str, prompt_ids: list[int], images: list[Image.Image]) -> dict[str, torch.Tensor]:
     """transformers' model inputs: placeholders expanded as its processor does."""
-    pad = LLAVA_IMAGE if kind == "llava" else IMAGE_PAD
+    pad = LLAVA_IMAGE if is_llava(kind) else IMAGE_PAD
     expanded: list[int] = []
     remaining = list(images)
     for token in prompt_ids:
@@ -127,7 +142,7 @@ def hf_inputs(kind: str, prompt_ids: list[int], images: list[Image.Image]) -> di
         else:
             expanded.append(token)
     inputs = {"input_ids": torch.tensor([expanded])}
-    if kind != "llava":  # what the Qwen2-VL processor returns, read by get_rope_index
+    if not is_llava(kind):  # what the Qwen2-VL processor returns, read by get_rope_index
         inputs["mm_token_type_ids"] = (inputs["input_ids"] == pad).int()
     if images:
         processed = image_processor(kind)(images=images, return_tensors="pt")

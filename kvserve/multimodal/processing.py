@@ -58,9 +58,12 @@ class ImageProcessing:
         if grid is not None:  # Qwen2-VL: patches, merged spatial_merge_size^2 at a time
             return int(grid.prod()) // self.spatial_merge_size**2
         vision = self.hf_config["vision_config"]
-        patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+        # The encoder's outputs: one per patch, plus CLIP's CLS token (SigLIP has none);
+        # LLaVA's "default" strategy drops the first output, "full" keeps them all.
+        outputs = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+        outputs += vision.get("model_type", "clip_vision_model") == "clip_vision_model"
         full = self.hf_config.get("vision_feature_select_strategy", "default") == "full"
-        return patches + 1 if full else patches  # "default" drops the CLS token
+        return outputs if full else outputs - 1
 
     def preprocess(self, image: Image.Image) -> tuple[dict[str, torch.Tensor], int]:
         """(the image processor's tensors, placeholder tokens) of one image."""

@@ -30,7 +30,7 @@ def hf_greedy(model, kind: str, prompt: list[int], images) -> tuple[list[int], t
     return ids, torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl"])
 def vl_model(request, tmp_path_factory):
     directory, model = save_model(request.param, str(tmp_path_factory.mktemp(request.param)))
     return request.param, directory, model
