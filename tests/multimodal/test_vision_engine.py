@@ -190,3 +190,26 @@ def test_llava_chunked_prefill_splits_image_tokens(tmp_path):
                                      pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
     assert output.outputs[0].token_ids == expected
     assert llm.engine.core.runner.encoder_cache.num_images_encoded == 2
+
+
+def test_a_step_starts_encoder_work_within_its_token_budget(qwen):
+    """Each step starts images (encodes them whole) only while their placeholder tokens fit
+    the step's budget; the chunk ends before an image that does not fit."""
+    directory, hf_model = qwen
+    images = drawn_images()
+    prompt = _prompt(3, lead=1)
+    # Images of 6, 8 and 4 tokens at offsets 2, 11 and 22: the first 12 tokens would start
+    # the first two (14 > 12) without the encoder budget.
+    budget = 12
+    llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=budget)
+    steps = _record_steps(llm)
+    (output,) = llm.generate(_request(prompt, images), GREEDY)
+    assert output.outputs[0].token_ids == _hf_ids(hf_model, prompt, images)
+    prepared = llm.engine.prepare_prompt(_request(prompt, images))
+    computed = 0
+    for step in steps:
+        (num,) = step.values()
+        started = [f for f in prepared.mm_features if computed <= f.offset < computed + num]
+        assert sum(f.length for f in started) <= budget or len(started) == 1
+        computed += num
+    assert llm.engine.core.runner.encoder_cache.num_images_encoded == 3

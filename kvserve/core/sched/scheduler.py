@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import BlockCopy, KVCacheManager
 from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
+from kvserve.core.sched.encoder_budget import EncoderBudget
 from kvserve.core.sched.step_builder import StepBuilder
 from kvserve.core.sequence import Sequence, SequenceStatus, check_stop
 
@@ -146,6 +147,7 @@ class Scheduler:
         copies: dict[str, list[BlockCopy]] = {}
         preempted: list[Sequence] = []
         budget = self.config.max_num_batched_tokens
+        encoder_budget = EncoderBudget(budget)
 
         # Running sequences first: decodes and prefills already under way.
         for seq in list(self.running):
@@ -157,6 +159,10 @@ class Scheduler:
             if num_new == 1:  # a decode: its drafts (if any) are verified in the same pass
                 num_new += len(seq.spec_token_ids)
             num_new = min(num_new, budget)
+            if seq.mm_features:
+                num_new = encoder_budget.fit(seq.mm_features, seq.num_computed_tokens, num_new)
+                if num_new == 0:
+                    continue
             while True:
                 seq_copies = self.kv_cache.allocate_slots(
                     seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, num_new
@@ -196,6 +202,11 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            if seq.mm_features:
+                fitted = encoder_budget.fit(seq.mm_features, num_computed, num_new)
+                if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):
+                    break
+                num_new = fitted
             seq_copies = self.kv_cache.allocate_slots(
                 seq.seq_id, seq.all_token_ids, num_computed, num_new, cached_prefix
             )
