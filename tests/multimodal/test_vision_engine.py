@@ -213,3 +213,17 @@ def test_a_step_starts_encoder_work_within_its_token_budget(qwen):
         assert sum(f.length for f in started) <= budget or len(started) == 1
         computed += num
     assert llm.engine.core.runner.encoder_cache.num_images_encoded == 3
+
+
+@pytest.mark.parametrize("url, error", [
+    ("http://127.0.0.1:9/cat.png", "--allow-remote-media"),
+    ("file:///etc/hostname", "--allowed-local-media-path"),
+    ("data:image/bmp;base64,Qk0=", "media type 'image/bmp'"),
+])
+def test_offline_chat_refuses_bad_image_urls_before_queueing(qwen, url, error):
+    directory, _ = qwen
+    llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=64)
+    message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+    with pytest.raises(ValueError, match=error):
+        llm.chat([message], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
