@@ -475,7 +475,7 @@ class ModelRunner:
             positions_t, list(range(len(seqs) + 1)), [p + 1 for p in positions], tables
         )
         if self.model_config.mrope_section:
-            positions_t = torch.cat([self._mrope_chunk(seq, p, p + 1) for seq, p in zip(seqs, positions)],
+            positions_t = torch.cat([self._mrope_positions(seq, [p]) for seq, p in zip(seqs, positions)],
                                     dim=1).to(self.device)
         hidden = self.model(token_ids, positions_t, self.kv_caches, metadata)
         return self.model.compute_logits(hidden)
@@ -515,8 +515,6 @@ class ModelRunner:
                 if first < last:
                     image_spans.append(ImageSpan(feature, flat_start + first - start,
                                                  first - feature.offset, last - first))
-            if self.model_config.mrope_section:
-                mrope_chunks.append(self._mrope_chunk(seq, start, end))
             tree_parents = sched.spec_tree_parents.get(seq_id)
             if end > seq.num_tokens and tree_parents is not None:
                 # Drafts keep their slots in node order but rotate by their depth.
@@ -528,6 +526,8 @@ class ModelRunner:
                 )
             else:
                 rope_positions.extend(range(start, end))
+            if self.model_config.mrope_section:
+                mrope_chunks.append(self._mrope_positions(seq, rope_positions[flat_start:]))
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             tables.append(seq.block_ids)
@@ -569,15 +569,16 @@ class ModelRunner:
 
     # -- images ----------------------------------------------------------------------------
 
-    def _mrope_chunk(self, seq: RunnerSequence, start: int, end: int) -> torch.Tensor:
-        """[3, end - start] M-RoPE positions of the sequence's tokens [start, end)."""
+    def _mrope_positions(self, seq: RunnerSequence, positions: list[int]) -> torch.Tensor:
+        """[3, len(positions)] M-RoPE positions of the sequence's tokens at these 1-D
+        positions (ascending through the prompt; a token tree's drafts rotate by depth)."""
         if seq.mrope is None:
             merge = int((self.model_config.hf_config or {}).get("vision_config", {}).get("spatial_merge_size", 1))
             seq.mrope = mrope_positions(seq.num_prompt_tokens, seq.mm_features, merge)
         prompt_positions, delta = seq.mrope
-        prompt_end = min(end, prompt_positions.shape[1])
-        later = torch.arange(max(start, prompt_end), end) + delta
-        return torch.cat([prompt_positions[:, start:prompt_end], later.expand(3, -1)], dim=1)
+        num_prompt = sum(1 for p in positions if p < seq.num_prompt_tokens)
+        later = torch.tensor(positions[num_prompt:], dtype=torch.long) + delta
+        return torch.cat([prompt_positions[:, positions[:num_prompt]], later.expand(3, -1)], dim=1)
 
     def _merge_images(self, input_ids: torch.Tensor, spans: list[ImageSpan]) -> torch.Tensor:
         """The step's input embeddings: token embeddings, with each image's placeholder
