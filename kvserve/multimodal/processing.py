@@ -71,9 +71,6 @@ class ImageProcessing:
         tensors = {key: out[key] for key in ("pixel_values", "image_grid_thw") if key in out}
         return tensors, self._num_tokens(tensors)
 
-    def num_tokens(self, image: Image.Image) -> int:
-        return self.preprocess(image)[1]
-
     def process(self, prompt_token_ids: Sequence[int],
                 images: Sequence[Image.Image]) -> tuple[list[int], list[ImageFeature]]:
         """(token ids with each image's placeholder expanded, the images' features)."""
