@@ -45,6 +45,16 @@ class ModelConfig:
     # The model creator's sampling values from generation_config.json (temperature, top_p,
     # top_k, min_p, repetition_penalty: those it sets), SamplingParams' names.
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # Vision-language models: the checkpoint's whole config.json (the vision tower is built
+    # from it), the token id an image's placeholder tokens carry, and Qwen2-VL's M-RoPE
+    # split of the rotary frequencies into (temporal, height, width) sections.
+    hf_config: dict[str, Any] | None = None
+    image_token_id: int | None = None
+    mrope_section: tuple[int, ...] | None = None
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.image_token_id is not None
 
 
 @dataclass

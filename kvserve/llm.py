@@ -14,7 +14,7 @@ from kvserve.model_executor.loader import LoadedModel
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -57,9 +57,9 @@ class LLM:
                 )
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         # Validate everything before scheduling anything, so a bad prompt adds nothing.
+        prompt_list = [self.engine.prepare_prompt(prompt) for prompt in prompt_list]
         for prompt, params in zip(prompt_list, params_list):
-            _, token_ids = self.engine.tokenize_prompt(prompt)
-            self.engine.validate(token_ids, params)
+            self.engine.validate(prompt.token_ids, params)
         request_ids = [
             self.engine.add_request(None, prompt, params, priority=prio).request_id
             for prompt, params, prio in zip(prompt_list, params_list, priorities)
@@ -73,11 +73,17 @@ class LLM:
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
+        """OpenAI-shaped messages; a message's content may be a list of text and image_url
+        parts (data: URLs; file:// inside allowed_local_media_path; http(s) with
+        allow_remote_media)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)}
-            for conv in conversations
-        ]
+        prompts = []
+        for conv in conversations:
+            conv, images = self.engine.split_chat_images(list(conv))
+            prompt: dict[str, Any] = {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:

@@ -61,6 +61,9 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "kvserve:generation_tokens", "Generated tokens (all samples of a request).", labels,
             registry=self.registry).labels(model_name)
+        self.prompt_images = Counter(
+            "kvserve:prompt_images", "Images in the prompts of finished or aborted requests.", labels,
+            registry=self.registry).labels(model_name)
         # One count per sample (choice), labelled stop / length / abort.
         self.request_success = Counter(
             "kvserve:request_success", "Finished samples by finish reason.",
@@ -72,16 +75,17 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def track(self, num_prompt_tokens: int) -> RequestTracker:
-        return RequestTracker(self, num_prompt_tokens)
+    def track(self, num_prompt_tokens: int, num_images: int = 0) -> RequestTracker:
+        return RequestTracker(self, num_prompt_tokens, num_images)
 
 
 class RequestTracker:
     """Latency bookkeeping of one engine request; observed once when it ends."""
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, num_images: int = 0) -> None:
         self._metrics = metrics
         self._num_prompt_tokens = num_prompt_tokens
+        self._num_images = num_images
         self._arrival = time.perf_counter()
         self._first_token: float | None = None
         self._last_token: float | None = None
@@ -104,6 +108,7 @@ class RequestTracker:
         """Call once, whether the request finished or was aborted (client gone, shutdown)."""
         metrics, output = self._metrics, self._last_output
         metrics.prompt_tokens.inc(self._num_prompt_tokens)
+        metrics.prompt_images.inc(self._num_images)
         if output is None:
             metrics.request_success.labels(metrics.model_name, "abort").inc()
             return
@@ -180,6 +185,11 @@ class _EngineCollector(Collector):
                            "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
         yield self._family(CounterMetricFamily, "kvserve:prefix_cache_hits",
                            "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield self._family(CounterMetricFamily, "kvserve:encoder_images",
+                           "Images run through the vision encoder (an image cached per hash is not "
+                           "encoded again).", stats.num_images_encoded)
+        yield self._family(CounterMetricFamily, "kvserve:encoder_time_seconds",
+                           "Seconds the vision encoder ran.", stats.encoder_seconds)
         spec = stats.spec_decode
         if spec is None:
             return

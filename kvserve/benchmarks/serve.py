@@ -24,7 +24,12 @@ import aiohttp
 from tqdm import tqdm
 
 from kvserve import envs
-from kvserve.benchmarks.serve_datasets import BenchPrompt, random_prompts, sharegpt_prompts
+from kvserve.benchmarks.serve_datasets import (
+    BenchPrompt,
+    random_image_urls,
+    random_prompts,
+    sharegpt_prompts,
+)
 from kvserve.benchmarks.serve_metrics import RequestRecord, compute_metrics
 from kvserve.engine.kv_report import summarize_reports
 
@@ -122,7 +127,10 @@ class OpenAIClient:
     def _body(self, prompt: BenchPrompt) -> dict:
         body = {"model": self.model, "stream": True, "stream_options": {"include_usage": True}}
         if self.chat:
-            body |= {"messages": [{"role": "user", "content": prompt.prompt}],
+            content = prompt.prompt if not prompt.images else [
+                {"type": "text", "text": prompt.prompt},
+                *({"type": "image_url", "image_url": {"url": url}} for url in prompt.images)]
+            body |= {"messages": [{"role": "user", "content": content}],
                      "max_completion_tokens": prompt.max_tokens}
         else:
             body |= {"prompt": prompt.prompt, "max_tokens": prompt.max_tokens}
@@ -220,12 +228,16 @@ async def run_benchmark(
 
 
 async def load_prompts(client: OpenAIClient, args: argparse.Namespace) -> list[BenchPrompt]:
-    if args.dataset == "random":
+    if args.dataset in RANDOM_DATASETS:
         prompts = random_prompts(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
                                  tuple(args.random_token_range), args.seed)
         if client.chat:  # chat messages are text
             for prompt in prompts:
                 prompt.prompt = await client.detokenize(prompt.prompt)
+        if args.dataset == "random-mm":
+            urls = random_image_urls(len(prompts), args.images_per_request, args.image_size, args.seed)
+            for prompt, request_urls in zip(prompts, urls):
+                prompt.images = request_urls
         return prompts
     return await sharegpt_prompts(args.dataset.removeprefix("sharegpt:"), args.num_prompts,
                                   args.seed, client.count_tokens)
@@ -244,7 +256,7 @@ async def benchmark_from_args(args: argparse.Namespace, rates: list[float]) -> l
     async with client_session() as session:
         client = OpenAIClient(session, args.base_url, args.api_key, args.endpoint)
         client.model = args.model or await client.first_model()
-        ignore_eos = args.dataset == "random" if args.ignore_eos is None else args.ignore_eos
+        ignore_eos = args.dataset in RANDOM_DATASETS if args.ignore_eos is None else args.ignore_eos
         # Send ignore_eos only when on, so servers without the extension still work.
         client.sampling = {"temperature": args.temperature} | ({"ignore_eos": True} if ignore_eos else {})
         prompts = await load_prompts(client, args)
@@ -259,7 +271,8 @@ async def benchmark_from_args(args: argparse.Namespace, rates: list[float]) -> l
             "base_url": client.base_url, "model": client.model, "endpoint": args.endpoint,
             "dataset": args.dataset, "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
             "seed": args.seed, "ignore_eos": ignore_eos, "temperature": args.temperature,
-        }
+        } | ({"images_per_request": args.images_per_request, "image_size": "x".join(map(str, args.image_size))}
+             if args.dataset == "random-mm" else {})
         results = []
         for rate in rates:
             kv_reports: list[dict] = []
@@ -344,10 +357,24 @@ def _rate(text: str) -> float:
     return rate
 
 
+RANDOM_DATASETS = ("random", "random-mm")
+
+
 def _dataset(text: str) -> str:
-    if text != "random" and not text.startswith("sharegpt:"):
-        raise argparse.ArgumentTypeError(f"dataset must be random or sharegpt:PATH, got {text}")
+    if text not in RANDOM_DATASETS and not text.startswith("sharegpt:"):
+        raise argparse.ArgumentTypeError(f"dataset must be random, random-mm or sharegpt:PATH, got {text}")
     return text
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    width, sep, height = text.lower().partition("x")
+    try:
+        size = (int(width), int(height))
+    except ValueError:
+        size = (0, 0)
+    if not sep or min(size) < 1:
+        raise argparse.ArgumentTypeError(f"image size must be WIDTHxHEIGHT, e.g. 1024x1024; got {text!r}")
+    return size
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -361,7 +388,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Bearer token (default: $OPENAI_API_KEY).")
     workload = parser.add_argument_group("workload")
     workload.add_argument("--dataset", type=_dataset, default="random",
-                          help="random (random token ids) or sharegpt:PATH (first human turn as the prompt, "
+                          help="random (random token ids), random-mm (random token ids plus random-noise "
+                               "images, --images-per-request of --image-size each; needs --endpoint chat) "
+                               "or sharegpt:PATH (first human turn as the prompt, "
                                "the reference answer's token count as max_tokens).")
     workload.add_argument("--num-prompts", type=int, default=64, help="Number of requests per rate.")
     workload.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
@@ -372,6 +401,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                           metavar=("LOW", "HIGH"),
                           help="Random prompts draw token ids uniformly from [LOW, HIGH): ordinary ids in most "
                                "vocabularies, clear of the special tokens at the bottom.")
+    workload.add_argument("--images-per-request", type=int, default=1,
+                          help="random-mm: images in each request's chat message.")
+    workload.add_argument("--image-size", type=_image_size, default=(512, 512), metavar="WxH",
+                          help="random-mm: each image's size in pixels (before the model's own resizing).")
     workload.add_argument("--seed", type=int, default=0, help="Seed of the prompts and the arrival times.")
     workload.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                           help="Send ignore_eos so every request generates max_tokens "
@@ -398,6 +431,9 @@ def run_from_args(args: argparse.Namespace) -> int:
             raise ValueError(f"{name} needs 1 <= MIN <= MAX, got {low} {high}")
     if not 0 <= args.random_token_range[0] < args.random_token_range[1]:
         raise ValueError(f"--random-token-range needs 0 <= LOW < HIGH, got {args.random_token_range}")
+    if args.dataset == "random-mm" and (args.endpoint != "chat" or args.images_per_request < 1):
+        raise ValueError("--dataset random-mm sends images in chat messages: it needs --endpoint chat and "
+                         "--images-per-request >= 1")
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--num-prompts and --max-concurrency must be >= 1")
     try:

@@ -1,11 +1,14 @@
-"""Prompts for the serving benchmark: random token ids, or ShareGPT conversations."""
+"""Prompts for the serving benchmark: random token ids (with random images for
+random-mm), or ShareGPT conversations."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 # vLLM's ShareGPT sampling filters, so the same file gives comparable workloads.
@@ -21,6 +24,7 @@ class BenchPrompt:
     prompt: str | list[int]  # text, or token ids (sent as-is to /v1/completions)
     prompt_tokens: int
     max_tokens: int
+    images: list[str] = field(default_factory=list)  # data: URLs, sent as chat image_url parts
 
 
 def random_prompts(
@@ -37,6 +41,27 @@ def random_prompts(
         ids = [rng.randrange(*token_range) for _ in range(rng.randint(*input_len))]
         prompts.append(BenchPrompt(ids, len(ids), rng.randint(*output_len)))
     return prompts
+
+
+def random_image_urls(num_requests: int, images_per_request: int, size: tuple[int, int],
+                      seed: int) -> list[list[str]]:
+    """JPEG data URLs of seeded random-noise images, distinct across requests (so that no
+    encoder or prefix cache serves one request from another's image)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    width, height = size
+    urls = []
+    for _ in range(num_requests):
+        request_urls = []
+        for _ in range(images_per_request):
+            pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+            buffer = io.BytesIO()
+            Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+            request_urls.append("data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode())
+        urls.append(request_urls)
+    return urls
 
 
 def _first_exchange(conversation: list[dict]) -> tuple[str, str] | None:

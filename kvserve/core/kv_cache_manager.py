@@ -6,12 +6,17 @@ from array import array
 from collections.abc import Mapping, Sequence
 
 from kvserve.core.block_pool import BlockPool, KVBlock
+from kvserve.multimodal.inputs import ImageFeature, image_hashes_in
 
 BlockCopy = tuple[int, int]  # (source block id, destination block id)
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chained hash: a block is identified by its tokens and by everything before it."""
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int],
+                      image_hashes: tuple[str, ...] = ()) -> int:
+    """Chained hash: a block is identified by its tokens and by everything before it, and
+    by the images whose placeholder tokens it holds (equal placeholder ids, other pixels)."""
+    if image_hashes:
+        return hash((parent_hash, tuple(token_ids), image_hashes))
     return hash((parent_hash, tuple(token_ids)))
 
 
@@ -68,7 +73,13 @@ class KVCacheManager:
 
     # -- prefix cache ----------------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[KVBlock]:
+    def _block_hash(self, parent: int | None, token_ids: Sequence[int], index: int,
+                    images: Sequence[ImageFeature]) -> int:
+        start, end = index * self.block_size, (index + 1) * self.block_size
+        return hash_block_tokens(parent, token_ids[start:end], image_hashes_in(images, start, end))
+
+    def find_cached_prefix(self, token_ids: Sequence[int],
+                           images: Sequence[ImageFeature] = ()) -> list[KVBlock]:
         """Cached blocks covering the longest cached prefix of `token_ids`.
 
         At least one token is always left to compute, since the step must produce logits
@@ -80,8 +91,7 @@ class KVCacheManager:
         hits: list[KVBlock] = []
         parent: int | None = None
         for i in range(max_blocks):
-            block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
-            parent = hash_block_tokens(parent, block_tokens)
+            parent = self._block_hash(parent, token_ids, i, images)
             block = self.pool.lookup(parent)
             if block is None:
                 break
@@ -145,7 +155,8 @@ class KVCacheManager:
             ids.append(table[-1].block_id)
         return copies
 
-    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_tokens: int,
+                          images: Sequence[ImageFeature] = ()) -> None:
         """Make the sequence's blocks that are full once `num_tokens` are computed findable.
 
         Called when the step that writes those tokens is certain to run (not for a sequence
@@ -159,9 +170,7 @@ class KVCacheManager:
         while len(hashes) < num_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            block_hash = hash_block_tokens(
-                parent, token_ids[i * self.block_size : (i + 1) * self.block_size]
-            )
+            block_hash = self._block_hash(parent, token_ids, i, images)
             hashes.append(block_hash)
             self.pool.register(table[i], block_hash)
 

@@ -10,6 +10,7 @@ import enum
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
+from kvserve.multimodal.inputs import ImageFeature
 from kvserve.sampling_params import SamplingParams
 
 
@@ -23,6 +24,7 @@ class SequenceOwner(Protocol):
     arrival_time: float
     max_tokens: int
     sequences: list[Sequence]
+    mm_features: list[ImageFeature]
 
 
 class SequenceStatus(enum.Enum):
@@ -65,6 +67,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def mm_features(self) -> list[ImageFeature]:
+        return self.request.mm_features
 
     @property
     def num_prompt_tokens(self) -> int:

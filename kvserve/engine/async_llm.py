@@ -141,8 +141,8 @@ class AsyncLLM:
         """
         params = sampling_params or SamplingParams()
         # Tokenize and validate here so bad input raises in the caller, before scheduling.
-        _, prompt_token_ids = self.engine.tokenize_prompt(prompt)
-        self.engine.validate(prompt_token_ids, params)
+        prepared = self.engine.prepare_prompt(prompt)
+        self.engine.validate(prepared.token_ids, params)
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -153,9 +153,7 @@ class AsyncLLM:
 
         def add() -> None:
             try:
-                self.engine.add_request(
-                    request_id, {"prompt_token_ids": prompt_token_ids}, params, priority=priority
-                )
+                self.engine.add_request(request_id, prepared, params, priority=priority)
                 loop.call_soon_threadsafe(_settle, added, None)
             except Exception as error:
                 loop.call_soon_threadsafe(_settle, added, error)

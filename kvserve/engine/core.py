@@ -114,6 +114,10 @@ class EngineCore:
         if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
             self.runner = self._parallel_executor(args, loaded)
             self.model_config, self.tokenizer = self.runner.model_config, self.runner.tokenizer
+            if self.model_config.is_multimodal:
+                self.runner.shutdown()
+                raise ValueError(f"{self.model_config.architecture}: vision-language models run on one device "
+                                 "(tensor and pipeline parallelism do not split the vision encoder yet)")
             if args.tensor_parallel_size > 1 and self.model_config.hidden_size < SMALL_FOR_TENSOR_PARALLEL:
                 logger.warning(
                     "tensor parallelism on a model this small (hidden size %d) likely runs slower than one "
@@ -257,7 +261,7 @@ class EngineCore:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         core_request = Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
-            request.priority, request.arrival_time,
+            request.priority, request.arrival_time, mm_features=request.mm_features,
         )
         self.requests[request.request_id] = core_request
         seq = Sequence(f"{request.request_id}#0", core_request, 0)
@@ -321,6 +325,8 @@ class EngineCore:
         compiled = self.runner.compiled_decode
         num_running_reqs, num_waiting_reqs = self.scheduler.num_requests()
         pool = self.kv_cache.pool
+        # Only a runner in this process keeps an encoder cache (parallel workers run text models).
+        encoder_cache = getattr(self.runner, "encoder_cache", None)
         return SchedulerStats(
             num_running_reqs=num_running_reqs,
             num_waiting_reqs=num_waiting_reqs,
@@ -342,6 +348,8 @@ class EngineCore:
             num_steps=self.num_steps,
             num_steps_ahead=self.num_steps_ahead,
             spec_decode=self.spec_decode_stats,
+            num_images_encoded=0 if encoder_cache is None else encoder_cache.num_images_encoded,
+            encoder_seconds=0.0 if encoder_cache is None else encoder_cache.encoder_seconds,
         )
 
     # -- the step --------------------------------------------------------------------------

@@ -38,6 +38,31 @@ def _json_dict(text: str) -> dict[str, Any]:
     return value
 
 
+# Images a prompt may carry unless --limit-mm-per-prompt says otherwise.
+DEFAULT_IMAGES_PER_PROMPT = 8
+
+
+def _mm_limits(text: str) -> dict[str, int]:
+    """image=4 (vLLM's older form) or '{"image": 4}'."""
+    if text.lstrip().startswith("{"):
+        limits = _json_dict(text)
+    else:
+        limits = {}
+        for item in text.split(","):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise argparse.ArgumentTypeError(f"expected modality=N, got {item!r}")
+            limits[key.strip()] = value.strip()
+    try:
+        limits = {key: int(value) for key, value in limits.items()}
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"limits must be integers: {e}") from None
+    unknown = set(limits) - {"image"}
+    if unknown or any(value < 0 for value in limits.values()):
+        raise argparse.ArgumentTypeError(f"only image=N with N >= 0 is supported, got {text!r}")
+    return limits
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -72,6 +97,11 @@ class EngineArgs:
     enable_expert_parallel: bool = False  # mixtures of experts: whole experts per rank
     distributed_executor_backend: str = "mp"  # "mp": processes on this host; "ray": Ray actors
     speculative_config: dict[str, Any] | None = None
+    # Images: most a prompt may carry ({"image": N}); where file:// URLs may point; whether
+    # http(s) URLs are fetched.
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str | None = None
+    allow_remote_media: bool = False
 
     def resolved_device(self) -> torch.device:
         """The device to run on; one that is not here is an error before anything loads."""
@@ -301,6 +331,26 @@ class EngineArgs:
             "\"disable_by_batch_size\" (default 8): no drafting while more sequences run. "
             "Output is unchanged (lossless verification).",
         )
+
+        group.add_argument(
+            "--limit-mm-per-prompt", default=None, type=_mm_limits,
+            help="Most images a prompt may carry, as image=N or JSON '{\"image\": N}' "
+            f"(default {DEFAULT_IMAGES_PER_PROMPT}); a request with more is refused with a 400.",
+        )
+        group.add_argument(
+            "--allowed-local-media-path", default=None,
+            help="A directory whose files chat requests may send as file:// image URLs "
+            "(default: none; file:// URLs are refused). Paths resolving outside it are refused.",
+        )
+        group.add_argument(
+            "--allow-remote-media", action=argparse.BooleanOptionalAction, default=False,
+            help="Fetch http(s) image URLs of chat requests (default: off, only data: URLs and "
+            "allowed file:// paths are read).",
+        )
+
+    @property
+    def image_limit(self) -> int:
+        return (self.limit_mm_per_prompt or {}).get("image", DEFAULT_IMAGES_PER_PROMPT)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -4,15 +4,32 @@ parameters checked and turned into an EngineCoreRequest, before anything is sche
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
+from PIL import Image
+
 from kvserve.engine.messages import EngineCoreInfo, EngineCoreRequest
+from kvserve.multimodal.inputs import ImageFeature
+from kvserve.multimodal.processing import ImageProcessing
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output import grammar as structured_grammar
 
 NO_TOKENIZER = "this engine has no tokenizer (dummy weights or skip_tokenizer_init)"
 
-PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class PreparedPrompt:
+    """A prompt tokenized, its images preprocessed and their placeholders expanded: what
+    `InputProcessor.prepare` makes of any prompt, accepted as a prompt itself."""
+
+    text: str | None
+    token_ids: list[int]
+    mm_features: list[ImageFeature] = field(default_factory=list)
+
+
+PromptType = str | list[int] | dict[str, Any] | PreparedPrompt
 
 
 def context_length_error(max_model_len: int, num_prompt: int, max_tokens: int) -> ValueError:
@@ -26,9 +43,48 @@ def context_length_error(max_model_len: int, num_prompt: int, max_tokens: int) -
 
 
 class InputProcessor:
-    def __init__(self, info: EngineCoreInfo) -> None:
+    def __init__(self, info: EngineCoreInfo, image_processing: ImageProcessing | None = None,
+                 image_limit: int = 0) -> None:
+        """`image_processing`: the model's (None: it takes no images); `image_limit`: most
+        images a prompt may carry."""
         self.info = info
         self.tokenizer = info.tokenizer
+        self.image_processing = image_processing
+        self.image_limit = image_limit
+
+    def prepare(self, prompt: PromptType) -> PreparedPrompt:
+        """Tokenize the prompt and expand its images (vLLM's {"prompt": ..., "multi_modal_data":
+        {"image": PIL image or list}}); raises ValueError for anything wrong with them."""
+        if isinstance(prompt, PreparedPrompt):
+            return prompt
+        images: list[Any] = []
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            images = self._images(prompt["multi_modal_data"])
+        text, token_ids = self.tokenize_prompt(prompt)
+        if self.image_processing is None:
+            return PreparedPrompt(text, token_ids)
+        token_ids, features = self.image_processing.process(token_ids, images)
+        if len(token_ids) > self.info.max_model_len:
+            num_image = sum(f.length for f in features)
+            raise ValueError(
+                f"the prompt's {len(features)} image(s) take {num_image} tokens after preprocessing; "
+                f"with its text that is {len(token_ids)} tokens, more than the model's maximum context "
+                f"length of {self.info.max_model_len} tokens")
+        return PreparedPrompt(text, token_ids, features)
+
+    def _images(self, data: Any) -> list[Image.Image]:
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data must be a dict with an 'image' entry")
+        images = data.get("image")
+        images = images if isinstance(images, (list, tuple)) else [images]
+        if self.image_processing is None:
+            raise ValueError(f"this model ({self.info.model_config.architecture}) does not take images")
+        if not all(isinstance(image, Image.Image) for image in images):
+            raise ValueError("multi_modal_data['image'] must be a PIL image or a list of PIL images")
+        if len(images) > self.image_limit:
+            raise ValueError(f"at most {self.image_limit} image(s) per prompt are allowed "
+                             f"(limit_mm_per_prompt), got {len(images)}")
+        return list(images)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -93,8 +149,9 @@ class InputProcessor:
         priority: int = 0,
     ) -> tuple[str | None, EngineCoreRequest]:
         """(prompt text if it was text, the request for the core)."""
-        prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
-        max_tokens = self.validate(prompt_token_ids, params)
-        return prompt_text, EngineCoreRequest(
-            request_id, prompt_token_ids, params, max_tokens, priority, arrival_time or time.time(),
+        prepared = self.prepare(prompt)
+        max_tokens = self.validate(prepared.token_ids, params)
+        return prepared.text, EngineCoreRequest(
+            request_id, prepared.token_ids, params, max_tokens, priority, arrival_time or time.time(),
+            prepared.mm_features,
         )

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 
 from kvserve.engine.core import EngineCore
 from kvserve.engine.core_client import EngineCoreClient, InprocClient
 from kvserve.engine.engine_args import EngineArgs
-from kvserve.engine.input_processor import InputProcessor, PromptType
+from kvserve.engine.input_processor import InputProcessor, PreparedPrompt, PromptType
 from kvserve.engine.messages import SchedulerStats
 from kvserve.engine.output_processor import OutputProcessor, RequestState
 from kvserve.model_executor.loader import LoadedModel
+from kvserve.multimodal.chat import split_images
+from kvserve.multimodal.media import MediaPolicy
+from kvserve.multimodal.processing import ImageProcessing
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.stats import SpecDecodeStats
@@ -42,10 +46,21 @@ class LLMEngine:
         self.tokenizer = info.tokenizer
         self.max_model_len = info.max_model_len
         self.sampling_defaults = self._sampling_defaults(args.generation_config)
-        self.input_processor = InputProcessor(info)
+        self.image_processing = self._image_processing(args)
+        self.media_policy = MediaPolicy(args.allowed_local_media_path, args.allow_remote_media)
+        self.input_processor = InputProcessor(info, self.image_processing, args.image_limit)
         self.output_processor = OutputProcessor(info.tokenizer, speculating=args.speculative_config is not None)
         self._request_counter = itertools.count()
         self.num_steps = 0  # the core's steps that ran the model, as of its latest outputs
+
+    def _image_processing(self, args: EngineArgs) -> ImageProcessing | None:
+        """The model's image processor, for a model that takes images."""
+        config = self.model_config
+        if not config.is_multimodal:
+            return None
+        model_dir = args.model if args.model is not None and os.path.isdir(args.model) else None
+        return ImageProcessing.for_model(model_dir, config.architecture, config.hf_config or {},
+                                         config.image_token_id)
 
     def _sampling_defaults(self, generation_config: str) -> dict[str, float]:
         """What requests that leave a sampling value unset take (--generation-config)."""
@@ -71,6 +86,15 @@ class LLMEngine:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return self.input_processor.tokenize_prompt(prompt)
+
+    def prepare_prompt(self, prompt: PromptType) -> PreparedPrompt:
+        """Tokenized, with its images preprocessed and their placeholders expanded."""
+        return self.input_processor.prepare(prompt)
+
+    def split_chat_images(self, messages: list[dict]) -> tuple[list[dict], list]:
+        """Chat messages with image parts -> (messages a chat template reads, the images)."""
+        placeholder = None if self.image_processing is None else self.image_processing.placeholder_text
+        return split_images(messages, placeholder, self.media_policy, self.args.image_limit)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request before anything is scheduled; returns its max_tokens."""

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.multimodal.inputs import ImageFeature
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.stats import SpecDecodeStats
 
@@ -24,6 +25,9 @@ class EngineCoreRequest:
     max_tokens: int  # resolved against the context length
     priority: int = 0
     arrival_time: float = 0.0
+    # The prompt's images: placeholder spans (already expanded in prompt_token_ids) and
+    # the preprocessed tensors the vision encoder reads.
+    mm_features: list[ImageFeature] = field(default_factory=list)
 
 
 @dataclass
@@ -66,6 +70,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     decode_graphs_pending: int = 0  # CPU decode graphs still to compile
     num_steps_ahead: int = 0  # decode steps launched before the previous one was read
+    num_images_encoded: int = 0  # images the vision encoder ran on (not those it had cached)
+    encoder_seconds: float = 0.0  # and the time it took
     spec_decode: SpecDecodeStats | None = None  # None: the engine does not speculate
 
 

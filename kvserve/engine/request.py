@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.core.sequence import Sequence
+from kvserve.multimodal.inputs import ImageFeature
 from kvserve.sampling_params import SamplingParams
 
 
@@ -20,3 +21,4 @@ class Request:
     scheduled: bool = False  # scheduled at least once
     # Prompt positions whose logprobs were sent (the first has none: it has no context).
     num_prompt_logprobs: int = 1
+    mm_features: list[ImageFeature] = field(default_factory=list)  # the prompt's images

@@ -53,6 +53,33 @@ _DUMMY_CONFIGS: dict[str, dict] = {
 }
 
 
+# Qwen2.5-VL-7B-Instruct: its config.json, from which the vision tower is built.
+_QWEN2_5_VL_7B_HF_CONFIG = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653, "tie_word_embeddings": False,
+    "vision_config": {
+        "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+        "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu",
+        "tokens_per_second": 2,
+    },
+    "text_config": {
+        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 128000,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1000000.0},
+    },
+}
+_DUMMY_CONFIGS["qwen2.5-vl-7b"] = dict(
+    architecture="Qwen2_5_VLForConditionalGeneration", vocab_size=152064, hidden_size=3584,
+    intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+    head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=128000,
+    tie_word_embeddings=False, attention_bias=True, bos_token_id=None, eos_token_ids=[151645, 151643],
+    hf_config=_QWEN2_5_VL_7B_HF_CONFIG, image_token_id=151655, mrope_section=(16, 24, 24),
+)
+
+
 def dummy_shapes() -> list[str]:
     return sorted(_DUMMY_CONFIGS)
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from kvserve.core.sched.output import SchedulerOutput
+from kvserve.multimodal.inputs import ImageFeature
 from kvserve.sampling_params import SamplingParams
 
 
@@ -44,6 +47,10 @@ class RunnerSequence:
     params: SamplingParams | None  # None: not sampled by the runner
     sample_index: int
     max_tokens: int
+    mm_features: list[ImageFeature] = field(default_factory=list)
+    # M-RoPE models: the prompt's [3, P] positions and the offset of every later token's
+    # position from its index (computed by the runner on first use).
+    mrope: tuple[torch.Tensor, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +76,7 @@ class SequenceStates(dict[str, RunnerSequence]):
             self[new.seq_id] = RunnerSequence(
                 new.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
                 array("i", new.block_ids), new.wants_prompt_logprobs, new.params,
-                new.sample_index, new.max_tokens,
+                new.sample_index, new.max_tokens, new.mm_features,
             )
         for cached in out.cached_seqs:
             state = self[cached.seq_id]

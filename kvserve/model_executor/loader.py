@@ -22,6 +22,12 @@ from kvserve.model_executor.dummy import dummy_model_config, init_dummy_weights
 from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.models.llama import LlamaForCausalLM
 from kvserve.model_executor.models.registry import get_model_class
+from kvserve.model_executor.models.vision_language import (
+    LLAVA,
+    VISION_LANGUAGE_ARCHITECTURES,
+    image_token_id,
+    text_config_dict,
+)
 from kvserve.quantization import QuantizedLinear, get_quantization_method, quantize_model
 from kvserve.quantization.checkpoint import CheckpointFormat
 from kvserve.quantization.registry import get_checkpoint_format
@@ -78,6 +84,9 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
         get_model_class(architecture)
     except ValueError as e:
         raise ModelLoadError(f"{config_path}: {e}") from None
+    multimodal: dict[str, Any] = {}
+    if architecture in VISION_LANGUAGE_ARCHITECTURES:
+        cfg, multimodal = _vision_language_fields(architecture, cfg, config_path)
     missing = [key for key in REQUIRED_CONFIG_KEYS if key not in cfg]
     if missing:
         raise ModelLoadError(f"{config_path}: missing required keys {', '.join(missing)}")
@@ -86,6 +95,8 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
     rope_theta = cfg.get("rope_theta") or rope_parameters.pop("rope_theta", 10000.0)
     rope_parameters.pop("rope_theta", None)
     rope_scaling = cfg.get("rope_scaling") or rope_parameters or None
+    if rope_scaling and rope_scaling.get("mrope_section"):  # carried as ModelConfig.mrope_section
+        rope_scaling = None
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
         rope_scaling = None
     eos = cfg.get("eos_token_id")
@@ -117,6 +128,7 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; others say so with attention_bias.
             attention_bias=(architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+                            or (multimodal and architecture != LLAVA)
                             or cfg.get("attention_bias", False)),
             qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding_window,
@@ -125,9 +137,28 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
             eos_token_ids=_eos_ids(eos),
             dtype=dtype,
             sampling_defaults=sampling_defaults(generation),
+            **multimodal,
         )
     except KeyError as e:
         raise ModelLoadError(f"{config_path}: missing required key {e}") from None
+
+
+def _vision_language_fields(
+    architecture: str, cfg: dict[str, Any], config_path: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the decoder's config.json keys, ModelConfig's multimodal fields)."""
+    try:
+        text = text_config_dict(cfg)
+        token_id = image_token_id(cfg)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ModelLoadError(f"{config_path}: {architecture}: {e}") from None
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = rope.get("mrope_section")
+    if architecture != LLAVA and not section:
+        raise ModelLoadError(f"{config_path}: {architecture} needs rope mrope_section")
+    text["architectures"] = cfg["architectures"]
+    return text, dict(hf_config=cfg, image_token_id=token_id,
+                      mrope_section=tuple(section) if architecture != LLAVA else None)
 
 
 # generation_config.json keys that are sampling values, as SamplingParams names them.

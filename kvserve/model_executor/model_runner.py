@@ -21,6 +21,7 @@ from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
+from kvserve.model_executor.encoder_cache import EncoderCache
 from kvserve.model_executor.inflight import InflightStep
 from kvserve.model_executor.kv_sizing import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -28,7 +29,9 @@ from kvserve.model_executor.kv_sizing import (
     kv_cache_bytes_per_block,
 )
 from kvserve.model_executor.model_bytes import expert_weight_bytes, weight_bytes_per_step
-from kvserve.model_executor.input_batch import SequenceStates
+from kvserve.model_executor.input_batch import RunnerSequence, SequenceStates
+from kvserve.multimodal.inputs import ImageFeature
+from kvserve.multimodal.processing import mrope_positions
 from kvserve.model_executor.cuda_graphs import CudaGraphRunner
 from kvserve.model_executor.step_sampler import StepSampler
 from kvserve.ops.argmax import row_argmax
@@ -50,6 +53,20 @@ MAX_PAUSE_PER_GRAPH_S = 20.0
 # depend on the scale, so room costs nothing until the smallest values turn subnormal.
 KV_CALIBRATION_TOKENS = 512
 KV_SCALE_HEADROOM = 4.0
+# Vision encoder outputs kept for reuse: at least this many embedding rows (a few large
+# images), or a step's token budget if that is more.
+MIN_ENCODER_CACHE_TOKENS = 16384
+
+
+@dataclass
+class ImageSpan:
+    """Placeholder tokens of one image that a step computes: flat rows of the batch and
+    the rows of the image's embeddings they take."""
+
+    feature: ImageFeature
+    flat_start: int
+    first_row: int
+    num_rows: int
 
 
 @dataclass
@@ -148,6 +165,8 @@ class ModelRunner:
             self.cuda_graphs.capture_all()
         self._compile_thread: threading.Thread | None = None
         self.compiled_decode = self._compiled_decode(compile_decode)
+        self.encoder_cache = EncoderCache(
+            max(MIN_ENCODER_CACHE_TOKENS, scheduler_config.max_num_batched_tokens))
 
     def _compiled_decode(self, compile_decode: bool | None) -> CompiledDecode | None:
         """The compiled CPU decode step: compiled now for an explicit True (which raises if
@@ -516,6 +535,9 @@ class ModelRunner:
         metadata = self._metadata(
             positions_t, list(range(len(seqs) + 1)), [p + 1 for p in positions], tables
         )
+        if self.model_config.mrope_section:
+            positions_t = torch.cat([self._mrope_positions(seq, [p]) for seq, p in zip(seqs, positions)],
+                                    dim=1).to(self.device)
         hidden = self.model(token_ids, positions_t, self.kv_caches, metadata)
         return self.model.compute_logits(hidden)
 
@@ -536,6 +558,8 @@ class ModelRunner:
         prompt_spans: list[tuple[str, int, int, int]] = []  # seq id, flat start, count, pos
         tree_masks: dict[int, torch.Tensor] = {}
         rope_positions: list[int] = []  # differ from positions only for token trees
+        image_spans: list[ImageSpan] = []
+        mrope_chunks: list[torch.Tensor] = []
 
         for seq_id, num_new in sched.num_scheduled_tokens.items():
             seq = self.seqs[seq_id]
@@ -547,6 +571,11 @@ class ModelRunner:
                 tokens = tokens + sched.spec_token_ids[seq_id]
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
+            for feature in seq.mm_features:
+                first, last = max(start, feature.offset), min(end, feature.end)
+                if first < last:
+                    image_spans.append(ImageSpan(feature, flat_start + first - start,
+                                                 first - feature.offset, last - first))
             tree_parents = sched.spec_tree_parents.get(seq_id)
             if end > seq.num_tokens and tree_parents is not None:
                 # Drafts keep their slots in node order but rotate by their depth.
@@ -558,6 +587,8 @@ class ModelRunner:
                 )
             else:
                 rope_positions.extend(range(start, end))
+            if self.model_config.mrope_section:
+                mrope_chunks.append(self._mrope_positions(seq, rope_positions[flat_start:]))
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             tables.append(seq.block_ids)
@@ -581,10 +612,13 @@ class ModelRunner:
         )
         self._copy_blocks(sched.block_copies)
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        if self.compiled_decode is not None and self.compiled_decode.applies(metadata):
+        if mrope_chunks:
+            rope_positions_t = torch.cat(mrope_chunks, dim=1).to(self.device)
+        inputs_embeds = self._merge_images(input_ids_t, image_spans) if image_spans else None
+        if inputs_embeds is None and self.compiled_decode is not None and self.compiled_decode.applies(metadata):
             hidden = self.compiled_decode.forward(input_ids_t, rope_positions_t, metadata)
         else:
-            hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata)
+            hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata, inputs_embeds)
         if not self.model.is_last_stage:  # a pipeline stage that hands its hidden states on
             return StepLogits(hidden.new_empty(0, 0), [], [], [])
         sample_logits = self.model.compute_logits(hidden[sample_indices])
@@ -593,3 +627,27 @@ class ModelRunner:
             for seq_id, flat, count, pos in prompt_spans
         ]
         return StepLogits(sample_logits, sampling_seq_ids, num_sample_rows, prompt_logits)
+
+    # -- images ----------------------------------------------------------------------------
+
+    def _mrope_positions(self, seq: RunnerSequence, positions: list[int]) -> torch.Tensor:
+        """[3, len(positions)] M-RoPE positions of the sequence's tokens at these 1-D
+        positions (ascending through the prompt; a token tree's drafts rotate by depth)."""
+        if seq.mrope is None:
+            merge = int((self.model_config.hf_config or {}).get("vision_config", {}).get("spatial_merge_size", 1))
+            seq.mrope = mrope_positions(seq.num_prompt_tokens, seq.mm_features, merge)
+        prompt_positions, delta = seq.mrope
+        num_prompt = sum(1 for p in positions if p < seq.num_prompt_tokens)
+        later = torch.tensor(positions[num_prompt:], dtype=torch.long) + delta
+        return torch.cat([prompt_positions[:, positions[:num_prompt]], later.expand(3, -1)], dim=1)
+
+    def _merge_images(self, input_ids: torch.Tensor, spans: list[ImageSpan]) -> torch.Tensor:
+        """The step's input embeddings: token embeddings, with each image's placeholder
+        rows replaced by its encoder output (encoded once per image, EncoderCache)."""
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
+        embeddings = self.encoder_cache.get([span.feature for span in spans], self.model.encode_images, sync)
+        inputs_embeds = self.model.model.embed_tokens(input_ids)
+        for span in spans:
+            rows = embeddings[span.feature.image_hash][span.first_row : span.first_row + span.num_rows]
+            inputs_embeds[span.flat_start : span.flat_start + span.num_rows] = rows.to(inputs_embeds.device)
+        return inputs_embeds

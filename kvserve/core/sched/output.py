@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.multimodal.inputs import ImageFeature
 from kvserve.sampling_params import SamplingParams
 
 
@@ -29,6 +30,8 @@ class NewSequenceData:
     params: SamplingParams | None = None
     sample_index: int = 0
     max_tokens: int = 0
+    # The prompt's images (placeholder spans and encoder inputs).
+    mm_features: list[ImageFeature] = field(default_factory=list)
 
 
 @dataclass

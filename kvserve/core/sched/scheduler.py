@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import BlockCopy, KVCacheManager
 from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
+from kvserve.core.sched.encoder_budget import EncoderBudget
 from kvserve.core.sched.step_builder import StepBuilder
 from kvserve.core.sequence import Sequence, SequenceStatus, check_stop
 
@@ -146,6 +147,7 @@ class Scheduler:
         copies: dict[str, list[BlockCopy]] = {}
         preempted: list[Sequence] = []
         budget = self.config.max_num_batched_tokens
+        encoder_budget = EncoderBudget(budget)
 
         # Running sequences first: decodes and prefills already under way.
         for seq in list(self.running):
@@ -157,6 +159,10 @@ class Scheduler:
             if num_new == 1:  # a decode: its drafts (if any) are verified in the same pass
                 num_new += len(seq.spec_token_ids)
             num_new = min(num_new, budget)
+            if seq.mm_features:
+                num_new = encoder_budget.fit(seq.mm_features, seq.num_computed_tokens, num_new)
+                if num_new == 0:
+                    continue
             while True:
                 seq_copies = self.kv_cache.allocate_slots(
                     seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, num_new
@@ -189,13 +195,18 @@ class Scheduler:
             # Prompt logprobs need every prompt position computed, so no prefix hits then.
             cached_prefix = (
                 [] if seq.wants_prompt_logprobs
-                else self.kv_cache.find_cached_prefix(seq.all_token_ids)
+                else self.kv_cache.find_cached_prefix(seq.all_token_ids, seq.mm_features)
             )
             num_computed = len(cached_prefix) * self.kv_cache.block_size
             num_new = seq.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            if seq.mm_features:
+                fitted = encoder_budget.fit(seq.mm_features, num_computed, num_new)
+                if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):
+                    break
+                num_new = fitted
             seq_copies = self.kv_cache.allocate_slots(
                 seq.seq_id, seq.all_token_ids, num_computed, num_new, cached_prefix
             )
@@ -221,7 +232,7 @@ class Scheduler:
             # all_token_ids holds verified tokens only, so no block holding a draft's KV
             # is ever registered in the prefix cache.
             self.kv_cache.cache_full_blocks(
-                seq.seq_id, seq.all_token_ids, seq.num_computed_tokens + num_new
+                seq.seq_id, seq.all_token_ids, seq.num_computed_tokens + num_new, seq.mm_features
             )
             self.add_to_step(out, seq, num_new)
             if (
@@ -237,7 +248,7 @@ class Scheduler:
         self.step_builder.add(
             out, seq.seq_id, seq.all_token_ids, seq.num_prompt_tokens, seq.num_computed_tokens,
             num_new, seq.wants_prompt_logprobs and seq.index == 0, request.params, seq.index,
-            request.max_tokens,
+            request.max_tokens, seq.mm_features,
         )
         if seq.spec_token_ids:
             out.spec_token_ids[seq.seq_id] = seq.spec_token_ids
@@ -293,7 +304,8 @@ class Scheduler:
             if sampled.num_drafts:
                 self.kv_cache.trim(seq.seq_id, seq.num_computed_tokens)
             if inputs_were_in_flight:
-                self.kv_cache.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+                self.kv_cache.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens,
+                                                seq.mm_features)
         for seq_id, drafts in out.draft_token_ids.items():
             seq = self.seqs.get(seq_id)
             if seq is not None:

@@ -10,7 +10,7 @@ plain dicts built in the serving modules, in the exact OpenAI shapes.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -83,6 +83,19 @@ class TextContentPart(_Body):
     text: str
 
 
+class ImageUrl(_Body):
+    url: str = Field(min_length=1)  # data:image/...;base64,..., file://... or http(s)://...
+    detail: str | None = None  # OpenAI's; the model's own image processor decides
+
+
+class ImageUrlContentPart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextContentPart | ImageUrlContentPart, Field(discriminator="type")]
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str  # a JSON object, as text (OpenAI's shape)
@@ -96,7 +109,7 @@ class ToolCallMessage(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.engine_args import EngineArgs
-from kvserve.engine.input_processor import NO_TOKENIZER
+from kvserve.engine.input_processor import NO_TOKENIZER, PreparedPrompt
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.errors import OpenAIError, bad_request
 from kvserve.entrypoints.openai.protocol import SamplingRequest, StreamOptions
@@ -165,10 +165,11 @@ def validate_prompt(engine: LLMEngine, prompt: str | list[int], params: Sampling
 
 
 async def generate_all(
-    state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    state: ServerState, request_id: str, prompts: list[list[int]] | list[PreparedPrompt], params: SamplingParams,
     priority: int,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Runs every prompt as its own engine request; yields (prompt index, output) as they come.
+    """Runs every prompt (token ids, or prepared with its images) as its own engine request;
+    yields (prompt index, output) as they come.
 
     Leaving early (client disconnect, error, --request-timeout) cancels the consumers, which
     aborts the engine requests and frees their KV blocks.
@@ -186,11 +187,12 @@ async def generate_all(
             not_started.discard(index)
             state.num_not_started -= 1
 
-    async def consume(index: int, token_ids: list[int]) -> None:
-        tracker = state.metrics.track(len(token_ids))
+    async def consume(index: int, prompt: list[int] | PreparedPrompt) -> None:
+        prepared = prompt if isinstance(prompt, PreparedPrompt) else PreparedPrompt(None, prompt)
+        tracker = state.metrics.track(len(prepared.token_ids), len(prepared.mm_features))
         try:
             async for output in async_llm.generate(
-                {"prompt_token_ids": token_ids}, params, request_id=f"{request_id}-{index}",
+                prepared, params, request_id=f"{request_id}-{index}",
                 priority=priority,
             ):
                 mark_started(index)
@@ -232,7 +234,7 @@ async def generate_all(
 
 
 async def collect_final(
-    state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    state: ServerState, request_id: str, prompts: list[list[int]] | list[PreparedPrompt], params: SamplingParams,
     priority: int,
 ) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(prompts)

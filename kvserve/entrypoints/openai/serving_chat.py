@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
-from kvserve.engine.input_processor import NO_TOKENIZER
+from PIL import Image
+
+from kvserve.engine.input_processor import NO_TOKENIZER, PreparedPrompt
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.errors import OpenAIError
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, Tool
@@ -42,13 +44,39 @@ def apply_chat_template(tokenizer, messages: list[ChatMessage], add_generation_p
         return list(tokenizer.apply_chat_template(
             conversation(messages, tools, takes_tools), add_generation_prompt=add_generation_prompt,
             tokenize=True, return_dict=True, **extra)["input_ids"])
+    except ValueError as error:
+        raise OpenAIError(400, str(error), param="messages") from None
     except TemplateError as error:
         raise OpenAIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
 
 
-def _chat_prompt_ids(engine: LLMEngine, messages: list[ChatMessage], params: SamplingParams,
-                     tools: list[Tool] | None) -> list[int]:
-    return validate_prompt(engine, apply_chat_template(engine.tokenizer, messages, tools=tools), params)
+def _split_images(engine: LLMEngine, messages: list[ChatMessage]) -> tuple[list[ChatMessage], list[Image.Image]]:
+    """Messages whose image parts became the model's placeholder text, and the images
+    (loaded under the server's media policy; every problem a 400)."""
+    if not any(isinstance(m.content, list) and any(p.type == "image_url" for p in m.content) for m in messages):
+        return messages, []
+    raw = [{"content": [p.model_dump() for p in m.content] if isinstance(m.content, list) else m.content}
+           for m in messages]
+    try:
+        converted, images = engine.split_chat_images(raw)
+    except ValueError as error:
+        raise OpenAIError(400, str(error), param="messages") from None
+    return [m.model_copy(update={"content": c["content"]}) for m, c in zip(messages, converted)], images
+
+
+def _chat_prompt(engine: LLMEngine, messages: list[ChatMessage], params: SamplingParams,
+                 tools: list[Tool] | None) -> PreparedPrompt:
+    """The prompt, its images preprocessed and placeholders expanded, checked to fit."""
+    messages, images = _split_images(engine, messages)
+    prompt: dict = {"prompt_token_ids": apply_chat_template(engine.tokenizer, messages, tools=tools)}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    try:
+        prepared = engine.prepare_prompt(prompt)
+    except ValueError as error:
+        raise OpenAIError(400, str(error), param="messages") from None
+    validate_prompt(engine, prepared.token_ids, params)
+    return prepared
 
 
 def _logprobs(tokenizer, completion: CompletionOutput, start: int, num_top: int) -> dict:
@@ -83,7 +111,8 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     params = sampling_params(request, engine.sampling_defaults, max_tokens=max_tokens, logprobs=num_top,
                              **overrides)
     tools = request.tools if mode != "none" else None
-    prompt_ids = await state.off_loop(_chat_prompt_ids, engine, request.messages, params, tools)
+    prepared = await state.off_loop(_chat_prompt, engine, request.messages, params, tools)
+    prompt_ids = prepared.token_ids
     state.admit(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -93,7 +122,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         return {"id": request_id, "object": kind, "created": created, "model": state.served_model_name}
 
     if not request.stream:
-        (final,) = await collect_final(state, request_id, [prompt_ids], params, priority)
+        (final,) = await collect_final(state, request_id, [prepared], params, priority)
         choices = []
         for c in final.outputs:
             message: dict = {"role": "assistant", "content": c.text}
@@ -127,7 +156,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         sent_tokens: dict[int, int] = {}
         tool_deltas = {index: ToolCallDeltas(request, mode, state.tool_call_parser)
                        for index in range(params.n)} if mode != "none" else {}
-        async for _, output in generate_all(state, request_id, [prompt_ids], params, priority):
+        async for _, output in generate_all(state, request_id, [prepared], params, priority):
             last[0] = output
             for c in output.outputs:
                 finished = c.finish_reason is not None

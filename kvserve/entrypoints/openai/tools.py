@@ -108,6 +108,8 @@ def conversation(messages: list[ChatMessage], tools: list[Tool] | None, template
     blocks and the tools go into the system message (DEFAULT_TOOL_PROMPT)."""
     result = []
     for m in messages:
+        if isinstance(m.content, list) and any(part.type != "text" for part in m.content):
+            raise ValueError("image content parts are not supported here (only in chat completions)")
         content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(
             part.text for part in m.content)
         message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}

@@ -59,6 +59,31 @@ class RotaryEmbedding:
         return freqs.cos(), freqs.sin()
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL): each position is (temporal, height, width), and the
+    frequencies are split into three sections, each rotated by its own coordinate. Text
+    tokens have three equal coordinates, which makes it plain RoPE."""
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...]) -> None:
+        super().__init__(head_dim, theta, None)
+        if sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {mrope_section} must sum to head_dim / 2 = {head_dim // 2}")
+        # Which coordinate rotates each frequency.
+        self.section_of_freq = torch.tensor(
+            [index for index, size in enumerate(mrope_section) for _ in range(size)], device="cpu")
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [3, T] (or [T]: every coordinate equal); cos and sin [T, head_dim / 2]."""
+        if positions.dim() == 1:
+            return super().cos_sin(positions)
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+            self.section_of_freq = self.section_of_freq.to(positions.device)
+        chosen = positions.float()[self.section_of_freq].T  # [T, head_dim / 2]
+        freqs = chosen * self.inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]; cos/sin: [T, head_dim / 2]. On CUDA x is rotated in place
     by one Triton kernel; elsewhere a new tensor is returned."""

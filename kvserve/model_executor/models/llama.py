@@ -19,7 +19,7 @@ from kvserve.model_executor.layers.layernorm import RMSNorm
 from kvserve.model_executor.layers.linear import Linear, linear
 from kvserve.model_executor.layers.mlp import GatedMLP
 from kvserve.model_executor.layers.moe import SparseMoE
-from kvserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
+from kvserve.model_executor.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary
 from kvserve.ops.quant.pending_norm import PendingNorm
 
 
@@ -138,7 +138,11 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, attn_backend, index) for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = (
+            MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
+            if config.mrope_section else
+            RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        )
         self.hidden_size, self.dtype = config.hidden_size, config.dtype
         # Set by pipeline_parallel.keep_stage: this stage runs only its own layers.
         self.pp_group: GroupCoordinator | None = None
@@ -153,15 +157,19 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final norm's output; a pipeline stage other than the last sends its residual
-        stream to the next stage instead (and returns it)."""
+        stream to the next stage instead (and returns it). `inputs_embeds` replaces the
+        token embeddings (images merged in); `positions` is [3, T] under M-RoPE."""
         cos, sin = self.rotary.cos_sin(positions)
         pp = self.pp_group
-        if pp is None or pp.is_first_rank:
+        if inputs_embeds is not None:
+            residual = inputs_embeds
+        elif pp is None or pp.is_first_rank:
             residual = self.embed_tokens(input_ids)
         else:
-            residual = pp.recv_from_previous((positions.shape[0], self.hidden_size), self.dtype, positions.device)
+            residual = pp.recv_from_previous((input_ids.shape[0], self.hidden_size), self.dtype, input_ids.device)
         hidden_states = self.layers[0].input_layernorm(residual)
         last_norm = self.norm if self.is_last_stage else _StageEnd()
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [last_norm]
@@ -214,8 +222,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
 
     @property
     def is_last_stage(self) -> bool:

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 from kvserve.model_executor.models.llama import LlamaForCausalLM
+from kvserve.model_executor.models.vision_language import (
+    LLAVA,
+    QWEN2_5_VL,
+    QWEN2_VL,
+    LlavaForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+)
 
 # One implementation covers the family; ModelConfig carries the differences.
 _MODELS: dict[str, type[LlamaForCausalLM]] = {
@@ -13,6 +20,9 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    LLAVA: LlavaForConditionalGeneration,
+    QWEN2_VL: Qwen2VLForConditionalGeneration,
+    QWEN2_5_VL: Qwen2VLForConditionalGeneration,
 }
 
 
