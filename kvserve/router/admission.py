@@ -122,15 +122,22 @@ class _Bucket:
 
 
 class RateLimiter:
-    """A token bucket of requests per API key (the Authorization header; clients without
-    one share a bucket): `rate` requests a second on average, bursts of up to `burst`."""
+    """A token bucket per API key (the Authorization header; clients without one share a
+    bucket): `rate` units a second on average, bursts of up to `burst`; a unit is a request,
+    or (`unit="tokens"`) a token of the request's estimated size (request_tokens)."""
 
-    def __init__(self, rate: float, burst: int) -> None:
+    def __init__(self, rate: float, burst: int, unit: str = "requests") -> None:
         self.rate = rate
         self.burst = burst
+        self.unit = unit
         self.buckets: dict[str, _Bucket] = {}
 
-    def check(self, key: str) -> None:
+    def check(self, key: str, cost: float = 1) -> None:
+        """Take `cost` units from the key's bucket, or raise 429 with when to retry."""
+        if cost > self.burst:
+            raise RouterError(429, f"this request counts {cost:g} {self.unit}, more than the {self.burst} "
+                              f"{self.unit} an API key may send at once", type="rate_limit_error",
+                              code="rate_limit_exceeded")
         now = time.monotonic()
         if len(self.buckets) > _MAX_BUCKETS:  # forget keys whose buckets have refilled
             self.buckets = {k: b for k, b in self.buckets.items()
@@ -138,9 +145,34 @@ class RateLimiter:
         bucket = self.buckets.setdefault(key, _Bucket(self.burst, now))
         bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.updated) * self.rate)
         bucket.updated = now
-        if bucket.tokens < 1:
-            retry_after = math.ceil((1 - bucket.tokens) / self.rate)
-            raise RouterError(429, f"rate limit of {self.rate:g} requests/s exceeded for this API key",
+        if bucket.tokens < cost:
+            retry_after = math.ceil((cost - bucket.tokens) / self.rate)
+            raise RouterError(429, f"rate limit of {self.rate:g} {self.unit}/s exceeded for this API key",
                               type="rate_limit_error", code="rate_limit_exceeded",
                               headers={"Retry-After": str(retry_after)})
-        bucket.tokens -= 1
+        bucket.tokens -= cost
+
+
+# Characters per token for the token rate limit's estimate of a prompt's size (the router
+# does not tokenize).
+CHARS_PER_TOKEN = 4
+
+
+def request_tokens(body: dict) -> int:
+    """What a request counts against a token rate limit: its prompt (text at CHARS_PER_TOKEN,
+    token ids one each) plus the output tokens it asks for at most, for each of its `n`
+    samples and prompts."""
+    prompt = body.get("prompt", "")
+    if "messages" in body:
+        prompts = [str(m.get("content") or "") if isinstance(m, dict) else "" for m in body.get("messages") or []]
+        prompt_tokens = sum(-(-len(p) // CHARS_PER_TOKEN) for p in prompts)
+        num_prompts = 1
+    else:
+        prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        prompt_tokens = sum(len(p) if isinstance(p, list) else -(-len(str(p)) // CHARS_PER_TOKEN) for p in prompts)
+        num_prompts = len(prompts)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or 0
+    samples = body.get("n") or 1
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (max_tokens, samples)):
+        raise RouterError(400, "max_tokens and n must be non-negative integers", param="max_tokens")
+    return prompt_tokens + num_prompts * samples * max_tokens

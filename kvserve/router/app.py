@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvserve.router.admission import AdmissionQueue, ClientGone, RateLimiter
+from kvserve.router.admission import AdmissionQueue, ClientGone, RateLimiter, request_tokens
 from kvserve.router.errors import RouterError
 from kvserve.router.health import HealthChecker
 from kvserve.router.metrics import RouterMetrics
@@ -38,6 +38,7 @@ class RouterState:
     forwarder: Forwarder
     admission: AdmissionQueue
     rate_limiter: RateLimiter | None
+    token_rate_limiter: RateLimiter | None
     draining: bool = False
     tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -91,8 +92,11 @@ def build_app(state: RouterState) -> FastAPI:
         if not isinstance(body, dict):
             raise RouterError(400, "the body must be a JSON object")
         model = _resolve_model(state, body)
+        api_key = request.headers.get("authorization", "")
         if state.rate_limiter is not None:
-            state.rate_limiter.check(request.headers.get("authorization", ""))
+            state.rate_limiter.check(api_key)
+        if state.token_rate_limiter is not None:
+            state.token_rate_limiter.check(api_key, request_tokens(body))
         # Passed through in the body: the worker schedules by it too.
         priority = body.get("priority", 0)
         if not isinstance(priority, int) or isinstance(priority, bool):

@@ -57,6 +57,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                                 "429 with Retry-After (default: no limit)")
     admission.add_argument("--rate-limit-burst", type=int, default=10,
                            help="Requests one API key may send at once within --rate-limit.")
+    admission.add_argument("--token-rate-limit", type=float, default=None, metavar="TOKENS_PER_S",
+                           help="Tokens a second allowed per API key (token bucket): a request counts "
+                                "its prompt (~4 characters a token; token ids one each) plus the most "
+                                "output tokens it asks for (max_tokens x n); beyond it, 429 with "
+                                "Retry-After (default: no limit)")
+    admission.add_argument("--token-rate-limit-burst", type=int, default=None,
+                           help="Tokens one API key may send at once within --token-rate-limit "
+                                "(default: one minute's worth); a larger request is refused.")
     health = parser.add_argument_group("health checks")
     health.add_argument("--health-check-interval", type=float, default=5.0,
                         help="Seconds between GET /health checks of a worker.")

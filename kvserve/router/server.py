@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 
 import httpx
@@ -37,6 +38,9 @@ def build_state(args: argparse.Namespace, specs: list[WorkerSpec]) -> RouterStat
     pool = WorkerPool.from_specs(specs)
     admission = AdmissionQueue(pool, args.max_outstanding_per_worker, args.max_queue_size, metrics)
     rate_limiter = RateLimiter(args.rate_limit, args.rate_limit_burst) if args.rate_limit else None
+    token_burst = args.token_rate_limit_burst or math.ceil(60 * (args.token_rate_limit or 0))
+    token_rate_limiter = (RateLimiter(args.token_rate_limit, token_burst, unit="tokens")
+                          if args.token_rate_limit else None)
     # No read timeout: a long generation may be silent for minutes before its first token.
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=args.connect_timeout),
@@ -52,7 +56,7 @@ def build_state(args: argparse.Namespace, specs: list[WorkerSpec]) -> RouterStat
         balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size), metrics)
     forwarder = Forwarder(pool, policy, client, metrics, max_attempts=args.max_attempts,
                           retry_down_s=args.health_check_interval, has_room=admission.has_room)
-    return RouterState(pool, metrics, client, health, forwarder, admission, rate_limiter)
+    return RouterState(pool, metrics, client, health, forwarder, admission, rate_limiter, token_rate_limiter)
 
 
 class _DrainingServer(uvicorn.Server):

@@ -32,6 +32,12 @@ def router():
 
 
 @pytest.fixture
+def token_limited_router():
+    # 100 tokens at once, refilled at one a second: the test's requests never see a refill.
+    yield from _router("--token-rate-limit", "1", "--token-rate-limit-burst", "100")
+
+
+@pytest.fixture
 def rate_limited_router():
     # Refills one request every 10 s: the 10 requests past the burst meet an empty bucket
     # however slowly the machine answers them.
@@ -83,3 +89,28 @@ def test_rate_limit_per_api_key(rate_limited_router):
     other = httpx.post(f"{url}/tokenize", headers={"Authorization": "Bearer b"},
                        json={"model": "m", "prompt": "x"})
     assert other.status_code == 404
+
+
+def test_token_rate_limit_counts_prompt_and_output_tokens(token_limited_router):
+    url = token_limited_router.url
+    # 40 characters (10 tokens) + 20 output tokens: 30 tokens a request, three fit in 100.
+    body = {"model": "m", "prompt": "x" * 40, "max_tokens": 20}
+    statuses = [httpx.post(f"{url}/tokenize", headers={"Authorization": "Bearer a"}, json=body).status_code
+                for _ in range(4)]
+    assert 429 not in statuses[:3] and statuses[3] == 429, statuses
+    limited = httpx.post(f"{url}/tokenize", headers={"Authorization": "Bearer a"}, json=body)
+    assert int(limited.headers["retry-after"]) >= 20  # 30 needed, 10 left, one a second
+    huge = httpx.post(f"{url}/tokenize", headers={"Authorization": "Bearer b"},
+                      json={"model": "m", "prompt": "x", "max_tokens": 50, "n": 3})
+    assert huge.status_code == 429 and "151 tokens, more than the 100" in huge.json()["error"]["message"]
+    assert httpx.post(f"{url}/tokenize", headers={"Authorization": "Bearer b"}, json=body).status_code != 429
+
+
+def test_request_tokens_by_hand():
+    from kvserve.router.admission import request_tokens
+
+    assert request_tokens({"prompt": "abcdefghi", "max_tokens": 5}) == 3 + 5
+    assert request_tokens({"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 2, "n": 2}) == 5 + 2 * 2 * 2
+    assert request_tokens({"prompt": [1, 2, 3, 4]}) == 4
+    assert request_tokens({"messages": [{"role": "user", "content": "a" * 10}, {"role": "system", "content": "b"}],
+                           "max_completion_tokens": 7}) == 3 + 1 + 7
