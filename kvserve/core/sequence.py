@@ -10,6 +10,7 @@ import enum
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 
@@ -23,6 +24,8 @@ class SequenceOwner(Protocol):
     arrival_time: float
     max_tokens: int
     sequences: list[Sequence]
+    lora_request: LoRARequest | None
+    lora_int_id: int  # 0: the base model
 
 
 class SequenceStatus(enum.Enum):
@@ -77,6 +80,10 @@ class Sequence:
     @property
     def arrival_time(self) -> float:
         return self.request.arrival_time
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.request.lora_int_id
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -110,6 +110,9 @@ class EngineCore:
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
         )
+        self.lora_config = args.lora_config()
+        if self.lora_config is not None:
+            self.scheduler_config.max_loras = self.lora_config.max_loras
         spec_config = draft = None
         if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
             self.runner = self._parallel_executor(args, loaded)
@@ -133,6 +136,7 @@ class EngineCore:
                 max_draft_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
                 max_verify_batch=None if spec_config is None else spec_config.disable_by_batch_size,
                 compile_decode=args.compile_decode, tokenizer=loaded.tokenizer,
+                lora_config=self.lora_config,
             )
         self._check_max_model_len_fits()
         self.kv_cache = KVCacheManager(
@@ -193,6 +197,8 @@ class EngineCore:
             raise ValueError("tensor or pipeline parallelism: the workers load the model; pass a model path")
         if args.speculative_config is not None:
             raise ValueError("tensor or pipeline parallelism does not support speculative decoding yet")
+        if args.enable_lora:
+            raise ValueError("tensor or pipeline parallelism does not support LoRA adapters yet (--enable-lora)")
         if args.quantization == "gguf":
             raise ValueError("tensor or pipeline parallelism cannot split GGUF blocks kept packed (quantization="
                              "'gguf'); use auto, int8 or int4, applied on each rank after sharding")
@@ -246,6 +252,7 @@ class EngineCore:
             self.model_config, self.tokenizer, self.max_model_len, self.args.block_size,
             self.runner.num_blocks, self.scheduler_config.max_num_seqs, str(self.device),
             self.runner.kv_cache_dtype, self.runner.attention_backend_name, self.runner.decode_weight_bytes,
+            self.lora_config,
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -255,7 +262,7 @@ class EngineCore:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         core_request = Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
-            request.priority, request.arrival_time,
+            request.priority, request.arrival_time, lora_request=request.lora_request,
         )
         self.requests[request.request_id] = core_request
         seq = Sequence(f"{request.request_id}#0", core_request, 0)
@@ -268,6 +275,12 @@ class EngineCore:
             if request is not None:
                 self._finish(request, SequenceStatus.FINISHED_ABORTED)
         self._release_when_idle()
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget a LoRA adapter's weights on the host; requests still running on it finish
+        (its device slot is reused only once none runs there)."""
+        if self.runner.lora is not None:
+            self.runner.lora.remove(lora_int_id)
 
     def stop_sequences(self, stops: list[tuple[str, int]]) -> None:
         """End samples (request id, index) whose text hit a stop string; a request whose
@@ -327,6 +340,7 @@ class EngineCore:
             num_steps=self.num_steps,
             num_steps_ahead=self.num_steps_ahead,
             spec_decode=self.spec_decode_stats,
+            lora_requests={} if self.lora_config is None else self.scheduler.lora_requests(),
         )
 
     # -- the step --------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import time
 from typing import Any
 
 from kvserve.engine.messages import EngineCoreInfo, EngineCoreRequest
+from kvserve.lora.checker import AdapterChecker
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output import grammar as structured_grammar
 
@@ -29,6 +31,7 @@ class InputProcessor:
     def __init__(self, info: EngineCoreInfo) -> None:
         self.info = info
         self.tokenizer = info.tokenizer
+        self.adapters = AdapterChecker(info.model_config, info.lora_config)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -91,10 +94,14 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """(prompt text if it was text, the request for the core)."""
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         max_tokens = self.validate(prompt_token_ids, params)
+        if lora_request is not None:
+            self.adapters.check(lora_request)
         return prompt_text, EngineCoreRequest(
             request_id, prompt_token_ids, params, max_tokens, priority, arrival_time or time.time(),
+            lora_request,
         )

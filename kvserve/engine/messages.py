@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.lora.config import LoRAConfig
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.stats import SpecDecodeStats
 
@@ -24,6 +26,7 @@ class EngineCoreRequest:
     max_tokens: int  # resolved against the context length
     priority: int = 0
     arrival_time: float = 0.0
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 @dataclass
@@ -58,6 +61,8 @@ class SchedulerStats:
     decode_graphs_pending: int = 0  # CPU decode graphs still to compile
     num_steps_ahead: int = 0  # decode steps launched before the previous one was read
     spec_decode: SpecDecodeStats | None = None  # None: the engine does not speculate
+    # LoRA adapter name -> (running, waiting) requests on it (adapters with any).
+    lora_requests: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,3 +92,4 @@ class EngineCoreInfo:
     kv_cache_dtype: torch.dtype
     attention_backend: str
     decode_weight_bytes: int  # what a decode step reads of the weights (its bandwidth floor)
+    lora_config: LoRAConfig | None = None  # None: the base model only

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.core.sequence import Sequence
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 
@@ -20,3 +21,8 @@ class Request:
     scheduled: bool = False  # scheduled at least once
     # Prompt positions whose logprobs were sent (the first has none: it has no context).
     num_prompt_logprobs: int = 1
+    lora_request: LoRARequest | None = None  # None: the base model
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id

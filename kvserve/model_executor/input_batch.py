@@ -44,6 +44,7 @@ class RunnerSequence:
     params: SamplingParams | None  # None: not sampled by the runner
     sample_index: int
     max_tokens: int
+    lora_int_id: int  # 0: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +71,7 @@ class SequenceStates(dict[str, RunnerSequence]):
                 new.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
                 array("i", new.block_ids), new.wants_prompt_logprobs, new.params,
                 new.sample_index, new.max_tokens,
+                0 if new.lora_request is None else new.lora_request.lora_int_id,
             )
         for cached in out.cached_seqs:
             state = self[cached.seq_id]

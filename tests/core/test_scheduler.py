@@ -41,6 +41,8 @@ def make_seq(i: int, prompt: list[int], *, priority: int = 0, arrival: float | N
         arrival_time=float(i) if arrival is None else arrival,
         max_tokens=1 << 30,
         sequences=[],
+        lora_request=None,
+        lora_int_id=0,
     )
     seq = Sequence(f"s{i}", request, 0)
     request.sequences.append(seq)
@@ -464,6 +466,7 @@ def make_request(i: int, prompt: list[int], n: int, max_tokens: int) -> Sequence
         request_id=f"r{i}", prompt_token_ids=list(prompt),
         params=SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True),
         priority=0, arrival_time=float(i), max_tokens=max_tokens, sequences=[],
+        lora_request=None, lora_int_id=0,
     )
     seq = Sequence(f"r{i}#0", request, 0)
     request.sequences.append(seq)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class NewSequenceData:
     params: SamplingParams | None = None
     sample_index: int = 0
     max_tokens: int = 0
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.sched.output import CachedSequenceData, NewSequenceData, SchedulerOutput
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class StepBuilder:
         params: SamplingParams | None = None,
         sample_index: int = 0,
         max_tokens: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Schedule `num_new_tokens` of the sequence, after its computed ones, in `out`
         (`params` etc.: how the runner samples it, see NewSequenceData)."""
@@ -40,7 +42,7 @@ class StepBuilder:
             _, block_ids = self.kv_cache.take_block_delta(seq_id, whole=True)
             out.new_seqs.append(NewSequenceData(
                 seq_id, list(token_ids), num_prompt_tokens, num_computed_tokens, block_ids,
-                wants_prompt_logprobs, params, sample_index, max_tokens,
+                wants_prompt_logprobs, params, sample_index, max_tokens, lora_request,
             ))
         else:
             num_kept, new_block_ids = self.kv_cache.take_block_delta(seq_id)
