@@ -73,6 +73,7 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_lora_rank: int,
         pairs.setdefault(module, {})[match["kind"]] = tensor
     if not pairs:
         raise LoRAError(f"{name}: the weight file holds no LoRA matrices")
+    _check_supported(peft_config, name)
     adapter = LoRAAdapter(request, rank=0)
     for module, pair in sorted(pairs.items()):
         if set(pair) != {"A", "B"}:
@@ -113,6 +114,11 @@ def _read_config(path: str, name: str) -> dict:
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise LoRAError(f"{name}: peft_type is {peft_type!r}; kvserve serves LORA adapters")
+    return config
+
+
+def _check_supported(config: dict, name: str) -> None:
+    """What the matrices alone do not show: options that change how they apply."""
     unsupported = {
         "bias": (config.get("bias", "none"), "none"),
         "use_dora": (bool(config.get("use_dora")), False),
@@ -123,7 +129,6 @@ def _read_config(path: str, name: str) -> dict:
     for key, (value, supported) in unsupported.items():
         if value != supported:
             raise LoRAError(f"{name}: {key}={value!r} is not supported (kvserve's LoRA needs {key}={supported!r})")
-    return config
 
 
 def _read_weights(path: str, name: str) -> dict[str, torch.Tensor]:

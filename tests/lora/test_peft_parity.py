@@ -7,29 +7,21 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvserve import LLM, SamplingParams
 from kvserve.lora import LoRARequest
 from kvserve.model_executor.loader import load_model
-from tests.conftest import randomize, save_tokenizer
 from tests.lora.peft_adapters import greedy_with_logprobs, make_adapter
+from tests.lora.tiny_model import VOCAB, save_tiny_llama
 
-VOCAB = 256
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory):
     """A random tiny Llama saved as safetensors, and its transformers model."""
-    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    randomize(model, seed=0)
     directory = str(tmp_path_factory.mktemp("tiny") / "model")
-    model.save_pretrained(directory)
-    save_tokenizer(directory, VOCAB)
-    return model, directory
+    return save_tiny_llama(directory), directory
 
 
 @pytest.fixture
