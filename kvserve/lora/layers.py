@@ -1,7 +1,9 @@
 """A linear (dense or quantized) plus the LoRA deltas of every adapter slot, applied to each
 token by its slot: one batch mixes adapters and the base model.
 
-The deltas are computed for all slots at once, each token's row masked to its own slot:
+On CUDA, Triton kernels (ops/lora.py) read each token's slot index on the device and apply
+that slot's matrices only. On CPU the deltas are computed for all slots at once, each
+token's row masked to its own slot:
 x @ A_all^T ([T, slots x slices x rank]), times the token's one-hot slot mask, then per slice
 @ B_all^T ([out, slots x rank]). A step reads every slot's A and B once, however many tokens
 it has (gathering each token's A and B would read them once per token: 16 decode rows of
@@ -16,27 +18,30 @@ import torch
 from torch import nn
 
 from kvserve.model_executor.layers.linear import linear
+from kvserve.ops.lora import lora_expand, lora_shrink
 
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, in_features: int, slice_sizes: tuple[int, ...], max_loras: int,
-                 max_rank: int, token_mask: torch.Tensor) -> None:
-        """`token_mask`: [max tokens, max_loras] in the run dtype, shared by every LoRA layer
-        of the model; row t is token t's one-hot slot (zeros: the base model)."""
+                 max_rank: int, token_slots: torch.Tensor, dtype: torch.dtype) -> None:
+        """`token_slots`, shared by every LoRA layer of the model, says which slot each token
+        of the step runs with: on CUDA int32 [max tokens], the slot or -1 (the base model);
+        on CPU [max tokens, max_loras] in the run dtype, row t token t's one-hot slot (zeros:
+        the base model). `dtype`: the run dtype, the matrices' (QLoRA-style on quantized bases)."""
         super().__init__()
         self.base = base
         self.in_features = in_features
         self.out_features = sum(slice_sizes)
         self.slice_sizes = slice_sizes
         self.max_loras, self.max_rank = max_loras, max_rank
-        dtype, device = token_mask.dtype, token_mask.device
+        device = token_slots.device
         # Rows ordered (slot, slice, rank); columns of each B ordered (slot, rank).
         self.register_buffer("lora_a", torch.zeros(max_loras * len(slice_sizes) * max_rank, in_features,
                                                    dtype=dtype, device=device), persistent=False)
         for index, size in enumerate(slice_sizes):
             self.register_buffer(f"lora_b_{index}", torch.zeros(size, max_loras * max_rank, dtype=dtype,
                                                                  device=device), persistent=False)
-        self.register_buffer("token_mask", token_mask, persistent=False)
+        self.register_buffer("token_slots", token_slots, persistent=False)
 
     def lora_b(self, index: int) -> torch.Tensor:
         return getattr(self, f"lora_b_{index}")
@@ -56,9 +61,22 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        if x.is_cuda:
+            return self._forward_kernels(x, y)
         num_tokens, num_slices = x.shape[0], len(self.slice_sizes)
         shrunk = linear(x, self.lora_a).view(num_tokens, self.max_loras, num_slices, self.max_rank)
-        shrunk = shrunk * self.token_mask[:num_tokens, :, None, None]
+        shrunk = shrunk * self.token_slots[:num_tokens, :, None, None]
         deltas = [linear(shrunk[:, :, index].reshape(num_tokens, self.max_loras * self.max_rank), self.lora_b(index))
                   for index in range(num_slices)]
         return y + (deltas[0] if num_slices == 1 else torch.cat(deltas, dim=-1))
+
+    def _forward_kernels(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        slots = self.token_slots
+        num_slices = len(self.slice_sizes)
+        h = lora_shrink(x.contiguous(), self.lora_a.view(self.max_loras, num_slices * self.max_rank, self.in_features), slots)
+        offset = 0
+        for index, size in enumerate(self.slice_sizes):
+            lora_expand(h, index * self.max_rank, self.lora_b(index), self.max_rank, slots, y, offset)
+            offset += size
+        return y
+

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_lora_layers(model: nn.Module, model_config: ModelConfig, lora_config: LoRAConfig,
-                    token_mask: torch.Tensor) -> dict[str, LoRALinear]:
+                    token_slots: torch.Tensor) -> dict[str, LoRALinear]:
     """Wrap every linear an adapter may target (after loading and quantization: the base
     stays as it is, the adapters in the run dtype)."""
     layers = {}
@@ -35,7 +35,7 @@ def add_lora_layers(model: nn.Module, model_config: ModelConfig, lora_config: Lo
             raise ValueError("these weights already serve LoRA adapters for another engine (its slots are "
                              "wrapped around their linears): load the model again for this one")
         layer = LoRALinear(base, target.in_features, target.slice_sizes, lora_config.max_loras,
-                           lora_config.max_lora_rank, token_mask)
+                           lora_config.max_lora_rank, token_slots, model_config.dtype)
         setattr(parent, leaf, layer)
         layers[target.module_name] = layer
     return layers
@@ -48,8 +48,13 @@ class LoRASlots:
         included)."""
         self.model_config = model_config
         self.config = lora_config
-        self.token_mask = torch.zeros(max_tokens, lora_config.max_loras, dtype=model_config.dtype, device=device)
-        self.layers = add_lora_layers(model, model_config, lora_config, self.token_mask)
+        # Each token's slot, as LoRALinear reads it: indices (-1: base) for the CUDA kernels,
+        # one-hot rows for the CPU path.
+        if device.type == "cuda":
+            self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        else:
+            self.token_slots = torch.zeros(max_tokens, lora_config.max_loras, dtype=model_config.dtype)
+        self.layers = add_lora_layers(model, model_config, lora_config, self.token_slots)
         self._slot_ids: list[int] = [0] * lora_config.max_loras  # adapter id per slot (0: empty)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recently used first
         self.num_disk_loads = 0
@@ -109,14 +114,13 @@ class LoRASlots:
     def set_tokens(self, lora_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
         """Each sequence's adapter (0: base) for its tokens of the coming forward pass, in
         batch order."""
-        slots = np.repeat(np.array([self.slot_of(lora_id) for lora_id in lora_ids], dtype=np.int64),
+        slots = np.repeat(np.array([self.slot_of(lora_id) for lora_id in lora_ids], dtype=np.int32),
                           np.asarray(num_tokens, dtype=np.int64))
+        if self.token_slots.is_cuda:
+            self.token_slots[: len(slots)].copy_(torch.from_numpy(slots))
+            return
         mask = np.zeros((len(slots), self.config.max_loras), dtype=np.float32)
         rows = np.nonzero(slots >= 0)[0]
         mask[rows, slots[rows]] = 1.0
-        self.token_mask[: len(slots)].copy_(torch.from_numpy(mask))
-
-    def clear_tokens(self) -> None:
-        """Every token runs on the base model (profiling, calibration)."""
-        self.token_mask.zero_()
+        self.token_slots[: len(slots)].copy_(torch.from_numpy(mask))
 

@@ -15,7 +15,7 @@ def test_mixed_slots_match_per_token_reference() -> None:
     in_features, slice_sizes, max_loras, max_rank = 24, (16, 8, 8), 3, 5
     base = Linear(in_features, sum(slice_sizes), bias=True)
     token_mask = torch.zeros(32, max_loras)
-    layer = LoRALinear(base, in_features, slice_sizes, max_loras, max_rank, token_mask)
+    layer = LoRALinear(base, in_features, slice_sizes, max_loras, max_rank, token_mask, torch.float32)
     # Slot 0: rank 5 on slices 0 and 2; slot 2: rank 2 on slice 1; slot 1 stays empty.
     adapters = {
         0: [(0, torch.randn(5, in_features), torch.randn(16, 5)), (2, torch.randn(5, in_features), torch.randn(8, 5))],
