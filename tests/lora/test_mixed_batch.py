@@ -82,3 +82,20 @@ def test_prefix_cache_is_per_adapter(tiny_with_adapters) -> None:
     assert hits_of(None)[0] == 0
     again_hits, again = hits_of(adapters[0])
     assert again_hits == 16 and again == first
+
+
+def test_running_and_waiting_requests_per_adapter(tiny_with_adapters) -> None:
+    model_dir, adapters = tiny_with_adapters
+    llm = LLM(loaded=load_model(model_dir, dtype=torch.float32), enable_lora=True, max_loras=1,
+              kv_cache_memory="16MiB", block_size=4)
+    engine = llm.engine
+    for lora in (adapters[0], adapters[1], adapters[0], None):
+        engine.add_request(None, {"prompt_token_ids": random_prompt(6, seed=1)}, greedy(3), lora_request=lora)
+    assert engine.stats().lora_requests == {"adapter1": (0, 2), "adapter2": (0, 1)}
+    engine.step()
+    # One slot: adapter2's request waits until adapter1's have finished; the base one runs.
+    assert engine.stats().lora_requests == {"adapter1": (2, 0), "adapter2": (0, 1)}
+    assert engine.stats().num_running_reqs == 3
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().lora_requests == {}
