@@ -1,5 +1,5 @@
-"""An adapter on an int4 base (QLoRA-style: the adapter in the run dtype) computes what the
-same adapter computes on the dequantized int4 weights as a float model."""
+"""An adapter on an int4, int8 or fp8 base (QLoRA-style: the adapter in the run dtype) computes what the
+same adapter computes on the dequantized weights as a float model."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from kvserve.quantization import QuantizedLinear
 from tests.lora.tiny_model import random_prompt, save_adapters, save_tiny_llama
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("method", ["int4", "int8", "fp8"])
 def test_quantized_base_equals_dequantized_base(tmp_path, method) -> None:
     base = save_tiny_llama(str(tmp_path / "model"))
     adapters = save_adapters(base, str(tmp_path), [8, 16])
     quantized = load_model(str(tmp_path / "model"), dtype=torch.float32, quantization=method,
-                           quantization_config={"group_size": 32, "lm_head": False})
+                           quantization_config={"lm_head": False} | ({} if method == "fp8" else {"group_size": 32}))
     dequantized = load_model(str(tmp_path / "model"), dtype=torch.float32)
     with torch.no_grad():
         for name, module in quantized.model.named_modules():
