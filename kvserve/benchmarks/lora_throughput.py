@@ -54,7 +54,8 @@ def run_lora_comparison(engine_args: EngineArgs, make_requests: Callable[[int], 
     result = {"num_loras": num_loras, "lora_rank": lora_rank, "num_requests": len(requests),
               "base_output_tok_s": base_tokens / base_s, "lora_output_tok_s": lora_tokens / lora_s}
     result["lora_vs_base"] = result["lora_output_tok_s"] / result["base_output_tok_s"]
-    print(f"\nbase model:           {base_tokens} output tokens in {base_s:.1f} s = {result['base_output_tok_s']:.1f} tok/s")
+    print(f"\nbase model: {base_tokens} output tokens in {base_s:.1f} s = "
+          f"{result['base_output_tok_s']:.1f} tok/s")
     print(f"{num_loras} LoRA adapters (rank {lora_rank}, requests spread evenly): {lora_tokens} output tokens in "
           f"{lora_s:.1f} s = {result['lora_output_tok_s']:.1f} tok/s")
     print(f"LoRA vs base: {result['lora_vs_base']:.2f}x")

@@ -83,7 +83,7 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_lora_rank: int,
         lora_a, lora_b = pair["A"], pair["B"]
         rank = lora_a.shape[0]
         expected_a, expected_b = (rank, target.linear.in_features), (target.out_features, rank)
-        if lora_a.dim() != 2 or lora_b.dim() != 2 or tuple(lora_a.shape) != expected_a or tuple(lora_b.shape) != expected_b:
+        if tuple(lora_a.shape) != expected_a or tuple(lora_b.shape) != expected_b:
             raise LoRAError(f"{name}: {module} has lora_A {tuple(lora_a.shape)} and lora_B {tuple(lora_b.shape)}; "
                             f"this model ({config.architecture}, hidden size {config.hidden_size}) needs "
                             f"{expected_a} and {expected_b} (was it trained for another base model? "

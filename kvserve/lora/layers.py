@@ -76,7 +76,8 @@ class LoRALinear(nn.Module):
     def _forward_kernels(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         slots = self.token_slots
         num_slices = len(self.slice_sizes)
-        h = lora_shrink(x.contiguous(), self.lora_a.view(self.max_loras, num_slices * self.max_rank, self.in_features), slots)
+        lora_a = self.lora_a.view(self.max_loras, num_slices * self.max_rank, self.in_features)
+        h = lora_shrink(x.contiguous(), lora_a, slots)
         offset = 0
         for index, size in enumerate(self.slice_sizes):
             lora_expand(h, index * self.max_rank, self.lora_b(index), self.max_rank, slots, y, offset)

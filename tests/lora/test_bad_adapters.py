@@ -89,7 +89,8 @@ def test_one_id_for_two_adapters(setup, tmp_path) -> None:
     llm, _, base, _ = setup
     for name in ("a", "b"):
         make_adapter(base, str(tmp_path / name), 4, seed=0)
-    llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=1), lora_request=LoRARequest("a", 9, str(tmp_path / "a")))
+    llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=1),
+                 lora_request=LoRARequest("a", 9, str(tmp_path / "a")))
     message = refused(llm, LoRARequest("b", 9, str(tmp_path / "b")))
     assert "lora_int_id 9" in message and "'a'" in message
 
@@ -104,5 +105,6 @@ def test_missing_weights_file(setup, tmp_path) -> None:
     llm, _, base, _ = setup
     make_adapter(base, str(tmp_path / "half"), 4, seed=0)
     os.remove(tmp_path / "half" / "adapter_model.safetensors")
-    assert "adapter_model.safetensors or adapter_model.bin" in refused(llm, LoRARequest("half", 10, str(tmp_path / "half")))
+    message = refused(llm, LoRARequest("half", 10, str(tmp_path / "half")))
+    assert "adapter_model.safetensors or adapter_model.bin" in message
     shutil.rmtree(tmp_path / "half")

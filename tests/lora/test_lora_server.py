@@ -54,6 +54,10 @@ def complete(client: openai.OpenAI, model: str) -> list[int]:
     return [int(token.removeprefix("t")) for token in response.choices[0].logprobs.tokens]
 
 
+def load(server, name: str, path: str) -> int:
+    return post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}).status_code
+
+
 def post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{server.base_url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                       timeout=60)
@@ -78,7 +82,7 @@ def test_lora_server(lora_server) -> None:
     assert "`a3`" in error.value.body["message"] and error.value.body["code"] == "model_not_found"
 
     # Hot load: a third adapter, with two device slots and room for two on the host.
-    assert post(server, "/v1/load_lora_adapter", {"lora_name": "a3", "lora_path": adapters[2].lora_path}).status_code == 200
+    assert load(server, "a3", adapters[2].lora_path) == 200
     assert {m.id for m in client.models.list().data} == {"model", "a1", "a2", "a3"}
     assert complete(client, "a3") == expected["a3"]
     # a1 was evicted from the host cache (least recently used): it is read again.
@@ -91,7 +95,8 @@ def test_lora_server(lora_server) -> None:
     assert clash.status_code == 400 and "base model" in clash.json()["error"]["message"]
     missing = post(server, "/v1/load_lora_adapter", {"lora_name": "ghost", "lora_path": str(directory / "nowhere")})
     assert missing.status_code == 400 and "'ghost'" in missing.json()["error"]["message"]
-    assert post(server, "/v1/load_lora_adapter", {"lora_name": "a2", "lora_path": adapters[0].lora_path}).status_code == 400
+    assert missing.json()["error"]["param"] == "lora_path"
+    assert load(server, "a2", adapters[0].lora_path) == 400
     no_key = httpx.post(f"{server.base_url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "y"})
     assert no_key.status_code == 401
 
@@ -105,6 +110,6 @@ def test_lora_server(lora_server) -> None:
         complete(client, "a3")
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": "a3"}).status_code == 404
     # Loaded again under the same name: served again (a new id, so no stale prefix-cache hits).
-    assert post(server, "/v1/load_lora_adapter", {"lora_name": "a3", "lora_path": adapters[0].lora_path}).status_code == 200
+    assert load(server, "a3", adapters[0].lora_path) == 200
     assert complete(client, "a3") == expected["a1"]
     assert complete(client, "model") == expected[None]

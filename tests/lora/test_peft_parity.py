@@ -3,6 +3,8 @@ the same log-probabilities within fp32 tolerance and the same greedy tokens."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 
 import pytest
@@ -75,7 +77,7 @@ def test_bin_adapter_on_some_projections(tiny_llama, tmp_path) -> None:
     assert_matches(*reference, *engine_outputs(llm, prompt, LoRARequest("qvd", 7, str(tmp_path / "adapter"))))
 
 
-def test_smollm2_matches_peft(smollm2_hf, smollm2_path, tmp_path) -> None:
+def test_smollm2_matches_peft(smollm2_hf, smollm2_loaded, tmp_path) -> None:
     """The real model: a rank-8 rslora adapter on all seven projections."""
     peft_model = make_adapter(smollm2_hf, str(tmp_path / "adapter"), 8, seed=1, use_rslora=True)
     prompt = [1, 504, 3458, 282, 4649, 314, 260, 1345, 28, 378, 12, 9987, 45, 2081]
@@ -83,8 +85,9 @@ def test_smollm2_matches_peft(smollm2_hf, smollm2_path, tmp_path) -> None:
     with torch.no_grad():
         base_logprobs = torch.log_softmax(smollm2_hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
     assert (base_logprobs - reference_logprobs[0]).abs().max() > 0.5  # the adapter matters
-    llm = LLM(smollm2_path, quantization="none", enable_lora=True, max_lora_rank=8, kv_cache_memory="64MiB",
-              max_model_len=256)
+    # A copy of the session's fp32 weights: the LoRA engine wraps its linears.
+    loaded = dataclasses.replace(smollm2_loaded, model=copy.deepcopy(smollm2_loaded.model))
+    llm = LLM(loaded=loaded, enable_lora=True, max_lora_rank=8, kv_cache_memory="64MiB", max_model_len=256)
     ids, logprobs = engine_outputs(llm, prompt, LoRARequest("smol", 1, str(tmp_path / "adapter")))
     assert list(ids) == reference_ids
     for step, entries in enumerate(logprobs):

@@ -85,7 +85,8 @@ def test_gpu_lora_layer_equals_cpu_layer() -> None:
     gpu = LoRALinear(Linear(96, 80, bias=False).cuda(), 96, (48, 32), 3, 8, indices.cuda(), torch.float32)
     gpu.base.weight.data.copy_(base.weight.data)
     for slot in range(3):
-        slices = [(0, torch.randn(8 - slot, 96), torch.randn(48, 8 - slot)), (1, torch.randn(3, 96), torch.randn(32, 3))]
+        slices = [(0, torch.randn(8 - slot, 96), torch.randn(48, 8 - slot)),
+                  (1, torch.randn(3, 96), torch.randn(32, 3))]
         cpu.set_slot(slot, slices)
         gpu.set_slot(slot, [(i, a.cuda(), b.cuda()) for i, a, b in slices])
     x = torch.randn(len(slots), 96)

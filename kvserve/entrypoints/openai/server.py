@@ -28,6 +28,7 @@ from kvserve.entrypoints.openai.protocol import (
 )
 from kvserve.entrypoints.openai.request_checks import warn_ignored_fields
 from kvserve.entrypoints.openai.serving import ServerState, require_tokenizer
+from kvserve.lora.adapter import LoRAError
 from kvserve.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from kvserve.entrypoints.openai.serving_completion import create_completion
 
@@ -113,8 +114,10 @@ def build_app(state: ServerState) -> FastAPI:
         async_llm = state.engine and state.async_llm  # 503 while the model loads
         try:
             await state.load_lora(async_llm, LoRAModule(request.lora_name, request.lora_path))
-        except ValueError as error:
-            raise OpenAIError(400, str(error), param="lora_path" if "lora_path" in str(error) else "lora_name") from None
+        except LoRAError as error:  # the adapter cannot run on this model
+            raise OpenAIError(400, str(error), param="lora_path") from None
+        except ValueError as error:  # its name is taken
+            raise OpenAIError(400, str(error), param="lora_name") from None
         return Response(f"Success: LoRA adapter '{request.lora_name}' added successfully.", media_type="text/plain")
 
     @api.post("/v1/unload_lora_adapter")

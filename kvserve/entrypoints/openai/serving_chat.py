@@ -90,7 +90,8 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     priority = request.priority or 0
 
     def base(kind: str) -> dict:
-        return {"id": request_id, "object": kind, "created": created, "model": state.served_model_name if lora is None else lora.lora_name}
+        model = state.served_model_name if lora is None else lora.lora_name
+        return {"id": request_id, "object": kind, "created": created, "model": model}
 
     if not request.stream:
         (final,) = await collect_final(state, request_id, [prompt_ids], params, priority, lora)
