@@ -99,3 +99,21 @@ def test_running_and_waiting_requests_per_adapter(tiny_with_adapters) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().lora_requests == {}
+
+
+def test_requests_running_on_a_removed_adapter_finish_on_it(tiny_with_adapters) -> None:
+    model_dir, adapters = tiny_with_adapters
+    llm = LLM(loaded=load_model(model_dir, dtype=torch.float32), enable_lora=True, kv_cache_memory="16MiB",
+              block_size=4)
+    prompt = {"prompt_token_ids": random_prompt(10, seed=3)}
+    expected = llm.generate(prompt, greedy(), lora_request=adapters[2])[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request("running", prompt, greedy(), lora_request=adapters[2])
+    engine.step()
+    engine.remove_lora(adapters[2].lora_int_id)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.outputs[0].token_ids for o in outputs if o.finished] == [expected]
+    # Asked for again, it is read from disk again.
+    assert llm.generate(prompt, greedy(), lora_request=adapters[2])[0].outputs[0].token_ids == expected
