@@ -417,13 +417,14 @@ class EngineCore:
         )
 
     def _fail(self, failed: dict[str, str], outputs: EngineCoreOutputs) -> None:
-        """End the requests of sequences whose sampling raised, and only those."""
+        """End the requests of sequences whose sampling raised (or whose LoRA adapter could not
+        be read), and only those."""
         for seq_id, error in failed.items():
             seq = self.scheduler.seqs.get(seq_id)
             request = None if seq is None else self.requests.pop(seq.request.request_id, None)
             if request is None:
                 continue  # a sibling sample failed too
-            logger.warning("request %s failed in sampling: %s", request.request_id, error)
+            logger.warning("request %s failed: %s", request.request_id, error)
             self._finish(request, SequenceStatus.FINISHED_ABORTED)
             outputs.failed_requests[request.request_id] = error
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvserve.config import ModelConfig
-from kvserve.lora.adapter import LoRAAdapter, load_adapter
+from kvserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from kvserve.lora.config import LoRAConfig
 from kvserve.lora.layers import LoRALinear
 from kvserve.lora.request import LoRARequest
@@ -66,16 +66,19 @@ class LoRASlots:
                    for name, buffer in layer.named_buffers(recurse=False) if name.startswith("lora_"))
 
     def slot_of(self, lora_int_id: int) -> int:
-        """The slot of a resident adapter; -1 for the base model (id 0)."""
-        return self._slot_ids.index(lora_int_id) if lora_int_id else -1
+        """The slot of a resident adapter; -1 for the base model (id 0) and for an adapter
+        that could not be loaded (its sequences are failed)."""
+        return self._slot_ids.index(lora_int_id) if lora_int_id in self._slot_ids and lora_int_id else -1
 
     def resident(self) -> list[int]:
         return [lora_id for lora_id in self._slot_ids if lora_id]
 
-    def activate(self, requests: Iterable[LoRARequest], in_use: Iterable[int]) -> None:
+    def activate(self, requests: Iterable[LoRARequest], in_use: Iterable[int]) -> dict[int, str]:
         """Put each requested adapter in a device slot, evicting only adapters of no held
         sequence (`in_use`: ids of every sequence the runner holds); the scheduler keeps those
-        to max_loras."""
+        to max_loras. Returns the adapters that could not be read (id -> the error: e.g.
+        deleted from disk after the front checked them), which get no slot."""
+        failed = {}
         for request in requests:
             if request.lora_int_id in self._slot_ids:
                 self._touch(request)
@@ -86,11 +89,16 @@ class LoRASlots:
                 raise RuntimeError(f"no free LoRA slot for {request.lora_name!r}: {self.config.max_loras} "
                                    "adapters are in use (the scheduler admits at most max_loras)")
             slot = next((s for s in free if self._slot_ids[s] == 0), free[0])
-            adapter = self._touch(request)
+            try:
+                adapter = self._touch(request)
+            except LoRAError as error:
+                failed[request.lora_int_id] = str(error)
+                continue
             for name, layer in self.layers.items():
                 slices = adapter.linears.get(name, [])
                 layer.set_slot(slot, [(w.slice_index, w.lora_a, w.lora_b) for w in slices])
             self._slot_ids[slot] = request.lora_int_id
+        return failed
 
     def remove(self, lora_int_id: int) -> None:
         """Forget the adapter on the host; its slot is reused once no sequence runs on it."""

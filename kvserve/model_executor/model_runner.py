@@ -112,6 +112,9 @@ class ModelRunner:
         self._check_kv_cache_dtype()
         self.extra_kv_bytes_per_block = extra_kv_bytes_per_block
         self.lora: LoRASlots | None = None
+        # Sequences whose LoRA adapter could not be read this step (id -> the error): they run
+        # on the base model and their requests fail (ModelRunnerOutput.failed).
+        self._lora_failures: dict[str, str] = {}
         if lora_config is not None:
             max_tokens = max(scheduler_config.max_num_batched_tokens,
                              scheduler_config.max_num_seqs * (1 + max_draft_tokens))
@@ -413,7 +416,9 @@ class ModelRunner:
         if self.lora is not None:
             adapters = {new.lora_request.lora_int_id: new.lora_request for new in sched.new_seqs if new.lora_request}
             if adapters:
-                self.lora.activate(adapters.values(), {seq.lora_int_id for seq in self.seqs.values()})
+                failed = self.lora.activate(adapters.values(), {seq.lora_int_id for seq in self.seqs.values()})
+                self._lora_failures = {new.seq_id: failed[new.lora_request.lora_int_id] for new in sched.new_seqs
+                                       if new.lora_request and new.lora_request.lora_int_id in failed}
         self.step_sampler.prepare(sched)
         if sched.finished_seq_ids:
             self.step_sampler.forget(sched.finished_seq_ids)
@@ -430,10 +435,14 @@ class ModelRunner:
             self._apply(sched)
             return ModelRunnerOutput()
         logits = self.forward(sched)
-        return self.step_sampler.sample(
+        output = self.step_sampler.sample(
             sched, self.seqs, logits.sample_logits, logits.sampling_seq_ids,
             logits.num_sample_rows, logits.prompt_logits, self.speculator,
         )
+        if self._lora_failures:
+            output.failed.update(self._lora_failures)
+            self._lora_failures = {}
+        return output
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> None:

@@ -108,3 +108,21 @@ def test_missing_weights_file(setup, tmp_path) -> None:
     message = refused(llm, LoRARequest("half", 10, str(tmp_path / "half")))
     assert "adapter_model.safetensors or adapter_model.bin" in message
     shutil.rmtree(tmp_path / "half")
+
+
+def test_adapter_deleted_after_its_check_fails_only_its_request(setup, tmp_path) -> None:
+    """Evicted from the host cache, then gone from disk: its next request fails with the
+    reason, the others in the same step run."""
+    _, directory, base, _ = setup
+    llm = LLM(loaded=load_model(str(directory / "model"), dtype=torch.float32), enable_lora=True, max_loras=1,
+              max_cpu_loras=1, kv_cache_memory="16MiB", block_size=4)
+    first, second = (LoRARequest(name, index, str(tmp_path / name)) for index, name in ((1, "first"), (2, "second")))
+    for request in (first, second):
+        make_adapter(base, request.lora_path, 4, seed=request.lora_int_id)
+    params = SamplingParams(max_tokens=2)
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, params, lora_request=first)
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, params, lora_request=second)  # evicts `first` from the host
+    shutil.rmtree(first.lora_path)
+    outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, params, lora_request=[first, None])
+    assert "'first'" in outputs[0].error and "does not exist" in outputs[0].error
+    assert outputs[1].error is None and len(outputs[1].outputs[0].token_ids) == 2
