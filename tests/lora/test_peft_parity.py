@@ -85,7 +85,7 @@ def test_smollm2_matches_peft(smollm2_hf, smollm2_loaded, tmp_path) -> None:
     with torch.no_grad():
         base_logprobs = torch.log_softmax(smollm2_hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
     assert (base_logprobs - reference_logprobs[0]).abs().max() > 0.5  # the adapter matters
-    # A copy of the session's fp32 weights: the LoRA engine wraps its linears.
+    # A copy of the fp32 weights other tests share: the LoRA engine wraps its linears.
     loaded = dataclasses.replace(smollm2_loaded, model=copy.deepcopy(smollm2_loaded.model))
     llm = LLM(loaded=loaded, enable_lora=True, max_lora_rank=8, kv_cache_memory="64MiB", max_model_len=256)
     ids, logprobs = engine_outputs(llm, prompt, LoRARequest("smol", 1, str(tmp_path / "adapter")))
