@@ -86,6 +86,7 @@ class SchedulerConfig:
     # Chunked prefill: a long prompt is split across steps so that decodes keep flowing.
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority"
+    max_loras: int = 0  # LoRA adapters that may run at once (the device's slots); 0: no LoRA
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

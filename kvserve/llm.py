@@ -10,6 +10,7 @@ from tqdm import tqdm
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.lora.request import LoRARequest
 from kvserve.model_executor.loader import LoadedModel
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -42,10 +43,12 @@ class LLM:
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
         on_step: Callable[[], None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`; `on_step` is called after each engine step
         (benchmarks time the steps with it). Without `sampling_params`, the model's sampling
-        defaults (generation_config.json) apply where it has them."""
+        defaults (generation_config.json) apply where it has them. `lora_request`: the LoRA
+        adapter of every prompt, or one per prompt (None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.engine.default_sampling_params()] * len(prompt_list)
@@ -56,13 +59,22 @@ class LLM:
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
                 )
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(f"got {len(lora_list)} LoRA requests for {len(prompt_list)} prompts")
         # Validate everything before scheduling anything, so a bad prompt adds nothing.
         prompt_list = [self.engine.prepare_prompt(prompt) for prompt in prompt_list]
         for prompt, params in zip(prompt_list, params_list):
             self.engine.validate(prompt.token_ids, params)
+        for lora in lora_list:
+            if lora is not None:
+                self.engine.check_lora(lora)
         request_ids = [
-            self.engine.add_request(None, prompt, params, priority=prio).request_id
-            for prompt, params, prio in zip(prompt_list, params_list, priorities)
+            self.engine.add_request(None, prompt, params, priority=prio, lora_request=lora).request_id
+            for prompt, params, prio, lora in zip(prompt_list, params_list, priorities, lora_list)
         ]
         return self._run(request_ids, use_tqdm, on_step)
 

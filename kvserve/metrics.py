@@ -144,6 +144,27 @@ class _EngineCollector(Collector):
         family.add_metric(self._labels, value)
         return family
 
+    def _lora_families(self, lora_requests: dict[str, tuple[int, int]]) -> Iterator[Metric]:
+        """Per-adapter request counts, and vLLM's lora_requests_info (its labels list the
+        adapters with running and with waiting requests), for engines serving LoRA."""
+        lora_config = self._engine.client.info.lora_config
+        if lora_config is None:
+            return
+        running = GaugeMetricFamily("kvserve:lora_num_requests_running", "Requests running on each LoRA adapter.",
+                                    labels=["model_name", "lora_name"])
+        waiting = GaugeMetricFamily("kvserve:lora_num_requests_waiting", "Requests waiting, per LoRA adapter.",
+                                    labels=["model_name", "lora_name"])
+        for name, (num_running, num_waiting) in sorted(lora_requests.items()):
+            running.add_metric([*self._labels, name], num_running)
+            waiting.add_metric([*self._labels, name], num_waiting)
+        info = GaugeMetricFamily("kvserve:lora_requests_info", "Running and waiting LoRA adapters (labels); the "
+                                 "value is when it was read.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(lora_config.max_loras),
+                         ",".join(sorted(n for n, (r, _) in lora_requests.items() if r)),
+                         ",".join(sorted(n for n, (_, w) in lora_requests.items() if w))], time.time())
+        yield from (running, waiting, info)
+
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.stats()
         yield self._family(GaugeMetricFamily, "kvserve:num_requests_running",
@@ -190,6 +211,7 @@ class _EngineCollector(Collector):
                            "encoded again).", stats.num_images_encoded)
         yield self._family(CounterMetricFamily, "kvserve:encoder_time_seconds",
                            "Seconds the vision encoder ran.", stats.encoder_seconds)
+        yield from self._lora_families(stats.lora_requests)
         spec = stats.spec_decode
         if spec is None:
             return

@@ -127,6 +127,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
                        help="Also run transformers generate one at a time (real models only).")
     group.add_argument("--output-json", default=None, help="Write the results to this file.")
+    group.add_argument("--num-loras", type=int, default=0,
+                       help="Compare the base model with the same model serving this many random LoRA adapters "
+                       "(PEFT format, the model's real shapes, all seven projections), the requests spread "
+                       "evenly over them: two engines, one after the other, on the same requests (the LoRA one "
+                       "with at least this many --max-loras slots). 0: the usual runs.")
+    group.add_argument("--lora-rank", type=int, default=16, help="Rank of the random adapters of --num-loras.")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -137,6 +143,16 @@ def run_from_args(args: argparse.Namespace) -> int:
     # fp8 weights run prefill on the fp8 tensor cores: their floor counts that rate.
     fp8_linears = engine_args.quantization == "fp8" and device.type == "cuda"
     linear_peak = matmul_peak_flops(device, float8=True) if fp8_linears else None
+    if args.num_loras:
+        from kvserve.benchmarks.lora_throughput import run_lora_comparison
+
+        result = run_lora_comparison(engine_args, lambda vocab_size: make_requests(
+            args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab_size, args.workload_seed),
+            args.num_loras, args.lora_rank)
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
     llm = LLM(**vars(engine_args))
     engine = llm.engine
     requests = make_requests(

@@ -20,6 +20,12 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int],
     return hash((parent_hash, tuple(token_ids)))
 
 
+def root_hash(lora_int_id: int) -> int | None:
+    """The parent of a sequence's first block: the LoRA adapter it runs with (None: the base
+    model), so that KV computed under one adapter is never found by another or by the base."""
+    return hash(("lora", lora_int_id)) if lora_int_id else None
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
@@ -78,9 +84,10 @@ class KVCacheManager:
         start, end = index * self.block_size, (index + 1) * self.block_size
         return hash_block_tokens(parent, token_ids[start:end], image_hashes_in(images, start, end))
 
-    def find_cached_prefix(self, token_ids: Sequence[int],
-                           images: Sequence[ImageFeature] = ()) -> list[KVBlock]:
-        """Cached blocks covering the longest cached prefix of `token_ids`.
+    def find_cached_prefix(self, token_ids: Sequence[int], images: Sequence[ImageFeature] = (),
+                           lora_int_id: int = 0) -> list[KVBlock]:
+        """Cached blocks covering the longest cached prefix of `token_ids` (with its
+        `images`) computed with the same LoRA adapter (0: the base model).
 
         At least one token is always left to compute, since the step must produce logits
         for the last position.
@@ -89,7 +96,7 @@ class KVCacheManager:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[KVBlock] = []
-        parent: int | None = None
+        parent = root_hash(lora_int_id)
         for i in range(max_blocks):
             parent = self._block_hash(parent, token_ids, i, images)
             block = self.pool.lookup(parent)
@@ -156,8 +163,9 @@ class KVCacheManager:
         return copies
 
     def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_tokens: int,
-                          images: Sequence[ImageFeature] = ()) -> None:
-        """Make the sequence's blocks that are full once `num_tokens` are computed findable.
+                          images: Sequence[ImageFeature] = (), lora_int_id: int = 0) -> None:
+        """Make the sequence's blocks that are full once `num_tokens` are computed findable
+        (by sequences of the same LoRA adapter, `lora_int_id`; 0: the base model).
 
         Called when the step that writes those tokens is certain to run (not for a sequence
         preempted before it), so a hit never reads KV that was not written.
@@ -169,7 +177,7 @@ class KVCacheManager:
         num_full = min(num_tokens, len(token_ids)) // self.block_size
         while len(hashes) < num_full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root_hash(lora_int_id)
             block_hash = self._block_hash(parent, token_ids, i, images)
             hashes.append(block_hash)
             self.pool.register(table[i], block_hash)

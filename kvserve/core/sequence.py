@@ -11,6 +11,7 @@ from collections.abc import Sequence as Seq
 from typing import Protocol
 
 from kvserve.multimodal.inputs import ImageFeature
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 
@@ -25,6 +26,8 @@ class SequenceOwner(Protocol):
     max_tokens: int
     sequences: list[Sequence]
     mm_features: list[ImageFeature]
+    lora_request: LoRARequest | None
+    lora_int_id: int  # 0: the base model
 
 
 class SequenceStatus(enum.Enum):
@@ -83,6 +86,10 @@ class Sequence:
     @property
     def arrival_time(self) -> float:
         return self.request.arrival_time
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.request.lora_int_id
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -134,6 +135,7 @@ class AsyncLLM:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs as tokens arrive; the last one has finished=True.
 
@@ -153,7 +155,8 @@ class AsyncLLM:
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prepared, params, priority=priority)
+                self.engine.add_request(request_id, prepared, params, priority=priority,
+                                        lora_request=lora_request)
                 loop.call_soon_threadsafe(_settle, added, None)
             except Exception as error:
                 loop.call_soon_threadsafe(_settle, added, error)
@@ -177,6 +180,28 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:
                 self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter on the engine's thread (raises LoRAError)."""
+        await self._call(lambda: self.engine.check_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        await self._call(lambda: self.engine.remove_lora(lora_int_id))
+
+    async def _call(self, function: Callable[[], None]) -> None:
+        """Run `function` on the engine's thread, between steps; raises what it raises."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def command() -> None:
+            try:
+                function()
+                loop.call_soon_threadsafe(_settle, done, None)
+            except Exception as error:
+                loop.call_soon_threadsafe(_settle, done, error)
+
+        self._submit(command)
+        await done
 
     async def abort(self, request_id: str) -> None:
         self._submit(lambda: self.engine.abort_request(request_id))

@@ -110,6 +110,9 @@ class EngineCore:
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
         )
+        self.lora_config = args.lora_config()
+        if self.lora_config is not None:
+            self.scheduler_config.max_loras = self.lora_config.max_loras
         spec_config = draft = None
         if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
             self.runner = self._parallel_executor(args, loaded)
@@ -137,6 +140,7 @@ class EngineCore:
                 max_draft_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
                 max_verify_batch=None if spec_config is None else spec_config.disable_by_batch_size,
                 compile_decode=args.compile_decode, tokenizer=loaded.tokenizer,
+                lora_config=self.lora_config,
             )
         self._check_max_model_len_fits()
         self.kv_cache = KVCacheManager(
@@ -197,6 +201,8 @@ class EngineCore:
             raise ValueError("tensor or pipeline parallelism: the workers load the model; pass a model path")
         if args.speculative_config is not None:
             raise ValueError("tensor or pipeline parallelism does not support speculative decoding yet")
+        if args.enable_lora:
+            raise ValueError("tensor or pipeline parallelism does not support LoRA adapters yet (--enable-lora)")
         if args.quantization == "gguf":
             raise ValueError("tensor or pipeline parallelism cannot split GGUF blocks kept packed (quantization="
                              "'gguf'); use auto, int8 or int4, applied on each rank after sharding")
@@ -251,7 +257,7 @@ class EngineCore:
             self.runner.num_blocks, self.scheduler_config.max_num_seqs, str(self.device),
             self.runner.kv_cache_dtype, self.runner.attention_backend_name,
             kv_cache_bytes_per_block(self.model_config, self.args.block_size, self.runner.kv_cache_dtype),
-            self.runner.decode_weight_bytes, self.runner.expert_weight_bytes,
+            self.runner.decode_weight_bytes, self.runner.expert_weight_bytes, self.lora_config,
         )
 
     # -- requests --------------------------------------------------------------------------
@@ -262,6 +268,7 @@ class EngineCore:
         core_request = Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
             request.priority, request.arrival_time, mm_features=request.mm_features,
+            lora_request=request.lora_request,
         )
         self.requests[request.request_id] = core_request
         seq = Sequence(f"{request.request_id}#0", core_request, 0)
@@ -274,6 +281,12 @@ class EngineCore:
             if request is not None:
                 self._finish(request, SequenceStatus.FINISHED_ABORTED)
         self._release_when_idle()
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget a LoRA adapter's weights on the host; requests still running on it finish
+        (its device slot is reused only once none runs there)."""
+        if self.runner.lora is not None:
+            self.runner.lora.remove(lora_int_id)
 
     def stop_sequences(self, stops: list[tuple[str, int]]) -> None:
         """End samples (request id, index) whose text hit a stop string; a request whose
@@ -350,6 +363,7 @@ class EngineCore:
             spec_decode=self.spec_decode_stats,
             num_images_encoded=0 if encoder_cache is None else encoder_cache.num_images_encoded,
             encoder_seconds=0.0 if encoder_cache is None else encoder_cache.encoder_seconds,
+            lora_requests={} if self.lora_config is None else self.scheduler.lora_requests(),
         )
 
     # -- the step --------------------------------------------------------------------------
@@ -426,13 +440,14 @@ class EngineCore:
         )
 
     def _fail(self, failed: dict[str, str], outputs: EngineCoreOutputs) -> None:
-        """End the requests of sequences whose sampling raised, and only those."""
+        """End the requests of sequences whose sampling raised (or whose LoRA adapter could not
+        be read), and only those."""
         for seq_id, error in failed.items():
             seq = self.scheduler.seqs.get(seq_id)
             request = None if seq is None else self.requests.pop(seq.request.request_id, None)
             if request is None:
                 continue  # a sibling sample failed too
-            logger.warning("request %s failed in sampling: %s", request.request_id, error)
+            logger.warning("request %s failed: %s", request.request_id, error)
             self._finish(request, SequenceStatus.FINISHED_ABORTED)
             outputs.failed_requests[request.request_id] = error
 

@@ -18,6 +18,9 @@ class EngineCoreClient(Protocol):
     def stop_sequences(self, stops: list[tuple[str, int]]) -> None:
         """End samples (request id, index) that a stop string ended."""
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget a LoRA adapter's weights once no request runs on it."""
+
     def step(self) -> EngineCoreOutputs: ...
 
     def has_unfinished_requests(self) -> bool: ...
@@ -40,6 +43,7 @@ class InprocClient:
         self.add_request = core.add_request
         self.abort_requests = core.abort_requests
         self.stop_sequences = core.stop_sequences
+        self.remove_lora = core.remove_lora
         self.step = core.step
         self.has_unfinished_requests = core.has_unfinished_requests
         self.run_idle_work = core.run_idle_work

@@ -88,6 +88,8 @@ def _handle(core: Any, message: tuple[str, Any]) -> bool:
         core.abort_requests(payload)
     elif kind == "stop":
         core.stop_sequences(payload)
+    elif kind == "remove_lora":
+        core.remove_lora(payload)
     elif kind == "shutdown":
         return False
     else:
@@ -170,6 +172,9 @@ class MPClient:
 
     def stop_sequences(self, stops: list[tuple[str, int]]) -> None:
         self._send(("stop", stops))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._send(("remove_lora", lora_int_id))
 
     def step(self) -> EngineCoreOutputs:
         """The outputs of the core's next step, merged with any that followed it."""

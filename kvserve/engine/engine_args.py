@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvserve.lora.config import LoRAConfig
 from kvserve.quantization.cpu_plan import AUTO, NONE
 from kvserve.quantization import QUANTIZATION_METHODS
 from kvserve.attention.selector import BACKEND_NAMES
@@ -102,6 +103,16 @@ class EngineArgs:
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_local_media_path: str | None = None
     allow_remote_media: bool = False
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits (None without enable_lora)."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def resolved_device(self) -> torch.device:
         """The device to run on; one that is not here is an error before anything loads."""
@@ -346,6 +357,29 @@ class EngineArgs:
             "--allow-remote-media", action=argparse.BooleanOptionalAction, default=False,
             help="Fetch http(s) image URLs of chat requests (default: off, only data: URLs and "
             "allowed file:// paths are read).",
+        )
+
+        group = parser.add_argument_group("LoRA adapters")
+        group.add_argument(
+            "--enable-lora", action="store_true",
+            help="Serve LoRA adapters (PEFT format) on top of the base model: each request names "
+            "one (or none) and one batch mixes them. `kvserve serve` takes them with "
+            "--lora-modules; the offline API with LLM.generate(..., lora_request=...).",
+        )
+        group.add_argument(
+            "--max-loras", type=int, default=4,
+            help="Adapters resident on the device at once (its slots; every LoRA layer computes "
+            "all slots for every token, so more slots cost time as well as memory). A request "
+            "for another adapter waits until a slot's requests finish.",
+        )
+        group.add_argument(
+            "--max-lora-rank", type=int, default=16,
+            help="Rank of every slot; an adapter of a larger rank is refused.",
+        )
+        group.add_argument(
+            "--max-cpu-loras", type=int, default=None,
+            help="Adapters kept loaded in host memory, least recently used evicted first (an "
+            "evicted adapter is read from disk again on its next request); default: --max-loras.",
         )
 
     @property

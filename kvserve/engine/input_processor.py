@@ -12,6 +12,8 @@ from PIL import Image
 from kvserve.engine.messages import EngineCoreInfo, EngineCoreRequest
 from kvserve.multimodal.inputs import ImageFeature
 from kvserve.multimodal.processing import ImageProcessing
+from kvserve.lora.checker import AdapterChecker
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output import grammar as structured_grammar
 
@@ -51,6 +53,7 @@ class InputProcessor:
         self.tokenizer = info.tokenizer
         self.image_processing = image_processing
         self.image_limit = image_limit
+        self.adapters = AdapterChecker(info.model_config, info.lora_config)
 
     def prepare(self, prompt: PromptType) -> PreparedPrompt:
         """Tokenize the prompt and expand its images (vLLM's {"prompt": ..., "multi_modal_data":
@@ -147,11 +150,14 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """(prompt text if it was text, the request for the core)."""
         prepared = self.prepare(prompt)
         max_tokens = self.validate(prepared.token_ids, params)
+        if lora_request is not None:
+            self.adapters.check(lora_request)
         return prepared.text, EngineCoreRequest(
             request_id, prepared.token_ids, params, max_tokens, priority, arrival_time or time.time(),
-            prepared.mm_features,
+            prepared.mm_features, lora_request,
         )

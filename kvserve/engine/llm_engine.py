@@ -14,6 +14,7 @@ from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.input_processor import InputProcessor, PreparedPrompt, PromptType
 from kvserve.engine.messages import SchedulerStats
 from kvserve.engine.output_processor import OutputProcessor, RequestState
+from kvserve.lora.request import LoRARequest
 from kvserve.model_executor.loader import LoadedModel
 from kvserve.multimodal.chat import split_images
 from kvserve.multimodal.media import MediaPolicy
@@ -107,15 +108,26 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestState:
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._request_counter)}"
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        prompt_text, request = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        prompt_text, request = self.input_processor.process(request_id, prompt, params, arrival_time, priority,
+                                                            lora_request)
         self.client.add_request(request)
         return self.output_processor.add_request(request, prompt_text)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (raises LoRAError), before any request uses it."""
+        self.input_processor.adapters.check(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter: requests still running on it finish; new ones must load it again."""
+        self.input_processor.adapters.forget(lora_int_id)
+        self.client.remove_lora(lora_int_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         output = self.output_processor.abort(request_id)

@@ -11,6 +11,8 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.multimodal.inputs import ImageFeature
+from kvserve.lora.config import LoRAConfig
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.stats import SpecDecodeStats
 
@@ -28,6 +30,7 @@ class EngineCoreRequest:
     # The prompt's images: placeholder spans (already expanded in prompt_token_ids) and
     # the preprocessed tensors the vision encoder reads.
     mm_features: list[ImageFeature] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 @dataclass
@@ -73,6 +76,8 @@ class SchedulerStats:
     num_images_encoded: int = 0  # images the vision encoder ran on (not those it had cached)
     encoder_seconds: float = 0.0  # and the time it took
     spec_decode: SpecDecodeStats | None = None  # None: the engine does not speculate
+    # LoRA adapter name -> (running, waiting) requests on it (adapters with any).
+    lora_requests: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,3 +109,4 @@ class EngineCoreInfo:
     kv_bytes_per_block: int  # all layers (and all ranks) of one block of block_size tokens
     decode_weight_bytes: int  # what a batch-1 decode step reads of the weights (its bandwidth floor)
     expert_weight_bytes: int  # all experts of a mixture (model_bytes.decode_step_weight_bytes)
+    lora_config: LoRAConfig | None = None  # None: the base model only

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvserve.core.sequence import Sequence
 from kvserve.multimodal.inputs import ImageFeature
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 
@@ -22,3 +23,8 @@ class Request:
     # Prompt positions whose logprobs were sent (the first has none: it has no context).
     num_prompt_logprobs: int = 1
     mm_features: list[ImageFeature] = field(default_factory=list)  # the prompt's images
+    lora_request: LoRARequest | None = None  # None: the base model
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id

@@ -47,6 +47,7 @@ class RunnerSequence:
     params: SamplingParams | None  # None: not sampled by the runner
     sample_index: int
     max_tokens: int
+    lora_int_id: int  # 0: the base model
     mm_features: list[ImageFeature] = field(default_factory=list)
     # M-RoPE models: the prompt's [3, P] positions and the offset of every later token's
     # position from its index (computed by the runner on first use).
@@ -76,7 +77,8 @@ class SequenceStates(dict[str, RunnerSequence]):
             self[new.seq_id] = RunnerSequence(
                 new.token_ids, new.num_prompt_tokens, new.num_computed_tokens,
                 array("i", new.block_ids), new.wants_prompt_logprobs, new.params,
-                new.sample_index, new.max_tokens, new.mm_features,
+                new.sample_index, new.max_tokens,
+                0 if new.lora_request is None else new.lora_request.lora_int_id, new.mm_features,
             )
         for cached in out.cached_seqs:
             state = self[cached.seq_id]

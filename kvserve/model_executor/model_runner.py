@@ -19,6 +19,8 @@ from kvserve.attention.selector import get_attn_backend
 from kvserve.attention.torch_ref import FLOAT8_DTYPES, as_storage
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
+from kvserve.lora.config import LoRAConfig
+from kvserve.lora.slots import LoRASlots
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
 from kvserve.model_executor.encoder_cache import EncoderCache
@@ -107,6 +109,7 @@ class ModelRunner:
         max_verify_batch: int | None = None,
         compile_decode: bool | None = False,
         tokenizer=None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """`extra_kv_bytes_per_block`: another cache sized in the same number of blocks
         (a speculative draft model's) that the KV memory budget must also hold.
@@ -116,7 +119,9 @@ class ModelRunner:
         `compile_decode`: run CPU decode steps through a torch.compile'd graph
         (compiled_decode.py), compiled here; None: where supported, its graphs compiled by
         `compile_idle` (steps run eager until theirs is ready). `tokenizer`: the vocabulary
-        of structured outputs' grammars."""
+        of structured outputs' grammars. `lora_config`: serve LoRA adapters (the model's
+        linears are wrapped in LoRALinear; their slots are allocated before the KV cache is
+        sized, so on a GPU the memory profile counts them)."""
         self.model = model
         self.attn_backend = get_attn_backend(
             device, attention_backend, model_config.sliding_window
@@ -134,6 +139,17 @@ class ModelRunner:
         self.kv_cache_dtype = cache_config.kv_cache_dtype or model_config.dtype
         self._check_kv_cache_dtype()
         self.extra_kv_bytes_per_block = extra_kv_bytes_per_block
+        self.lora: LoRASlots | None = None
+        # Sequences whose LoRA adapter could not be read this step (id -> the error): they run
+        # on the base model and their requests fail (ModelRunnerOutput.failed).
+        self._lora_failures: dict[str, str] = {}
+        if lora_config is not None:
+            max_tokens = max(scheduler_config.max_num_batched_tokens,
+                             scheduler_config.max_num_seqs * (1 + max_draft_tokens))
+            self.lora = LoRASlots(model, model_config, lora_config, max_tokens, device)
+            logger.info("LoRA: %d slots of rank %d on %d linears (%.1f MiB), %d adapters kept on the host",
+                        lora_config.max_loras, lora_config.max_lora_rank, len(self.lora.layers),
+                        self.lora.slot_bytes / 2**20, lora_config.host_capacity)
         if cache_config.num_blocks is None:
             cache_config.num_blocks = self._determine_num_blocks()
         self.num_blocks = cache_config.num_blocks
@@ -463,6 +479,8 @@ class ModelRunner:
         seqs = [self.seqs[seq_id] for seq_id in seq_ids]
         num_rows = list(sched.num_scheduled_tokens.values())
         self._copy_blocks(sched.block_copies)
+        if self.lora is not None:  # each sequence's rows are padded to the step's width
+            self.lora.set_tokens([seq.lora_int_id for seq in seqs], [max(num_rows)] * len(seqs))
         logits = self.cuda_graphs.run(
             [[seq.token_ids[-1], *sched.spec_token_ids.get(seq_id, ())[: n - 1]]
              for seq_id, seq, n in zip(seq_ids, seqs, num_rows)],
@@ -475,6 +493,12 @@ class ModelRunner:
         """Bring the held sequences up to date; forget the sampling and drafting state of
         those that are gone."""
         self.seqs.apply(sched)
+        if self.lora is not None:
+            adapters = {new.lora_request.lora_int_id: new.lora_request for new in sched.new_seqs if new.lora_request}
+            if adapters:
+                failed = self.lora.activate(adapters.values(), {seq.lora_int_id for seq in self.seqs.values()})
+                self._lora_failures = {new.seq_id: failed[new.lora_request.lora_int_id] for new in sched.new_seqs
+                                       if new.lora_request and new.lora_request.lora_int_id in failed}
         self.step_sampler.prepare(sched)
         if sched.finished_seq_ids:
             self.step_sampler.forget(sched.finished_seq_ids)
@@ -491,10 +515,14 @@ class ModelRunner:
             self._apply(sched)
             return ModelRunnerOutput()
         logits = self.forward(sched)
-        return self.step_sampler.sample(
+        output = self.step_sampler.sample(
             sched, self.seqs, logits.sample_logits, logits.sampling_seq_ids,
             logits.num_sample_rows, logits.prompt_logits, self.speculator,
         )
+        if self._lora_failures:
+            output.failed.update(self._lora_failures)
+            self._lora_failures = {}
+        return output
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> None:
@@ -529,6 +557,8 @@ class ModelRunner:
         positions = [seq.num_computed_tokens for seq in seqs]
         tables = [seq.block_ids for seq in seqs]
         self._copy_blocks(sched.block_copies)
+        if self.lora is not None:
+            self.lora.set_tokens([seq.lora_int_id for seq in seqs], [1] * len(seqs))
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(len(seqs)):
             return self.cuda_graphs.run([[0]] * len(seqs), positions, tables, token_ids)
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -611,6 +641,9 @@ class ModelRunner:
             rope_positions_t, query_start_loc, seq_lens, tables, positions_t, tree_masks or None
         )
         self._copy_blocks(sched.block_copies)
+        if self.lora is not None:
+            self.lora.set_tokens([self.seqs[seq_id].lora_int_id for seq_id in sched.num_scheduled_tokens],
+                                 list(sched.num_scheduled_tokens.values()))
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         if mrope_chunks:
             rope_positions_t = torch.cat(mrope_chunks, dim=1).to(self.device)

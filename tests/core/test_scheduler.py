@@ -42,6 +42,8 @@ def make_seq(i: int, prompt: list[int], *, priority: int = 0, arrival: float | N
         max_tokens=1 << 30,
         sequences=[],
         mm_features=[],
+        lora_request=None,
+        lora_int_id=0,
     )
     seq = Sequence(f"s{i}", request, 0)
     request.sequences.append(seq)
@@ -466,6 +468,7 @@ def make_request(i: int, prompt: list[int], n: int, max_tokens: int) -> Sequence
         params=SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True),
         priority=0, arrival_time=float(i), max_tokens=max_tokens, sequences=[],
         mm_features=[],
+        lora_request=None, lora_int_id=0,
     )
     seq = Sequence(f"r{i}#0", request, 0)
     request.sequences.append(seq)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.multimodal.inputs import ImageFeature
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class NewSequenceData:
     max_tokens: int = 0
     # The prompt's images (placeholder spans and encoder inputs).
     mm_features: list[ImageFeature] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass

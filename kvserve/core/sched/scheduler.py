@@ -116,6 +116,19 @@ class Scheduler:
         waiting = {seq.request.request_id for seq in self.waiting} - running
         return len(running), len(waiting)
 
+    def lora_requests(self) -> dict[str, tuple[int, int]]:
+        """LoRA adapter name -> (running, waiting) requests on it, as num_requests counts them."""
+        running = {seq.request.request_id: seq.request for seq in self.running if seq.lora_int_id}
+        waiting = {seq.request.request_id: seq.request for seq in self.waiting
+                   if seq.lora_int_id and seq.request.request_id not in running}
+        counts: dict[str, tuple[int, int]] = {}
+        for requests, column in ((running, 0), (waiting, 1)):
+            for request in requests.values():
+                pair = list(counts.get(request.lora_request.lora_name, (0, 0)))
+                pair[column] += 1
+                counts[request.lora_request.lora_name] = (pair[0], pair[1])
+        return counts
+
     # -- the step decision -----------------------------------------------------------------
 
     def _pick_victim(self) -> Sequence:
@@ -186,16 +199,25 @@ class Scheduler:
         # Then admit waiting sequences while blocks, budget and the sequence limit allow.
         # After a preemption memory is short: admitting now would only thrash.
         num_seq_slots = sum(num_seq_slots_held(seq) for seq in self.running)
-        while self.waiting and not preempted and budget > 0:
-            seq = self.waiting[0]
+        running_loras = {seq.lora_int_id for seq in self.running} - {0} if self.config.max_loras else set()
+        index = 0
+        while index < len(self.waiting) and not preempted and budget > 0:
+            seq = self.waiting[index]
             # A prompt counts as all the samples it forks into, so the forks never take
             # the running count past max_num_seqs.
             if num_seq_slots + num_seq_slots_held(seq) > self.config.max_num_seqs:
                 break
+            # At most max_loras adapters run at once (the device's slots): a request for
+            # another one waits, and those behind it that fit go ahead.
+            lora_int_id = seq.lora_int_id
+            if lora_int_id and self.config.max_loras and lora_int_id not in running_loras \
+                    and len(running_loras) >= self.config.max_loras:
+                index += 1
+                continue
             # Prompt logprobs need every prompt position computed, so no prefix hits then.
             cached_prefix = (
                 [] if seq.wants_prompt_logprobs
-                else self.kv_cache.find_cached_prefix(seq.all_token_ids, seq.mm_features)
+                else self.kv_cache.find_cached_prefix(seq.all_token_ids, seq.mm_features, lora_int_id)
             )
             num_computed = len(cached_prefix) * self.kv_cache.block_size
             num_new = seq.num_tokens - num_computed
@@ -212,7 +234,9 @@ class Scheduler:
             )
             if seq_copies is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            if lora_int_id:
+                running_loras.add(lora_int_id)
             self.prefix_cache_stats.queried_tokens += seq.num_tokens
             self.prefix_cache_stats.hit_tokens += num_computed
             seq.num_computed_tokens = num_computed
@@ -232,7 +256,8 @@ class Scheduler:
             # all_token_ids holds verified tokens only, so no block holding a draft's KV
             # is ever registered in the prefix cache.
             self.kv_cache.cache_full_blocks(
-                seq.seq_id, seq.all_token_ids, seq.num_computed_tokens + num_new, seq.mm_features
+                seq.seq_id, seq.all_token_ids, seq.num_computed_tokens + num_new, seq.mm_features,
+                seq.lora_int_id,
             )
             self.add_to_step(out, seq, num_new)
             if (
@@ -248,7 +273,7 @@ class Scheduler:
         self.step_builder.add(
             out, seq.seq_id, seq.all_token_ids, seq.num_prompt_tokens, seq.num_computed_tokens,
             num_new, seq.wants_prompt_logprobs and seq.index == 0, request.params, seq.index,
-            request.max_tokens, seq.mm_features,
+            request.max_tokens, seq.mm_features, request.lora_request,
         )
         if seq.spec_token_ids:
             out.spec_token_ids[seq.seq_id] = seq.spec_token_ids
@@ -305,7 +330,7 @@ class Scheduler:
                 self.kv_cache.trim(seq.seq_id, seq.num_computed_tokens)
             if inputs_were_in_flight:
                 self.kv_cache.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens,
-                                                seq.mm_features)
+                                                seq.mm_features, seq.lora_int_id)
         for seq_id, drafts in out.draft_token_ids.items():
             seq = self.seqs.get(seq_id)
             if seq is not None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.multimodal.inputs import ImageFeature
 from kvserve.core.sched.output import CachedSequenceData, NewSequenceData, SchedulerOutput
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class StepBuilder:
         sample_index: int = 0,
         max_tokens: int = 0,
         mm_features: Sequence[ImageFeature] = (),
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Schedule `num_new_tokens` of the sequence, after its computed ones, in `out`
         (`params` etc.: how the runner samples it, see NewSequenceData)."""
@@ -42,7 +44,7 @@ class StepBuilder:
             _, block_ids = self.kv_cache.take_block_delta(seq_id, whole=True)
             out.new_seqs.append(NewSequenceData(
                 seq_id, list(token_ids), num_prompt_tokens, num_computed_tokens, block_ids,
-                wants_prompt_logprobs, params, sample_index, max_tokens, list(mm_features),
+                wants_prompt_logprobs, params, sample_index, max_tokens, list(mm_features), lora_request,
             ))
         else:
             num_kept, new_block_ids = self.kv_cache.take_block_delta(seq_id)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from kvserve import envs
 from kvserve.engine.engine_args import EngineArgs
+from kvserve.entrypoints.openai.lora_modules import parse_lora_module
 from kvserve.utils import parse_size
 
 
@@ -79,6 +80,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "qwen25"], default=None,
         help='How tool calls are read from the model\'s text for tool_choice "auto" (default: '
         'none, and "auto" is refused; "required" and named functions work without one).',
+    )
+    group.add_argument(
+        "--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) to serve, each as name=path or as JSON "
+        '\'{"name": "sql-lora", "path": "/adapters/sql", "base_model_name": "..."}\'; a request '
+        'selects one with "model": "<name>", and /v1/models lists each with the base model as '
+        "its parent. Needs --enable-lora.",
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="Accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter ({\"lora_name\", "
+        "\"lora_path\"}, behind --api-key) to add and remove adapters while serving.",
     )
     EngineArgs.add_cli_args(parser)
     # Serving picks per-device settings unless told otherwise (logged at startup).

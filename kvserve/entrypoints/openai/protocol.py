@@ -161,3 +161,13 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: TokenIds
+
+
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str
+    lora_path: str | None = None  # accepted as vLLM's clients send it; the name decides

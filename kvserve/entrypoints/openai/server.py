@@ -22,11 +22,14 @@ from kvserve.engine.kv_report import kv_cache_report
 from kvserve.entrypoints.openai.disconnect import cancel_on_disconnect
 from kvserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from kvserve.entrypoints.openai.http_limits import RequestBodyLimits, header_timeout_protocol
+from kvserve.entrypoints.openai.lora_modules import LoRAModule, UnknownAdapter
 from kvserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from kvserve.entrypoints.openai.request_checks import warn_ignored_fields
 from kvserve.entrypoints.openai.serving import ServerState, require_tokenizer
+from kvserve.lora.adapter import LoRAError
 from kvserve.entrypoints.openai.serving_chat import apply_chat_template, create_chat_completion
 from kvserve.entrypoints.openai.serving_completion import create_completion
 
@@ -96,11 +99,50 @@ def build_app(state: ServerState) -> FastAPI:
     @api.get("/v1/models")
     async def models() -> JSONResponse:
         engine = state.engine
+        adapters = [{
+            "id": name, "object": "model", "created": state.created, "owned_by": "kvserve",
+            "root": module.path, "parent": module.base_model_name or state.served_model_name,
+            "max_model_len": engine.max_model_len,
+        } for name, module in state.lora.modules.items()]
         return JSONResponse({"object": "list", "data": [{
             "id": state.served_model_name, "object": "model", "created": state.created,
             "owned_by": "kvserve", "root": state.engine_args.model or DEFAULT_SERVED_NAME,
-            "max_model_len": engine.max_model_len,
-        }]})
+            "parent": None, "max_model_len": engine.max_model_len,
+        }, *adapters]})
+
+    def check_runtime_lora_updating() -> None:
+        if not state.allow_runtime_lora_updating:
+            raise OpenAIError(403, "loading and unloading LoRA adapters at runtime is off; start the server with "
+                              "--allow-runtime-lora-updating", type="permission_error")
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        check_runtime_lora_updating()
+        async_llm = state.engine and state.async_llm  # 503 while the model loads
+        try:
+            await state.load_lora(async_llm, LoRAModule(request.lora_name, request.lora_path))
+        except LoRAError as error:  # the adapter cannot run on this model
+            raise OpenAIError(400, str(error), param="lora_path") from None
+        except ValueError as error:  # its name is taken
+            raise OpenAIError(400, str(error), param="lora_name") from None
+        return Response(f"Success: LoRA adapter '{request.lora_name}' added successfully.", media_type="text/plain")
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        check_runtime_lora_updating()
+        engine = state.engine
+        try:
+            lora = state.lora.remove(request.lora_name)
+        except UnknownAdapter:
+            raise OpenAIError(404, f"The LoRA adapter `{request.lora_name}` does not exist.", param="lora_name",
+                              code="model_not_found") from None
+        running, waiting = engine.stats().lora_requests.get(lora.lora_name, (0, 0))
+        await state.async_llm.remove_lora(lora.lora_int_id)
+        message = f"Success: LoRA adapter '{request.lora_name}' removed successfully."
+        if running + waiting:
+            message += (f" Its {running + waiting} running or waiting requests finish first on it; new requests "
+                        "for it get 404.")
+        return Response(message, media_type="text/plain")
 
     @api.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
@@ -220,7 +262,11 @@ def run_server(args: argparse.Namespace) -> int:
         stream_interval=args.stream_interval,
         health_stall_timeout=args.health_stall_timeout,
         tool_call_parser=args.tool_call_parser,
+        lora_modules=args.lora_modules,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
+    if args.lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     config = uvicorn.Config(

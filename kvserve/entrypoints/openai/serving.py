@@ -20,8 +20,10 @@ from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.input_processor import NO_TOKENIZER, PreparedPrompt
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.errors import OpenAIError, bad_request
+from kvserve.entrypoints.openai.lora_modules import LoRAModule, LoRARegistry
 from kvserve.entrypoints.openai.protocol import SamplingRequest, StreamOptions
 from kvserve.entrypoints.openai.structured import structured_outputs
+from kvserve.lora.request import LoRARequest
 from kvserve.metrics import ServerMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -50,6 +52,8 @@ class ServerState:
     stream_interval: int = 1
     health_stall_timeout: float = 300.0
     tool_call_parser: str | None = None  # --tool-call-parser: reads "auto" tool calls
+    lora_modules: list[LoRAModule] = field(default_factory=list)  # --lora-modules, loaded at start
+    allow_runtime_lora_updating: bool = False
     async_llm: AsyncLLM | None = None
     draining: bool = False
     load_error: BaseException | None = None
@@ -60,11 +64,13 @@ class ServerState:
     num_not_started: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(init=False)
+    lora: LoRARegistry = field(init=False)
     # Set by run_server: asks uvicorn to stop (used when loading the model fails).
     request_exit: Callable[[], None] = lambda: None
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.served_model_name)
+        self.lora = LoRARegistry(self.served_model_name)
         # Tokenizing a long prompt takes seconds: off the event loop, one at a time (a fast
         # tokenizer is not safe to use from several threads at once).
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
@@ -89,6 +95,8 @@ class ServerState:
         async_llm = AsyncLLM.from_engine_args(self.engine_args)
         try:
             engine = await async_llm.started()
+            for module in self.lora_modules:
+                await self.load_lora(async_llm, module)
         except Exception as error:
             logger.error("failed to load the model: %s", error)
             self.load_error = error
@@ -108,10 +116,24 @@ class ServerState:
             engine.max_model_len,
         )
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+    async def load_lora(self, async_llm: AsyncLLM, module: LoRAModule) -> LoRARequest:
+        """Read, check and register an adapter (ValueError / LoRAError when it cannot run)."""
+        request = self.lora.new_request(module)
+        await async_llm.add_lora(request)
+        self.lora.add(module, request)
+        logger.info("LoRA adapter %r loaded from %s (id %d)", module.name, module.path, request.lora_int_id)
+        return request
+
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for a
+        name that is neither."""
+        if model is None or model == self.served_model_name:
+            return None
+        lora = self.lora.requests.get(model)
+        if lora is None:
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
                               code="model_not_found")
+        return lora
 
     def admit(self, num_requests: int) -> None:
         """Refuse new work while loading, draining, or with a full waiting queue."""
@@ -166,7 +188,7 @@ def validate_prompt(engine: LLMEngine, prompt: str | list[int], params: Sampling
 
 async def generate_all(
     state: ServerState, request_id: str, prompts: list[list[int]] | list[PreparedPrompt], params: SamplingParams,
-    priority: int,
+    priority: int, lora_request: LoRARequest | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Runs every prompt (token ids, or prepared with its images) as its own engine request;
     yields (prompt index, output) as they come.
@@ -193,7 +215,7 @@ async def generate_all(
         try:
             async for output in async_llm.generate(
                 prepared, params, request_id=f"{request_id}-{index}",
-                priority=priority,
+                priority=priority, lora_request=lora_request,
             ):
                 mark_started(index)
                 tracker.on_output(output)
@@ -235,12 +257,12 @@ async def generate_all(
 
 async def collect_final(
     state: ServerState, request_id: str, prompts: list[list[int]] | list[PreparedPrompt], params: SamplingParams,
-    priority: int,
+    priority: int, lora_request: LoRARequest | None = None,
 ) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(prompts)
     state.num_in_flight += 1
     try:
-        async for index, output in generate_all(state, request_id, prompts, params, priority):
+        async for index, output in generate_all(state, request_id, prompts, params, priority, lora_request):
             finals[index] = output
     finally:
         state.num_in_flight -= 1

@@ -93,7 +93,7 @@ def _logprobs(tokenizer, completion: CompletionOutput, start: int, num_top: int)
 
 
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
-    state.check_model(request.model)
+    lora = state.check_model(request.model)
     check_sampling_request(request, state.max_n, state.engine_args.max_num_seqs)
     check_chat_request(request)
     engine = state.engine
@@ -119,10 +119,11 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     priority = request.priority or 0
 
     def base(kind: str) -> dict:
-        return {"id": request_id, "object": kind, "created": created, "model": state.served_model_name}
+        model = state.served_model_name if lora is None else lora.lora_name
+        return {"id": request_id, "object": kind, "created": created, "model": model}
 
     if not request.stream:
-        (final,) = await collect_final(state, request_id, [prepared], params, priority)
+        (final,) = await collect_final(state, request_id, [prepared], params, priority, lora)
         choices = []
         for c in final.outputs:
             message: dict = {"role": "assistant", "content": c.text}
@@ -156,7 +157,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         sent_tokens: dict[int, int] = {}
         tool_deltas = {index: ToolCallDeltas(request, mode, state.tool_call_parser)
                        for index in range(params.n)} if mode != "none" else {}
-        async for _, output in generate_all(state, request_id, [prepared], params, priority):
+        async for _, output in generate_all(state, request_id, [prepared], params, priority, lora):
             last[0] = output
             for c in output.outputs:
                 finished = c.finish_reason is not None

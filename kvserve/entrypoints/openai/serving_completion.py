@@ -54,7 +54,7 @@ class _LogprobsBuilder:
 
 
 async def create_completion(state: ServerState, request: CompletionRequest) -> JSONResponse | StreamingResponse:
-    state.check_model(request.model)
+    lora = state.check_model(request.model)
     check_sampling_request(request, state.max_n, state.engine_args.max_num_seqs)
     check_completion_request(request)
     engine = state.engine
@@ -78,10 +78,10 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> J
 
     def chunk_base() -> dict:
         return {"id": request_id, "object": "text_completion", "created": created,
-                "model": state.served_model_name}
+                "model": state.served_model_name if lora is None else lora.lora_name}
 
     if not request.stream:
-        finals = await collect_final(state, request_id, token_lists, params, priority)
+        finals = await collect_final(state, request_id, token_lists, params, priority, lora)
         choices = []
         for index, final in enumerate(finals):
             for completion in final.outputs:
@@ -105,7 +105,7 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> J
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         offsets: dict[int, int] = {}
-        async for index, output in generate_all(state, request_id, token_lists, params, priority):
+        async for index, output in generate_all(state, request_id, token_lists, params, priority, lora):
             finals[index] = output
             for completion in output.outputs:
                 choice = index * n + completion.index

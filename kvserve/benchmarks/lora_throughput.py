@@ -1,0 +1,62 @@
+"""`kvserve bench throughput --num-loras N --lora-rank R`: the base model and the same model
+serving N random adapters, requests spread evenly over them, in one process on the same
+requests: the cost of multi-LoRA as a ratio of throughputs."""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from kvserve.engine.engine_args import EngineArgs
+from kvserve.llm import LLM
+from kvserve.lora.random_adapters import write_random_adapter
+from kvserve.lora.request import LoRARequest
+from kvserve.sampling_params import SamplingParams
+
+
+def _run(llm: LLM, prompts: list[dict], params: list[SamplingParams], loras: list[LoRARequest | None] | None
+         ) -> tuple[float, int]:
+    """(seconds, output tokens) of one batch, after a short warm-up of the same shapes."""
+    warm_up = min(len(prompts), 4)
+    llm.generate(prompts[:warm_up], SamplingParams(temperature=0.0, max_tokens=4),
+                 lora_request=loras[:warm_up] if loras else None)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True, lora_request=loras)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def run_lora_comparison(engine_args: EngineArgs, make_requests: Callable[[int], list], num_loras: int,
+                        lora_rank: int) -> dict:
+    """Base first, its engine freed before the LoRA engine sizes its own KV cache.
+    `make_requests(vocab_size)`: the workload (BenchRequests)."""
+    llm = LLM(**vars(replace(engine_args, enable_lora=False)))
+    config = llm.engine.model_config
+    requests = make_requests(config.vocab_size)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    base_s, base_tokens = _run(llm, prompts, params, None)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as directory:
+        adapters = [LoRARequest(f"random-{i}", i + 1, write_random_adapter(f"{directory}/{i}", config, lora_rank, i))
+                    for i in range(num_loras)]
+        llm = LLM(**vars(replace(engine_args, enable_lora=True, max_loras=max(engine_args.max_loras, num_loras),
+                                 max_cpu_loras=None, max_lora_rank=max(engine_args.max_lora_rank, lora_rank))))
+        loras = [adapters[i % num_loras] for i in range(len(requests))]
+        lora_s, lora_tokens = _run(llm, prompts, params, loras)
+    result = {"num_loras": num_loras, "lora_rank": lora_rank, "num_requests": len(requests),
+              "base_output_tok_s": base_tokens / base_s, "lora_output_tok_s": lora_tokens / lora_s}
+    result["lora_vs_base"] = result["lora_output_tok_s"] / result["base_output_tok_s"]
+    print(f"\nbase model: {base_tokens} output tokens in {base_s:.1f} s = "
+          f"{result['base_output_tok_s']:.1f} tok/s")
+    print(f"{num_loras} LoRA adapters (rank {lora_rank}, requests spread evenly): {lora_tokens} output tokens in "
+          f"{lora_s:.1f} s = {result['lora_output_tok_s']:.1f} tok/s")
+    print(f"LoRA vs base: {result['lora_vs_base']:.2f}x")
+    return result

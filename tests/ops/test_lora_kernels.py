@@ -1,0 +1,93 @@
+"""The LoRA shrink/expand kernels against a per-token torch fp64 reference, on shapes that
+are not multiples of the blocks (ranks below the padded rank, a slot that is empty, base
+tokens among adapter ones): under Triton's interpreter on CPU, at real sizes on a GPU, and
+a LoRA layer on CUDA against the same layer's CPU path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvserve.ops.lora import lora_expand, lora_shrink
+from tests.triton_interpreter import run_interpreted
+
+
+def case(device: str, num_tokens: int, in_features: int, slice_sizes: tuple[int, ...], num_slots: int, rank: int,
+         dtype: torch.dtype, seed: int) -> float:
+    """Largest error of the kernels' y against the reference, relative to the delta's size."""
+    generator = torch.Generator().manual_seed(seed)
+    num_slices = len(slice_sizes)
+    x = torch.randn(num_tokens, in_features, generator=generator)
+    lora_a = torch.randn(num_slots, num_slices * rank, in_features, generator=generator)
+    lora_bs = [torch.randn(size, num_slots * rank, generator=generator) for size in slice_sizes]
+    slots = torch.randint(-1, num_slots, (num_tokens + 3,), generator=generator, dtype=torch.int32)
+    y = torch.randn(num_tokens, sum(slice_sizes), generator=generator)
+
+    expected = y.double().clone()
+    offsets = [0, *torch.tensor(slice_sizes).cumsum(0).tolist()]
+    for t in range(num_tokens):
+        s = int(slots[t])
+        if s < 0:
+            continue
+        h = lora_a[s].double() @ x[t].double()
+        for i in range(num_slices):
+            b = lora_bs[i].view(-1, num_slots, rank)[:, s].double()
+            expected[t, offsets[i]:offsets[i + 1]] += b @ h[i * rank:(i + 1) * rank]
+
+    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    y_out = cast(y)
+    h = lora_shrink(cast(x), cast(lora_a), slots.to(device))
+    for i in range(num_slices):
+        lora_expand(h, i * rank, cast(lora_bs[i]), rank, slots.to(device), y_out, offsets[i])
+    scale = (expected - y.double()).abs().max().clamp_min(1.0)
+    return float(((y_out.double().cpu() - expected).abs().max() / scale))
+
+
+SMALL_CASES = [(5, 37, (13, 7, 7), 3, 5), (1, 130, (129,), 2, 16), (9, 64, (40, 40), 4, 3)]
+
+
+def run_small_cases() -> None:
+    """Under the interpreter (a subprocess): prints each case's error as JSON."""
+    print(json.dumps([case("cpu", *shape, torch.float32, seed) for seed, shape in enumerate(SMALL_CASES)]))
+
+
+def test_interpreted_kernels_equal_torch() -> None:
+    errors = json.loads(run_interpreted("tests.ops.test_lora_kernels", "run_small_cases"))
+    assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_gpu_kernels_equal_torch(dtype, tolerance) -> None:
+    for seed, shape in enumerate([*SMALL_CASES, (300, 4096, (4096, 1024, 1024), 8, 16), (64, 14336, (4096,), 8, 16)]):
+        assert case("cuda", *shape, dtype, seed) < tolerance, shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_lora_layer_equals_cpu_layer() -> None:
+    from kvserve.lora.layers import LoRALinear
+    from kvserve.model_executor.layers.linear import Linear
+
+    torch.manual_seed(0)
+    base = Linear(96, 80, bias=False)
+    slots = [1, -1, 0, 2, 2, 1, -1]
+    mask = torch.zeros(16, 3)
+    for t, s in enumerate(slots):
+        if s >= 0:
+            mask[t, s] = 1.0
+    indices = torch.full((16,), -1, dtype=torch.int32)
+    indices[: len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    cpu = LoRALinear(base, 96, (48, 32), 3, 8, mask, torch.float32)
+    gpu = LoRALinear(Linear(96, 80, bias=False).cuda(), 96, (48, 32), 3, 8, indices.cuda(), torch.float32)
+    gpu.base.weight.data.copy_(base.weight.data)
+    for slot in range(3):
+        slices = [(0, torch.randn(8 - slot, 96), torch.randn(48, 8 - slot)),
+                  (1, torch.randn(3, 96), torch.randn(32, 3))]
+        cpu.set_slot(slot, slices)
+        gpu.set_slot(slot, [(i, a.cuda(), b.cuda()) for i, a, b in slices])
+    x = torch.randn(len(slots), 96)
+    assert torch.allclose(gpu(x.cuda()).cpu(), cpu(x), atol=1e-3, rtol=1e-4)
