@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.workers import Worker, WorkerPool
@@ -49,10 +50,13 @@ class HealthChecker:
         response = await self.client.get(f"{worker.url}/v1/models", headers=self.headers,
                                          timeout=self.settings.timeout_s)
         try:
-            models = frozenset(entry["id"] for entry in response.json()["data"])
+            entries = response.json()["data"]
+            models = frozenset(entry["id"] for entry in entries)
         except (ValueError, KeyError, TypeError):
             raise RuntimeError(f"/v1/models answered {response.status_code} without an OpenAI "
                                "model list: not a kvserve/OpenAI server?") from None
+        worker.adapters = frozenset(e["id"] for e in entries if isinstance(e, dict) and e.get("parent"))
+        worker.running_adapters = await self.running_adapters(worker) if worker.adapters else frozenset()
         if worker.configured_models is not None:
             missing = worker.configured_models - models
             if missing:
@@ -60,6 +64,18 @@ class HealthChecker:
                                    f"{', '.join(sorted(models)) or 'nothing'})")
             return worker.configured_models
         return models
+
+    async def running_adapters(self, worker: Worker) -> frozenset[str]:
+        """The adapters with requests running on the worker, from the running_lora_adapters
+        label of its lora_requests_info metric (vLLM's; none where it has no such metric)."""
+        response = await self.client.get(f"{worker.url}/metrics", timeout=self.settings.timeout_s)
+        if response.status_code != 200:
+            return frozenset()
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                if sample.name.endswith("lora_requests_info"):
+                    return frozenset(filter(None, sample.labels.get("running_lora_adapters", "").split(",")))
+        return frozenset()
 
     async def check(self, worker: Worker) -> None:
         settings = self.settings

@@ -36,6 +36,22 @@ class Upstream:
     first_chunk: bytes
 
 
+# A worker running the requested adapter is preferred while it has at most this many more
+# requests in flight than the least loaded candidate.
+ADAPTER_AFFINITY_MAX_EXTRA_LOAD = 8
+
+
+def adapter_affinity(model: str, workers: list[Worker]) -> list[Worker]:
+    """For a LoRA adapter, the workers that already run it (its weights in their slots, so
+    no load and no eviction of another adapter), unless they are busier than the others by
+    more than ADAPTER_AFFINITY_MAX_EXTRA_LOAD; else all of them."""
+    running = [w for w in workers if model in w.running_adapters]
+    least = min(w.outstanding for w in workers)
+    if running and min(w.outstanding for w in running) <= least + ADAPTER_AFFINITY_MAX_EXTRA_LOAD:
+        return running
+    return workers
+
+
 class Forwarder:
     def __init__(self, pool: WorkerPool, policy: Policy, client: httpx.AsyncClient,
                  metrics: RouterMetrics, max_attempts: int, retry_down_s: float,
@@ -62,6 +78,7 @@ class Forwarder:
             candidates = [w for w in candidates if self.has_room(w)] or candidates
             if not candidates:
                 break
+            candidates = adapter_affinity(model, candidates)
             worker, branch = self.policy.choose(model, candidates, key)
             self.metrics.routing_decisions.labels(self.policy.name, branch).inc()
             self.metrics.requests.labels(worker.url, model).inc()

@@ -21,6 +21,10 @@ class Worker:
     next_check_at: float = 0.0
     last_error: str | None = None
     outstanding: int = 0
+    # LoRA adapters the worker serves (models of /v1/models with a parent), and those with
+    # requests running on it as of the last health check (resident in its adapter slots).
+    adapters: frozenset[str] = frozenset()
+    running_adapters: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.configured_models is not None:

@@ -10,14 +10,18 @@ import time
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 
-def fake_worker(model: str, mode: str = "ok") -> FastAPI:
+def fake_worker(model: str, mode: str = "ok", adapters: tuple[str, ...] = (),
+                running_adapters: tuple[str, ...] = ()) -> FastAPI:
     """An OpenAI-ish completions server. mode "ok" streams three chunks; "die_mid_stream"
-    sends one and then drops the connection; "slow" takes 0.2 s to answer."""
+    sends one and then drops the connection; "slow" takes 0.2 s to answer. `adapters`: LoRA
+    adapters it lists (with `model` as parent), `running_adapters` those its lora_requests_info
+    metric says run on it."""
     app = FastAPI()
     app.state.requests = 0
+    app.state.models_requested = []
 
     @app.get("/health")
     async def health():
@@ -25,11 +29,21 @@ def fake_worker(model: str, mode: str = "ok") -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model, "object": "model"}]}
+        return {"object": "list", "data": [{"id": model, "object": "model"}] + [
+            {"id": name, "object": "model", "parent": model} for name in adapters]}
+
+    @app.get("/metrics")
+    async def metrics():
+        running = ",".join(running_adapters)
+        return PlainTextResponse(
+            "# TYPE kvserve:lora_requests_info gauge\n"
+            f'kvserve:lora_requests_info{{max_lora="4",running_lora_adapters="{running}",'
+            f'waiting_lora_adapters=""}} 1.7e9\n')
 
     @app.post("/v1/completions")
     async def completions(body: dict):
         app.state.requests += 1
+        app.state.models_requested.append(body.get("model"))
         if mode == "slow":
             await asyncio.sleep(0.2)
         if not body.get("stream"):

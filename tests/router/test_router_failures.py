@@ -123,3 +123,20 @@ def test_sigterm_drains_requests_in_flight(tmp_path):
     finally:
         router.stop()
         worker.stop()
+
+
+def test_an_adapter_goes_to_the_worker_that_runs_it(servers):
+    """Two workers serve base model m and adapter sql; only the second runs sql (its
+    lora_requests_info says so): round-robin alternates m's requests and sends every sql
+    request to the second, where the adapter's weights already are."""
+    idle_app = fake_worker("m", adapters=("sql",))
+    running_app = fake_worker("m", adapters=("sql",), running_adapters=("sql",))
+    idle, running = ThreadServer(idle_app), ThreadServer(running_app)
+    servers += [idle, running]
+    router = _router("--worker", idle.url, "--worker", running.url, "--policy", "round_robin")
+    servers.append(router)
+    assert sorted(m["id"] for m in httpx.get(f"{router.url}/v1/models").json()["data"]) == ["m", "sql"]
+    for model in ["sql"] * 6 + ["m"] * 4:
+        assert httpx.post(f"{router.url}/v1/completions", json={"model": model, "prompt": "x"}).status_code == 200
+    assert idle_app.state.models_requested == ["m", "m"]
+    assert running_app.state.models_requested == ["sql"] * 6 + ["m", "m"]
