@@ -323,6 +323,10 @@ class EngineCore:
         """Also true while a step is in flight, so that stepping drains it."""
         return bool(self.requests) or self._inflight is not None
 
+    def dead_reason(self) -> str | None:
+        """Why no step can run any more (a parallel worker has died), or None."""
+        return getattr(self.runner, "dead_reason", None)
+
     def start_background_work(self) -> None:
         """Deferred start-up work that runs beside the steps: the CPU decode graphs of serve's
         default compile-decode, compiled in a thread while steps run eager."""

@@ -29,6 +29,8 @@ class EngineCoreClient(Protocol):
 
     def start_background_work(self) -> None: ...
 
+    def dead_reason(self) -> str | None: ...
+
     def stats(self) -> SchedulerStats: ...
 
     def shutdown(self) -> None: ...
@@ -48,6 +50,7 @@ class InprocClient:
         self.has_unfinished_requests = core.has_unfinished_requests
         self.run_idle_work = core.run_idle_work
         self.start_background_work = core.start_background_work
+        self.dead_reason = core.dead_reason
         self.stats = core.stats
 
     def shutdown(self) -> None:

@@ -212,6 +212,12 @@ class MPClient:
     def start_background_work(self) -> None:
         """Started by the core process itself."""
 
+    def dead_reason(self) -> str | None:
+        """The core process's end (its own workers' deaths fail its steps)."""
+        if self._process.is_alive():
+            return None
+        return f"the engine core process exited (code {self._process.exitcode})"
+
     def stats(self) -> SchedulerStats:
         return self._stats
 

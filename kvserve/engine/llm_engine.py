@@ -149,6 +149,10 @@ class LLMEngine:
         graph of serve's default compile-decode. Returns whether there was any."""
         return self.client.run_idle_work()
 
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot run steps any more (a worker process died), or None."""
+        return self.client.dead_reason()
+
     def start_background_work(self) -> None:
         """Start the deferred start-up work beside the steps (a server's way: requests never
         wait for it)."""

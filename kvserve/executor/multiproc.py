@@ -105,6 +105,13 @@ class MultiprocExecutor(ParallelExecutor):
                 for rank, process in enumerate(self._processes) if not process.is_alive()]
         raise RuntimeError(f"tensor-parallel {'; '.join(dead) or 'rank 0 closed its pipe'}")
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the workers cannot run steps any more (a rank has exited), or None."""
+        dead = [f"rank {rank} exited (code {process.exitcode})"
+                for rank, process in enumerate(self._processes) if not process.is_alive()]
+        return f"tensor-parallel {'; '.join(dead)}" if dead else None
+
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._connections[0].send(("execute", sched))
         _, output = self._receive(self._output_rank)

@@ -80,6 +80,9 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "loading"}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        dead = state.async_llm.engine.dead_reason()
+        if dead is not None:
+            return JSONResponse({"status": "dead", "reason": dead}, status_code=503)
         stalled = state.async_llm.stalled_for()
         if stalled > state.health_stall_timeout:
             return JSONResponse({"status": "stalled", "seconds_without_progress": round(stalled, 1)},

@@ -140,6 +140,9 @@ class ServerState:
         if self.draining:
             raise OpenAIError(503, "the server is shutting down", type="service_unavailable")
         engine = self.engine
+        dead = engine.dead_reason()
+        if dead is not None:
+            raise OpenAIError(503, f"the engine cannot serve: {dead}", type="service_unavailable")
         limit = self.max_waiting_requests
         waiting = max(engine.num_requests_waiting, self.num_not_started)
         if limit is not None and waiting + num_requests > limit:
