@@ -129,7 +129,7 @@ def test_cli_json(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, expected", [
     (["--device", "tpu-v9"], "known: h100-80gb, h200, a100-80gb, l40s, l4, cpu:GiB, auto"),
-    (["--model-shape", "llama9"], "known: llama3-8b, mixtral-8x7b, qwen2.5-0.5b, qwen3-30b-a3b, smollm2-135m"),
+    (["--model-shape", "llama9"], "known: llama3-8b, mixtral-8x7b, qwen2.5-0.5b, qwen2.5-vl-7b, qwen3-30b-a3b, smollm2-135m"),
 ])
 def test_unknown_names_list_the_known(flags, expected, capsys):
     assert main(["plan", *flags]) == 2
