@@ -32,6 +32,17 @@ class VerifiedRun:
     num_accepted: int  # drafts accepted (len(token_ids) - 1)
 
 
+def greedy_run(draft_token_ids: list[int], target_token_ids: list[int]) -> VerifiedRun:
+    """Greedy verification: drafts are accepted while they equal the target's argmax at
+    their position; then the target's own token follows (the rejection rule with a one-hot
+    target distribution, whatever the drafts' distribution). target_token_ids: the argmax
+    at each draft position and at the bonus position."""
+    num_accepted = 0
+    while num_accepted < len(draft_token_ids) and draft_token_ids[num_accepted] == target_token_ids[num_accepted]:
+        num_accepted += 1
+    return VerifiedRun(draft_token_ids[:num_accepted] + [target_token_ids[num_accepted]], num_accepted)
+
+
 def accept_mask(
     target_prob_of_draft: torch.Tensor, draft_prob_of_draft: torch.Tensor, uniform: torch.Tensor
 ) -> torch.Tensor:

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.sample.sampler import SamplingRow, final_probs, gather_logprobs
+from kvserve.sample.sampler import Sampler, SamplingRow, final_probs, gather_logprobs
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.proposer import DraftContext, Proposer
-from kvserve.spec_decode.rejection_sampler import DraftVerification, VerifiedRun, rejection_sample
+from kvserve.spec_decode.rejection_sampler import DraftVerification, VerifiedRun, greedy_run, rejection_sample
 
 
 @dataclass
@@ -79,24 +79,42 @@ class Speculator:
     ) -> list[VerifiedTokens]:
         """logits: per sequence (in order) 1 + len(drafts[i]) rows. `drafts` are the ones
         the step carried: a prefix of what was proposed when the token budget cut them."""
-        rows: list[SamplingRow] = []
-        verifications: list[DraftVerification] = []
-        for seq, seq_drafts in zip(seqs, drafts):
-            for j in range(len(seq_drafts) + 1):
+        greedy_rows, greedy_runs, rows, logit_rows, verifications = [], [], [], [], []
+        offset = 0
+        for i, (seq, seq_drafts) in enumerate(zip(seqs, drafts)):
+            seq_rows = [SamplingRow(
+                params=seq.params,
+                prompt_token_ids=seq.prompt_token_ids,
                 # Row j is reached only if drafts[:j] were accepted: penalties and
                 # min_tokens see them as already generated.
-                rows.append(SamplingRow(
-                    params=seq.params,
-                    prompt_token_ids=seq.prompt_token_ids,
-                    output_token_ids=seq.output_token_ids + seq_drafts[:j],
-                    generator=seq.generator,
-                    eos_token_ids=eos_token_ids,
-                ))
+                output_token_ids=seq.output_token_ids + seq_drafts[:j],
+                generator=seq.generator,
+                eos_token_ids=eos_token_ids,
+            ) for j in range(len(seq_drafts) + 1)]
             probs = self._draft_probs.pop(seq.seq_id, None)
-            if probs is not None:
-                probs = probs[: len(seq_drafts)]
-            verifications.append(DraftVerification(seq_drafts, probs, seq.generator))
-        runs = rejection_sample(final_probs(logits, rows), verifications)
+            row_range = range(offset, offset + len(seq_rows))
+            offset += len(seq_rows)
+            if seq.params.is_greedy:
+                # The target's distribution is one-hot: a draft is accepted while it is the
+                # argmax, whatever distribution it came from. The argmax is taken as a plain
+                # decode step takes it, with no softmax or noise over the vocabulary.
+                greedy_rows.extend(row_range)
+                greedy_runs.append((i, seq_rows))
+                continue
+            rows.extend(seq_rows)
+            logit_rows.extend(row_range)
+            verifications.append(DraftVerification(
+                seq_drafts, None if probs is None else probs[: len(seq_drafts)], seq.generator))
+        runs: list[VerifiedRun | None] = [None] * len(seqs)
+        if greedy_rows:
+            targets = Sampler.sample_ids(logits[greedy_rows], [r for _, seq_rows in greedy_runs for r in seq_rows])
+            targets_h, start = targets.tolist(), 0
+            for i, seq_rows in greedy_runs:
+                runs[i] = greedy_run(drafts[i], targets_h[start : start + len(seq_rows)])
+                start += len(seq_rows)
+        if verifications:
+            sampled = iter(rejection_sample(final_probs(logits[logit_rows], rows), verifications))
+            runs = [run if run is not None else next(sampled) for run in runs]
         results, offset = [], 0
         for seq, seq_drafts, run in zip(seqs, drafts, runs):
             logprobs = None
