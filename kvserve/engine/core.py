@@ -224,7 +224,12 @@ class EngineCore:
         )
 
     def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | None) -> Speculator:
-        if draft is None:
+        if config.method == "medusa":
+            from kvserve.spec_decode.medusa import MedusaProposer, load_medusa_heads
+
+            heads = load_medusa_heads(config.model, self.model_config, self.model_config.dtype, self.device)
+            proposer = MedusaProposer(heads, config.token_tree(heads.num_heads))
+        elif draft is None:
             from kvserve.spec_decode.ngram_proposer import NgramProposer
 
             proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)

@@ -55,6 +55,9 @@ class StepLogits:
     # (sequence id, [P, V] logits, index of the first prompt token they predict): prompt
     # positions of this chunk, for requests that asked for prompt logprobs.
     prompt_logits: list[tuple[str, torch.Tensor, int]]
+    # [R, H] the last layer's hidden states at sample_logits' rows, for draft heads that read
+    # them (None where the step did not keep them: CUDA graph replays).
+    sample_hidden: torch.Tensor | None = None
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -413,7 +416,7 @@ class ModelRunner:
         logits = self.forward(sched)
         return self.step_sampler.sample(
             sched, self.seqs, logits.sample_logits, logits.sampling_seq_ids,
-            logits.num_sample_rows, logits.prompt_logits, self.speculator,
+            logits.num_sample_rows, logits.prompt_logits, self.speculator, logits.sample_hidden,
         )
 
     @torch.inference_mode()
@@ -462,7 +465,8 @@ class ModelRunner:
     def forward(self, sched: SchedulerOutput) -> StepLogits:
         """The step's forward pass: logits of the positions that sample or score."""
         self._apply(sched)
-        if self.cuda_graphs is not None and self._graph_can_run(sched):
+        if (self.cuda_graphs is not None and self._graph_can_run(sched)
+                and not (self.speculator is not None and self.speculator.needs_hidden_states)):
             return self._execute_graph(sched)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -526,9 +530,11 @@ class ModelRunner:
             hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata)
         if not self.model.is_last_stage:  # a pipeline stage that hands its hidden states on
             return StepLogits(hidden.new_empty(0, 0), [], [], [])
-        sample_logits = self.model.compute_logits(hidden[sample_indices])
+        # The LM head runs only on the rows that sample or score.
+        sample_hidden = hidden[sample_indices]
+        sample_logits = self.model.compute_logits(sample_hidden)
         prompt_logits = [
             (seq_id, self.model.compute_logits(hidden[flat : flat + count]), pos + 1)
             for seq_id, flat, count, pos in prompt_spans
         ]
-        return StepLogits(sample_logits, sampling_seq_ids, num_sample_rows, prompt_logits)
+        return StepLogits(sample_logits, sampling_seq_ids, num_sample_rows, prompt_logits, sample_hidden)
