@@ -229,6 +229,12 @@ class EngineCore:
 
             heads = load_medusa_heads(config.model, self.model_config, self.model_config.dtype, self.device)
             proposer = MedusaProposer(heads, config.token_tree(heads.num_heads))
+        elif config.method == "eagle":
+            from kvserve.spec_decode.eagle import EagleProposer, load_eagle_head
+
+            target = self.runner.model
+            head = load_eagle_head(config.model, self.model_config, self.model_config.dtype, self.device)
+            proposer = EagleProposer(head, target.model.embed_tokens, target.compute_logits)
         elif draft is None:
             from kvserve.spec_decode.ngram_proposer import NgramProposer
 

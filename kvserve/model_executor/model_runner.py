@@ -58,6 +58,8 @@ class StepLogits:
     # [R, H] the last layer's hidden states at sample_logits' rows, for draft heads that read
     # them (None where the step did not keep them: CUDA graph replays).
     sample_hidden: torch.Tensor | None = None
+    # [T, H] every row's (the step's order), for drafters that read them all (EAGLE).
+    step_hidden: torch.Tensor | None = None
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -417,6 +419,7 @@ class ModelRunner:
         return self.step_sampler.sample(
             sched, self.seqs, logits.sample_logits, logits.sampling_seq_ids,
             logits.num_sample_rows, logits.prompt_logits, self.speculator, logits.sample_hidden,
+            logits.step_hidden,
         )
 
     @torch.inference_mode()
@@ -537,4 +540,4 @@ class ModelRunner:
             (seq_id, self.model.compute_logits(hidden[flat : flat + count]), pos + 1)
             for seq_id, flat, count, pos in prompt_spans
         ]
-        return StepLogits(sample_logits, sampling_seq_ids, num_sample_rows, prompt_logits, sample_hidden)
+        return StepLogits(sample_logits, sampling_seq_ids, num_sample_rows, prompt_logits, sample_hidden, hidden)

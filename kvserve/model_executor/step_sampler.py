@@ -89,9 +89,11 @@ class StepSampler:
         prompt_logits: list[tuple[str, torch.Tensor, int]],
         speculator: Speculator | None,
         sample_hidden: torch.Tensor | None = None,
+        step_hidden: torch.Tensor | None = None,
     ) -> ModelRunnerOutput:
         """`sample_hidden`: the target's hidden states at the logits' rows, which draft heads
-        read (the row that predicted each sequence's newest token)."""
+        read (the row that predicted each sequence's newest token); `step_hidden`: every
+        row's, in the step's order (EAGLE pairs each verified position's with the next token)."""
         out = ModelRunnerOutput()
         for seq_id, logits, first_target in prompt_logits:
             seq = seqs[seq_id]
@@ -148,6 +150,8 @@ class StepSampler:
                 ))
                 hidden_rows[seq_id] = spec_rows[first_row + run.rows[-1]]
                 first_row += len(seq_drafts) + 1
+        if speculator is not None and speculator.reads_step_features and step_hidden is not None:
+            self._observe_features(sched, seqs, out, step_hidden, speculator)
         if speculator is not None:
             hidden = sample_hidden if speculator.needs_hidden_states else None
             proposed = speculator.propose(self._drafting(out.sampled, seqs, hidden, hidden_rows), len(out.sampled))
@@ -157,6 +161,18 @@ class StepSampler:
             if self._grammars is not None:
                 self._check_drafts(out, seqs)
         return out
+
+    @staticmethod
+    def _observe_features(sched: SchedulerOutput, seqs: SequenceStates, out: ModelRunnerOutput,
+                          step_hidden: torch.Tensor, speculator: Speculator) -> None:
+        """Each sequence's verified rows: all it ran but the rejected drafts."""
+        verified = {item.seq_id: item for item in out.sampled if item.num_drafts}
+        flat = 0
+        for seq_id, num in sched.num_scheduled_tokens.items():
+            item = verified.get(seq_id)
+            valid = num if item is None else num - item.num_drafts + item.num_accepted
+            speculator.observe_features(seq_id, seqs[seq_id].num_computed_tokens, step_hidden[flat : flat + valid])
+            flat += num
 
     def _sample_rows(
         self, logits: torch.Tensor, logit_rows: list[int], rows: list[SamplingRow], seq_ids: list[str],

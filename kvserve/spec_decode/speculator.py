@@ -54,6 +54,15 @@ class Speculator:
     def needs_hidden_states(self) -> bool:
         return self.proposer.needs_hidden_states
 
+    @property
+    def reads_step_features(self) -> bool:
+        """Whether the proposer reads every verified row's hidden state (EAGLE), through
+        observe_features, not only the newest token's."""
+        return getattr(self.proposer, "reads_step_features", False)
+
+    def observe_features(self, seq_id: str, first_position: int, features: torch.Tensor) -> None:
+        self.proposer.observe(seq_id, first_position, features)
+
     def propose(self, candidates: list[DraftContext], batch_size: int) -> dict[str, Draft]:
         """The drafts of each candidate's next step (sequences with none are left out)."""
         if batch_size > self.config.disable_by_batch_size:
