@@ -58,7 +58,8 @@ class StepLogits:
     # [R, H] the last layer's hidden states at sample_logits' rows, for draft heads that read
     # them (None where the step did not keep them: CUDA graph replays).
     sample_hidden: torch.Tensor | None = None
-    # [T, H] every row's (the step's order), for drafters that read them all (EAGLE).
+    # [T, H] every row's (the step's order), for drafters that read them all (EAGLE); with
+    # aux_hidden_layers, [T, 3H]: the residual streams entering those layers (EAGLE-3).
     step_hidden: torch.Tensor | None = None
 
 
@@ -119,6 +120,9 @@ class ModelRunner:
         self.step_sampler = StepSampler(device, model_config.eos_token_ids, max_model_len,
                                         tokenizer, model_config.vocab_size)
         self.speculator: Speculator | None = None  # set by the engine when it speculates
+        # Layers whose entering residual stream every step keeps for the drafter (EAGLE-3):
+        # those steps run eager (the compiled graph does not return them).
+        self.aux_hidden_layers: tuple[int, ...] = ()
         self._inflight: deque[InflightStep] = deque()
         # The scales belong to this runner's cache (weights may be shared with other engines).
         for layer in model.model.layers:
@@ -527,10 +531,13 @@ class ModelRunner:
         )
         self._copy_blocks(sched.block_copies)
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        if self.compiled_decode is not None and self.compiled_decode.applies(metadata):
+        streams = dict.fromkeys(self.aux_hidden_layers) if self.aux_hidden_layers else None
+        if self.compiled_decode is not None and streams is None and self.compiled_decode.applies(metadata):
             hidden = self.compiled_decode.forward(input_ids_t, rope_positions_t, metadata)
-        else:
+        elif streams is None:
             hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata)
+        else:
+            hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata, streams)
         if not self.model.is_last_stage:  # a pipeline stage that hands its hidden states on
             return StepLogits(hidden.new_empty(0, 0), [], [], [])
         # The LM head runs only on the rows that sample or score.
@@ -540,4 +547,5 @@ class ModelRunner:
             (seq_id, self.model.compute_logits(hidden[flat : flat + count]), pos + 1)
             for seq_id, flat, count, pos in prompt_spans
         ]
-        return StepLogits(sample_logits, sampling_seq_ids, num_sample_rows, prompt_logits, sample_hidden, hidden)
+        step_hidden = hidden if streams is None else torch.cat([streams[i] for i in self.aux_hidden_layers], dim=-1)
+        return StepLogits(sample_logits, sampling_seq_ids, num_sample_rows, prompt_logits, sample_hidden, step_hidden)

@@ -9,7 +9,7 @@ from typing import Any
 from kvserve.quantization import QUANTIZATION_METHODS
 from kvserve.spec_decode.tree import TokenTree
 
-METHODS = ("ngram", "draft_model", "medusa", "eagle")
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
 # Speculation pays while a decode step is bound by reading the weights: verifying k extra
 # tokens per sequence is then almost free. With many sequences running, the step already
@@ -32,7 +32,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     # draft_model: a model directory / .gguf with the target's vocabulary, or "same".
     # medusa: a directory of Medusa heads for the target (the Medusa repository's layout).
-    # eagle: a directory of an EAGLE-1 head for the target (the EAGLE repository's layout).
+    # eagle / eagle3: a directory of an EAGLE-1 / EAGLE-3 head for the target (the EAGLE
+    # repository's layout).
     model: str | None = None
     quantization: str | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
@@ -69,9 +70,9 @@ class SpeculativeConfig:
                     "prompt_lookup_min", self.prompt_lookup_min,
                     f"<= prompt_lookup_max ({self.prompt_lookup_max})",
                 )
-        elif self.method == "eagle":
+        elif self.method in ("eagle", "eagle3"):
             if not self.model:
-                raise _error("model", self.model, "a directory of an EAGLE head for method eagle")
+                raise _error("model", self.model, f"a directory of an EAGLE head for method {self.method}")
         elif self.method == "medusa":
             if not self.model:
                 raise _error("model", self.model, "a directory of Medusa heads for method medusa")

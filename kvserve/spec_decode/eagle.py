@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -176,17 +176,20 @@ class _SequenceState:
 
 
 class EagleProposer:
-    """Chain drafting, one sequence at a time: catch the sequence's pairs up on the target
-    features its steps produced, then extrapolate k features and take the LM head's argmax
-    of each (one-hot drafts: lossless with any sampling parameters)."""
+    """Chain drafting (EAGLE-1 and EAGLE-3), one sequence at a time: catch the sequence's
+    pairs up on the target features its steps produced, then extrapolate k features and take
+    the LM head's argmax of each (one-hot drafts: lossless with any sampling parameters)."""
 
     needs_hidden_states = True
     reads_step_features = True
 
-    def __init__(self, head: EagleHead, embed_tokens: nn.Embedding, compute_logits) -> None:
+    def __init__(self, head: nn.Module, embed_tokens: nn.Embedding,
+                 to_token_ids: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """`head`: EAGLE-1's or EAGLE-3's; `to_token_ids`: the draft token of each estimated
+        feature (EAGLE-1: the target LM head's argmax; EAGLE-3: the head's own)."""
         self.head = head
         self.embed_tokens = embed_tokens
-        self.compute_logits = compute_logits
+        self.to_token_ids = to_token_ids
         self._states: dict[str, _SequenceState] = {}
 
     def observe(self, seq_id: str, first_position: int, features: torch.Tensor) -> None:
@@ -220,7 +223,7 @@ class EagleProposer:
         verified_length = state.cache.length
         drafts = []
         for step in range(k):
-            token = int(self.compute_logits(estimate).argmax(dim=-1)[0])
+            token = int(self.to_token_ids(estimate)[0])
             drafts.append(token)
             if step + 1 < k:
                 position = torch.tensor([verified_length + step])
