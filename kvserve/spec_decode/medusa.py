@@ -42,12 +42,14 @@ class MedusaHeads(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_heads, B, V] logits of hidden [B, H]."""
+        # kvserve's CPU kernel for few rows has no backward: training (train_drafter) uses torch's.
+        matmul = F.linear if torch.is_grad_enabled() else linear
         logits = []
         for blocks, lm_head in zip(self.blocks, self.lm_heads):
             x = hidden
             for block in blocks:
-                x = x + F.silu(linear(x, block.weight, block.bias))
-            logits.append(linear(x, lm_head.weight))
+                x = x + F.silu(matmul(x, block.weight, block.bias))
+            logits.append(matmul(x, lm_head.weight))
         return torch.stack(logits)
 
 
