@@ -69,6 +69,8 @@ def attends_in_place(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 # Most context positions (sequences x padded length) gathered at once by the decode path:
 # bounds its transient memory, which the KV-cache sizing does not profile.
 MAX_DECODE_GATHER_POSITIONS = 1 << 18
+# Query spans of up to this many tokens are attended as decode rows (_plan).
+SHORT_QUERY_MAX_ROWS = 16
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -139,54 +141,74 @@ class TorchReferenceBackend(AttentionBackend):
 
 @dataclass
 class DecodeContext:
-    """A step of single-token decodes in a form torch.compile traces (tensors only, no
-    host lists): each query attends to its cached context, gathered through `slots`, and to
-    its own new key/value, which are collected in `new_kv` for the caller to write into the
-    cache after the forward. Writing into the cache inside the graph would make inductor
-    copy the whole cache (a graph input it cannot mutate in place) every step. Not for
-    float8 caches (the new key/value are not scaled)."""
+    """A step of a few query rows (single-token decodes, or the 1 + k rows of verify steps)
+    in a form torch.compile traces (tensors only, no host lists): each query attends to its
+    sequence's cached context, gathered through `slots`, and to the step's new keys/values
+    that `new_valid` lets it see (its own, and its sequence's earlier rows or tree
+    ancestors), which are collected in `new_kv` for the caller to write into the cache after
+    the forward. Writing into the cache inside the graph would make inductor copy the whole
+    cache (a graph input it cannot mutate in place) every step. Not for float8 caches (the
+    new key/value are not scaled)."""
 
-    slots: torch.Tensor  # [B, C] cache slot of each cached context position (padded)
-    valid: torch.Tensor  # [B, C] bool: cached positions each query sees
+    slots: torch.Tensor  # [T, C] cache slot of each cached context position (padded)
+    valid: torch.Tensor  # [T, C] bool: cached positions each query sees
+    new_valid: torch.Tensor  # [T, T] bool: the step's new tokens each query sees
     new_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def decode_context(metadata: AttentionMetadata, sliding_window: int | None) -> DecodeContext:
-    """The DecodeContext of a step whose sequences all feed one token."""
+    """The DecodeContext of a step: row r of a sequence feeding q tokens sits at position
+    seq_len - q + j, sees the cached positions before seq_len - q and the step's rows of its
+    sequence up to itself (or, for a token tree, its ancestors)."""
     device = metadata.block_tables.device
-    # The cached context is every position but the new token's, at seq_len - 1.
-    cached = metadata.seq_lens[:, None] - 1
-    key_pos = torch.arange(metadata.max_seq_len - 1, device=device)[None, :]
-    valid = key_pos < cached
-    if sliding_window is not None:  # keys p - sliding_window < k <= p, p = seq_len - 1
-        valid &= key_pos > cached - sliding_window
-    slots = context_slots(metadata.block_tables, metadata.max_seq_len - 1, metadata.block_size)
-    return DecodeContext(slots, valid)
+    starts = metadata.query_start_loc_cpu
+    query_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=device)
+    num_rows = starts[-1]
+    seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens), device=device), query_lens,
+                                         output_size=num_rows)
+    cached = metadata.seq_lens.long() - query_lens  # [B] positions already in the cache
+    row = torch.arange(num_rows, device=device)
+    row_cached = cached[seq_of_row]
+    row_position = row_cached + row - torch.tensor(starts[:-1], device=device)[seq_of_row]
+    num_cached = max(s - q for s, q in zip(metadata.seq_lens_cpu, (b - a for a, b in zip(starts, starts[1:]))))
+    key_pos = torch.arange(num_cached, device=device)[None, :]
+    valid = key_pos < row_cached[:, None]
+    new_valid = (seq_of_row[:, None] == seq_of_row[None, :]) & (row[None, :] <= row[:, None])
+    for seq, mask in (metadata.tree_masks or {}).items():
+        new_valid[starts[seq] : starts[seq + 1], starts[seq] : starts[seq + 1]] = mask
+    if sliding_window is not None:  # keys p - sliding_window < k <= p
+        valid &= key_pos > row_position[:, None] - sliding_window
+        new_valid &= row_position[None, :] > row_position[:, None] - sliding_window
+    slots = context_slots(metadata.block_tables[seq_of_row], num_cached, metadata.block_size)
+    return DecodeContext(slots, valid, new_valid)
 
 
 def decode_context_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     context: DecodeContext, scale: float, in_place: bool,
 ) -> torch.Tensor:
-    """[B, H, D] attention of B single-token decodes over [cached context, new token], read
-    in place by kvserve's CPU kernel or gathered for SDPA."""
-    num_seqs = query.shape[0]
+    """[T, H, D] attention of T query rows over [cached context, the step's new tokens],
+    read in place by kvserve's CPU kernel or gathered for SDPA."""
+    num_rows = query.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     context.new_kv.append((key, value))
     if in_place:
-        return torch.ops.kvserve_cpu.decode_attention(query, kv_cache, context.slots, context.valid, key, value, scale)
+        return torch.ops.kvserve_cpu.decode_attention(
+            query, kv_cache, context.slots, context.valid, key, value, scale, context.new_valid)
     flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)
     flat_v = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    # The new key/value round-trip through the cache dtype, as the eager path reads them.
-    k = torch.cat([flat_k[context.slots], key.to(kv_cache.dtype)[:, None]], dim=1)
-    v = torch.cat([flat_v[context.slots], value.to(kv_cache.dtype)[:, None]], dim=1)
-    mask = torch.cat([context.valid, context.valid.new_ones(num_seqs, 1)], dim=1)
-    q = query.float().view(num_seqs, num_kv_heads, -1, head_dim)
+    # The new keys/values round-trip through the cache dtype, as the eager path reads them.
+    new_k = key.to(kv_cache.dtype)[None].expand(num_rows, -1, -1, -1)
+    new_v = value.to(kv_cache.dtype)[None].expand(num_rows, -1, -1, -1)
+    k = torch.cat([flat_k[context.slots], new_k], dim=1)
+    v = torch.cat([flat_v[context.slots], new_v], dim=1)
+    mask = torch.cat([context.valid, context.new_valid], dim=1)
+    q = query.float().view(num_rows, num_kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
         q, k.float().transpose(1, 2), v.float().transpose(1, 2),
         attn_mask=mask[:, None, None, :], scale=scale,
     )
-    return out.reshape(num_seqs, -1, head_dim).to(query.dtype)
+    return out.reshape(num_rows, -1, head_dim).to(query.dtype)
 
 
 @dataclass
@@ -218,31 +240,50 @@ class _Plan:
 
 def _plan(metadata: AttentionMetadata, sliding_window: int | None) -> _Plan:
     """Slots and masks of one step, the same for every layer. With a sliding window, a
-    query at position p sees keys p - sliding_window < k <= p (Mistral, as transformers)."""
+    query at position p sees keys p - sliding_window < k <= p (Mistral, as transformers).
+    Sequences feeding at most SHORT_QUERY_MAX_ROWS tokens (decodes, verify steps, short
+    chunks) are attended row by row as decodes, each row over the context up to itself: over
+    an fp32 CPU cache that is the in-place kernel (each row computed exactly as a decode at
+    its position), where the prefill path would gather a copy of the context per layer."""
     device = metadata.block_tables.device
     starts = metadata.query_start_loc_cpu
-    decode_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+    seq_lens = metadata.seq_lens_cpu
+    row_seqs, row_lens, row_tokens = [], [], []
+    for i in range(metadata.num_seqs):
+        num_queries = starts[i + 1] - starts[i]
+        if 1 <= num_queries <= SHORT_QUERY_MAX_ROWS:
+            row_seqs.extend([i] * num_queries)
+            row_lens.extend(range(seq_lens[i] - num_queries + 1, seq_lens[i] + 1))
+            row_tokens.extend(range(starts[i], starts[i + 1]))
     groups = []
-    for seqs in _decode_groups(decode_seqs, metadata.seq_lens_cpu):
-        seq_index = torch.tensor(seqs, device=device)
-        max_len = max(metadata.seq_lens_cpu[i] for i in seqs)
-        # Padding positions past each sequence's length are masked out.
+    for rows in _decode_groups(list(range(len(row_seqs))), row_lens):
+        seq_index = torch.tensor([row_seqs[r] for r in rows], device=device)
+        lens = [row_lens[r] for r in rows]
+        max_len = max(lens)
+        # Padding positions past each row's own position are masked out.
         key_pos = torch.arange(max_len, device=device)[None, :]
-        seq_lens = metadata.seq_lens[seq_index, None]
-        valid = key_pos < seq_lens
-        if sliding_window is not None:  # the query sits at seq_len - 1
-            valid &= key_pos >= seq_lens - sliding_window
+        row_len = torch.tensor(lens, device=device)[:, None]
+        valid = key_pos < row_len
+        if metadata.tree_masks:
+            for g, r in enumerate(rows):
+                mask = metadata.tree_masks.get(row_seqs[r])
+                if mask is not None:  # the row's own query index j sees mask[j, :j + 1]
+                    first = seq_lens[row_seqs[r]] - mask.shape[0]
+                    j = row_lens[r] - 1 - first
+                    valid[g, first : first + j + 1] = mask[j, : j + 1]
+        if sliding_window is not None:  # the query sits at row_len - 1
+            valid &= key_pos >= row_len - sliding_window
         groups.append(_DecodeGroup(
-            token_index=torch.tensor([starts[i] for i in seqs], device=device),
+            token_index=torch.tensor([row_tokens[r] for r in rows], device=device),
             slots=context_slots(metadata.block_tables[seq_index], max_len, metadata.block_size),
             valid=valid,
         ))
     chunks = []
     for i in range(metadata.num_seqs):
         start, end = starts[i], starts[i + 1]
-        if end - start <= 1:
+        if end - start <= SHORT_QUERY_MAX_ROWS:
             continue
-        seq_len = metadata.seq_lens_cpu[i]
+        seq_len = seq_lens[i]
         # Query j sits at context position seq_len - q_len + j.
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=device)
         k_pos = torch.arange(seq_len, device=device)
@@ -256,16 +297,16 @@ def _plan(metadata: AttentionMetadata, sliding_window: int | None) -> _Plan:
     return _Plan(groups, chunks)
 
 
-def _decode_groups(decode_seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
+def _decode_groups(decode_rows: list[int], row_lens: list[int]) -> list[list[int]]:
     """Consecutive groups whose padded gather stays under MAX_DECODE_GATHER_POSITIONS."""
     groups: list[list[int]] = []
     group: list[int] = []
     group_max = 0
-    for i in decode_seqs:
-        longest = max(group_max, seq_lens[i])
+    for i in decode_rows:
+        longest = max(group_max, row_lens[i])
         if group and longest * (len(group) + 1) > MAX_DECODE_GATHER_POSITIONS:
             groups.append(group)
-            group, longest = [], seq_lens[i]
+            group, longest = [], row_lens[i]
         group.append(i)
         group_max = longest
     if group:

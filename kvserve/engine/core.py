@@ -234,7 +234,26 @@ class EngineCore:
         )
 
     def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | None) -> Speculator:
-        if draft is None:
+        if config.method == "medusa":
+            from kvserve.spec_decode.medusa import MedusaProposer, load_medusa_heads
+
+            heads = load_medusa_heads(config.model, self.model_config, self.model_config.dtype, self.device)
+            proposer = MedusaProposer(heads, config.token_tree(heads.num_heads))
+        elif config.method == "eagle":
+            from kvserve.spec_decode.eagle import EagleProposer, load_eagle_head
+
+            target = self.runner.model
+            head = load_eagle_head(config.model, self.model_config, self.model_config.dtype, self.device)
+            proposer = EagleProposer(head, target.model.embed_tokens,
+                                     lambda estimate: target.compute_logits(estimate).argmax(dim=-1))
+        elif config.method == "eagle3":
+            from kvserve.spec_decode.eagle import EagleProposer
+            from kvserve.spec_decode.eagle3 import load_eagle3_head
+
+            head, layers = load_eagle3_head(config.model, self.model_config, self.model_config.dtype, self.device)
+            self.runner.aux_hidden_layers = layers
+            proposer = EagleProposer(head, self.runner.model.model.embed_tokens, head.draft_token_ids)
+        elif draft is None:
             from kvserve.spec_decode.ngram_proposer import NgramProposer
 
             proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)

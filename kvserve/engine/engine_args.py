@@ -338,7 +338,10 @@ class EngineArgs:
             help="Speculative decoding as JSON. Prompt lookup: '{\"method\": \"ngram\", "
             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; "
             "draft model: '{\"method\": \"draft_model\", \"model\": \"<path or same>\", "
-            "\"num_speculative_tokens\": 4, \"quantization\": \"int4\"}'. Optional "
+            "\"num_speculative_tokens\": 4, \"quantization\": \"int4\"}'; draft heads: "
+            "'{\"method\": \"medusa\" | \"eagle\" | \"eagle3\", \"model\": \"<heads directory>\", "
+            "\"num_speculative_tokens\": 4}' (medusa: optional \"speculative_token_tree\", e.g. "
+            "\"[(0,), (0, 0), (1,)]\", verified as a token tree). Optional "
             "\"disable_by_batch_size\" (default 8): no drafting while more sequences run. "
             "Output is unchanged (lossless verification).",
         )

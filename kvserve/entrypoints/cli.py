@@ -123,6 +123,11 @@ _TOOLS = [
     ("eval", "perplexity", "Sliding-window perplexity of a text file through the engine.",
      "kvserve.eval.perplexity", True),
 ]
+# Commands of their own that load an engine: (command, help, module).
+_ENGINE_COMMANDS = [
+    ("train-drafter", "Train Medusa heads for a model by self-distillation on a text; prints held-out acceptance.",
+     "kvserve.spec_decode.train_drafter"),
+]
 _TOOL_GROUPS = {"bench": "Benchmarks.", "eval": "Quality evaluations."}
 # Commands that size and price a deployment without loading a model: (command, help, module).
 _PLANNERS = [
@@ -187,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_cli_args(planner)
         planner.set_defaults(handler=module.run_from_args)
     _add_router_parser(commands)
+    for name, help, module_name in _ENGINE_COMMANDS:
+        module = importlib.import_module(module_name)
+        command = commands.add_parser(name, help=help)
+        EngineArgs.add_cli_args(command)
+        module.add_cli_args(command)
+        command.set_defaults(handler=module.run_from_args)
 
     groups = {
         name: commands.add_parser(name, help=help).add_subparsers(

@@ -7,13 +7,15 @@ one graph, since per-layer graphs pay ~140 us of Dynamo guards and wrappers each
 SmolLM2 batch-1 step 18.2 eager, 16.6 per-layer graphs, 12.4 ms one graph; the numbers and
 what else was tried are in benchmarks/results/cpu_profile.md).
 
-The graph covers steps where every sequence feeds one token, up to MAX_ROWS of them: the
-attention reads each layer's cached context through `DecodeContext` and returns the new
-keys/values of all layers as one tensor, written into the cache (the layers' caches are views
-of one tensor) in one copy after the graph (an in-graph cache write makes inductor copy the
-cache). Batch size and context length are dynamic; batch 1 gets a graph of its own
-(0/1 specialization: traced size-obliviously, inductor still specialized the size-1 batch),
-and so does each band of batch sizes on one side of a quantized layer's kernel/dense row
+The graph covers steps of up to MAX_ROWS query rows: decodes (one token a sequence) and
+speculative verify steps (1 + k tokens, a chain or a token tree), which so cost what a decode
+batch of as many rows costs and take the same graph. The attention reads each layer's cached
+context through `DecodeContext` (and the step's own new keys/values under its causal or tree
+mask) and returns the new keys/values of all layers as one tensor, written into the cache (the
+layers' caches are views of one tensor) in one copy after the graph (an in-graph cache write
+makes inductor copy the cache). Row count and context length are dynamic; one row gets a graph
+of its own (0/1 specialization: traced size-obliviously, inductor still specialized the size-1
+batch), and so does each band of row counts on one side of a quantized layer's kernel/dense row
 threshold (a guard of the graph): two or three compiles, done at start-up by `warm_up`, or
 one at a time by `compile_next` while a server is idle (a step whose band has no graph yet
 runs eager).
@@ -39,7 +41,7 @@ from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS, QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
-# Decode rows per compiled step: the int4/int8 kernels' range (their dispatch on the row
+# Query rows per compiled step: the int4/int8 kernels' range (their dispatch on the row
 # count is a guard of the graph, so larger batches would compile again); more run eager.
 MAX_ROWS = CPU_KERNEL_MAX_ROWS
 # Shorter cached contexts (the padded longest of the step) run eager: lengths 0 and 1 would
@@ -49,10 +51,10 @@ MIN_CONTEXT = 2
 
 def _decode_forward(
     model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-    kv_caches: list[torch.Tensor], slots: torch.Tensor, valid: torch.Tensor,
+    kv_caches: list[torch.Tensor], slots: torch.Tensor, valid: torch.Tensor, new_valid: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden states, every layer's new keys and values as one [layers, 2, T, ...] tensor)."""
-    context = DecodeContext(slots, valid)
+    context = DecodeContext(slots, valid, new_valid)
     hidden = model(input_ids, positions, kv_caches, context)
     # [layers, 2, T, kv_heads, head_dim]: written to the cache in one copy after the graph.
     new_kv = torch.stack([torch.stack(key_value) for key_value in context.new_kv]).to(kv_caches[0].dtype)
@@ -73,7 +75,7 @@ def layer_stack(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 class CompiledDecode:
-    """Runs a CPU model's decode-only steps through a compiled graph of its forward."""
+    """Runs a CPU model's decode and verify steps through a compiled graph of its forward."""
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], sliding_window: int | None) -> None:
         self.model = model
@@ -116,13 +118,16 @@ class CompiledDecode:
                 and model.graph_capturable)
 
     def applies(self, metadata: AttentionMetadata) -> bool:
-        """One token per sequence, at most MAX_ROWS, with a cached context of at least
-        MIN_CONTEXT positions, in a band of batch sizes whose graph is compiled (a step
-        never waits for a compile)."""
-        return (metadata.max_query_len == 1 and metadata.num_seqs <= MAX_ROWS
-                and metadata.max_seq_len > MIN_CONTEXT and not metadata.tree_masks
-                and self._band_starts[bisect.bisect_right(self._band_starts, metadata.num_seqs) - 1]
-                not in self._pending)
+        """At most MAX_ROWS query rows (decodes, verify steps, short chunks), a longest
+        cached context of at least MIN_CONTEXT positions, in a band of row counts whose graph
+        is compiled (a step never waits for a compile)."""
+        starts = metadata.query_start_loc_cpu
+        num_rows = starts[-1]
+        if num_rows > MAX_ROWS:
+            return False
+        num_cached = max(s - (b - a) for s, a, b in zip(metadata.seq_lens_cpu, starts, starts[1:]))
+        return (num_cached >= MIN_CONTEXT
+                and self._band_starts[bisect.bisect_right(self._band_starts, num_rows) - 1] not in self._pending)
 
     @property
     def pending(self) -> int:
@@ -137,15 +142,15 @@ class CompiledDecode:
         return hidden
 
     def graph_batch_sizes(self) -> list[int]:
-        """The smallest batch of each graph: 1, 2, and one past each row threshold at which
-        the model's quantized layers switch from their kernel to their dense copy."""
+        """The smallest row count of each graph: 1, 2, and one past each row threshold at
+        which the model's quantized layers switch from their kernel to their dense copy."""
         thresholds = {m.cpu_kernel_max_rows for m in self.model.modules() if isinstance(m, QuantizedLinear)}
         return [1, 2, *sorted(t + 1 for t in thresholds if 2 <= t < MAX_ROWS)]
 
     def bands(self) -> list[str]:
-        """Each graph's batch sizes, in words."""
+        """Each graph's row counts, in words."""
         sizes = self._band_starts
-        return [f"batch {a}" if b == a + 1 else f"batch {a}-{b - 1}" for a, b in zip(sizes, [*sizes[1:], MAX_ROWS + 1])]
+        return [f"{a} row" if b == a + 1 else f"{a}-{b - 1} rows" for a, b in zip(sizes, [*sizes[1:], MAX_ROWS + 1])]
 
     def warm_up(self) -> None:
         """Compile every graph now rather than in the first requests."""
@@ -161,14 +166,15 @@ class CompiledDecode:
         if not self._pending:
             return False
         sizes, bands = self._band_starts, self.bands()
-        num_seqs = self._pending[0]
-        index = sizes.index(num_seqs)
+        num_rows = self._pending[0]
+        index = sizes.index(num_rows)
         start = time.perf_counter()
         with torch.inference_mode():
-            context = DecodeContext(slots=torch.zeros(num_seqs, MIN_CONTEXT, dtype=torch.long),
-                                    valid=torch.ones(num_seqs, MIN_CONTEXT, dtype=torch.bool))
-            self._run(torch.zeros(num_seqs, dtype=torch.long),
-                      torch.full((num_seqs,), MIN_CONTEXT, dtype=torch.long), context)
+            context = DecodeContext(slots=torch.zeros(num_rows, MIN_CONTEXT, dtype=torch.long),
+                                    valid=torch.ones(num_rows, MIN_CONTEXT, dtype=torch.bool),
+                                    new_valid=torch.eye(num_rows, dtype=torch.bool))
+            self._run(torch.zeros(num_rows, dtype=torch.long),
+                      torch.full((num_rows,), MIN_CONTEXT, dtype=torch.long), context)
         self._pending.pop(0)
         seconds = time.perf_counter() - start
         self._compile_seconds += seconds
@@ -180,9 +186,9 @@ class CompiledDecode:
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: DecodeContext
              ) -> tuple[torch.Tensor, torch.Tensor]:
         for tensor, dims in ((input_ids, (0,)), (positions, (0,)), (context.slots, (0, 1)),
-                             (context.valid, (0, 1))):
+                             (context.valid, (0, 1)), (context.new_valid, (0, 1))):
             for dim in dims:
                 if tensor.shape[dim] > 1:  # size 1 is specialized whatever is marked
                     torch._dynamo.mark_dynamic(tensor, dim)
         return self._forward(self.model.model, input_ids, positions, self.kv_caches,
-                             context.slots, context.valid)
+                             context.slots, context.valid, context.new_valid)

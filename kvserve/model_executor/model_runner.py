@@ -84,6 +84,12 @@ class StepLogits:
     # (sequence id, [P, V] logits, index of the first prompt token they predict): prompt
     # positions of this chunk, for requests that asked for prompt logprobs.
     prompt_logits: list[tuple[str, torch.Tensor, int]]
+    # [R, H] the last layer's hidden states at sample_logits' rows, for draft heads that read
+    # them (None where the step did not keep them: CUDA graph replays).
+    sample_hidden: torch.Tensor | None = None
+    # [T, H] every row's (the step's order), for drafters that read them all (EAGLE); with
+    # aux_hidden_layers, [T, 3H]: the residual streams entering those layers (EAGLE-3).
+    step_hidden: torch.Tensor | None = None
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -158,6 +164,9 @@ class ModelRunner:
         self.step_sampler = StepSampler(device, model_config.eos_token_ids, max_model_len,
                                         tokenizer, model_config.vocab_size)
         self.speculator: Speculator | None = None  # set by the engine when it speculates
+        # Layers whose entering residual stream every step keeps for the drafter (EAGLE-3):
+        # those steps run eager (the compiled graph does not return them).
+        self.aux_hidden_layers: tuple[int, ...] = ()
         self._inflight: deque[InflightStep] = deque()
         # The scales belong to this runner's cache (weights may be shared with other engines).
         for layer in model.model.layers:
@@ -517,7 +526,8 @@ class ModelRunner:
         logits = self.forward(sched)
         output = self.step_sampler.sample(
             sched, self.seqs, logits.sample_logits, logits.sampling_seq_ids,
-            logits.num_sample_rows, logits.prompt_logits, self.speculator,
+            logits.num_sample_rows, logits.prompt_logits, self.speculator, logits.sample_hidden,
+            logits.step_hidden,
         )
         if self._lora_failures:
             output.failed.update(self._lora_failures)
@@ -575,7 +585,8 @@ class ModelRunner:
     def forward(self, sched: SchedulerOutput) -> StepLogits:
         """The step's forward pass: logits of the positions that sample or score."""
         self._apply(sched)
-        if self.cuda_graphs is not None and self._graph_can_run(sched):
+        if (self.cuda_graphs is not None and self._graph_can_run(sched)
+                and not (self.speculator is not None and self.speculator.needs_hidden_states)):
             return self._execute_graph(sched)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -648,18 +659,24 @@ class ModelRunner:
         if mrope_chunks:
             rope_positions_t = torch.cat(mrope_chunks, dim=1).to(self.device)
         inputs_embeds = self._merge_images(input_ids_t, image_spans) if image_spans else None
-        if inputs_embeds is None and self.compiled_decode is not None and self.compiled_decode.applies(metadata):
+        streams = dict.fromkeys(self.aux_hidden_layers) if self.aux_hidden_layers else None
+        if (inputs_embeds is None and streams is None and self.compiled_decode is not None
+                and self.compiled_decode.applies(metadata)):
             hidden = self.compiled_decode.forward(input_ids_t, rope_positions_t, metadata)
         else:
-            hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata, inputs_embeds)
+            hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata,
+                                inputs_embeds=inputs_embeds, residual_streams=streams)
         if not self.model.is_last_stage:  # a pipeline stage that hands its hidden states on
             return StepLogits(hidden.new_empty(0, 0), [], [], [])
-        sample_logits = self.model.compute_logits(hidden[sample_indices])
+        # The LM head runs only on the rows that sample or score.
+        sample_hidden = hidden[sample_indices]
+        sample_logits = self.model.compute_logits(sample_hidden)
         prompt_logits = [
             (seq_id, self.model.compute_logits(hidden[flat : flat + count]), pos + 1)
             for seq_id, flat, count, pos in prompt_spans
         ]
-        return StepLogits(sample_logits, sampling_seq_ids, num_sample_rows, prompt_logits)
+        step_hidden = hidden if streams is None else torch.cat([streams[i] for i in self.aux_hidden_layers], dim=-1)
+        return StepLogits(sample_logits, sampling_seq_ids, num_sample_rows, prompt_logits, sample_hidden, step_hidden)
 
     # -- images ----------------------------------------------------------------------------
 

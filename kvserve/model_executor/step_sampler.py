@@ -88,7 +88,12 @@ class StepSampler:
         num_sample_rows: list[int],
         prompt_logits: list[tuple[str, torch.Tensor, int]],
         speculator: Speculator | None,
+        sample_hidden: torch.Tensor | None = None,
+        step_hidden: torch.Tensor | None = None,
     ) -> ModelRunnerOutput:
+        """`sample_hidden`: the target's hidden states at the logits' rows, which draft heads
+        read (the row that predicted each sequence's newest token); `step_hidden`: every
+        row's, in the step's order (EAGLE pairs each verified position's with the next token)."""
         out = ModelRunnerOutput()
         for seq_id, logits, first_target in prompt_logits:
             seq = seqs[seq_id]
@@ -113,6 +118,7 @@ class StepSampler:
                 spec_rows.extend(range(row, row + num_rows))
             row += num_rows
 
+        hidden_rows: dict[str, int] = dict(zip(plain_ids, plain_rows))
         rows, row_seq_ids, logit_rows = [], [], []
         for logit_row, seq_id in enumerate(plain_ids):
             seq = seqs[seq_id]
@@ -127,22 +133,46 @@ class StepSampler:
             for seq_id, token_id, logprobs in self._sample_rows(sample_logits, logit_rows, rows, row_seq_ids, out):
                 out.sampled.append(SampledSequence(seq_id, [token_id], None if logprobs is None else [logprobs]))
         if spec_ids:
+            drafts = [sched.spec_token_ids[seq_id] for seq_id in spec_ids]
+            tree_parents = [sched.spec_tree_parents.get(seq_id) for seq_id in spec_ids]
             verified = speculator.verify(
                 sample_logits[spec_rows],
                 [self._draft_context(seq_id, seqs[seq_id]) for seq_id in spec_ids],
-                [sched.spec_token_ids[seq_id] for seq_id in spec_ids],
-                self.eos_token_ids,
+                drafts, self.eos_token_ids,
+                [None if parents is None else parents[: len(d)] for parents, d in zip(tree_parents, drafts)],
             )
-            for seq_id, result in zip(spec_ids, verified):
+            first_row = 0
+            for seq_id, seq_drafts, result in zip(spec_ids, drafts, verified):
+                run = result.run
                 out.sampled.append(SampledSequence(
-                    seq_id, result.run.token_ids, result.logprobs,
-                    len(sched.spec_token_ids[seq_id]), result.run.num_accepted,
+                    seq_id, run.token_ids, result.logprobs, len(seq_drafts), run.num_accepted,
+                    run.num_in_place,
                 ))
+                hidden_rows[seq_id] = spec_rows[first_row + run.rows[-1]]
+                first_row += len(seq_drafts) + 1
+        if speculator is not None and speculator.reads_step_features and step_hidden is not None:
+            self._observe_features(sched, seqs, out, step_hidden, speculator)
         if speculator is not None:
-            out.draft_token_ids = speculator.propose(self._drafting(out.sampled, seqs), len(out.sampled))
+            hidden = sample_hidden if speculator.needs_hidden_states else None
+            proposed = speculator.propose(self._drafting(out.sampled, seqs, hidden, hidden_rows), len(out.sampled))
+            out.draft_token_ids = {seq_id: draft.token_ids for seq_id, draft in proposed.items()}
+            out.draft_tree_parents = {seq_id: draft.parents for seq_id, draft in proposed.items()
+                                      if draft.parents is not None}
             if self._grammars is not None:
                 self._check_drafts(out, seqs)
         return out
+
+    @staticmethod
+    def _observe_features(sched: SchedulerOutput, seqs: SequenceStates, out: ModelRunnerOutput,
+                          step_hidden: torch.Tensor, speculator: Speculator) -> None:
+        """Each sequence's verified rows: all it ran but the rejected drafts."""
+        verified = {item.seq_id: item for item in out.sampled if item.num_drafts}
+        flat = 0
+        for seq_id, num in sched.num_scheduled_tokens.items():
+            item = verified.get(seq_id)
+            valid = num if item is None else num - item.num_drafts + item.num_accepted
+            speculator.observe_features(seq_id, seqs[seq_id].num_computed_tokens, step_hidden[flat : flat + valid])
+            flat += num
 
     def _sample_rows(
         self, logits: torch.Tensor, logit_rows: list[int], rows: list[SamplingRow], seq_ids: list[str],
@@ -195,6 +225,9 @@ class StepSampler:
             seq = seqs[seq_id]
             if seq.params.structured_outputs is None:
                 continue
+            if seq_id in out.draft_tree_parents:  # grammars check chains: no tree drafting
+                del out.draft_token_ids[seq_id], out.draft_tree_parents[seq_id]
+                continue
             allowed = self._grammars.allowed_drafts(
                 seq_id, seq.params.structured_outputs, TokenSpan(seq.token_ids, seq.num_prompt_tokens),
                 new_token_ids[seq_id], drafts,
@@ -204,13 +237,16 @@ class StepSampler:
             else:
                 del out.draft_token_ids[seq_id]
 
-    def _draft_context(self, seq_id: str, seq: RunnerSequence, new_token_ids: Sequence[int] = ()) -> DraftContext:
+    def _draft_context(self, seq_id: str, seq: RunnerSequence, new_token_ids: Sequence[int] = (),
+                       hidden_state: torch.Tensor | None = None) -> DraftContext:
         return DraftContext(
             seq_id, seq.token_ids + list(new_token_ids) if new_token_ids else seq.token_ids,
-            seq.num_prompt_tokens, seq.params, seq.max_tokens, self.generator(seq_id, seq),
+            seq.num_prompt_tokens, seq.params, seq.max_tokens, self.generator(seq_id, seq), hidden_state,
         )
 
-    def _drafting(self, sampled: list[SampledSequence], seqs: SequenceStates) -> list[DraftContext]:
+    def _drafting(self, sampled: list[SampledSequence], seqs: SequenceStates,
+                  hidden: torch.Tensor | None = None, hidden_rows: dict[str, int] | None = None,
+                  ) -> list[DraftContext]:
         """Sequences that may draft for their next step: those that got tokens and did
         not end with them (a stop string is only seen on text: drafting then is wasted).
         The samples a prompt forked into are not among them: n > 1 does not draft."""
@@ -225,5 +261,6 @@ class StepSampler:
                            seq.max_tokens, self.eos_token_ids, self.max_model_len)[0]
                 for i, token_id in enumerate(item.token_ids)
             ):
-                contexts.append(self._draft_context(item.seq_id, seq, item.token_ids))
+                hidden_state = None if hidden is None else hidden[hidden_rows[item.seq_id]]
+                contexts.append(self._draft_context(item.seq_id, seq, item.token_ids, hidden_state))
         return contexts

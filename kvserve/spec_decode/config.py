@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvserve.quantization import QUANTIZATION_METHODS
+from kvserve.spec_decode.tree import TokenTree
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
 # Speculation pays while a decode step is bound by reading the weights: verifying k extra
 # tokens per sequence is then almost free. With many sequences running, the step already
@@ -29,9 +31,15 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # draft_model: a model directory / .gguf with the target's vocabulary, or "same".
+    # medusa: a directory of Medusa heads for the target (the Medusa repository's layout).
+    # eagle / eagle3: a directory of an EAGLE-1 / EAGLE-3 head for the target (the EAGLE
+    # repository's layout).
     model: str | None = None
     quantization: str | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # medusa: the token tree as candidate-rank paths, e.g. "[(0,), (0, 0), (1,)]" (vLLM's key;
+    # a list works too); its node count is num_speculative_tokens. None: TokenTree.default.
+    speculative_token_tree: str | list | None = None
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
@@ -62,8 +70,35 @@ class SpeculativeConfig:
                     "prompt_lookup_min", self.prompt_lookup_min,
                     f"<= prompt_lookup_max ({self.prompt_lookup_max})",
                 )
+        elif self.method in ("eagle", "eagle3"):
+            if not self.model:
+                raise _error("model", self.model, f"a directory of an EAGLE head for method {self.method}")
+        elif self.method == "medusa":
+            if not self.model:
+                raise _error("model", self.model, "a directory of Medusa heads for method medusa")
+            tree = self.token_tree(num_heads=MAX_SPECULATIVE_TOKENS)
+            if tree.num_nodes != k:
+                raise _error("num_speculative_tokens", k,
+                             f"the token tree's node count ({tree.num_nodes}) when speculative_token_tree is given")
         else:
             if not self.model:
                 raise _error("model", self.model, "a model path or 'same' for method draft_model")
             if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
                 raise _error("quantization", self.quantization, f"one of {list(QUANTIZATION_METHODS)}")
+
+    def token_tree(self, num_heads: int) -> TokenTree:
+        """The tree a draft-head method verifies: speculative_token_tree, or the default of
+        num_speculative_tokens nodes at most `num_heads` deep."""
+        spec = self.speculative_token_tree
+        if spec is None:
+            return TokenTree.default(self.num_speculative_tokens, num_heads)
+        try:
+            paths = ast.literal_eval(spec) if isinstance(spec, str) else spec
+            tree = TokenTree([tuple(path) for path in paths])
+        except (ValueError, TypeError, SyntaxError) as error:
+            raise _error("speculative_token_tree", spec, f"a list of candidate-rank paths like "
+                         f"[(0,), (0, 0), (1,)] ({error})") from None
+        if not 1 <= tree.num_nodes <= MAX_SPECULATIVE_TOKENS:
+            raise _error("speculative_token_tree", spec, f"1 to {MAX_SPECULATIVE_TOKENS} nodes (a verify step's "
+                         f"budget); it has {tree.num_nodes}")
+        return tree

@@ -62,6 +62,8 @@ class _CacheState:
 
 
 class DraftModelProposer:
+    needs_hidden_states = False
+
     def __init__(
         self,
         draft: LoadedModel,

@@ -34,6 +34,8 @@ def ngram_propose(
 
 
 class NgramProposer:
+    needs_hidden_states = False
+
     def __init__(self, max_n: int, min_n: int) -> None:
         self.max_n = max_n
         self.min_n = min_n

@@ -21,6 +21,9 @@ class DraftContext:
     params: SamplingParams
     max_tokens: int
     generator: torch.Generator | None
+    # [H] the target's last-layer hidden state at the row that predicted the newest token
+    # (what draft heads read); None unless the proposer asks for it (needs_hidden_states).
+    hidden_state: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -40,9 +43,14 @@ class Draft:
     token_ids: list[int]
     # [len(token_ids), V] the distributions the drafts were sampled from; None: one-hot.
     probs: torch.Tensor | None = None
+    # A token tree: each draft's parent (-1: the newest token), in topological order; None:
+    # a chain. Trees carry one-hot (deterministic) candidates.
+    parents: list[int] | None = None
 
 
 class Proposer(Protocol):
+    # Whether propose() reads DraftContext.hidden_state (draft heads: Medusa).
+    needs_hidden_states: bool
     def propose(self, seqs: list[DraftContext], num_tokens: list[int]) -> list[Draft]:
         """Up to num_tokens[i] drafted tokens continuing seqs[i] (fewer, or none, is fine)."""
 

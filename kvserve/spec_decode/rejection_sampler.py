@@ -30,6 +30,89 @@ class DraftVerification:
 class VerifiedRun:
     token_ids: list[int]  # the accepted drafts plus one target token
     num_accepted: int  # drafts accepted (len(token_ids) - 1)
+    # A token tree's accepted nodes, root to leaf; None: a chain (nodes 0 .. num_accepted - 1).
+    accepted_nodes: list[int] | None = None
+
+    @property
+    def path(self) -> list[int]:
+        return list(range(self.num_accepted)) if self.accepted_nodes is None else self.accepted_nodes
+
+    @property
+    def rows(self) -> list[int]:
+        """The verify rows whose logits gave each emitted token: the last verified token's
+        (row 0), then each accepted node's (row 1 + node)."""
+        return [0] + [1 + node for node in self.path]
+
+    @property
+    def num_in_place(self) -> int:
+        """Accepted drafts whose KV the verify pass wrote where the sequence continues: the
+        path's leading nodes 0, 1, 2, ... (all of a chain's); the rest are recomputed."""
+        return next((i for i, node in enumerate(self.path) if node != i), self.num_accepted)
+
+
+def greedy_run(draft_token_ids: list[int], target_token_ids: list[int]) -> VerifiedRun:
+    """Greedy verification: drafts are accepted while they equal the target's argmax at
+    their position; then the target's own token follows (the rejection rule with a one-hot
+    target distribution, whatever the drafts' distribution). target_token_ids: the argmax
+    at each draft position and at the bonus position."""
+    num_accepted = 0
+    while num_accepted < len(draft_token_ids) and draft_token_ids[num_accepted] == target_token_ids[num_accepted]:
+        num_accepted += 1
+    return VerifiedRun(draft_token_ids[:num_accepted] + [target_token_ids[num_accepted]], num_accepted)
+
+
+def tree_children(parents: list[int]) -> list[list[int]]:
+    """Each draft node's children in node order; the root's (parent -1) at index -1."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for node, parent in enumerate(parents):
+        children[parent].append(node)
+    return children
+
+
+def greedy_tree_run(draft_token_ids: list[int], parents: list[int], target_token_ids: list[int]) -> VerifiedRun:
+    """Greedy verification of a token tree: from the root, follow the child whose token is
+    the target's argmax at its parent's row while there is one; then the target's token.
+    target_token_ids: the argmax at the root's row (0) and each node's (1 + node)."""
+    children = tree_children(parents)
+    node, path = -1, []
+    while True:
+        target = target_token_ids[node + 1]
+        match = next((child for child in children[node] if draft_token_ids[child] == target), None)
+        if match is None:
+            return VerifiedRun([draft_token_ids[n] for n in path] + [target], len(path), path)
+        path.append(match)
+        node = match
+
+
+def tree_rejection_run(
+    target_probs: torch.Tensor, draft_token_ids: list[int], parents: list[int],
+    generator: torch.Generator | None,
+) -> VerifiedRun:
+    """Lossless verification of a token tree whose candidates are deterministic (top-k of a
+    draft head: one-hot proposals), by multi-candidate rejection sampling (SpecInfer, EAGLE):
+    at a node with target distribution p, each child c in turn is accepted with probability
+    p(c); a rejected child's token is removed from p (renormalised: the residual
+    max(0, p - onehot(c))); when every child is rejected a token is sampled from what is
+    left. Each emitted token is so distributed exactly as p. target_probs: [1 + nodes, V],
+    the root's row then each node's."""
+    children = tree_children(parents)
+    node, path = -1, []
+    while True:
+        p = target_probs[node + 1].clone()
+        accepted = None
+        for child in children[node]:
+            token = draft_token_ids[child]
+            u = torch.rand((), generator=generator, device=p.device)
+            if bool(u * p.sum() < p[token]):
+                accepted = child
+                break
+            p[token] = 0.0
+        if accepted is None:
+            noise = torch.empty_like(p).exponential_(generator=generator).clamp_min_(torch.finfo(p.dtype).tiny)
+            token = int(_sample_rows(p[None], noise[None])[0])
+            return VerifiedRun([draft_token_ids[n] for n in path] + [token], len(path), path)
+        path.append(accepted)
+        node = accepted
 
 
 def accept_mask(

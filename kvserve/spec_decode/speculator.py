@@ -9,10 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.sample.sampler import SamplingRow, final_probs, gather_logprobs
+from kvserve.sample.sampler import Sampler, SamplingRow, final_probs, gather_logprobs
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.spec_decode.proposer import DraftContext, Proposer
-from kvserve.spec_decode.rejection_sampler import DraftVerification, VerifiedRun, rejection_sample
+from kvserve.spec_decode.proposer import Draft, DraftContext, Proposer
+from kvserve.spec_decode.rejection_sampler import (
+    DraftVerification,
+    VerifiedRun,
+    greedy_run,
+    greedy_tree_run,
+    rejection_sample,
+    tree_rejection_run,
+)
 
 
 @dataclass
@@ -43,7 +50,20 @@ class Speculator:
         room_context = self.max_model_len - seq.num_tokens - 1
         return max(0, min(self.config.num_speculative_tokens, room_output, room_context))
 
-    def propose(self, candidates: list[DraftContext], batch_size: int) -> dict[str, list[int]]:
+    @property
+    def needs_hidden_states(self) -> bool:
+        return self.proposer.needs_hidden_states
+
+    @property
+    def reads_step_features(self) -> bool:
+        """Whether the proposer reads every verified row's hidden state (EAGLE), through
+        observe_features, not only the newest token's."""
+        return getattr(self.proposer, "reads_step_features", False)
+
+    def observe_features(self, seq_id: str, first_position: int, features: torch.Tensor) -> None:
+        self.proposer.observe(seq_id, first_position, features)
+
+    def propose(self, candidates: list[DraftContext], batch_size: int) -> dict[str, Draft]:
         """The drafts of each candidate's next step (sequences with none are left out)."""
         if batch_size > self.config.disable_by_batch_size:
             return {}
@@ -58,7 +78,7 @@ class Speculator:
         drafts = {}
         for seq, draft in zip(seqs, self.proposer.propose(seqs, budgets)):
             if draft.token_ids:
-                drafts[seq.seq_id] = draft.token_ids
+                drafts[seq.seq_id] = draft
                 self._draft_probs[seq.seq_id] = draft.probs
         return drafts
 
@@ -76,34 +96,76 @@ class Speculator:
         seqs: list[DraftContext],
         drafts: list[list[int]],
         eos_token_ids: Seq[int],
+        tree_parents: list[list[int] | None] | None = None,
     ) -> list[VerifiedTokens]:
-        """logits: per sequence (in order) 1 + len(drafts[i]) rows. `drafts` are the ones
-        the step carried: a prefix of what was proposed when the token budget cut them."""
-        rows: list[SamplingRow] = []
-        verifications: list[DraftVerification] = []
-        for seq, seq_drafts in zip(seqs, drafts):
-            for j in range(len(seq_drafts) + 1):
-                # Row j is reached only if drafts[:j] were accepted: penalties and
-                # min_tokens see them as already generated.
-                rows.append(SamplingRow(
-                    params=seq.params,
-                    prompt_token_ids=seq.prompt_token_ids,
-                    output_token_ids=seq.output_token_ids + seq_drafts[:j],
-                    generator=seq.generator,
-                    eos_token_ids=eos_token_ids,
-                ))
+        """logits: per sequence (in order) 1 + len(drafts[i]) rows: the last verified token's,
+        then each draft's. `drafts` are the ones the step carried: a prefix of what was
+        proposed when the token budget cut them. tree_parents[i]: the drafts' tree (parent of
+        each, -1 the last verified token), None for a chain."""
+        parents_of = tree_parents or [None] * len(seqs)
+        greedy_rows, greedy_runs, rows, logit_rows, verifications, tree_runs = [], [], [], [], [], []
+        offset = 0
+        for i, (seq, seq_drafts, parents) in enumerate(zip(seqs, drafts, parents_of)):
+            seq_rows = [SamplingRow(
+                params=seq.params,
+                prompt_token_ids=seq.prompt_token_ids,
+                # A row is reached only if the drafts on its path were accepted: penalties
+                # and min_tokens see them as already generated.
+                output_token_ids=seq.output_token_ids + path_tokens(seq_drafts, parents, j),
+                generator=seq.generator,
+                eos_token_ids=eos_token_ids,
+            ) for j in range(len(seq_drafts) + 1)]
             probs = self._draft_probs.pop(seq.seq_id, None)
-            if probs is not None:
-                probs = probs[: len(seq_drafts)]
-            verifications.append(DraftVerification(seq_drafts, probs, seq.generator))
-        runs = rejection_sample(final_probs(logits, rows), verifications)
+            row_range = range(offset, offset + len(seq_rows))
+            offset += len(seq_rows)
+            if seq.params.is_greedy:
+                # The target's distribution is one-hot: a draft is accepted while it is the
+                # argmax, whatever distribution it came from. The argmax is taken as a plain
+                # decode step takes it, with no softmax or noise over the vocabulary.
+                greedy_rows.extend(row_range)
+                greedy_runs.append((i, seq_rows))
+                continue
+            if parents is not None:
+                tree_runs.append((i, row_range, seq_rows))
+                continue
+            rows.extend(seq_rows)
+            logit_rows.extend(row_range)
+            verifications.append(DraftVerification(
+                seq_drafts, None if probs is None else probs[: len(seq_drafts)], seq.generator))
+        runs: list[VerifiedRun | None] = [None] * len(seqs)
+        if greedy_rows:
+            targets = Sampler.sample_ids(logits[greedy_rows], [r for _, seq_rows in greedy_runs for r in seq_rows])
+            targets_h, start = targets.tolist(), 0
+            for i, seq_rows in greedy_runs:
+                seq_targets = targets_h[start : start + len(seq_rows)]
+                start += len(seq_rows)
+                runs[i] = (greedy_run(drafts[i], seq_targets) if parents_of[i] is None
+                           else greedy_tree_run(drafts[i], parents_of[i], seq_targets))
+        for i, row_range, seq_rows in tree_runs:
+            probs = final_probs(logits[list(row_range)], seq_rows)
+            runs[i] = tree_rejection_run(probs, drafts[i], parents_of[i], seqs[i].generator)
+        if verifications:
+            sampled = iter(rejection_sample(final_probs(logits[logit_rows], rows), verifications))
+            runs = [run if run is not None else next(sampled) for run in runs]
         results, offset = [], 0
         for seq, seq_drafts, run in zip(seqs, drafts, runs):
             logprobs = None
             num_top = seq.params.logprobs
             if num_top is not None:
-                emitted = logits[offset : offset + len(run.token_ids)]
+                emitted = logits[[offset + row for row in run.rows]]
                 logprobs = gather_logprobs(emitted, run.token_ids, [num_top] * len(run.token_ids))
             results.append(VerifiedTokens(run, logprobs))
             offset += len(seq_drafts) + 1
         return results
+
+
+def path_tokens(drafts: list[int], parents: list[int] | None, row: int) -> list[int]:
+    """The drafts a verify row comes after: none for row 0 (the last verified token's), the
+    path from the root to draft j, j included, for row 1 + j (which predicts what follows)."""
+    if parents is None:
+        return drafts[:row]
+    path, node = [], row - 1
+    while node != -1:
+        path.append(drafts[node])
+        node = parents[node]
+    return path[::-1]

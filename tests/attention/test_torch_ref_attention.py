@@ -42,8 +42,9 @@ def test_mixed_batch_matches_dense(num_heads: int, num_kv_heads: int, max_gather
     if max_gather is not None:  # force the decodes into several gather groups
         monkeypatch.setattr(torch_ref, "MAX_DECODE_GATHER_POSITIONS", max_gather)
     torch.manual_seed(0)
-    # (context length, new tokens): decodes and prefills, some with a cached prefix, interleaved.
-    seqs = [(9, 1), (13, 13), (22, 7), (17, 1), (1, 1), (31, 1), (6, 4)]
+    # (context length, new tokens): decodes, short spans attended as decode rows (verify
+    # steps, small chunks) and a long chunk attended as a prefill, some with a cached prefix.
+    seqs = [(9, 1), (13, 13), (22, 7), (17, 1), (1, 1), (31, 1), (6, 4), (40, 21)]
     free_blocks = torch.randperm(NUM_BLOCKS).tolist()
     kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)  # garbage elsewhere
     max_blocks = max(-(-length // BLOCK_SIZE) for length, _ in seqs)
@@ -127,3 +128,21 @@ def test_decode_context_matches_the_paged_decode(sliding_window, decode_kernel) 
     gathered = TorchReferenceBackend(sliding_window, decode_kernel=False)
     expected = gathered.forward(query, key, value, kv_cache, metadata, scale)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)
+
+
+def test_verify_steps_attend_as_decode_rows() -> None:
+    """A verify step's 1 + k rows take the decode path (on an fp32 CPU cache, the in-place
+    kernel), each over the context up to itself, not the prefill path's gathered copy: what
+    keeps a verify step as cheap as a decode batch of as many rows."""
+    num_queries, seq_len = 5, 23
+    metadata = AttentionMetadata(
+        slot_mapping=torch.arange(seq_len - num_queries, seq_len), query_start_loc=torch.tensor([0, num_queries]),
+        seq_lens=torch.tensor([seq_len]), block_tables=torch.arange(5, dtype=torch.int32)[None],
+        block_size=BLOCK_SIZE, max_query_len=num_queries, max_seq_len=seq_len,
+        query_start_loc_cpu=[0, num_queries], seq_lens_cpu=[seq_len],
+    )
+    plan = torch_ref._plan(metadata, None)
+    assert plan.prefill_chunks == []
+    [group] = plan.decode_groups
+    assert group.token_index.tolist() == list(range(num_queries))
+    assert group.valid.sum(dim=1).tolist() == list(range(seq_len - num_queries + 1, seq_len + 1))

@@ -63,6 +63,40 @@ def test_compiled_decode_matches_eager(save_hf_model, paged_runner) -> None:
     _compiled_against_eager("mistral-sliding-window", UNEVEN_BATCHES, save_hf_model, paged_runner)
 
 
+# (sequence, tokens) per step: a batch-1 verify step of 1 + 4 rows, a mixed step of a decode
+# and two verify steps, then plain decodes of three sequences.
+VERIFY_STEPS = [[(0, 5)], [(0, 1), (1, 4), (2, 2)], [(0, 1), (1, 1), (2, 1)], [(2, 5), (1, 1)]]
+
+
+def test_verify_steps_take_the_decode_graph_and_match_decodes(save_hf_model, paged_runner) -> None:
+    """A speculative verify step of 1 + k rows costs what a decode batch of as many rows
+    does: it runs the compiled decode graph of its row count (no graph of its own: the
+    2-16 rows graph serves decodes and verify steps alike), and eagerly the decode path's
+    rows (no prefill gather). Each row's logits equal those of plain one-token decode steps
+    at its position."""
+    loaded = load_model(save_hf_model(ARCHITECTURES["mistral-sliding-window"]()))
+    decodes, eager, compiled_runner = (paged_runner(loaded.model, loaded.config) for _ in range(3))
+    compiled = CompiledDecode(loaded.model, compiled_runner.kv_caches, loaded.config.sliding_window)
+    torch._dynamo.reset()
+    graphs_before = counters["stats"]["unique_graphs"]
+    gen = torch.Generator().manual_seed(5)
+    prompts = {i: torch.randint(3, VOCAB, (n,), generator=gen).tolist() for i, n in enumerate(PROMPT_LENS)}
+    for runner in (decodes, eager, compiled_runner):
+        runner.step(list(prompts.items()))
+    compiled_calls = []
+    for step in VERIFY_STEPS:
+        batch = [(i, torch.randint(3, VOCAB, (n,), generator=gen).tolist()) for i, n in step]
+        expected = [torch.cat([decodes.step([(i, [token])])[0] for token in tokens]) for i, tokens in batch]
+        forward = lambda *args: compiled_calls.append(1) or compiled.forward(*args)  # noqa: E731
+        for runner, run_forward in ((eager, None), (compiled_runner, forward)):
+            ours = runner.step(batch, forward=run_forward)
+            torch.testing.assert_close(torch.cat(ours), torch.cat(expected), atol=1e-5, rtol=1e-5)
+    assert len(compiled_calls) == len(VERIFY_STEPS)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    for ours, reference in zip(compiled_runner.kv_caches, decodes.kv_caches, strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_compiled_decode_matches_eager_with_batch_1(arch, save_hf_model, paged_runner) -> None:

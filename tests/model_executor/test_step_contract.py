@@ -24,6 +24,8 @@ class ConstantDrafts:
     """Drafts every sequence that may draft with a fixed token (mostly rejected): every
     such decode step carries drafts."""
 
+    needs_hidden_states = False
+
     def propose(self, seqs: list, num_tokens: list[int]) -> list[Draft]:
         return [Draft([7] * k) for k in num_tokens]
 

@@ -15,6 +15,8 @@ class ScriptedProposer:
     0 gives drafts that are always rejected.
     """
 
+    needs_hidden_states = False
+
     def __init__(
         self, continuations: dict[tuple[int, ...], list[int]], vocab_size: int,
         num_correct: int | None = None,

@@ -94,6 +94,9 @@ class SampledSequence:
     logprobs: list[dict[int, float]] | None = None
     num_drafts: int = 0  # drafts verified this step
     num_accepted: int = 0
+    # Accepted drafts whose KV the step wrote where the sequence continues (a token tree's
+    # path off its leading nodes is not: those tokens are recomputed); None: all of them.
+    num_accepted_in_place: int | None = None
 
 
 @dataclass
@@ -106,5 +109,7 @@ class ModelRunnerOutput:
     prompt_logprobs: list[tuple[str, int, list[dict[int, float]]]] = field(default_factory=list)
     # Speculative decoding: drafts proposed for each sequence's next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Drafts that form a token tree: the parent of each (-1: the newest token).
+    draft_tree_parents: dict[str, list[int]] = field(default_factory=dict)
     # Sequences whose sampling raised (id -> the error): their requests fail, no other.
     failed: dict[str, str] = field(default_factory=dict)

@@ -169,7 +169,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = seq.num_tokens - seq.num_computed_tokens
-            if num_new == 1:  # a decode: its drafts (if any) are verified in the same pass
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                # A decode (and any accepted tokens whose KV is recomputed): its drafts, if
+                # any, are verified in the same pass.
                 num_new += len(seq.spec_token_ids)
             num_new = min(num_new, budget)
             if seq.mm_features:
@@ -191,7 +193,10 @@ class Scheduler:
             # Drafts the budget cut off (or that a prefill chunk cannot carry) are dropped.
             num_drafts = max(0, seq.num_computed_tokens + num_new - seq.num_tokens)
             if num_drafts < len(seq.spec_token_ids):
+                # A prefix of a tree's nodes (topological order) is a tree.
                 seq.spec_token_ids = seq.spec_token_ids[:num_drafts]
+                if seq.spec_tree_parents is not None:
+                    seq.spec_tree_parents = seq.spec_tree_parents[:num_drafts] if num_drafts else None
             copies[seq.seq_id] = seq_copies
             scheduled[seq] = num_new
             budget -= num_new
@@ -335,11 +340,13 @@ class Scheduler:
             seq = self.seqs.get(seq_id)
             if seq is not None:
                 seq.spec_token_ids = drafts
+                seq.spec_tree_parents = out.draft_tree_parents.get(seq_id)
         return updates
 
     def _append(self, seq: Sequence, sampled: SampledSequence) -> SequenceUpdate:
-        if sampled.num_drafts:  # the accepted drafts' KV is valid
-            seq.num_computed_tokens += sampled.num_accepted
+        if sampled.num_drafts:  # the accepted drafts' KV is valid where it was written in place
+            seq.num_computed_tokens += (sampled.num_accepted if sampled.num_accepted_in_place is None
+                                        else sampled.num_accepted_in_place)
             seq.clear_drafts()
         request = seq.request
         for i, token_id in enumerate(sampled.token_ids):

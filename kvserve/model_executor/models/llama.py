@@ -158,10 +158,13 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
+        residual_streams: dict[int, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """The final norm's output; a pipeline stage other than the last sends its residual
         stream to the next stage instead (and returns it). `inputs_embeds` replaces the
-        token embeddings (images merged in); `positions` is [3, T] under M-RoPE."""
+        token embeddings (images merged in); `positions` is [3, T] under M-RoPE.
+        `residual_streams`: keyed by layer index, filled with the residual stream entering
+        each of those layers (what EAGLE-3 heads read)."""
         cos, sin = self.rotary.cos_sin(positions)
         pp = self.pp_group
         if inputs_embeds is not None:
@@ -174,9 +177,11 @@ class LlamaModel(nn.Module):
         last_norm = self.norm if self.is_last_stage else _StageEnd()
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [last_norm]
         next_linears = [layer.self_attn.qkv_proj for layer in self.layers[1:]] + [None]
-        for layer, next_norm, next_linear, kv_cache in zip(
+        for index, (layer, next_norm, next_linear, kv_cache) in enumerate(zip(
             self.layers, next_norms, next_linears, kv_caches, strict=True
-        ):
+        )):
+            if residual_streams is not None and index in residual_streams:
+                residual_streams[index] = residual
             hidden_states, residual = layer(
                 hidden_states, residual, next_norm, next_linear, cos, sin, kv_cache, attn_metadata
             )
@@ -223,8 +228,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
+        residual_streams: dict[int, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds, residual_streams)
 
     @property
     def is_last_stage(self) -> bool:

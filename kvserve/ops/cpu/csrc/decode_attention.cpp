@@ -1,4 +1,5 @@
-// Attention of B single-token decodes over a paged fp32 KV cache, read in place.
+// Attention of B queries (single-token decodes, or the rows of verify steps) over a paged fp32
+// KV cache, read in place.
 //
 // torch's path for this gathers each layer's context into a padded copy, concatenates the new
 // key/value and runs SDPA: ~80 us a layer for SmolLM2 at batch 1, where the bytes (~200 KB of
@@ -108,11 +109,13 @@ inline void add_scaled(float* y, float a, const float* x, int64_t n) {
 
 // query [B, H, D]; kv_cache [2, ..., KVH, D] (a layer's keys then values, rows addressed by
 // slot); slots/valid [B, C]: the cache slot of each context position and whether the query
-// sees it; key/value [B, KVH, D]: each sequence's new token, not yet in the cache, seen by its
-// query after the context (the compiled decode step), or absent.
+// sees it; key/value [N, KVH, D]: the step's new tokens, not yet in the cache, seen after the
+// context (the compiled decode step), or absent; new_valid [B, N]: which new tokens each query
+// sees (a verify step's causal or tree mask), absent: N == B and query b sees new token b.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& slots,
                             const at::Tensor& valid, const std::optional<at::Tensor>& key,
-                            const std::optional<at::Tensor>& value, double scale) {
+                            const std::optional<at::Tensor>& value, double scale,
+                            const std::optional<at::Tensor>& new_valid) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat, "decode_attention: query must be fp32 [B, H, D]");
   TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() && kv_cache.size(0) == 2,
               "decode_attention: kv_cache must be a contiguous fp32 [2, ..., KVH, D]");
@@ -132,23 +135,36 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   const at::Tensor slots_c = slots.contiguous(), valid_c = valid.contiguous();
   const int64_t* slot = slots_c.data_ptr<int64_t>();
   const bool* seen_by = valid_c.data_ptr<bool>();
-  at::Tensor new_keys, new_values;
+  at::Tensor new_keys, new_values, new_valid_c;
   const float* new_key = nullptr;
   const float* new_value = nullptr;
+  const bool* new_seen_by = nullptr;
+  int64_t num_new = 0;
   if (key.has_value()) {
     new_keys = key->contiguous();
     new_values = value->contiguous();
-    TORCH_CHECK(new_keys.scalar_type() == at::kFloat && new_keys.numel() == batch * row_floats &&
-                new_values.scalar_type() == at::kFloat && new_values.numel() == batch * row_floats,
-                "decode_attention: key and value must be fp32 [B, KVH, D]");
+    num_new = new_keys.numel() / row_floats;
+    TORCH_CHECK(new_keys.scalar_type() == at::kFloat && new_keys.numel() == num_new * row_floats &&
+                new_values.scalar_type() == at::kFloat && new_values.numel() == num_new * row_floats,
+                "decode_attention: key and value must be fp32 [N, KVH, D]");
     new_key = new_keys.data_ptr<float>();
     new_value = new_values.data_ptr<float>();
+    if (new_valid.has_value()) {
+      new_valid_c = new_valid->contiguous();
+      TORCH_CHECK(new_valid_c.scalar_type() == at::kBool && new_valid_c.dim() == 2 && new_valid_c.size(0) == batch &&
+                  new_valid_c.size(1) == num_new, "decode_attention: new_valid must be bool [B, N]");
+      new_seen_by = new_valid_c.data_ptr<bool>();
+    } else {
+      TORCH_CHECK(num_new == batch, "decode_attention: without new_valid, key and value must be [B, KVH, D]");
+    }
+  } else {
+    TORCH_CHECK(!new_valid.has_value(), "decode_attention: new_valid needs key and value");
   }
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float score_scale = static_cast<float>(scale);
-  const int64_t positions = context + (new_key != nullptr ? 1 : 0);
+  const int64_t positions = context + (new_seen_by != nullptr ? num_new : (new_key != nullptr ? 1 : 0));
   const int64_t padded = (positions + kKeysPerStep - 1) / kKeysPerStep * kKeysPerStep;
   const int64_t work = std::max<int64_t>(1, 2 * positions * group * dim);
   at::parallel_for(0, batch * kv_heads, std::max<int64_t>(1, kMinWorkPerThread / work), [&](int64_t begin, int64_t end) {
@@ -166,9 +182,10 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
         key_rows[seen] = cache_keys + s * row_floats + h * dim;
         value_rows[seen++] = cache_values + s * row_floats + h * dim;
       }
-      if (new_key != nullptr) {
-        key_rows[seen] = new_key + (b * kv_heads + h) * dim;
-        value_rows[seen++] = new_value + (b * kv_heads + h) * dim;
+      for (int64_t n = 0; n < num_new; ++n) {
+        if (new_seen_by != nullptr ? !new_seen_by[b * num_new + n] : n != b) continue;
+        key_rows[seen] = new_key + (n * kv_heads + h) * dim;
+        value_rows[seen++] = new_value + (n * kv_heads + h) * dim;
       }
       float* outputs = op + (b * heads + h * group) * dim;
       std::fill(outputs, outputs + group * dim, 0.f);
@@ -192,7 +209,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor kv_cache, Tensor slots, Tensor valid, Tensor? key, Tensor? value, "
-        "float scale) -> Tensor");
+        "float scale, Tensor? new_valid=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {

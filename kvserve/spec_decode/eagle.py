@@ -1,0 +1,237 @@
+"""EAGLE-1 drafting (Li et al. 2024): a one-decoder-layer network that extrapolates the
+target's last-layer features. The pair at position t fuses the feature f_t (the target's
+hidden state at t) with the embedding of token t + 1 through `fc`, runs one Llama decoder
+layer (no input norm) over the pairs so far, and its output estimates f_{t+1}, which the
+target's LM head turns into the next draft token; drafting k tokens chains k such steps.
+
+Checkpoints in the EAGLE repository's layout (also what vLLM and SGLang load): a directory
+with a Llama `config.json` and `pytorch_model.bin` or `model.safetensors` holding `fc.weight`
+[H, 2H] (and `fc.bias`), `layers.0.self_attn.{q,k,v,o}_proj.weight`,
+`layers.0.mlp.{gate,up,down}_proj.weight` and `layers.0.post_attention_layernorm.weight`
+(an optional `model.` prefix and `embed_tokens.weight` are accepted; the target's embedding
+is used).
+
+Each sequence keeps the draft layer's keys and values of its pairs (one layer: a few KB a
+token) and the target's features not consumed yet; drafted pairs past the verified tokens
+are dropped after each proposal, so the next one continues from verified pairs only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.model_executor.layers.linear import linear
+from kvserve.spec_decode.proposer import Draft, DraftContext
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_LAYER = "layers.0."
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's rotary embedding (halves rotated), x [T, heads, D], cos/sin [T, D]."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat([-second, first], dim=-1) * sin[:, None]
+
+
+class EagleHead(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
+                 rope_theta: float, rms_norm_eps: float, fc_bias: bool) -> None:
+        super().__init__()
+        self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
+        self.head_dim = hidden_size // num_heads
+        self.rope_theta, self.eps = rope_theta, rms_norm_eps
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=fc_bias)
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                cache: EagleCache) -> torch.Tensor:
+        """Estimated next features [m, H] of m pairs (embedding of token t + 1, feature f_t)
+        at positions t = cache.length .. + m - 1; their keys/values are appended to `cache`."""
+        x = linear(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias)
+        m = x.shape[0]
+        inv_freq = 1.0 / self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        angles = positions.float()[:, None] * inv_freq[None]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        q = _rotate(linear(x, self.q_proj.weight).view(m, self.num_heads, self.head_dim), cos, sin)
+        k = _rotate(linear(x, self.k_proj.weight).view(m, self.num_kv_heads, self.head_dim), cos, sin)
+        v = linear(x, self.v_proj.weight).view(m, self.num_kv_heads, self.head_dim)
+        keys, values = cache.append(k, v)
+        length = keys.shape[0]
+        query_pos = torch.arange(length - m, length)[:, None]
+        mask = torch.arange(length)[None, :] <= query_pos
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=mask, enable_gqa=True)[0].transpose(0, 1).reshape(m, -1)
+        x = x + linear(attended, self.o_proj.weight)
+        h = _rms_norm(x, self.post_attention_layernorm, self.eps)
+        return x + linear(F.silu(linear(h, self.gate_proj.weight)) * linear(h, self.up_proj.weight),
+                          self.down_proj.weight)
+
+
+@dataclass
+class EagleCache:
+    """One sequence's draft-layer keys and values, [length, kv_heads, head_dim] each."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[0]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys = k if self.keys is None else torch.cat([self.keys, k])
+        self.values = v if self.values is None else torch.cat([self.values, v])
+        return self.keys, self.values
+
+    def truncate(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:length], self.values[:length]
+
+
+def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            state = load_file(file) if name.endswith(".safetensors") else torch.load(
+                file, map_location="cpu", weights_only=True)
+            return {key.removeprefix("model."): tensor for key, tensor in state.items()}
+    raise ValueError(f"speculative_config: model={path!r} is not an EAGLE checkpoint; allowed: a directory "
+                     f"with config.json and one of {list(WEIGHT_FILES)}")
+
+
+def load_eagle_head(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> EagleHead:
+    """The EAGLE-1 head at `path`, checked against the target: hidden size, vocabulary."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"speculative_config: model={path!r} has no config.json; allowed: an EAGLE checkpoint "
+                         "directory (a Llama config.json and the head's weights)")
+    with open(config_path) as f:
+        config = json.load(f)
+    state = _read_state_dict(path)
+    fc = state.get("fc.weight")
+    if fc is None:
+        raise ValueError(f"speculative_config: model={path!r} has no 'fc.weight' (EAGLE's fusion of embeddings "
+                         f"and features); found {sorted(state)[:6]}")
+    hidden_size = fc.shape[0]
+    if hidden_size != target.hidden_size or fc.shape[1] != 2 * hidden_size:
+        raise ValueError(f"speculative_config: model={path!r} fuses [{fc.shape[1]}] inputs into hidden size "
+                         f"{hidden_size}; allowed: the target's hidden size {target.hidden_size} "
+                         f"(fc.weight [{target.hidden_size}, {2 * target.hidden_size}])")
+    vocab = config.get("vocab_size")
+    embed = state.get("embed_tokens.weight")
+    if embed is not None:
+        vocab = embed.shape[0]
+    if vocab is not None and vocab != target.vocab_size:
+        raise ValueError(f"speculative_config: model={path!r} has a vocabulary of {vocab} tokens; allowed: the "
+                         f"target's vocabulary ({target.vocab_size} tokens)")
+    num_heads = config.get("num_attention_heads", target.num_attention_heads)
+    head = EagleHead(
+        hidden_size, num_heads, config.get("num_key_value_heads", num_heads),
+        config.get("intermediate_size", state[f"{_LAYER}mlp.gate_proj.weight"].shape[0]
+                   if f"{_LAYER}mlp.gate_proj.weight" in state else 4 * hidden_size),
+        config.get("rope_theta", 10000.0), config.get("rms_norm_eps", 1e-6), "fc.bias" in state)
+    names = {"fc.weight": "fc.weight", "fc.bias": "fc.bias",
+             "post_attention_layernorm": f"{_LAYER}post_attention_layernorm.weight"}
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        names[f"{proj}.weight"] = f"{_LAYER}self_attn.{proj}.weight"
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        names[f"{proj}.weight"] = f"{_LAYER}mlp.{proj}.weight"
+    ours = {name: state.get(theirs) for name, theirs in names.items() if name != "fc.bias" or head.fc.bias is not None}
+    missing = [names[name] for name, tensor in ours.items() if tensor is None]
+    if missing:
+        raise ValueError(f"speculative_config: model={path!r} lacks {missing[:4]} (EAGLE-1's one decoder layer)")
+    try:
+        head.load_state_dict(ours)
+    except RuntimeError as error:
+        raise ValueError(f"speculative_config: model={path!r}: its tensors do not fit its config.json: {error}") from None
+    return head.to(device=device, dtype=dtype).eval()
+
+
+@dataclass
+class _SequenceState:
+    cache: EagleCache = field(default_factory=EagleCache)
+    # Target features of positions cache.length, cache.length + 1, ... not paired yet.
+    features: list[torch.Tensor] = field(default_factory=list)
+
+
+class EagleProposer:
+    """Chain drafting (EAGLE-1 and EAGLE-3), one sequence at a time: catch the sequence's
+    pairs up on the target features its steps produced, then extrapolate k features and take
+    the LM head's argmax of each (one-hot drafts: lossless with any sampling parameters)."""
+
+    needs_hidden_states = True
+    reads_step_features = True
+
+    def __init__(self, head: nn.Module, embed_tokens: nn.Embedding,
+                 to_token_ids: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """`head`: EAGLE-1's or EAGLE-3's; `to_token_ids`: the draft token of each estimated
+        feature (EAGLE-1: the target LM head's argmax; EAGLE-3: the head's own)."""
+        self.head = head
+        self.embed_tokens = embed_tokens
+        self.to_token_ids = to_token_ids
+        self._states: dict[str, _SequenceState] = {}
+
+    def observe(self, seq_id: str, first_position: int, features: torch.Tensor) -> None:
+        """Target features [m, H] of positions first_position.. (a step's verified rows)."""
+        state = self._states.setdefault(seq_id, _SequenceState())
+        expected = state.cache.length + len(state.features)
+        if first_position < expected:  # recomputed after a preemption: start over
+            state = self._states[seq_id] = _SequenceState()
+            expected = 0
+        if first_position == expected:
+            state.features.extend(features.unbind(0))
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[DraftContext], num_tokens: list[int]) -> list[Draft]:
+        return [self._propose_one(seq, k) for seq, k in zip(seqs, num_tokens)]
+
+    def _propose_one(self, seq: DraftContext, k: int) -> Draft:
+        state = self._states.get(seq.seq_id)
+        tokens = seq.all_token_ids
+        # Pairs (f_t, token t + 1) for every t up to the newest token's predecessor.
+        if state is None or state.cache.length + len(state.features) < len(tokens) - 1:
+            return Draft([])
+        start = state.cache.length
+        count = len(tokens) - 1 - start
+        features = torch.stack(state.features[:count])
+        del state.features[:count]
+        dtype = self.head.fc.weight.dtype
+        next_tokens = torch.tensor(tokens[start + 1 :])
+        positions = torch.arange(start, start + count)
+        estimate = self.head(self.embed_tokens(next_tokens).to(dtype), features.to(dtype), positions, state.cache)[-1:]
+        verified_length = state.cache.length
+        drafts = []
+        for step in range(k):
+            token = int(self.to_token_ids(estimate)[0])
+            drafts.append(token)
+            if step + 1 < k:
+                position = torch.tensor([verified_length + step])
+                estimate = self.head(self.embed_tokens(torch.tensor([token])).to(dtype), estimate, position, state.cache)
+        state.cache.truncate(verified_length)
+        return Draft(drafts)
+
+    def retain(self, seq_ids: Iterable[str]) -> None:
+        keep = set(seq_ids)
+        for seq_id in [s for s in self._states if s not in keep]:
+            del self._states[seq_id]

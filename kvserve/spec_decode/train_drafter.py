@@ -1,0 +1,171 @@
+"""`kvserve train-drafter`: train Medusa heads for a model by self-distillation.
+
+The target scores the text (one forward pass a chunk through the engine's own model and
+paged cache): its last hidden state at each position t and its greedy prediction at each
+position. Head i learns, from the hidden state at t, the target's prediction at t + i + 1
+(the token the target would produce i + 2 places ahead), so its top-1 agrees with what
+greedy verification accepts. Each head starts as Medusa's do (a zero residual block, the
+target's LM head) and its residual block is trained; `--train-lm-head` trains each head's
+LM head copy too (Medusa-1's recipe: better heads, but a 49k-token head per draft position
+costs most of the time and memory on a CPU). Held-out
+chunks give each head's top-1 agreement with the target, the acceptance a chain of drafts
+sees per position, printed beside a random head's.
+
+    kvserve train-drafter --method medusa --model M --data text.jsonl --out heads/
+
+`--seed` (the engine's) seeds the held-out split, the order of the chunks and the init.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from kvserve.engine.engine_args import EngineArgs
+from kvserve.llm import LLM
+from kvserve.spec_decode.medusa import MedusaHeads
+
+
+def read_texts(path: str) -> list[str]:
+    """A .jsonl file's "text" fields, or a text file's paragraphs (blank-line separated)."""
+    with open(path) as f:
+        if path.endswith(".jsonl"):
+            return [json.loads(line)["text"] for line in f if line.strip()]
+        return [p.strip() for p in f.read().split("\n\n") if p.strip()]
+
+
+@torch.inference_mode()
+def score(llm: LLM, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last hidden states [n, H], the target's greedy prediction at each position [n])."""
+    runner = llm.engine.core.runner
+    n = len(token_ids)
+    positions = torch.arange(n)
+    metadata = runner._metadata(positions, [0, n], [n], [list(range(-(-n // runner.block_size)))])
+    hidden = runner.model(torch.tensor(token_ids), positions, runner.kv_caches, metadata)
+    return hidden.float(), runner.model.compute_logits(hidden).argmax(dim=-1)
+
+
+def head_targets(predictions: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[num_heads, n] the label of head i at position t: the target's prediction at t + i + 1
+    (-100, ignored, past the chunk's end)."""
+    n = predictions.shape[0]
+    labels = torch.full((num_heads, n), -100, dtype=torch.long)
+    for i in range(num_heads):
+        labels[i, : max(0, n - i - 1)] = predictions[i + 1 :]
+    return labels
+
+
+def agreement(heads: MedusaHeads, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """Per head, the fraction of positions where its top-1 is the target's prediction."""
+    hits = torch.zeros(heads.num_heads)
+    counts = torch.zeros(heads.num_heads)
+    with torch.no_grad():
+        for hidden, labels in data:
+            predicted = heads(hidden).argmax(dim=-1)  # [heads, n]
+            valid = labels != -100
+            hits += ((predicted == labels) & valid).sum(dim=1)
+            counts += valid.sum(dim=1)
+    return (hits / counts.clamp_min(1)).tolist()
+
+
+def initial_heads(llm: LLM, num_heads: int, train_lm_head: bool) -> MedusaHeads:
+    model, config = llm.engine.core.runner.model, llm.engine.model_config
+    heads = MedusaHeads(config.hidden_size, config.vocab_size, num_heads, num_layers=1)
+    lm_head = model.model.embed_tokens.weight if config.tie_word_embeddings else model.lm_head.weight
+    with torch.no_grad():
+        for blocks, head in zip(heads.blocks, heads.lm_heads):
+            blocks[0].weight.zero_()
+            blocks[0].bias.zero_()
+            head.weight.copy_(lm_head.float())
+            head.weight.requires_grad_(train_lm_head)
+    return heads
+
+
+def train(llm: LLM, texts: list[str], num_heads: int, chunk_tokens: int, epochs: int, lr: float,
+          held_out: float, seed: int, train_lm_head: bool = False) -> tuple[MedusaHeads, list[float], list[float]]:
+    """(trained heads, their held-out agreement per head, a random head's)."""
+    tokenizer = llm.get_tokenizer()
+    chunks = []
+    for text in texts:
+        ids = tokenizer(text).input_ids
+        chunks += [ids[i : i + chunk_tokens] for i in range(0, len(ids), chunk_tokens) if len(ids[i : i + chunk_tokens]) > num_heads + 1]
+    if len(chunks) < 2:
+        raise ValueError(f"--data has {len(chunks)} chunk(s) of more than {num_heads + 1} tokens; allowed: at least 2 "
+                         "(one to train on, one held out)")
+    random.Random(seed).shuffle(chunks)
+    num_held_out = max(1, int(len(chunks) * held_out))
+    scored = []
+    for ids in tqdm(chunks, desc="scoring with the target", unit="chunk"):
+        hidden, predictions = score(llm, ids)
+        # A copy outside inference mode: autograd may save it for the backward pass.
+        scored.append((hidden.clone(), head_targets(predictions, num_heads)))
+    evaluation, training = scored[:num_held_out], scored[num_held_out:]
+    torch.manual_seed(seed)
+    heads = initial_heads(llm, num_heads, train_lm_head)
+    optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr)
+    with tqdm(total=epochs * len(training), desc="training Medusa heads", unit="chunk") as progress:
+        for _ in range(epochs):
+            random.Random(seed).shuffle(training)
+            for hidden, labels in training:
+                logits = heads(hidden)  # [heads, n, V]
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                progress.set_postfix(loss=f"{loss.item():.3f}")
+                progress.update()
+    baseline = MedusaHeads(heads.hidden_size, heads.vocab_size, num_heads, 1)
+    return heads, agreement(heads, evaluation), agreement(baseline, evaluation)
+
+
+def save_medusa_heads(heads: MedusaHeads, out: str) -> None:
+    """The Medusa repository's layout, which `speculative_config={"method": "medusa"}` loads."""
+    os.makedirs(out, exist_ok=True)
+    state = {}
+    for i, (blocks, head) in enumerate(zip(heads.blocks, heads.lm_heads)):
+        state[f"{i}.0.linear.weight"] = blocks[0].weight.detach().contiguous()
+        state[f"{i}.0.linear.bias"] = blocks[0].bias.detach().contiguous()
+        state[f"{i}.1.weight"] = head.weight.detach().contiguous()
+    save_file(state, os.path.join(out, "medusa_lm_head.safetensors"))
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({"medusa_num_heads": heads.num_heads, "medusa_num_layers": 1}, f, indent=2)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("drafter training")
+    group.add_argument("--method", choices=["medusa"], required=True,
+                       help="The draft method to train (Medusa heads; EAGLE heads are not trained here yet).")
+    group.add_argument("--data", required=True,
+                       help="Training text: a .jsonl file with a \"text\" field a line, or a text file "
+                            "(paragraphs separated by blank lines).")
+    group.add_argument("--out", required=True, help="Directory to write the heads to (Medusa layout).")
+    group.add_argument("--num-heads", type=int, default=3, help="Medusa heads: the deepest draft position.")
+    group.add_argument("--chunk-tokens", type=int, default=256, help="Tokens the target scores per chunk.")
+    group.add_argument("--epochs", type=int, default=3, help="Passes over the training chunks.")
+    group.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate.")
+    group.add_argument("--train-lm-head", action="store_true",
+                       help="Train each head's copy of the LM head too (better heads, much slower on a CPU).")
+    group.add_argument("--held-out", type=float, default=0.1,
+                       help="Fraction of chunks held out to measure acceptance.")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**vars(engine_args))
+    if llm.get_tokenizer() is None:
+        raise ValueError("train-drafter needs the model's tokenizer to read --data")
+    heads, trained, random_head = train(llm, read_texts(args.data), args.num_heads, args.chunk_tokens,
+                                        args.epochs, args.lr, args.held_out, engine_args.seed, args.train_lm_head)
+    save_medusa_heads(heads, args.out)
+    print(f"wrote {args.num_heads} Medusa heads to {args.out}")
+    print("held-out acceptance (top-1 agreement with the target) per draft position: "
+          + ", ".join(f"{a:.1%}" for a in trained)
+          + "; a random head: " + ", ".join(f"{a:.1%}" for a in random_head))
+    return 0

@@ -1,0 +1,193 @@
+"""EAGLE-1 heads: the loader and the draft layer's cached steps against the paper's head
+built here from transformers' Llama decoder layer, bad checkpoints, and greedy output
+identical to no speculation (a tiny Llama whose small vocabulary lets a random head's
+drafts be accepted sometimes; batched, small chunks, preemption)."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from kvserve import LLM, SamplingParams
+from kvserve.model_executor.model_runner import kv_cache_bytes_per_block
+from kvserve.spec_decode.eagle import EagleCache, load_eagle_head
+
+TINY_VOCAB = 24
+HIDDEN = 32
+
+
+class ReferenceEagle(nn.Module):
+    """EAGLE-1 (Li et al. 2024): fc fuses (token embedding, feature) pairs, one Llama decoder
+    layer without its input norm runs over them, causally."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        config._attn_implementation = "eager"
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.layer.input_layernorm = nn.Identity()
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        x = self.fc(torch.cat([embeds, features], dim=-1))[None]
+        n = x.shape[1]
+        positions = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        return self.layer(x, attention_mask=mask, position_ids=positions,
+                          position_embeddings=self.rotary(x, positions))[0]
+
+    def state_dict_in_eagle_layout(self) -> dict[str, torch.Tensor]:
+        state = {f"fc.{k}": v for k, v in self.fc.state_dict().items()}
+        state.update({f"layers.0.{k}": v for k, v in self.layer.state_dict().items()})
+        return state
+
+
+def _head_config(hidden: int = HIDDEN, vocab: int = TINY_VOCAB) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=48, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6)
+
+
+def save_eagle(directory: str, reference: ReferenceEagle, config: LlamaConfig, fmt: str = "safetensors") -> str:
+    os.makedirs(directory, exist_ok=True)
+    config.save_pretrained(directory)
+    state = {k: v.contiguous() for k, v in reference.state_dict_in_eagle_layout().items()}
+    if fmt == "safetensors":
+        save_file(state, os.path.join(directory, "model.safetensors"))
+    else:
+        torch.save(state, os.path.join(directory, "pytorch_model.bin"))
+    return directory
+
+
+def _random_reference(config: LlamaConfig, seed: int) -> ReferenceEagle:
+    torch.manual_seed(seed)
+    reference = ReferenceEagle(config)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.normal_(0, 0.3)
+    return reference
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_cached_steps_match_the_paper_head(fmt, tmp_path) -> None:
+    config = _head_config()
+    reference = _random_reference(config, seed=1)
+    path = save_eagle(str(tmp_path / fmt), reference, config, fmt)
+    head = load_eagle_head(path, SimpleNamespace(hidden_size=HIDDEN, vocab_size=TINY_VOCAB, num_attention_heads=4),
+                           torch.float32, torch.device("cpu"))
+    embeds, features = torch.randn(7, HIDDEN), torch.randn(7, HIDDEN)
+    with torch.no_grad():
+        expected = reference(embeds, features)
+        cache, outputs = EagleCache(), []
+        for start, end in ((0, 3), (3, 5), (5, 6), (6, 7)):  # a catch-up, then single steps
+            outputs.append(head(embeds[start:end], features[start:end], torch.arange(start, end), cache))
+    torch.testing.assert_close(torch.cat(outputs), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    from tests.conftest import randomize
+
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    randomize(model, seed=0)
+    directory = str(tmp_path_factory.mktemp("tiny-llama"))
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_eagle(tmp_path_factory) -> str:
+    config = _head_config()
+    return save_eagle(str(tmp_path_factory.mktemp("eagle")), _random_reference(config, seed=2), config)
+
+
+def test_bad_heads_are_clear_errors_at_load(tiny_llama, tmp_path) -> None:
+    wide_config = _head_config(hidden=48)
+    wide = save_eagle(str(tmp_path / "wide"), _random_reference(wide_config, 0), wide_config)
+    with pytest.raises(ValueError, match="into hidden size 48; allowed: the target's hidden size 32"):
+        LLM(model=tiny_llama, skip_tokenizer_init=True, kv_cache_memory="4MiB",
+            speculative_config={"method": "eagle", "model": wide, "num_speculative_tokens": 2})
+    vocab_config = _head_config(vocab=30)
+    other_vocab = save_eagle(str(tmp_path / "vocab"), _random_reference(vocab_config, 0), vocab_config)
+    with pytest.raises(ValueError, match="vocabulary of 30 tokens; allowed: the target's vocabulary \\(24 tokens\\)"):
+        LLM(model=tiny_llama, skip_tokenizer_init=True, kv_cache_memory="4MiB",
+            speculative_config={"method": "eagle", "model": other_vocab, "num_speculative_tokens": 2})
+    os.makedirs(tmp_path / "empty")
+    with open(tmp_path / "empty" / "config.json", "w") as f:
+        json.dump({"hidden_size": HIDDEN}, f)
+    with pytest.raises(ValueError, match="is not an EAGLE checkpoint"):
+        LLM(model=tiny_llama, skip_tokenizer_init=True, kv_cache_memory="4MiB",
+            speculative_config={"method": "eagle", "model": str(tmp_path / "empty"), "num_speculative_tokens": 2})
+
+
+def _tiny_run(path: str, speculative_config: dict | None, **kwargs) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model=path, skip_tokenizer_init=True, speculative_config=speculative_config, **kwargs)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [{"prompt_token_ids": torch.randint(1, TINY_VOCAB, (n,), generator=gen).tolist()}
+               for n in (5, 23, 11, 40)]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * 4
+    others = [SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True)]
+    outputs = llm.generate(prompts + prompts[:1], params + others)
+    return [list(o.outputs[0].token_ids) for o in outputs[:4]], llm
+
+
+@pytest.mark.parametrize("case", ["batched", "small-chunks", "preemption"])
+def test_tiny_llama_greedy_is_exact(case, tiny_llama, tiny_eagle) -> None:
+    from kvserve.model_executor.loader import load_model
+
+    block_size = 4
+    kwargs = dict(block_size=block_size, kv_cache_memory="4MiB", enable_prefix_caching=False)
+    if case == "small-chunks":
+        kwargs["max_num_batched_tokens"] = 9
+    if case == "preemption":
+        num_blocks = (40 + 30) // block_size + 6  # one request fits, all at once do not
+        per_block = kv_cache_bytes_per_block(load_model(tiny_llama, skip_tokenizer_init=True).config, block_size)
+        kwargs.update(kv_cache_memory=str(num_blocks * per_block), max_model_len=num_blocks * block_size)
+    plain, _ = _tiny_run(tiny_llama, None, **kwargs)
+    spec, llm = _tiny_run(tiny_llama, {"method": "eagle", "model": tiny_eagle, "num_speculative_tokens": 3}, **kwargs)
+    assert spec == plain
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.runner.num_blocks
+    if case == "preemption":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_observed_features_are_the_targets_hidden_states(tiny_llama, tiny_eagle, monkeypatch) -> None:
+    """What the head is fed: for every position of every sequence, prefill chunks and
+    verified drafts included, the target's last hidden state (after its final norm) as
+    transformers computes it over the whole final sequence."""
+    from kvserve.spec_decode.eagle import EagleProposer
+
+    observed: dict[str, dict[int, torch.Tensor]] = {}
+    observe = EagleProposer.observe
+
+    def recording(self, seq_id, first_position, features):
+        for i, feature in enumerate(features):
+            observed.setdefault(seq_id, {})[first_position + i] = feature.clone()
+        observe(self, seq_id, first_position, features)
+
+    monkeypatch.setattr(EagleProposer, "observe", recording)
+    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, kv_cache_memory="4MiB", max_num_batched_tokens=9,
+              speculative_config={"method": "eagle", "model": tiny_eagle, "num_speculative_tokens": 3})
+    prompt = list(range(1, 20))
+    output = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    tokens = prompt + list(output[0].outputs[0].token_ids)
+    assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
+    [features] = observed.values()
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama)
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
+    positions = sorted(features)
+    assert positions == list(range(len(tokens) - 1))  # every position but the last token's, once
+    torch.testing.assert_close(torch.stack([features[p] for p in positions]), expected[:-1], rtol=1e-4, atol=1e-4)
