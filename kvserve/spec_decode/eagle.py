@@ -68,24 +68,31 @@ class EagleHead(nn.Module):
         """Estimated next features [m, H] of m pairs (embedding of token t + 1, feature f_t)
         at positions t = cache.length .. + m - 1; their keys/values are appended to `cache`."""
         x = linear(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias)
-        m = x.shape[0]
-        inv_freq = 1.0 / self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
-        angles = positions.float()[:, None] * inv_freq[None]
-        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-        q = _rotate(linear(x, self.q_proj.weight).view(m, self.num_heads, self.head_dim), cos, sin)
-        k = _rotate(linear(x, self.k_proj.weight).view(m, self.num_kv_heads, self.head_dim), cos, sin)
-        v = linear(x, self.v_proj.weight).view(m, self.num_kv_heads, self.head_dim)
-        keys, values = cache.append(k, v)
-        length = keys.shape[0]
-        query_pos = torch.arange(length - m, length)[:, None]
-        mask = torch.arange(length)[None, :] <= query_pos
-        attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=mask, enable_gqa=True)[0].transpose(0, 1).reshape(m, -1)
-        x = x + linear(attended, self.o_proj.weight)
-        h = _rms_norm(x, self.post_attention_layernorm, self.eps)
-        return x + linear(F.silu(linear(h, self.gate_proj.weight)) * linear(h, self.up_proj.weight),
-                          self.down_proj.weight)
+        return draft_layer(self, x, x, positions, cache)
+
+
+def draft_layer(head: nn.Module, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                cache: EagleCache) -> torch.Tensor:
+    """The draft decoder layer of an EAGLE head (its q/k/v/o projections, post-attention
+    norm and gated MLP): causal attention of x's m rows over the cached ones (their keys
+    and values appended to `cache`) added to `residual`, then the MLP's residual add."""
+    m = x.shape[0]
+    inv_freq = 1.0 / head.rope_theta ** (torch.arange(0, head.head_dim, 2, dtype=torch.float32) / head.head_dim)
+    angles = positions.float()[:, None] * inv_freq[None]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q = _rotate(linear(x, head.q_proj.weight).view(m, head.num_heads, head.head_dim), cos, sin)
+    k = _rotate(linear(x, head.k_proj.weight).view(m, head.num_kv_heads, head.head_dim), cos, sin)
+    v = linear(x, head.v_proj.weight).view(m, head.num_kv_heads, head.head_dim)
+    keys, values = cache.append(k, v)
+    length = keys.shape[0]
+    mask = torch.arange(length)[None, :] <= torch.arange(length - m, length)[:, None]
+    attended = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, enable_gqa=True)[0].transpose(0, 1).reshape(m, -1)
+    hidden = residual + linear(attended, head.o_proj.weight)
+    h = _rms_norm(hidden, head.post_attention_layernorm, head.eps)
+    return hidden + linear(F.silu(linear(h, head.gate_proj.weight)) * linear(h, head.up_proj.weight),
+                           head.down_proj.weight)
 
 
 @dataclass

@@ -20,12 +20,11 @@ import json
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.linear import linear
-from kvserve.spec_decode.eagle import EagleCache, _read_state_dict, _rms_norm, _rotate
+from kvserve.spec_decode.eagle import EagleCache, _read_state_dict, _rms_norm, draft_layer
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -59,25 +58,9 @@ class Eagle3Head(nn.Module):
         fused layers [m, 3H] (fc applies) or earlier outputs [m, H]."""
         if features.shape[-1] != self.hidden_size:
             features = linear(features, self.fc.weight)
-        m = features.shape[0]
         x = torch.cat([_rms_norm(embeds, self.input_layernorm, self.eps),
                        _rms_norm(features, self.hidden_norm, self.eps)], dim=-1)
-        inv_freq = 1.0 / self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
-        angles = positions.float()[:, None] * inv_freq[None]
-        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-        q = _rotate(linear(x, self.q_proj.weight).view(m, self.num_heads, self.head_dim), cos, sin)
-        k = _rotate(linear(x, self.k_proj.weight).view(m, self.num_kv_heads, self.head_dim), cos, sin)
-        v = linear(x, self.v_proj.weight).view(m, self.num_kv_heads, self.head_dim)
-        keys, values = cache.append(k, v)
-        length = keys.shape[0]
-        mask = torch.arange(length)[None, :] <= torch.arange(length - m, length)[:, None]
-        attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=mask, enable_gqa=True)[0].transpose(0, 1).reshape(m, -1)
-        hidden = features + linear(attended, self.o_proj.weight)
-        h = _rms_norm(hidden, self.post_attention_layernorm, self.eps)
-        return hidden + linear(F.silu(linear(h, self.gate_proj.weight)) * linear(h, self.up_proj.weight),
-                               self.down_proj.weight)
+        return draft_layer(self, x, features, positions, cache)
 
     def draft_token_ids(self, outputs: torch.Tensor) -> torch.Tensor:
         """Target token ids of the draft LM head's argmax (draft vocabulary mapped by d2t)."""
