@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvserve.engine.kv_report import kv_cache_report
+
 if TYPE_CHECKING:
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.outputs import RequestOutput
@@ -136,8 +138,6 @@ class _EngineCollector(Collector):
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self._engine = engine
         self._labels = [model_name]
-        self._block_size = engine.client.info.block_size
-        self._bytes_per_block = engine.client.info.kv_bytes_per_block
 
     def _family(self, kind: type, name: str, doc: str, value: float) -> Metric:
         family = kind(name, doc, labels=["model_name"])
@@ -183,20 +183,19 @@ class _EngineCollector(Collector):
         blocks = GaugeMetricFamily("kvserve:kv_cache_blocks",
                                    "KV-cache blocks by state: used (held by a sequence), cached (free, "
                                    "revivable by a prefix hit), free.", labels=["model_name", "state"])
-        free = stats.kv_blocks_total - stats.kv_blocks_used - stats.kv_blocks_cached
-        for state, count in (("used", stats.kv_blocks_used), ("cached", stats.kv_blocks_cached), ("free", free)):
-            blocks.add_metric([*self._labels, state], count)
+        report = kv_cache_report(stats, self._engine.client.info)
+        for state in ("used", "cached", "free"):
+            blocks.add_metric([*self._labels, state], report["blocks"][state])
         yield blocks
         yield self._family(GaugeMetricFamily, "kvserve:kv_cache_shared_blocks",
                            "Used KV blocks held by more than one sequence (prefix sharing, forks).",
-                           stats.kv_blocks_shared)
+                           report["sharing"]["shared_blocks"])
         yield self._family(GaugeMetricFamily, "kvserve:kv_cache_sharing_saved_bytes",
                            "KV bytes that sharing blocks saves: references beyond one per block.",
-                           stats.kv_shared_references * self._bytes_per_block)
-        allocated = stats.kv_blocks_used * self._block_size
+                           report["sharing"]["bytes_saved"])
         yield self._family(GaugeMetricFamily, "kvserve:kv_cache_internal_fragmentation",
                            "Fraction of the used blocks' token slots that hold no token (0..1).",
-                           stats.kv_slots_unused / allocated if allocated else 0.0)
+                           report["fragmentation"]["internal"])
         yield self._family(GaugeMetricFamily, "kvserve:decode_graphs_pending",
                            "CPU decode graphs still to compile; `kvserve serve` compiles them while idle, "
                            "and steps of their batch sizes run eager until then.", stats.decode_graphs_pending)
