@@ -18,13 +18,10 @@ import triton
 import triton.language as tl
 
 from kvserve.ops.elementwise import silu_and_mul
-
-# Rows of the sorted (token, choice) list a program takes: tl.dot's minimum. Decode batches
-# route a few rows to each expert, so larger tiles would mostly multiply padding.
-BLOCK_M = 16
+from kvserve.ops.fused_moe_configs import GemmTile, MoEConfig, config_for
 
 
-def align_by_expert(chosen: torch.Tensor, num_experts: int, block: int = BLOCK_M
+def align_by_expert(chosen: torch.Tensor, num_experts: int, block: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """chosen [T, top_k] expert ids -> (sorted_pairs, block_experts, num_padded): the flat
     indices (token x top_k + choice) grouped by expert, each group padded with the sentinel
@@ -52,7 +49,8 @@ def align_by_expert(chosen: torch.Tensor, num_experts: int, block: int = BLOCK_M
     return sorted_pairs, block_experts, padded_ends[-1:]
 
 
-@triton.jit
+# num_pairs changes with the batch; specialising on it would compile once per divisibility.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
     num_pairs, N, K, stride_am, stride_be, stride_bn, stride_cm,
@@ -87,36 +85,43 @@ def _grouped_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
-def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
-                  sorted_pairs: torch.Tensor, block_experts: torch.Tensor, num_padded: torch.Tensor,
-                  rows_per_a: int, scale: bool) -> None:
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+                 sorted_pairs: torch.Tensor, block_experts: torch.Tensor, num_padded: torch.Tensor,
+                 rows_per_a: int, scale: bool, block_m: int, tile: GemmTile) -> None:
+    """out[pair] = a[pair // rows_per_a] @ b[expert of pair]^T (x weights[pair] if scale), over
+    the pairs `align_by_expert(..., block_m)` sorted."""
     num_pairs, n = out.shape
     k = b.shape[2]
     assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
-    block_n = 64 if n >= 64 else 32
-    block_k = 64 if k >= 64 else 32
-    grid = (sorted_pairs.shape[0] // BLOCK_M, triton.cdiv(n, block_n))
+    grid = (sorted_pairs.shape[0] // block_m, triton.cdiv(n, tile.block_n))
     _grouped_gemm_kernel[grid](
         a, b, out, weights, sorted_pairs, block_experts, num_padded,
         num_pairs, n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
         ROWS_PER_A=rows_per_a, SCALE=scale,
         # fp32 models get fp32 products (tl.dot would round them to tf32).
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
 
 def fused_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                  w13: torch.Tensor, w2: torch.Tensor, config: MoEConfig | None = None) -> torch.Tensor:
     """sum over each token's top_k choices of weights x down(silu(gate(x)) * up(x)) of the
     chosen expert. x [T, H]; chosen [T, top_k] expert ids; weights [T, top_k] (fp32);
-    w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. Returns [T, H] in x's dtype."""
+    w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. Returns [T, H] in x's dtype.
+    `config` (the tiles) defaults to the tuned one for this device and shape."""
     tokens, top_k = chosen.shape
     num_experts, two_i, hidden = w13.shape
-    sorted_pairs, block_experts, num_padded = align_by_expert(chosen, num_experts)
+    if config is None:
+        config = config_for(tokens, num_experts, hidden, two_i // 2, x.dtype, x.device)
+    sorted_pairs, block_experts, num_padded = align_by_expert(chosen, num_experts, config.block_m)
     flat_weights = weights.flatten().float().contiguous()
     gate_up = torch.empty(tokens * top_k, two_i, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, flat_weights, sorted_pairs, block_experts, num_padded, top_k, False)
+    grouped_gemm(x, w13, gate_up, flat_weights, sorted_pairs, block_experts, num_padded, top_k, False,
+                 config.block_m, config.gate_up)
     activation = silu_and_mul(gate_up)
     down = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(activation, w2, down, flat_weights, sorted_pairs, block_experts, num_padded, 1, True)
+    grouped_gemm(activation, w2, down, flat_weights, sorted_pairs, block_experts, num_padded, 1, True,
+                 config.block_m, config.down)
     return down.view(tokens, top_k, hidden).sum(dim=1)

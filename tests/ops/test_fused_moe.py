@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.ops.fused_moe import BLOCK_M, align_by_expert, fused_experts
+from kvserve.ops.fused_moe import align_by_expert, fused_experts
+from kvserve.ops.fused_moe_configs import MoEConfig, default_config, device_file, shape_key, tuned_config
 from tests.triton_interpreter import run_interpreted
 
 
@@ -69,20 +70,21 @@ def test_interpreted_fused_experts_equal_the_loop() -> None:
     assert json.loads(run_interpreted("tests.ops.test_fused_moe", "run_small_cases")) == []
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (7, 60, 4), (257, 128, 8), (33, 8, 8)])
-def test_alignment_groups_every_pair_by_expert(tokens, experts, top_k) -> None:
+@pytest.mark.parametrize("tokens,experts,top_k,block", [(1, 8, 2, 16), (7, 60, 4, 16), (257, 128, 8, 16),
+                                                        (33, 8, 8, 16), (257, 8, 2, 64), (300, 60, 4, 128)])
+def test_alignment_groups_every_pair_by_expert(tokens, experts, top_k, block) -> None:
     chosen, _ = routing(tokens, experts, top_k, torch.Generator().manual_seed(tokens))
-    sorted_pairs, block_experts, num_padded = align_by_expert(chosen, experts)
+    sorted_pairs, block_experts, num_padded = align_by_expert(chosen, experts, block)
     pairs = tokens * top_k
     counts = torch.bincount(chosen.flatten(), minlength=experts)
-    assert num_padded.item() == int(((counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M).sum())
-    assert sorted_pairs.shape[0] == pairs + experts * (BLOCK_M - 1)
+    assert num_padded.item() == int(((counts + block - 1) // block * block).sum())
+    assert sorted_pairs.shape[0] == pairs + experts * (block - 1)
     used = sorted_pairs[: num_padded.item()]
     real = used[used < pairs]
     assert sorted(real.tolist()) == list(range(pairs))  # every pair once
     assert (sorted_pairs[num_padded.item():] == pairs).all()  # past the end: the sentinel only
-    for block, expert in enumerate(block_experts[: num_padded.item() // BLOCK_M].tolist()):
-        members = used[block * BLOCK_M : (block + 1) * BLOCK_M]
+    for index, expert in enumerate(block_experts[: num_padded.item() // block].tolist()):
+        members = used[index * block : (index + 1) * block]
         members = members[members < pairs]
         assert len(members) > 0 and (chosen.flatten()[members] == expert).all()
         assert members.tolist() == sorted(members.tolist())  # tokens ascending in a run
@@ -118,3 +120,17 @@ def test_gpu_fused_experts_replay_in_a_cuda_graph() -> None:
         graph.replay()
         expected = reference(x.cpu(), chosen.cpu(), weights.cpu(), w13.cpu(), w2.cpu())
         torch.testing.assert_close(out.float().cpu(), expected, atol=3e-2 * expected.abs().max().item(), rtol=0)
+
+
+def test_tuned_configs_load_by_nearest_token_count() -> None:
+    """The shipped H200 file: each tuned shape resolves to the entry of the nearest tuned token
+    count; untuned shapes and devices get the default."""
+    raw = json.loads(device_file("NVIDIA H200").read_text())
+    key = shape_key(8, 4096, 14336, torch.bfloat16)
+    tuned_tokens = sorted(int(t) for t in raw[key])
+    for tokens in (1, 3, 100, 10_000):
+        nearest = min(tuned_tokens, key=lambda t: abs(t - tokens))
+        expected = MoEConfig.from_json(raw[key][str(nearest)])
+        assert tuned_config("NVIDIA H200", tokens, 8, 4096, 14336, torch.bfloat16) == expected
+    assert tuned_config("NVIDIA H200", 1, 8, 4096, 14336, torch.float16) == default_config(1)
+    assert tuned_config("Some Other GPU", 512, 8, 4096, 14336, torch.bfloat16) == default_config(512)

@@ -1,0 +1,198 @@
+"""Tune the fused mixture-of-experts GEMMs for this GPU: for each token count, time candidate
+tiles for the gate/up and the down GEMM on random weights in the model's shape, check the
+winner against a torch reference, and write the fastest into the device's config file, which
+`kvserve.ops.fused_moe` loads (entries for other shapes in the file are kept).
+
+    python -m kvserve.benchmarks.tune_fused_moe --model-shape mixtral-8x7b qwen3-30b-a3b
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import itertools
+import multiprocessing
+import os
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve.model_executor.dummy import dummy_model_config, dummy_shapes
+from kvserve.ops.elementwise import silu_and_mul
+from kvserve.ops.fused_moe import align_by_expert, fused_experts, grouped_gemm
+from kvserve.ops.fused_moe_configs import GemmTile, MoEConfig, device_file, shape_key
+
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+SHARED_MEMORY_BYTES = 227 * 1024  # Hopper's per-block limit; smaller tiles fit everywhere
+
+
+def block_m_candidates(tokens: int, top_k: int, experts: int) -> list[int]:
+    """Tiles no taller than twice the rows an expert gets on average (taller ones multiply
+    padding), and always 16."""
+    rows_per_expert = tokens * top_k / experts
+    return [m for m in (16, 32, 64, 128) if m == 16 or m <= 2 * rows_per_expert]
+
+
+def tile_candidates(block_m: int, element_bytes: int) -> list[GemmTile]:
+    narrow = block_m <= 32
+    tiles = []
+    for block_n, block_k, warps, stages in itertools.product(
+            (32, 64, 128) if narrow else (64, 128, 256), (128, 256) if narrow else (64, 128),
+            (4,) if narrow else (4, 8), (3, 4, 5) if narrow else (3, 4)):
+        if (block_m * block_k + block_k * block_n) * element_bytes * stages > SHARED_MEMORY_BYTES:
+            continue
+        if warps == 8 and block_m * block_n < 64 * 64:
+            continue  # too little work per warp
+        tiles.append(GemmTile(block_n, block_k, warps, stages))
+    return tiles
+
+
+def _compile(args: tuple) -> None:
+    """Launch one tile once on a one-expert problem of the real widths, so Triton's on-disk
+    cache holds its binary (run in a worker process: compiles then proceed in parallel)."""
+    block_m, tile, dtype_name, n, k, rows_per_a, scale = args
+    dtype = getattr(torch, dtype_name)
+    a = torch.zeros(rows_per_a, k, device="cuda", dtype=dtype)
+    b = torch.zeros(1, n, k, device="cuda", dtype=dtype)
+    out = torch.empty(rows_per_a, n, device="cuda", dtype=dtype)
+    chosen = torch.zeros(1, rows_per_a, dtype=torch.int64, device="cuda")
+    weights = torch.ones(rows_per_a, device="cuda")
+    grouped_gemm(a, b, out, weights, *align_by_expert(chosen, 1, block_m), rows_per_a, scale, block_m, tile)
+    torch.cuda.synchronize()
+
+
+def precompile(jobs: list[tuple], workers: int) -> None:
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for job, outcome in zip(jobs, pool.map(_compile_quietly, jobs)):
+            if outcome:
+                print(f"  cannot compile {job[:2]}: {outcome}", file=sys.stderr)
+
+
+def _compile_quietly(args: tuple) -> str | None:
+    try:
+        _compile(args)
+    except Exception as error:  # a tile this GPU cannot run (resources): the timing skips it
+        return f"{type(error).__name__}: {str(error)[:200]}"
+    return None
+
+
+def time_ms(fn, repeats: int = 20) -> float:
+    """Median of CUDA-event timings of `fn`, after a warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def reference(x, chosen, weights, w13, w2) -> torch.Tensor:
+    """Each expert on its tokens with torch matmuls in fp32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in chosen.unique().tolist():
+        token, slot = (chosen == expert).nonzero(as_tuple=True)
+        gate, up = (x[token].float() @ w13[expert].float().T).chunk(2, dim=-1)
+        out.index_add_(0, token, weights[token, slot, None] * ((torch.nn.functional.silu(gate) * up)
+                                                             @ w2[expert].float().T))
+    return out
+
+
+def tune_shape(experts: int, hidden: int, intermediate: int, top_k: int, dtype: torch.dtype,
+               token_counts: list[int], workers: int) -> dict[int, MoEConfig]:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(experts, 2 * intermediate, hidden, device="cuda", dtype=dtype, generator=generator) / hidden**0.5
+    w2 = torch.randn(experts, hidden, intermediate, device="cuda", dtype=dtype, generator=generator) / intermediate**0.5
+    dtype_name = str(dtype).removeprefix("torch.")
+    jobs = {(block_m, tile, dtype_name, n, k, rows_per_a, scale)
+            for tokens in token_counts for block_m in block_m_candidates(tokens, top_k, experts)
+            for tile in tile_candidates(block_m, w13.element_size())
+            for n, k, rows_per_a, scale in ((2 * intermediate, hidden, top_k, False),
+                                            (hidden, intermediate, 1, True))}
+    started = time.perf_counter()
+    precompile(sorted(jobs, key=str), workers)
+    print(f"   compiled {len(jobs)} variants in {time.perf_counter() - started:.0f} s", flush=True)
+    best: dict[int, MoEConfig] = {}
+    for tokens in token_counts:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, generator=generator)
+        logits = torch.randn(tokens, experts, device="cuda", generator=generator)
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+        flat_weights = weights.flatten().contiguous()
+        gate_up = torch.empty(tokens * top_k, 2 * intermediate, device="cuda", dtype=dtype)
+        activation = silu_and_mul(gate_up)
+        down = torch.empty(tokens * top_k, hidden, device="cuda", dtype=dtype)
+        results = []
+        for block_m in block_m_candidates(tokens, top_k, experts):
+            aligned = align_by_expert(chosen, experts, block_m)
+            timed = {}
+            for name, a, b, out, rows_per_a, scale in (("gate_up", x, w13, gate_up, top_k, False),
+                                                       ("down", activation, w2, down, 1, True)):
+                candidates = []
+                for tile in tile_candidates(block_m, x.element_size()):
+                    def launch(tile=tile):
+                        grouped_gemm(a, b, out, flat_weights, *aligned, rows_per_a, scale, block_m, tile)
+                    try:
+                        candidates.append((time_ms(launch), tile))
+                    except Exception as error:  # a tile this GPU cannot run (resources)
+                        print(f"  skip {tile}: {type(error).__name__}", file=sys.stderr)
+                timed[name] = min(candidates, key=lambda c: c[0])
+            total = timed["gate_up"][0] + timed["down"][0]
+            results.append((total, MoEConfig(block_m, timed["gate_up"][1], timed["down"][1])))
+        total, config = min(results, key=lambda r: r[0])
+        expected = reference(x, chosen, weights, w13, w2)
+        got = fused_experts(x, chosen, weights, w13, w2, config).float()
+        error = ((got - expected).abs().max() / expected.abs().max()).item()
+        if not error < 3e-2:
+            raise RuntimeError(f"tokens={tokens}: {config} is wrong (relative error {error:.2e})")
+        weight_bytes = chosen.unique().numel() * 3 * intermediate * hidden * x.element_size()
+        print(f"tokens {tokens:5d}: {total * 1e3:8.1f} us, {weight_bytes / total / 1e6:6.0f} GB/s of "
+              f"expert weights; {config}", flush=True)
+        best[tokens] = config
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-shape", nargs="+", required=True, choices=dummy_shapes(),
+                        help="model shapes whose mixture-of-experts layers to tune")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                        help="activation and weight dtype")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
+                        help="batch token counts to tune (a launch takes the nearest)")
+    parser.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) - 2),
+                        help="processes that compile the candidate tiles in parallel")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="config file to update (default: the package's file for this GPU)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("tuning needs a CUDA GPU")
+    dtype = getattr(torch, args.dtype)
+    path = args.output or device_file(torch.cuda.get_device_name())
+    tuned = json.loads(path.read_text()) if path.exists() else {}
+    for shape in args.model_shape:
+        config = dummy_model_config(shape)
+        if not config.num_experts:
+            parser.error(f"{shape} has no mixture-of-experts layers")
+        started = time.perf_counter()
+        print(f"== {shape}: E={config.num_experts} H={config.hidden_size} I={config.moe_intermediate_size} "
+              f"top_k={config.num_experts_per_tok} {args.dtype} on {torch.cuda.get_device_name()}", flush=True)
+        best = tune_shape(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                          config.num_experts_per_tok, dtype, args.tokens, args.compile_workers)
+        key = shape_key(config.num_experts, config.hidden_size, config.moe_intermediate_size, dtype)
+        tuned[key] = {str(tokens): best[tokens].to_json() for tokens in sorted(best)}
+        print(f"   tuned in {time.perf_counter() - started:.0f} s", flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
