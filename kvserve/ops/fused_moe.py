@@ -27,26 +27,62 @@ def align_by_expert(chosen: torch.Tensor, num_experts: int, block: int
     indices (token x top_k + choice) grouped by expert, each group padded with the sentinel
     T x top_k to a multiple of `block`, in a buffer of the largest size any routing needs
     (T x top_k + E x (block - 1)); the expert of each block (num_experts past the end); and
-    the padded length (a 1-element tensor). Shapes depend on T alone: no host reads."""
+    the padded length (a 1-element tensor). Shapes depend on T alone: no host reads. One
+    kernel launch (a decode step runs this once per layer, so launches are what it costs).
+    Within an expert's run the pairs come in no fixed order: each row of a GEMM tile is
+    computed on its own, so the results do not depend on it."""
+    chosen = chosen.contiguous()
     pairs = chosen.numel()
-    flat = chosen.flatten()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=chosen.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block - 1) // block * block
-    padded_ends = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    # A pair's place in its expert's run: its position in the sorted list minus where the
-    # run starts there, shifted to where the run starts in the padded buffer.
-    run_starts = counts.cumsum(0) - counts
-    rank = torch.arange(pairs, device=chosen.device) - run_starts[sorted_experts]
-    destination = padded_ends[sorted_experts] - padded[sorted_experts] + rank
     capacity = pairs + num_experts * (block - 1)
-    sorted_pairs = torch.full((capacity,), pairs, dtype=torch.int64, device=chosen.device)
-    sorted_pairs.scatter_(0, destination, order)
-    block_starts = torch.arange(0, capacity, block, device=chosen.device)
-    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
-    return sorted_pairs, block_experts, padded_ends[-1:]
+    device = chosen.device
+    sorted_pairs = torch.empty(capacity, dtype=torch.int64, device=device)
+    block_experts = torch.empty(capacity // block, dtype=torch.int64, device=device)
+    num_padded = torch.empty(1, dtype=torch.int64, device=device)
+    experts_pow2 = triton.next_power_of_2(num_experts)
+    scratch = torch.empty(2 * experts_pow2, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](
+        chosen, scratch, sorted_pairs, block_experts, num_padded, pairs, capacity, num_experts,
+        BLOCK=block, EXPERTS=experts_pow2, CHUNK=1024, BLOCK_CHUNK=max(1, 8192 // experts_pow2),
+    )
+    return sorted_pairs, block_experts, num_padded
+
+
+@triton.jit(do_not_specialize=["num_pairs", "capacity"])
+def _align_kernel(chosen_ptr, scratch_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
+                  num_pairs, capacity, num_experts, BLOCK: tl.constexpr, EXPERTS: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
+    """One program: count each expert's pairs (integer atomics: exact in any order), lay the
+    padded runs end to end, then give each pair a slot in its expert's run by an atomic
+    cursor. scratch holds the counts, then the cursors; barriers order the phases."""
+    experts = tl.arange(0, EXPERTS)
+    real_expert = experts < num_experts
+    tl.store(scratch_ptr + experts, tl.zeros([EXPERTS], dtype=tl.int32))
+    for start in range(0, capacity, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs_ptr + offs, tl.zeros([CHUNK], dtype=tl.int64) + num_pairs, mask=offs < capacity)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        expert = tl.load(chosen_ptr + offs, mask=offs < num_pairs, other=0)
+        tl.atomic_add(scratch_ptr + expert, 1, mask=offs < num_pairs)
+    tl.debug_barrier()
+    counts = tl.load(scratch_ptr + experts)
+    padded = (counts + BLOCK - 1) // BLOCK * BLOCK
+    ends = tl.cumsum(padded, 0)
+    tl.store(scratch_ptr + EXPERTS + experts, ends - padded)
+    tl.store(num_padded_ptr, tl.sum(padded, 0).to(tl.int64))
+    # A block's expert: how many real experts' runs end at or before the block starts.
+    num_blocks = capacity // BLOCK
+    for start in range(0, num_blocks, BLOCK_CHUNK):
+        blocks = start + tl.arange(0, BLOCK_CHUNK)
+        ended = (ends[None, :] <= blocks[:, None] * BLOCK) & real_expert[None, :]
+        tl.store(block_experts_ptr + blocks, tl.sum(ended.to(tl.int64), 1), mask=blocks < num_blocks)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        expert = tl.load(chosen_ptr + offs, mask=offs < num_pairs, other=0)
+        slot = tl.atomic_add(scratch_ptr + EXPERTS + expert, 1, mask=offs < num_pairs)
+        tl.store(sorted_pairs_ptr + slot, offs.to(tl.int64), mask=offs < num_pairs)
 
 
 # num_pairs changes with the batch; specialising on it would compile once per divisibility.

@@ -70,24 +70,53 @@ def test_interpreted_fused_experts_equal_the_loop() -> None:
     assert json.loads(run_interpreted("tests.ops.test_fused_moe", "run_small_cases")) == []
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,block", [(1, 8, 2, 16), (7, 60, 4, 16), (257, 128, 8, 16),
-                                                        (33, 8, 8, 16), (257, 8, 2, 64), (300, 60, 4, 128)])
-def test_alignment_groups_every_pair_by_expert(tokens, experts, top_k, block) -> None:
-    chosen, _ = routing(tokens, experts, top_k, torch.Generator().manual_seed(tokens))
-    sorted_pairs, block_experts, num_padded = align_by_expert(chosen, experts, block)
-    pairs = tokens * top_k
-    counts = torch.bincount(chosen.flatten(), minlength=experts)
-    assert num_padded.item() == int(((counts + block - 1) // block * block).sum())
-    assert sorted_pairs.shape[0] == pairs + experts * (block - 1)
-    used = sorted_pairs[: num_padded.item()]
-    real = used[used < pairs]
-    assert sorted(real.tolist()) == list(range(pairs))  # every pair once
-    assert (sorted_pairs[num_padded.item():] == pairs).all()  # past the end: the sentinel only
-    for index, expert in enumerate(block_experts[: num_padded.item() // block].tolist()):
-        members = used[index * block : (index + 1) * block]
-        members = members[members < pairs]
-        assert len(members) > 0 and (chosen.flatten()[members] == expert).all()
-        assert members.tolist() == sorted(members.tolist())  # tokens ascending in a run
+ALIGNMENT_CASES = [(1, 8, 2, 16), (7, 60, 4, 16), (257, 128, 8, 16), (33, 8, 8, 16), (257, 8, 2, 64),
+                   (300, 60, 4, 128), (600, 8, 2, 16)]
+
+
+def alignment_errors(device: str) -> list[str]:
+    """What is wrong with align_by_expert's output on each case: every pair exactly once, in
+    a block of its own expert, padding only the sentinel, the counts and lengths exact."""
+    wrong = []
+    for tokens, experts, top_k, block in ALIGNMENT_CASES:
+        chosen, _ = routing(tokens, experts, top_k, torch.Generator().manual_seed(tokens))
+        sorted_pairs, block_experts, num_padded = (
+            t.cpu() for t in align_by_expert(chosen.to(device), experts, block))
+        pairs = tokens * top_k
+        counts = torch.bincount(chosen.flatten(), minlength=experts)
+        padded_total = int(((counts + block - 1) // block * block).sum())
+        case = f"T={tokens} E={experts} k={top_k} block={block}"
+        if num_padded.item() != padded_total or sorted_pairs.shape[0] != pairs + experts * (block - 1):
+            wrong.append(f"{case}: lengths {num_padded.item()}, {sorted_pairs.shape[0]}")
+            continue
+        used = sorted_pairs[:padded_total]
+        real = used[used < pairs]
+        if sorted(real.tolist()) != list(range(pairs)):
+            wrong.append(f"{case}: pairs missing or repeated")
+        if not (sorted_pairs[padded_total:] == pairs).all():
+            wrong.append(f"{case}: past the end is not the sentinel")
+        if not (block_experts[padded_total // block:] == experts).all():
+            wrong.append(f"{case}: blocks past the end name an expert")
+        for index, expert in enumerate(block_experts[: padded_total // block].tolist()):
+            members = used[index * block : (index + 1) * block]
+            members = members[members < pairs]
+            if len(members) == 0 or not (chosen.flatten()[members] == expert).all():
+                wrong.append(f"{case}: block {index} is not all expert {expert}")
+    return wrong
+
+
+def run_alignment_cases() -> None:
+    print(json.dumps(alignment_errors("cpu")))
+
+
+def test_interpreted_alignment_groups_every_pair_by_expert() -> None:
+    assert json.loads(run_interpreted("tests.ops.test_fused_moe", "run_alignment_cases")) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_alignment_groups_every_pair_by_expert() -> None:
+    assert alignment_errors("cuda") == []
 
 
 @pytest.mark.gpu
