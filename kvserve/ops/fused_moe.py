@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kvserve.ops.elementwise import silu_and_mul
+from kvserve.ops.expert_weights import ExpertWeights, weight_format
 from kvserve.ops.fused_moe_configs import GemmTile, MoEConfig, config_for
 
 
@@ -85,16 +86,32 @@ def _align_kernel(chosen_ptr, scratch_ptr, sorted_pairs_ptr, block_experts_ptr, 
         tl.store(sorted_pairs_ptr + slot, offs.to(tl.int64), mask=offs < num_pairs)
 
 
+@triton.jit
+def _dequantized(q, scale_ptrs, offset_ptrs, col_mask, QUANT: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                 dtype: tl.constexpr):
+    """A [k, BLOCK_N] tile of stored values as `dtype` weights: q x scale (+ offset), the scale
+    and offset of the tile's one group per column."""
+    if QUANT:
+        w = q.to(tl.float32) * tl.load(scale_ptrs, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_OFFSET:
+            w += tl.load(offset_ptrs, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        return w.to(dtype)
+    return q
+
+
 # num_pairs changes with the batch; specialising on it would compile once per divisibility.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
-    num_pairs, N, K, stride_am, stride_be, stride_bn, stride_cm,
-    ROWS_PER_A: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr,
+    a_ptr, b_ptr, scale_ptr, offset_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr,
+    num_padded_ptr, num_pairs, N, K, stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_cm,
+    ROWS_PER_A: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    FOUR_BIT: tl.constexpr, HAS_OFFSET: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """c[pair, :] = a[pair // ROWS_PER_A, :] @ b[expert]^T (x weights[pair] with SCALE) for
-    the pairs of one BLOCK_M tile of the sorted list and one BLOCK_N slice of c's columns."""
+    the pairs of one BLOCK_M tile of the sorted list and one BLOCK_N slice of c's columns.
+    QUANT: b holds stored values, dequantized tile by tile (BLOCK_K within one group);
+    FOUR_BIT: nibble pairs, multiplied as the even and the odd k of a's tile."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -104,53 +121,87 @@ def _grouped_gemm_kernel(
     rows = tl.where(valid, pairs // ROWS_PER_A, 0)
     expert = tl.load(block_experts_ptr + pid_m)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    col_mask = cols < N
+    dtype = a_ptr.dtype.element_ty
+    # Stored k per tile: nibble pairs hold two k a byte.
+    STORED_K: tl.constexpr = BLOCK_K // 2 if FOUR_BIT else BLOCK_K
+    STEP: tl.constexpr = 2 if FOUR_BIT else 1
+    offs_k = tl.arange(0, STORED_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + STEP * offs_k[None, :]
     b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + offs_k[:, None]
+    scale_ptrs = scale_ptr + expert * stride_se + cols * stride_sn
+    offset_ptrs = offset_ptr + expert * stride_se + cols * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (cols[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        k_mask = STEP * offs_k < k_left
+        group = k * BLOCK_K // GROUP_SIZE
+        b_mask = k_mask[:, None] & col_mask[None, :]
+        # No `other`: a float8 fill cannot be given; masked weights are zeroed once dequantized.
+        q = tl.load(b_ptrs, mask=b_mask)
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        if FOUR_BIT:
+            low = _dequantized(q & 15, scale_ptrs + group, offset_ptrs + group, col_mask, QUANT, HAS_OFFSET, dtype)
+            high = _dequantized(q >> 4, scale_ptrs + group, offset_ptrs + group, col_mask, QUANT, HAS_OFFSET, dtype)
+            acc = tl.dot(a, tl.where(b_mask, low, 0.0), acc, input_precision=PRECISION)
+            a_odd = tl.load(a_ptrs + 1, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(a_odd, tl.where(b_mask, high, 0.0), acc, input_precision=PRECISION)
+        else:
+            b = _dequantized(q, scale_ptrs + group, offset_ptrs + group, col_mask, QUANT, HAS_OFFSET, dtype)
+            acc = tl.dot(a, tl.where(b_mask, b, 0.0), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        b_ptrs += STORED_K
     if SCALE:
         acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs[:, None] * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_mask[None, :])
 
 
-def grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+def grouped_gemm(a: torch.Tensor, b: ExpertWeights, out: torch.Tensor, weights: torch.Tensor,
                  sorted_pairs: torch.Tensor, block_experts: torch.Tensor, num_padded: torch.Tensor,
                  rows_per_a: int, scale: bool, block_m: int, tile: GemmTile) -> None:
     """out[pair] = a[pair // rows_per_a] @ b[expert of pair]^T (x weights[pair] if scale), over
     the pairs `align_by_expert(..., block_m)` sorted."""
     num_pairs, n = out.shape
-    k = b.shape[2]
-    assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
+    k = b.in_features
+    stored = b.weight
+    assert a.stride(1) == 1 and stored.stride(2) == 1 and out.stride(1) == 1
+    block_k = tile.block_k
+    quantized = b.scale is not None
+    if quantized:
+        assert b.scale.is_contiguous() and (b.offset is None or b.offset.stride() == b.scale.stride())
+        # A tile's k within one group (a whole row for per-channel scales); 32 at least, so
+        # nibble pairs give tl.dot 16.
+        if b.group_size < k:
+            block_k = min(block_k, b.group_size)
+            assert b.group_size % block_k == 0 and block_k >= 32, (b.group_size, block_k)
     grid = (sorted_pairs.shape[0] // block_m, triton.cdiv(n, tile.block_n))
+    scales = b.scale if quantized else stored
     _grouped_gemm_kernel[grid](
-        a, b, out, weights, sorted_pairs, block_experts, num_padded,
-        num_pairs, n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        a, stored, scales, b.offset if b.offset is not None else scales, out, weights, sorted_pairs,
+        block_experts, num_padded, num_pairs, n, k, a.stride(0), stored.stride(0), stored.stride(1),
+        scales.stride(0), scales.stride(1), out.stride(0),
         ROWS_PER_A=rows_per_a, SCALE=scale,
         # fp32 models get fp32 products (tl.dot would round them to tf32).
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        QUANT=quantized, FOUR_BIT=b.four_bit, HAS_OFFSET=b.offset is not None,
+        GROUP_SIZE=b.group_size if quantized else k,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
 
 def fused_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                  w13: torch.Tensor, w2: torch.Tensor, config: MoEConfig | None = None) -> torch.Tensor:
+                  w13: ExpertWeights, w2: ExpertWeights, config: MoEConfig | None = None) -> torch.Tensor:
     """sum over each token's top_k choices of weights x down(silu(gate(x)) * up(x)) of the
     chosen expert. x [T, H]; chosen [T, top_k] expert ids; weights [T, top_k] (fp32);
     w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. Returns [T, H] in x's dtype.
-    `config` (the tiles) defaults to the tuned one for this device and shape."""
+    `config` (the tiles) defaults to the tuned one for this device, shape and weight format."""
     tokens, top_k = chosen.shape
-    num_experts, two_i, hidden = w13.shape
+    num_experts, two_i = w13.weight.shape[:2]
+    hidden = w13.in_features
     if config is None:
-        config = config_for(tokens, num_experts, hidden, two_i // 2, x.dtype, x.device)
+        config = config_for(tokens, num_experts, hidden, two_i // 2, weight_format(w13, x.dtype), x.device)
     sorted_pairs, block_experts, num_padded = align_by_expert(chosen, num_experts, config.block_m)
     flat_weights = weights.flatten().float().contiguous()
     gate_up = torch.empty(tokens * top_k, two_i, dtype=x.dtype, device=x.device)

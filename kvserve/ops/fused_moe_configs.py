@@ -2,7 +2,7 @@
 
 `python -m kvserve.benchmarks.tune_fused_moe` times candidate tiles on the device and writes
 `configs/fused_moe/<device name>.json`: for each shape key (experts, hidden, intermediate,
-dtype) and token count, the BLOCK_M the (token, choice) pairs are aligned to and one tile for
+weight format) and token count, the BLOCK_M the (token, choice) pairs are aligned to and one tile for
 each of the two GEMMs. A launch takes the entry of the nearest tuned token count; shapes or
 devices never tuned get the default below, which is sound everywhere but tuned nowhere.
 """
@@ -41,8 +41,9 @@ class MoEConfig:
         return cls(entry["block_m"], GemmTile(**entry["gate_up"]), GemmTile(**entry["down"]))
 
 
-def shape_key(experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> str:
-    return f"E={experts},H={hidden},I={intermediate},dtype={str(dtype).removeprefix('torch.')}"
+def shape_key(experts: int, hidden: int, intermediate: int, weight_format: str) -> str:
+    """weight_format: fused_moe.weight_format's name (bfloat16, int4-g128, ...)."""
+    return f"E={experts},H={hidden},I={intermediate},dtype={weight_format}"
 
 
 def device_file(device_name: str) -> Path:
@@ -67,17 +68,17 @@ def default_config(tokens: int) -> MoEConfig:
     return MoEConfig(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3))
 
 
-def config_for(tokens: int, experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+def config_for(tokens: int, experts: int, hidden: int, intermediate: int, weight_format: str,
                device: torch.device) -> MoEConfig:
     """The tuned entry of the nearest token count for this device and shape, else the default."""
     if device.type != "cuda":  # Triton's interpreter
         return default_config(tokens)
-    return tuned_config(torch.cuda.get_device_name(device), tokens, experts, hidden, intermediate, dtype)
+    return tuned_config(torch.cuda.get_device_name(device), tokens, experts, hidden, intermediate, weight_format)
 
 
 def tuned_config(device_name: str, tokens: int, experts: int, hidden: int, intermediate: int,
-                 dtype: torch.dtype) -> MoEConfig:
-    tuned = _tuned(device_name).get(shape_key(experts, hidden, intermediate, dtype))
+                 weight_format: str) -> MoEConfig:
+    tuned = _tuned(device_name).get(shape_key(experts, hidden, intermediate, weight_format))
     if not tuned:
         return default_config(tokens)
     return tuned[min(tuned, key=lambda tuned_tokens: abs(tuned_tokens - tokens))]

@@ -101,5 +101,32 @@ def test_packing_keeps_one_copy_of_the_weights(save_hf_model) -> None:
     llm = LLM(model=save_hf_model(_mixtral()), kv_cache_memory="16MiB")
     layer = next(m for m in llm.engine.core.runner.model.modules() if isinstance(m, SparseMoE))
     for index, expert in enumerate(layer.experts):
-        assert expert.gate_up_proj.weight.data_ptr() == layer.w13[index].data_ptr()
-        assert expert.down_proj.weight.data_ptr() == layer.w2[index].data_ptr()
+        assert expert.gate_up_proj.weight.data_ptr() == layer.w13.weight[index].data_ptr()
+        assert expert.down_proj.weight.data_ptr() == layer.w2.weight[index].data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quantization", ["int4", "fp8"])
+def test_gpu_quantized_experts_pack_and_match_each_expert_run_alone(save_hf_model, quantization) -> None:
+    """On CUDA, weight-only quantized experts are stacked (their buffers views of the stacks)
+    and run by the fused kernels: the layer's output equals each expert's own quantized
+    linear run on its tokens, one expert at a time."""
+    from kvserve.model_executor.layers.moe import _grouped
+
+    hf_model = _mixtral(hidden_size=256, intermediate_size=512)
+    llm = LLM(model=save_hf_model(hf_model), quantization=quantization, device="cuda", dtype="bfloat16",
+              kv_cache_memory="64MiB", enforce_eager=True)
+    layers = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, SparseMoE)]
+    assert layers and all(layer.packed for layer in layers)
+    layer = layers[0]
+    for index, expert in enumerate(layer.experts):
+        assert expert.gate_up_proj.qweight.data_ptr() == layer.w13.weight[index].data_ptr()
+        assert expert.down_proj.scale.data_ptr() == layer.w2.scale[index].data_ptr()
+    x = torch.randn(37, 256, device="cuda", dtype=torch.bfloat16)
+    weights, chosen = torch.topk(torch.softmax(layer.gate(x).float(), dim=-1), layer.top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    with torch.no_grad():
+        fused = layer(x).float()
+        one_by_one = _grouped(x, chosen, weights, len(layer.experts), layer._run_unpacked).float()
+    torch.testing.assert_close(fused, one_by_one, atol=2e-2 * one_by_one.abs().max().item(), rtol=0)

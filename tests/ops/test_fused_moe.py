@@ -10,7 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.ops.expert_weights import ExpertWeights
 from kvserve.ops.fused_moe import align_by_expert, fused_experts
+from kvserve.quantization.fp8 import quantize_fp8
+from kvserve.quantization.int4 import dequantize_int4, quantize_int4
+from kvserve.quantization.int8 import quantize_int8
 from kvserve.ops.fused_moe_configs import MoEConfig, default_config, device_file, shape_key, tuned_config
 from tests.triton_interpreter import run_interpreted
 
@@ -34,36 +38,82 @@ def routing(tokens: int, experts: int, top_k: int, generator: torch.Generator
     return chosen, weights / weights.sum(dim=-1, keepdim=True)
 
 
-def errors(device: str, cases: list[tuple[int, int, int, torch.dtype]], hidden: int, intermediate: int
-           ) -> list[str]:
+def quantized_experts(weights: torch.Tensor, fmt: str) -> tuple[ExpertWeights, torch.Tensor]:
+    """weights [E, N, K] fp32 quantized per expert by kvserve's quantizers: (the stacked kernel
+    form, the dequantized weights the reference multiplies). fmt: dense, int4-gG, int8, fp8,
+    fp8-gG."""
+    if fmt == "dense":
+        return ExpertWeights(weights), weights
+    stored, scales, offsets, dequantized = [], [], [], []
+    for w in weights:
+        if fmt.startswith("int4"):
+            group = int(fmt.split("-g")[1])
+            q, scale, minimum = quantize_int4(w, group)
+            stored.append(q[:, 0::2] | (q[:, 1::2] << 4))
+            offsets.append(minimum)
+            dequantized.append(dequantize_int4(q, scale, minimum))
+        elif fmt.startswith("fp8"):
+            group = int(fmt.split("-g")[1]) if "-g" in fmt else w.shape[1]
+            rows = w.reshape(-1, group)  # each group of a row quantized as one row
+            q, scale = quantize_fp8(rows)
+            q, scale = q.reshape(w.shape), scale.reshape(w.shape[0], -1)
+            stored.append(q)
+            dequantized.append((q.float().reshape(w.shape[0], -1, group) * scale[..., None]).reshape(w.shape))
+        else:
+            group = w.shape[1]
+            q, scale = quantize_int8(w)
+            scale = scale[:, None]
+            stored.append(q)
+            dequantized.append(q.float() * scale)
+        scales.append(scale)
+    return (ExpertWeights(torch.stack(stored), torch.stack(scales).float(),
+                          torch.stack(offsets).float() if offsets else None, group, fmt.startswith("int4")),
+            torch.stack(dequantized))
+
+
+def to_device(weights: ExpertWeights, device: str, dtype: torch.dtype) -> ExpertWeights:
+    stored = weights.weight.to(device, dtype) if weights.scale is None else weights.weight.to(device)
+    return weights._replace(weight=stored, scale=None if weights.scale is None else weights.scale.to(device),
+                            offset=None if weights.offset is None else weights.offset.to(device))
+
+
+def errors(device: str, cases: list[tuple], hidden: int, intermediate: int) -> list[str]:
+    """Cases (tokens, experts, top_k, activation dtype, weight format)."""
     generator = torch.Generator().manual_seed(0)
     wrong = []
-    for tokens, experts, top_k, dtype in cases:
+    for tokens, experts, top_k, dtype, fmt in cases:
         chosen, weights = routing(tokens, experts, top_k, generator)
         x = torch.randn(tokens, hidden, generator=generator)
-        w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator) / hidden**0.5
-        w2 = torch.randn(experts, hidden, intermediate, generator=generator) / intermediate**0.5
-        expected = reference(x.to(dtype), chosen, weights, w13.to(dtype), w2.to(dtype))
+        w13, dense13 = quantized_experts(
+            torch.randn(experts, 2 * intermediate, hidden, generator=generator) / hidden**0.5, fmt)
+        w2, dense2 = quantized_experts(
+            torch.randn(experts, hidden, intermediate, generator=generator) / intermediate**0.5, fmt)
+        # Dense weights are rounded to the activation dtype as the kernel reads them.
+        if fmt == "dense":
+            dense13, dense2 = dense13.to(dtype), dense2.to(dtype)
+        expected = reference(x.to(dtype), chosen, weights, dense13, dense2)
         got = fused_experts(x.to(device, dtype), chosen.to(device), weights.to(device),
-                            w13.to(device, dtype), w2.to(device, dtype)).float().cpu()
-        # bf16: the intermediate activations are rounded to bf16 between the two GEMMs.
+                            to_device(w13, device, dtype), to_device(w2, device, dtype)).float().cpu()
+        # bf16: the intermediate activations (and dequantized weights) are rounded to bf16.
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         error = (got - expected).abs().max().item() / max(expected.abs().max().item(), 1e-6)
         if not error <= tol:
-            wrong.append(f"T={tokens} E={experts} k={top_k} {dtype}: relative error {error:.2e}")
+            wrong.append(f"T={tokens} E={experts} k={top_k} {dtype} {fmt}: relative error {error:.2e}")
     return wrong
 
 
 INTERPRETED_CASES = [
-    (1, 8, 2, torch.float32), (7, 8, 1, torch.float32), (33, 60, 4, torch.float32),
-    (7, 128, 8, torch.bfloat16), (33, 8, 2, torch.bfloat16),
+    (1, 8, 2, torch.float32, "dense"), (33, 60, 4, torch.float32, "dense"), (7, 128, 8, torch.bfloat16, "dense"),
+    (5, 8, 2, torch.float32, "int4-g32"), (5, 8, 2, torch.bfloat16, "int4-g32"), (5, 8, 2, torch.float32, "int8"),
+    (5, 8, 2, torch.float32, "fp8-g32"),
 ]
 
 
 def run_small_cases() -> None:
     """Under the interpreter (a subprocess): the mismatches as JSON. Widths that are not
-    multiples of the tiles (hidden 40, intermediate 24) exercise the masks."""
-    print(json.dumps(errors("cpu", INTERPRETED_CASES, hidden=40, intermediate=24)))
+    multiples of the tiles (hidden 64 with 96-wide tiles' masks, intermediate 96) exercise
+    the masks; quantized widths are multiples of their groups."""
+    print(json.dumps(errors("cpu", INTERPRETED_CASES, hidden=64, intermediate=96)))
 
 
 def test_interpreted_fused_experts_equal_the_loop() -> None:
@@ -122,9 +172,17 @@ def test_gpu_alignment_groups_every_pair_by_expert() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_fused_experts_equal_the_loop() -> None:
-    cases = [(t, e, k, dtype) for t in (1, 7, 33, 257) for e, k in ((8, 2), (60, 4), (128, 8), (8, 1))
+    cases = [(t, e, k, dtype, "dense") for t in (1, 7, 33, 257) for e, k in ((8, 2), (60, 4), (128, 8), (8, 1))
              for dtype in (torch.bfloat16, torch.float16)]
     assert errors("cuda", cases, hidden=1024, intermediate=704) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_quantized_experts_equal_the_loop_on_their_dequantized_weights() -> None:
+    cases = [(t, e, k, dtype, fmt) for t in (1, 7, 33, 257) for e, k in ((8, 2), (128, 8))
+             for dtype in (torch.bfloat16, torch.float16) for fmt in ("int4-g128", "int4-g64", "int8", "fp8", "fp8-g128")]
+    assert errors("cuda", cases, hidden=1024, intermediate=768) == []
 
 
 @pytest.mark.gpu
@@ -137,10 +195,10 @@ def test_gpu_fused_experts_replay_in_a_cuda_graph() -> None:
     w2 = (torch.randn(experts, hidden, intermediate, generator=generator) / intermediate**0.5).cuda().bfloat16()
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     chosen, weights = (t.cuda() for t in routing(tokens, experts, top_k, generator))
-    fused_experts(x, chosen, weights, w13, w2)  # compile first
+    fused_experts(x, chosen, weights, ExpertWeights(w13), ExpertWeights(w2))  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_experts(x, chosen, weights, w13, w2)
+        out = fused_experts(x, chosen, weights, ExpertWeights(w13), ExpertWeights(w2))
     for _ in range(3):
         new_chosen, new_weights = routing(tokens, experts, top_k, generator)
         chosen.copy_(new_chosen)
@@ -155,11 +213,11 @@ def test_tuned_configs_load_by_nearest_token_count() -> None:
     """The shipped H200 file: each tuned shape resolves to the entry of the nearest tuned token
     count; untuned shapes and devices get the default."""
     raw = json.loads(device_file("NVIDIA H200").read_text())
-    key = shape_key(8, 4096, 14336, torch.bfloat16)
+    key = shape_key(8, 4096, 14336, "bfloat16")
     tuned_tokens = sorted(int(t) for t in raw[key])
     for tokens in (1, 3, 100, 10_000):
         nearest = min(tuned_tokens, key=lambda t: abs(t - tokens))
         expected = MoEConfig.from_json(raw[key][str(nearest)])
-        assert tuned_config("NVIDIA H200", tokens, 8, 4096, 14336, torch.bfloat16) == expected
-    assert tuned_config("NVIDIA H200", 1, 8, 4096, 14336, torch.float16) == default_config(1)
-    assert tuned_config("Some Other GPU", 512, 8, 4096, 14336, torch.bfloat16) == default_config(512)
+        assert tuned_config("NVIDIA H200", tokens, 8, 4096, 14336, "bfloat16") == expected
+    assert tuned_config("NVIDIA H200", 1, 8, 4096, 14336, "float16") == default_config(1)
+    assert tuned_config("Some Other GPU", 512, 8, 4096, 14336, "bfloat16") == default_config(512)

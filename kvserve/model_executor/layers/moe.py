@@ -12,6 +12,8 @@ from torch import nn
 from kvserve.distributed.parallel_state import GroupCoordinator
 from kvserve.model_executor.layers.linear import Linear, linear
 from kvserve.model_executor.layers.mlp import GatedMLP
+from kvserve.ops.expert_weights import ExpertWeights
+from kvserve.quantization.base import QuantizedLinear
 
 
 class Router(nn.Module):
@@ -67,6 +69,45 @@ def _(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w13: torch.T
     return torch.empty_like(x)
 
 
+def _stack_dense(linears: list[Linear]) -> ExpertWeights:
+    stacked = torch.stack([layer.weight for layer in linears])
+    for index, layer in enumerate(linears):
+        layer.weight = nn.Parameter(stacked[index], requires_grad=False)
+    return ExpertWeights(stacked)
+
+
+def _stack_quantized(linears: list[QuantizedLinear]) -> ExpertWeights | None:
+    """The experts' kernel weights stacked, or None where the experts differ in format (or
+    have no kernel form). Each expert's buffers become views of the stacks."""
+    kernel_weights = [layer.kernel_weight(layer.qweight.device) for layer in linears]
+    first = kernel_weights[0]
+    if first is None or any(
+            w is None or w.group_size != first.group_size or w.four_bit != first.four_bit
+            or w.qweight.dtype != first.qweight.dtype or w.qweight.shape != first.qweight.shape
+            or w.scale.dtype != first.scale.dtype or (w.offset is None) != (first.offset is None)
+            for w in kernel_weights):
+        return None
+    parts = [[w.qweight for w in kernel_weights], [w.scale for w in kernel_weights]]
+    if first.offset is not None:
+        parts.append([w.offset for w in kernel_weights])
+    stacks = [torch.stack(tensors) for tensors in parts]
+    for index, layer in enumerate(linears):
+        for tensors, stack in zip(parts, stacks):
+            _replace_buffer_viewed_by(layer, tensors[index], stack[index])
+    return ExpertWeights(stacks[0], stacks[1], stacks[2] if len(stacks) == 3 else None,
+                         first.group_size, first.four_bit)
+
+
+def _replace_buffer_viewed_by(module: nn.Module, view: torch.Tensor, replacement: torch.Tensor) -> None:
+    """The module's buffer that `view` (a kernel weight's tensor) reads, replaced by the same
+    values in `replacement`, shaped as the buffer was."""
+    for name, buffer in module.named_buffers(recurse=False):
+        if buffer.data_ptr() == view.data_ptr() and buffer.numel() == view.numel():
+            setattr(module, name, replacement.view(buffer.shape))
+            return
+    raise ValueError(f"{type(module).__name__} has no buffer behind its kernel weight")
+
+
 class SparseMoE(nn.Module):
     """Token choice: a softmax over all experts' router logits in fp32, the top_k kept (and,
     with renormalize, scaled to sum to one), the token's output the sum of its chosen
@@ -74,12 +115,12 @@ class SparseMoE(nn.Module):
     sigmoid of its own gate, that every token runs. Each expert is a GatedMLP (plain linears,
     so weight-only quantization, sharding and checkpoint loading treat them like any).
 
-    Once loaded, `pack_experts` stacks dense experts' weights into two [E, ...] tensors (the
-    experts' linears become views of them): on CUDA the fused kernels (ops/fused_moe.py)
-    route and run them without a host read, so CUDA graphs capture the layer; on CPU one
-    opaque op runs them, so the compiled decode step covers the rest of the model. Experts
-    that stay unpacked (quantized, or expert parallel) run one after another, eagerly, with
-    the routing read on the host."""
+    Once loaded, `pack_experts` stacks the experts' weights into two [E, ...] stacks (the
+    experts' tensors become views of them): on CUDA the fused kernels (ops/fused_moe.py)
+    route and run them, dense or weight-only quantized, without a host read, so CUDA graphs
+    capture the layer; on CPU one opaque op runs dense ones, so the compiled decode step
+    covers the rest of the model. Experts that stay unpacked (quantized on CPU, or expert
+    parallel) run one after another, eagerly, with the routing read on the host."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, shared_intermediate_size: int = 0) -> None:
@@ -98,9 +139,9 @@ class SparseMoE(nn.Module):
         # None), and the parts are summed over the group.
         self.tp_group: GroupCoordinator | None = None
         # Set by pack_experts: every expert's stacked weights (not registered: the experts'
-        # own parameters, views of these, are what loaders and state dicts name).
-        self.w13: torch.Tensor | None = None
-        self.w2: torch.Tensor | None = None
+        # own parameters and buffers, views of these, are what loaders and state dicts name).
+        self.w13: ExpertWeights | None = None
+        self.w2: ExpertWeights | None = None
 
     @property
     def packed(self) -> bool:
@@ -108,26 +149,24 @@ class SparseMoE(nn.Module):
 
     @torch.no_grad()
     def pack_experts(self) -> bool:
-        """Stack the experts' weights into w13 [E, 2I, H] and w2 [E, H, I], the experts'
-        linears left as views of them (no second copy). Only for dense, bias-free linears of
-        one dtype and device, all experts present; returns whether it packed."""
+        """Stack the experts' weights into w13 [E, 2I, H] and w2 [E, H, I], the experts' own
+        tensors left as views of them (no second copy): dense bias-free linears of one dtype
+        and device, or on CUDA, weight-only quantized ones of one format (the fused kernels
+        dequantize them). All experts present; returns whether it packed."""
         if self.w13 is not None:
             return True
-        if any(e is None or type(e.gate_up_proj) is not Linear or type(e.down_proj) is not Linear
-               or e.gate_up_proj.bias is not None or e.down_proj.bias is not None for e in self.experts):
+        if any(e is None or e.gate_up_proj.bias is not None or e.down_proj.bias is not None for e in self.experts):
             return False
-        first = self.experts[0]
-        w13 = torch.empty(len(self.experts), *first.gate_up_proj.weight.shape,
-                          dtype=first.gate_up_proj.weight.dtype, device=first.gate_up_proj.weight.device)
-        w2 = torch.empty(len(self.experts), *first.down_proj.weight.shape,
-                         dtype=first.down_proj.weight.dtype, device=first.down_proj.weight.device)
-        for index, expert in enumerate(self.experts):
-            w13[index].copy_(expert.gate_up_proj.weight)
-            w2[index].copy_(expert.down_proj.weight)
-            expert.gate_up_proj.weight = nn.Parameter(w13[index], requires_grad=False)
-            expert.down_proj.weight = nn.Parameter(w2[index], requires_grad=False)
-        self.w13, self.w2 = w13, w2
-        return True
+        gate_up = [e.gate_up_proj for e in self.experts]
+        down = [e.down_proj for e in self.experts]
+        if all(type(layer) is Linear for layer in gate_up + down):
+            self.w13, self.w2 = _stack_dense(gate_up), _stack_dense(down)
+        elif all(isinstance(layer, QuantizedLinear) and layer.qweight.is_cuda for layer in gate_up + down):
+            w13, w2 = _stack_quantized(gate_up), _stack_quantized(down)
+            if w13 is None or w2 is None:
+                return False
+            self.w13, self.w2 = w13, w2
+        return self.w13 is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -139,7 +178,7 @@ class SparseMoE(nn.Module):
 
             out = fused_experts(x, chosen, weights, self.w13, self.w2)
         elif self.w13 is not None:
-            out = torch.ops.kvserve_moe.grouped_experts(x, chosen, weights, self.w13, self.w2)
+            out = torch.ops.kvserve_moe.grouped_experts(x, chosen, weights, self.w13.weight, self.w2.weight)
         else:
             out = _grouped(x, chosen, weights, len(self.experts), self._run_unpacked)
         if hasattr(self, "shared_expert"):
