@@ -405,8 +405,13 @@ class ModelRunner:
         cache_bytes = sum(cache.numel() * cache.element_size() for cache in caches)
         del caches, hidden
         torch.cuda.empty_cache()
-        _, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * self.cache_config.gpu_memory_utilization) - (peak - cache_bytes)
+        free, total = torch.cuda.mem_get_info(self.device)
+        activations = peak - cache_bytes - torch.cuda.memory_allocated(self.device)
+        # What the driver counts as used, not what torch allocated: besides the weights it
+        # holds the CUDA context and the allocator's segments that live tensors keep from
+        # being released (a model quantized on the GPU leaves holes where its float weights
+        # were, which KV tensors of a few GiB cannot use).
+        budget = int(total * self.cache_config.gpu_memory_utilization) - (total - free) - activations
         logger.info(
             "GPU memory: total %.2f GiB, weights+activations peak %.2f GiB, KV budget %.2f GiB",
             total / 2**30, (peak - cache_bytes) / 2**30, budget / 2**30,

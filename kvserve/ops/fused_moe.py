@@ -91,12 +91,13 @@ def _dequantized(q, scale_ptrs, offset_ptrs, col_mask, QUANT: tl.constexpr, HAS_
                  dtype: tl.constexpr):
     """A [k, BLOCK_N] tile of stored values as `dtype` weights: q x scale (+ offset), the scale
     and offset of the tile's one group per column."""
+    w = q
     if QUANT:
-        w = q.to(tl.float32) * tl.load(scale_ptrs, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        scaled = q.to(tl.float32) * tl.load(scale_ptrs, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if HAS_OFFSET:
-            w += tl.load(offset_ptrs, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        return w.to(dtype)
-    return q
+            scaled += tl.load(offset_ptrs, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        w = scaled.to(dtype)
+    return w
 
 
 # num_pairs changes with the batch; specialising on it would compile once per divisibility.
