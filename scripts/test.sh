@@ -3,8 +3,9 @@
 # run them with: python3 -m pytest -m slow / -m gpu). Two pytest-xdist workers, whole files
 # each (module fixtures load once): on 2 cores 9.5 instead of 12-14 minutes, since much of a
 # test's time is single-threaded Python (servers, engine steps of tiny models).
-# KVSERVE_TEST_WORKERS=0 runs in one process.
+# KVSERVE_TEST_WORKERS=0 runs in one process. The 20 slowest tests are listed at the end, so that
+# a run drifting towards its 10-minute budget says where the time went.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-exec "${PYTHON:-python3}" -m pytest -q -n "${KVSERVE_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec "${PYTHON:-python3}" -m pytest -q -n "${KVSERVE_TEST_WORKERS:-2}" --dist loadfile --durations=20 "$@"
