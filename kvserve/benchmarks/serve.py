@@ -28,6 +28,7 @@ from kvserve.benchmarks.serve_datasets import (
     BenchPrompt,
     random_image_urls,
     random_prompts,
+    shared_prefix_prompts,
     sharegpt_prompts,
 )
 from kvserve.benchmarks.serve_metrics import RequestRecord, compute_metrics
@@ -229,8 +230,13 @@ async def run_benchmark(
 
 async def load_prompts(client: OpenAIClient, args: argparse.Namespace) -> list[BenchPrompt]:
     if args.dataset in RANDOM_DATASETS:
-        prompts = random_prompts(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
-                                 tuple(args.random_token_range), args.seed)
+        if args.dataset == "shared-prefix":
+            prompts = shared_prefix_prompts(args.num_prompts, args.num_prefixes, args.prefix_len,
+                                            tuple(args.input_len), tuple(args.output_len),
+                                            tuple(args.random_token_range), args.seed)
+        else:
+            prompts = random_prompts(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
+                                     tuple(args.random_token_range), args.seed)
         if client.chat:  # chat messages are text
             for prompt in prompts:
                 prompt.prompt = await client.detokenize(prompt.prompt)
@@ -357,12 +363,13 @@ def _rate(text: str) -> float:
     return rate
 
 
-RANDOM_DATASETS = ("random", "random-mm")
+RANDOM_DATASETS = ("random", "random-mm", "shared-prefix")
 
 
 def _dataset(text: str) -> str:
     if text not in RANDOM_DATASETS and not text.startswith("sharegpt:"):
-        raise argparse.ArgumentTypeError(f"dataset must be random, random-mm or sharegpt:PATH, got {text}")
+        raise argparse.ArgumentTypeError(
+            f"dataset must be random, random-mm, shared-prefix or sharegpt:PATH, got {text}")
     return text
 
 
@@ -389,7 +396,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     workload = parser.add_argument_group("workload")
     workload.add_argument("--dataset", type=_dataset, default="random",
                           help="random (random token ids), random-mm (random token ids plus random-noise "
-                               "images, --images-per-request of --image-size each; needs --endpoint chat) "
+                               "images, --images-per-request of --image-size each; needs --endpoint chat), "
+                               "shared-prefix (--num-prefixes random prefixes of --prefix-len tokens, each "
+                               "request one of them plus --input-len random tokens) "
                                "or sharegpt:PATH (first human turn as the prompt, "
                                "the reference answer's token count as max_tokens).")
     workload.add_argument("--num-prompts", type=int, default=64, help="Number of requests per rate.")
@@ -401,6 +410,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                           metavar=("LOW", "HIGH"),
                           help="Random prompts draw token ids uniformly from [LOW, HIGH): ordinary ids in most "
                                "vocabularies, clear of the special tokens at the bottom.")
+    workload.add_argument("--num-prefixes", type=int, default=4,
+                          help="shared-prefix: distinct shared prefixes (system prompts) the requests spread over.")
+    workload.add_argument("--prefix-len", type=int, default=1000,
+                          help="shared-prefix: tokens in each shared prefix.")
     workload.add_argument("--images-per-request", type=int, default=1,
                           help="random-mm: images in each request's chat message.")
     workload.add_argument("--image-size", type=_image_size, default=(512, 512), metavar="WxH",
@@ -434,6 +447,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.dataset == "random-mm" and (args.endpoint != "chat" or args.images_per_request < 1):
         raise ValueError("--dataset random-mm sends images in chat messages: it needs --endpoint chat and "
                          "--images-per-request >= 1")
+    if args.dataset == "shared-prefix" and (args.num_prefixes < 1 or args.prefix_len < 1):
+        raise ValueError("--dataset shared-prefix needs --num-prefixes >= 1 and --prefix-len >= 1")
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--num-prompts and --max-concurrency must be >= 1")
     try:

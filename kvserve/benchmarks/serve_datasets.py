@@ -1,5 +1,5 @@
 """Prompts for the serving benchmark: random token ids (with random images for
-random-mm), or ShareGPT conversations."""
+random-mm, or behind a few shared prefixes for shared-prefix), or ShareGPT conversations."""
 
 from __future__ import annotations
 
@@ -39,6 +39,29 @@ def random_prompts(
     prompts = []
     for _ in range(num):
         ids = [rng.randrange(*token_range) for _ in range(rng.randint(*input_len))]
+        prompts.append(BenchPrompt(ids, len(ids), rng.randint(*output_len)))
+    return prompts
+
+
+def shared_prefix_prompts(
+    num: int,
+    num_prefixes: int,
+    prefix_len: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    token_range: tuple[int, int],
+    seed: int,
+) -> list[BenchPrompt]:
+    """W4 over several groups: `num_prefixes` random prefixes of `prefix_len` token ids (a
+    system prompt each), every request one of them (in turn, then shuffled) followed by a
+    random question of input_len tokens."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(*token_range) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    groups = [index % num_prefixes for index in range(num)]
+    rng.shuffle(groups)
+    prompts = []
+    for group in groups:
+        ids = prefixes[group] + [rng.randrange(*token_range) for _ in range(rng.randint(*input_len))]
         prompts.append(BenchPrompt(ids, len(ids), rng.randint(*output_len)))
     return prompts
 

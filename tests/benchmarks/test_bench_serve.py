@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvserve.benchmarks.serve import arrival_offsets
-from kvserve.benchmarks.serve_datasets import random_prompts, sharegpt_prompts
+from kvserve.benchmarks.serve_datasets import random_prompts, shared_prefix_prompts, sharegpt_prompts
 from kvserve.benchmarks.serve_metrics import (
     RequestRecord,
     compute_metrics,
@@ -79,6 +79,15 @@ def test_random_prompts_follow_the_ranges_and_the_seed():
     assert all(16 <= p.prompt_tokens == len(p.prompt) <= 48 for p in prompts)
     assert all(8 <= p.max_tokens <= 16 for p in prompts)
     assert all(1000 <= token < 2000 for p in prompts for token in p.prompt)
+
+
+def test_shared_prefix_prompts_spread_evenly_over_their_prefixes():
+    prompts = shared_prefix_prompts(40, 4, 30, (5, 9), (8, 16), (1000, 2000), seed=2)
+    prefixes = [tuple(p.prompt[:30]) for p in prompts]
+    assert len(set(prefixes)) == 4 and all(prefixes.count(prefix) == 10 for prefix in set(prefixes))
+    assert all(35 <= p.prompt_tokens == len(p.prompt) <= 39 for p in prompts)
+    assert all(1000 <= token < 2000 for p in prompts for token in p.prompt)
+    assert len(set(prefixes[:8])) > 1  # shuffled: the groups interleave
 
 
 def _write_sharegpt(path) -> None:
