@@ -1,8 +1,10 @@
-"""Reading a server's /dashboard/events stream, and decoding the block map it sends."""
+"""Reading a server's /dashboard/events stream and decoding the block map it sends; load for
+it to show."""
 
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from collections import Counter
@@ -12,6 +14,21 @@ import httpx
 from kvserve.core.block_map import CACHED, FIRST_OWNER, FREE, SHARED
 
 STATE_NAMES = {FREE: "free", CACHED: "cached", SHARED: "shared"}
+
+
+def fresh_prompt(num_tokens: int) -> list[int]:
+    """Token ids no earlier request used, so none of its blocks is a prefix-cache hit."""
+    return [random.randrange(1000, 40000) for _ in range(num_tokens)]
+
+
+def stream_until(base_url: str, prompt: list[int], n: int, stop: threading.Event) -> None:
+    """A long streamed completion, left (and so aborted) once `stop` is set."""
+    body = {"prompt": prompt, "max_tokens": 400, "n": n, "ignore_eos": True, "temperature": 1.0, "seed": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=300) as response:
+        for _ in response.iter_lines():
+            if stop.is_set():
+                return
 
 
 def block_cells(event: dict) -> Counter:

@@ -77,7 +77,9 @@ class HeadlessChromium:
         return json.loads(message)
 
     def open(self, url: str) -> None:
+        """Navigate, and wait until the page and its scripts have loaded."""
         self._call("Page.navigate", {"url": url})
+        self.wait_for(f"location.href === {json.dumps(url)} && document.readyState === 'complete'")
 
     def evaluate(self, expression: str) -> Any:
         """The expression's value (JSON-serializable)."""

@@ -5,14 +5,13 @@ and latency windows against the tokens of a request, the page itself, and --no-d
 
 from __future__ import annotations
 
-import random
 import re
 import threading
 
 import httpx
 from fastapi.testclient import TestClient
 
-from dashboard_events import EventReader, block_cells, report_counts, state_counts
+from dashboard_events import EventReader, block_cells, fresh_prompt, report_counts, state_counts, stream_until
 from kvserve.entrypoints.cli import build_parser
 from kvserve.entrypoints.openai.server import build_app
 from kvserve.entrypoints.openai.serving import ServerState
@@ -22,25 +21,10 @@ MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16  # the server's default block size
 
 
-def _fresh_prompt(num_tokens: int) -> list[int]:
-    """Token ids no earlier request used, so none of its blocks is a prefix-cache hit."""
-    return [random.randrange(1000, 40000) for _ in range(num_tokens)]
-
-
 def _complete(server, prompt: list[int], max_tokens: int) -> None:
     response = httpx.post(f"{server.base_url}/v1/completions", timeout=300, json={
         "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
     assert response.status_code == 200, response.text
-
-
-def _stream_until(server, prompt: list[int], n: int, stop: threading.Event) -> None:
-    """A long streamed completion, left (and so aborted) once `stop` is set."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "n": n, "ignore_eos": True,
-            "temperature": 1.0, "seed": 0, "stream": True}
-    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=300) as response:
-        for _ in response.iter_lines():
-            if stop.is_set():
-                return
 
 
 def _debug_kv(server) -> dict:
@@ -66,10 +50,10 @@ def test_block_map_counts_match_debug_kv_and_each_requests_tokens(server):
         assert sum(block_cells(rest).values()) == rest["kv"]["blocks"]["total"]
 
         # Under load: two prompts of their own and one whose two samples share its blocks.
-        shared_prompt = _fresh_prompt(2 * BLOCK + 7)
-        prompts = {len(p): p for p in (_fresh_prompt(21), _fresh_prompt(BLOCK + 12), shared_prompt)}
+        shared_prompt = fresh_prompt(2 * BLOCK + 7)
+        prompts = {len(p): p for p in (fresh_prompt(21), fresh_prompt(BLOCK + 12), shared_prompt)}
         stop = threading.Event()
-        threads = [threading.Thread(target=_stream_until, args=(server, p, 2 if p is shared_prompt else 1, stop))
+        threads = [threading.Thread(target=stream_until, args=(server.base_url, p, 2 if p is shared_prompt else 1, stop))
                    for p in prompts.values()]
         for thread in threads:
             thread.start()
@@ -114,7 +98,7 @@ def test_block_map_counts_match_debug_kv_and_each_requests_tokens(server):
 
 
 def test_steps_and_latency_windows_count_a_requests_tokens(server):
-    prompt, max_tokens = _fresh_prompt(20), 6
+    prompt, max_tokens = fresh_prompt(20), 6
     events = EventReader(server.base_url)
     try:
         start = events.wait_for(_idle)  # the engine records steps from this snapshot on
