@@ -53,7 +53,8 @@ def test_block_map_counts_match_debug_kv_and_each_requests_tokens(server):
         shared_prompt = fresh_prompt(2 * BLOCK + 7)
         prompts = {len(p): p for p in (fresh_prompt(21), fresh_prompt(BLOCK + 12), shared_prompt)}
         stop = threading.Event()
-        threads = [threading.Thread(target=stream_until, args=(server.base_url, p, 2 if p is shared_prompt else 1, stop))
+        threads = [threading.Thread(target=stream_until,
+                                    args=(server.base_url, p, 2 if p is shared_prompt else 1, stop))
                    for p in prompts.values()]
         for thread in threads:
             thread.start()

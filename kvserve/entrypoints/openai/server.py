@@ -282,6 +282,8 @@ def run_server(args: argparse.Namespace) -> int:
     sock = _listening_socket(args.host, args.port)
     server = _DrainingServer(config, state, args.shutdown_timeout)
     state.request_exit = lambda: setattr(server, "should_exit", True)
-    logger.info("kvserve listening on http://%s:%d (loading the model)", args.host, sock.getsockname()[1])
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    logger.info("kvserve listening on %s (loading the model)%s", url,
+                f"; live dashboard at {url}/dashboard" if args.dashboard else "")
     server.run(sockets=[sock])
     return 1 if state.load_error is not None else 0
