@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -70,6 +71,7 @@ class ServerMetrics:
         self.request_success = Counter(
             "kvserve:request_success", "Finished samples by finish reason.",
             [*labels, "finished_reason"], registry=self.registry)
+        self.recent = RecentLatencies()  # the live dashboard's charts
 
     def attach_engine(self, engine: LLMEngine) -> None:
         self.registry.register(_EngineCollector(engine, self.model_name))
@@ -79,6 +81,50 @@ class ServerMetrics:
 
     def track(self, num_prompt_tokens: int, num_images: int = 0) -> RequestTracker:
         return RequestTracker(self, num_prompt_tokens, num_images)
+
+
+@dataclass
+class LatencyWindow:
+    """Latencies and output tokens seen in one window of the live dashboard."""
+
+    seconds: float
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latency: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+
+class RecentLatencies:
+    """What requests' outputs showed since the dashboard last looked: recorded only while it
+    watches (`take` renews the watch for WATCH_S), so no dashboard costs nothing and an
+    abandoned one cannot grow it without bound."""
+
+    WATCH_S = 5.0
+
+    def __init__(self) -> None:
+        self._window = LatencyWindow(0.0)
+        self._since = time.perf_counter()
+        self._watched_until = 0.0
+
+    @property
+    def watched(self) -> bool:
+        return time.perf_counter() < self._watched_until
+
+    def observe(self, num_new_tokens: int, first_token_latency: float | None, token_gap: float | None) -> None:
+        window = self._window
+        window.output_tokens += num_new_tokens
+        if first_token_latency is not None:
+            window.time_to_first_token.append(first_token_latency)
+        if token_gap is not None:
+            window.inter_token_latency.append(token_gap)
+
+    def take(self) -> LatencyWindow:
+        """The window since the last take (or since the watch began)."""
+        now = time.perf_counter()
+        if not self.watched:
+            self._window, self._since = LatencyWindow(0.0), now
+        window, window.seconds = self._window, now - self._since
+        self._window, self._since, self._watched_until = LatencyWindow(0.0), now, now + self.WATCH_S
+        return window
 
 
 class RequestTracker:
@@ -98,10 +144,16 @@ class RequestTracker:
         now = time.perf_counter()
         num_tokens = sum(len(c.token_ids) for c in output.outputs)
         if num_tokens > self._num_tokens:
+            first_token_latency = token_gap = None
             if self._first_token is None:
                 self._first_token = now
+                first_token_latency = now - self._arrival
             else:
-                self._metrics.inter_token_latency.observe(now - self._last_token)
+                token_gap = now - self._last_token
+                self._metrics.inter_token_latency.observe(token_gap)
+            recent = self._metrics.recent
+            if recent.watched:
+                recent.observe(num_tokens - self._num_tokens, first_token_latency, token_gap)
             self._last_token = now
             self._num_tokens = num_tokens
         self._last_output = output

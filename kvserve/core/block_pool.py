@@ -47,6 +47,10 @@ class BlockPool:
     def num_cached_evictable_blocks(self) -> int:
         return len(self._evictable)
 
+    def cached_free_block_ids(self) -> list[int]:
+        """Ids of the free blocks a prefix hit can still revive."""
+        return list(self._evictable)
+
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks

@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.input_processor import PromptType
@@ -28,6 +28,8 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class AsyncLLM:
@@ -188,20 +190,25 @@ class AsyncLLM:
     async def remove_lora(self, lora_int_id: int) -> None:
         await self._call(lambda: self.engine.remove_lora(lora_int_id))
 
-    async def _call(self, function: Callable[[], None]) -> None:
-        """Run `function` on the engine's thread, between steps; raises what it raises."""
+    async def dashboard_snapshot(self) -> dict:
+        """The live dashboard's view of the engine core, taken between two steps."""
+        return await self._call(lambda: self.engine.dashboard_snapshot())
+
+    async def _call(self, function: Callable[[], T]) -> T:
+        """Run `function` on the engine's thread, between steps; returns what it returns,
+        raises what it raises."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
         def command() -> None:
             try:
-                function()
-                loop.call_soon_threadsafe(_settle, done, None)
+                result = function()
+                loop.call_soon_threadsafe(_settle, done, None, result)
             except Exception as error:
                 loop.call_soon_threadsafe(_settle, done, error)
 
         self._submit(command)
-        await done
+        return await done
 
     async def abort(self, request_id: str) -> None:
         self._submit(lambda: self.engine.abort_request(request_id))
@@ -217,11 +224,11 @@ def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
         out_queue.put_nowait(item)
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result: object = None) -> None:
     # The caller may have been cancelled (its client left) while the add was queued.
     if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)

@@ -17,6 +17,7 @@ from kvserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.core.sequence import Sequence, SequenceStatus
 from kvserve.engine.cpu_malloc import retain_freed_memory
+from kvserve.engine.dashboard_snapshot import dashboard_snapshot
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.messages import (
     EngineCoreInfo,
@@ -27,6 +28,7 @@ from kvserve.engine.messages import (
 )
 from kvserve.engine.overlap import can_sample_ahead
 from kvserve.engine.request import Request
+from kvserve.engine.step_timeline import StepTimeline
 from kvserve.model_executor.default_model import default_model_path
 from kvserve.model_executor.loader import LoadedModel, load_model
 from kvserve.model_executor.kv_sizing import kv_cache_bytes_per_block
@@ -159,6 +161,7 @@ class EngineCore:
         self._inflight: list[Sequence] | None = None  # a launched step's sequences, unread
         self.num_steps = 0
         self.num_steps_ahead = 0
+        self.step_timeline = StepTimeline()  # for a watching dashboard only
         logger.info(
             "kvserve engine: %s layers=%d dtype=%s device=%s attention=%s, %d KV blocks (%s) of "
             "%d tokens (%d tokens), max_model_len=%d, overlapped scheduling %s",
@@ -389,6 +392,10 @@ class EngineCore:
             lora_requests={} if self.lora_config is None else self.scheduler.lora_requests(),
         )
 
+    def dashboard_snapshot(self) -> dict:
+        """The block map, queues and steps a live dashboard shows (dashboard_snapshot.py)."""
+        return dashboard_snapshot(self.scheduler, self.step_timeline, self.stats(), self.info)
+
     # -- the step --------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
@@ -400,6 +407,9 @@ class EngineCore:
             if sched.is_empty:
                 return EngineCoreOutputs(stats=self.stats())
             seqs = self.scheduler.scheduled(sched)
+            if self.step_timeline.watched:
+                self.step_timeline.record(((seq, sched.num_scheduled_tokens[seq.seq_id]) for seq in seqs),
+                                          len(sched.preempted_seq_ids))
             first_scheduled = self._note_scheduled(seqs)
             if not self._can_defer(sched, seqs):
                 runner_output = self.runner.execute(sched)
@@ -450,6 +460,8 @@ class EngineCore:
         sched = self.scheduler.schedule_ahead(seqs)
         if sched is None:
             return None
+        if self.step_timeline.watched:
+            self.step_timeline.record(((seq, 1) for seq in seqs), 0)
         self.runner.launch(sched)
         self.scheduler.advance(sched)
         self.num_steps_ahead += 1

@@ -33,6 +33,9 @@ class EngineCoreClient(Protocol):
 
     def stats(self) -> SchedulerStats: ...
 
+    def dashboard_snapshot(self) -> dict:
+        """The live dashboard's view of the core (kvserve/engine/dashboard_snapshot.py)."""
+
     def shutdown(self) -> None: ...
 
 
@@ -52,6 +55,7 @@ class InprocClient:
         self.start_background_work = core.start_background_work
         self.dead_reason = core.dead_reason
         self.stats = core.stats
+        self.dashboard_snapshot = core.dashboard_snapshot
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -64,9 +64,9 @@ def _serve(core: Any, inputs: Connection, outputs: Connection) -> None:
     while True:
         idle = not core.has_unfinished_requests()
         if idle or inputs.poll(0):
-            handled = _handle(core, inputs.recv())
+            handled = _handle(core, inputs.recv(), outputs)
             while handled and inputs.poll(0):
-                handled = _handle(core, inputs.recv())
+                handled = _handle(core, inputs.recv(), outputs)
             if not handled:
                 return
             if not core.has_unfinished_requests():
@@ -79,8 +79,8 @@ def _serve(core: Any, inputs: Connection, outputs: Connection) -> None:
             outputs.send(("step_error", RuntimeError(f"engine step failed: {error!r}")))
 
 
-def _handle(core: Any, message: tuple[str, Any]) -> bool:
-    """Apply one message from the front; False on shutdown."""
+def _handle(core: Any, message: tuple[str, Any], outputs: Connection) -> bool:
+    """Apply one message from the front (answering those that ask); False on shutdown."""
     kind, payload = message
     if kind == "add":
         core.add_request(payload)
@@ -90,6 +90,8 @@ def _handle(core: Any, message: tuple[str, Any]) -> bool:
         core.stop_sequences(payload)
     elif kind == "remove_lora":
         core.remove_lora(payload)
+    elif kind == "snapshot":
+        outputs.send(("snapshot", core.dashboard_snapshot()))
     elif kind == "shutdown":
         return False
     else:
@@ -136,6 +138,7 @@ class MPClient:
         self._stats: SchedulerStats
         self.info, self._stats = payload
         self._outputs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._snapshots: queue.SimpleQueue[dict] = queue.SimpleQueue()
         self._pending_error: BaseException | None = None  # met while merging outputs
         self._send_lock = threading.Lock()
         threading.Thread(target=self._read, name="kvserve-core-outputs", daemon=True).start()
@@ -155,6 +158,9 @@ class MPClient:
                 return
             if kind == "stats":
                 self._stats = payload
+                continue
+            if kind == "snapshot":
+                self._snapshots.put(payload)
                 continue
             if kind == "outputs":
                 self._stats = payload.stats
@@ -220,6 +226,17 @@ class MPClient:
 
     def stats(self) -> SchedulerStats:
         return self._stats
+
+    def dashboard_snapshot(self) -> dict:
+        """Asked of the core, which answers between two of its steps. One caller at a time
+        (the front's engine thread), so the answer that comes is this call's."""
+        self._send(("snapshot", None))
+        while True:
+            try:
+                return self._snapshots.get(timeout=_LIVENESS_CHECK_S)
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise RuntimeError("the engine core process exited") from None
 
     def shutdown(self) -> None:
         _stop(self._process, self._input)

@@ -161,6 +161,10 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         return self.client.stats()
 
+    def dashboard_snapshot(self) -> dict:
+        """The live dashboard's view of the core: block map, queues, recent steps."""
+        return self.client.dashboard_snapshot()
+
     @property
     def num_requests_running(self) -> int:
         return self.stats().num_running_reqs

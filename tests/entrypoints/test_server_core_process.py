@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import psutil
 import pytest
+from dashboard_events import EventReader, block_cells, report_counts, state_counts
 from server_process import launch_server
 from test_openai_server import CHAT, MODEL, PROMPT, metric, stream_completion
 
@@ -63,3 +65,22 @@ def test_the_core_process_exits_with_the_server(tmp_path):
     (core,) = _core_processes(server)
     server.stop()  # SIGKILL: the core sees its pipe close
     core.wait(timeout=30)
+
+
+def test_dashboard_snapshots_come_from_the_core_process(core_process_server):
+    server = core_process_server
+    events = EventReader(server.base_url)
+    try:
+        stream = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0,
+                                                    stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        # Asked of the core between its steps: the running request holds its blocks alone.
+        busy = events.wait_for(lambda e: e["status"] == "ok" and e["num_running"] == 1, timeout=60)
+        (row,) = busy["running"]
+        assert block_cells(busy)[row["request"]] == row["blocks"] > 0
+        assert state_counts(block_cells(busy)) == report_counts(busy["kv"])
+        stream.close()
+        rest = events.wait_for(lambda e: e["status"] == "ok" and e["time"] > busy["time"] and e["num_running"] == 0)
+        assert state_counts(block_cells(rest)) == report_counts(httpx.get(f"{server.base_url}/debug/kv").json())
+    finally:
+        events.close()

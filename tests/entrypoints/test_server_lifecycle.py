@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from dashboard_events import EventReader
 from server_process import launch_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -84,6 +85,26 @@ def test_api_key_required_when_configured(small_server):
                                           headers={"Authorization": f"Bearer {KEY}"}).json()["paths"]
     result = small_server.client(api_key=KEY).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert result.usage.completion_tokens >= 1
+
+
+def test_dashboard_needs_the_key_as_a_header_or_its_cookie(small_server):
+    base = small_server.base_url
+    for path in ("/dashboard", "/dashboard/events"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Cookie": "kvserve_api_key=wrong"}):
+            assert httpx.get(f"{base}{path}", headers=headers).status_code == 401, (path, headers)
+    # A browser without the key gets the form that sets the cookie, not the page.
+    refused = httpx.get(f"{base}/dashboard")
+    assert "kvserve_api_key" in refused.text and "block-map" not in refused.text
+    for headers in ({"Authorization": f"Bearer {KEY}"}, {"Cookie": f"kvserve_api_key={KEY}"}):
+        page = httpx.get(f"{base}/dashboard", headers=headers)
+        assert page.status_code == 200 and "block-map" in page.text
+        events = EventReader(base, headers)
+        try:
+            event = events.wait_for(lambda e: e["status"] == "ok", timeout=30)
+            assert event["kv"]["blocks"]["total"] > 0
+        finally:
+            events.close()
+        assert events.status_code == 200
 
 
 def test_full_waiting_queue_answers_429_then_recovers(small_server):

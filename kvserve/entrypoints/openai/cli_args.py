@@ -93,6 +93,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter ({\"lora_name\", "
         "\"lora_path\"}, behind --api-key) to add and remove adapters while serving.",
     )
+    group.add_argument(
+        "--no-dashboard", dest="dashboard", action="store_false",
+        help="Do not serve the live dashboard (/dashboard: KV block map, queues, batch timeline, "
+        "latency charts; behind --api-key when one is set). It costs nothing while no page is open.",
+    )
     EngineArgs.add_cli_args(parser)
     # Serving picks per-device settings unless told otherwise (logged at startup).
     parser.set_defaults(quantization="auto", max_num_batched_tokens=None, compile_decode=None)

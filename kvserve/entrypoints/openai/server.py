@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.engine.kv_report import kv_cache_report
+from kvserve.entrypoints.openai.api_key import has_bearer_key, missing_key_error
+from kvserve.entrypoints.openai.dashboard import dashboard_router
 from kvserve.entrypoints.openai.disconnect import cancel_on_disconnect
 from kvserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from kvserve.entrypoints.openai.http_limits import RequestBodyLimits, header_timeout_protocol
@@ -65,12 +67,8 @@ def build_app(state: ServerState) -> FastAPI:
                        body_timeout=state.body_read_timeout)
 
     async def check_api_key(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {state.api_key}":
-            raise OpenAIError(401, "Missing or incorrect API key; send 'Authorization: Bearer <key>'.",
-                              code="invalid_api_key")
+        if state.api_key is not None and not has_bearer_key(request, state.api_key):
+            raise missing_key_error()
 
     api = APIRouter(dependencies=[Depends(check_api_key)])
 
@@ -200,6 +198,8 @@ def build_app(state: ServerState) -> FastAPI:
             return get_redoc_html(openapi_url="/openapi.json", title="kvserve")
 
     app.include_router(api)
+    if state.dashboard:
+        app.include_router(dashboard_router(state))
     return app
 
 
@@ -267,6 +267,7 @@ def run_server(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         lora_modules=args.lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        dashboard=args.dashboard,
     )
     if args.lora_modules and not engine_args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
@@ -281,6 +282,8 @@ def run_server(args: argparse.Namespace) -> int:
     sock = _listening_socket(args.host, args.port)
     server = _DrainingServer(config, state, args.shutdown_timeout)
     state.request_exit = lambda: setattr(server, "should_exit", True)
-    logger.info("kvserve listening on http://%s:%d (loading the model)", args.host, sock.getsockname()[1])
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    logger.info("kvserve listening on %s (loading the model)%s", url,
+                f"; live dashboard at {url}/dashboard" if args.dashboard else "")
     server.run(sockets=[sock])
     return 1 if state.load_error is not None else 0

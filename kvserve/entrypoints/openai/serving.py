@@ -54,6 +54,7 @@ class ServerState:
     tool_call_parser: str | None = None  # --tool-call-parser: reads "auto" tool calls
     lora_modules: list[LoRAModule] = field(default_factory=list)  # --lora-modules, loaded at start
     allow_runtime_lora_updating: bool = False
+    dashboard: bool = True  # /dashboard and its event stream (--no-dashboard: off)
     async_llm: AsyncLLM | None = None
     draining: bool = False
     load_error: BaseException | None = None
