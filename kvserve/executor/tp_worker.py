@@ -1,7 +1,7 @@
 """One rank of tensor and pipeline parallelism: loads the model, keeps its stage's layers
 (model_executor/pipeline_parallel.py) and its share of them (tensor_parallel.py), and runs
-every step on it. Rank 0 takes the steps from the driver and broadcasts each to every rank
-over gloo; the first rank of the last stage returns the output."""
+every step on it. Every rank takes the steps from the driver, in order; the first rank of
+the last stage returns the output."""
 
 from __future__ import annotations
 
@@ -51,21 +51,21 @@ def run_worker(
     configure_logging(log_level)
     torch.set_num_threads(num_threads)
     try:
-        runner, group, info = start_rank(args, rank, world_size, init_method, worker_device(args, rank))
+        runner, info = start_rank(args, rank, world_size, init_method, worker_device(args, rank))
     except BaseException as error:  # reported to the driver, which raises it
         connection.send(("error", RuntimeError(f"tensor-parallel rank {rank} failed to start: {error!r}")))
         return
     connection.send(("ready", info))
     try:
-        _serve(runner, group, connection, rank == 0, rank == output_rank(args))
+        _serve(runner, connection, rank == output_rank(args))
     except (EOFError, BrokenPipeError):
         pass  # the driver is gone
 
 
 def start_rank(
     args: EngineArgs, rank: int, world_size: int, init_method: str, device: torch.device,
-) -> tuple[Any, Any, WorkerInfo | None]:
-    """Join the group, load, shard and quantize; returns (runner, group, rank 0's info)."""
+) -> tuple[Any, WorkerInfo | None]:
+    """Join the group, load, shard and quantize; returns (runner, rank 0's info)."""
     from kvserve.distributed import parallel_state
     from kvserve.engine.core import load_engine_model
     from kvserve.model_executor.model_runner import ModelRunner
@@ -103,14 +103,15 @@ def start_rank(
     runner.resize_kv_cache(num_blocks)
     info = WorkerInfo(loaded.config, loaded.tokenizer, num_blocks, runner.kv_cache_dtype,
                       type(runner.attn_backend).__name__, weight_bytes, expert_bytes) if rank == 0 else None
-    return runner, world, info
+    return runner, info
 
 
-def _serve(runner: Any, world: Any, driver: Connection, relays: bool, answers: bool) -> None:
-    """Run steps until told to stop; the rank that `relays` takes them from the driver,
-    the one that `answers` returns their outputs."""
+def _serve(runner: Any, driver: Connection, answers: bool) -> None:
+    """Run the driver's steps in order until told to stop; the rank that `answers` returns
+    their outputs. Every rank reads the steps from its own pipe rather than from a
+    broadcast, which would hold each stage until the last one has finished the step before."""
     while True:
-        kind, sched = world.broadcast_object(driver.recv() if relays else None)
+        kind, sched = driver.recv()
         if kind == "shutdown":
             return
         output = runner.execute(sched)

@@ -1,5 +1,6 @@
 """Pipeline parallelism on real gloo process groups: stages of consecutive layers generate
-the one-process tokens, alone and with tensor parallelism inside every stage."""
+the one-process tokens, alone and with tensor parallelism inside every stage, with as many
+steps in flight as there are stages."""
 
 from __future__ import annotations
 
@@ -41,5 +42,32 @@ def test_stages_generate_the_one_process_tokens(tmp_path_factory, tied, tp, pp):
     llm = LLM(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **kwargs)
     try:
         assert _tokens(llm, prompts, params) == expected
+        # The prompts' chunks fill one step per stage before the first one is back.
+        assert llm.engine.core.most_batches_in_flight == pp
+    finally:
+        llm.engine.shutdown()
+
+
+def test_two_stages_run_two_steps_at_once(tmp_path_factory):
+    """Steps are submitted while earlier ones are still in the stages, never two holding one
+    sequence: greedy and seeded samples (a prompt forking into two samples in flight) are
+    the one-process ones."""
+    model_dir = _save_tiny(tmp_path_factory, num_hidden_layers=2)
+    prompts = [{"prompt_token_ids": [(13 * i + j) % 250 for j in range(3 + 7 * i)]} for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=16, ignore_eos=True)
+    kwargs = dict(dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=24)
+
+    def generate(llm: LLM) -> list[list[list[int]]]:
+        outputs = llm.generate(prompts + prompts[:1], [greedy] * len(prompts) + [seeded])
+        return [[sample.token_ids for sample in output.outputs] for output in outputs]
+
+    expected = generate(LLM(model_dir, **kwargs))
+    llm = LLM(model_dir, pipeline_parallel_size=2, **kwargs)
+    try:
+        assert generate(llm) == expected
+        core = llm.engine.core
+        assert core.most_batches_in_flight == 2
+        assert not core.has_unfinished_requests()
     finally:
         llm.engine.shutdown()
