@@ -67,23 +67,13 @@ def start_rank(
 ) -> tuple[Any, WorkerInfo | None]:
     """Join the group, load, shard and quantize; returns (runner, rank 0's info)."""
     from kvserve.distributed import parallel_state
-    from kvserve.engine.core import load_engine_model
     from kvserve.model_executor.model_runner import ModelRunner
-    from kvserve.model_executor.pipeline_parallel import keep_stage
-    from kvserve.model_executor.tensor_parallel import quantize_shard, shard_model
-    from kvserve.quantization.cpu_plan import NONE
+    from kvserve.model_executor.tensor_parallel import quantize_shard
 
     parallel_state.init_distributed_environment(world_size, rank, init_method, device)
     parallel_state.initialize_model_parallel(args.tensor_parallel_size, args.pipeline_parallel_size)
     world = parallel_state.get_world_group()
-    loaded = load_engine_model(replace(args, device=str(device), quantization=NONE, quantization_config=None))
-    config = loaded.config
-    if args.pipeline_parallel_size > 1:
-        config = keep_stage(loaded.model, parallel_state.get_pp_group())
-    if args.tensor_parallel_size > 1:
-        heads = shard_model(loaded.model, parallel_state.get_tp_group(), args.enable_expert_parallel)
-        config = replace(config, num_attention_heads=heads.num_attention_heads,
-                         num_key_value_heads=heads.num_key_value_heads)
+    loaded, config = _load_share(args, rank, device)
     quantize_shard(loaded, args.quantization, args.quantization_config, device)
     max_model_len = args.max_model_len or loaded.config.max_position_embeddings
     runner = ModelRunner(
@@ -104,6 +94,38 @@ def start_rank(
     info = WorkerInfo(loaded.config, loaded.tokenizer, num_blocks, runner.kv_cache_dtype,
                       type(runner.attn_backend).__name__, weight_bytes, expert_bytes) if rank == 0 else None
     return runner, info
+
+
+def _load_share(args: EngineArgs, rank: int, device: torch.device) -> tuple[Any, ModelConfig]:
+    """(the rank's share of the model, loaded in float; the config of what it holds). A
+    float safetensors directory is read a slice per rank (sharded_loader.py); anything
+    else (GGUF, dummy weights) is loaded whole and cut down."""
+    from kvserve.distributed import parallel_state
+    from kvserve.engine.core import load_engine_model
+    from kvserve.model_executor.loader import load_tokenizer
+    from kvserve.model_executor.pipeline_parallel import keep_stage
+    from kvserve.model_executor.sharded_loader import can_load_sharded, load_rank_share
+    from kvserve.model_executor.tensor_parallel import shard_model
+    from kvserve.quantization.cpu_plan import NONE
+
+    tp_group, pp_group = parallel_state.get_tp_group(), parallel_state.get_pp_group()
+    if can_load_sharded(args.model, args.load_format):
+        loaded, config, read = load_rank_share(args.model, args.resolved_dtype(device), device, tp_group, pp_group,
+                                               args.enable_expert_parallel)
+        if not args.skip_tokenizer_init:
+            loaded.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        logger.info("rank %d read %.1f MB of the checkpoint's %.1f MB", rank, read.bytes_read / 1e6,
+                    read.checkpoint_bytes / 1e6)
+        return loaded, config
+    loaded = load_engine_model(replace(args, device=str(device), quantization=NONE, quantization_config=None))
+    config = loaded.config
+    if args.pipeline_parallel_size > 1:
+        config = keep_stage(loaded.model, pp_group)
+    if args.tensor_parallel_size > 1:
+        heads = shard_model(loaded.model, tp_group, args.enable_expert_parallel)
+        config = replace(config, num_attention_heads=heads.num_attention_heads,
+                         num_key_value_heads=heads.num_key_value_heads)
+    return loaded, config
 
 
 def _serve(runner: Any, driver: Connection, answers: bool) -> None:

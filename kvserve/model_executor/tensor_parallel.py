@@ -5,9 +5,10 @@ one all-reduce each), the embedding and LM head vocab-parallel (vocabulary padde
 multiple of 64 per rank, logits gathered). Every rank's KV cache holds its KV heads only
 (a copy of one, where there are fewer KV heads than ranks, as vLLM does).
 
-The model is loaded whole and dense, cut down, and then quantized on each rank where asked
-(quantize_shard), which needs each rank to hold it once while starting; checkpoints stored
-quantized are not sharded yet. A mixture of experts splits every expert's rows, or with
+shard_model cuts a model loaded whole and dense (GGUF files, dummy weights);
+sharded_loader.py reads the same share straight from a safetensors checkpoint. Either way
+each rank quantizes its share where asked (quantize_shard); checkpoints stored quantized
+are not sharded yet. A mixture of experts splits every expert's rows, or with
 expert parallelism gives each rank whole experts; either way one all-reduce sums the layer."""
 
 from __future__ import annotations
