@@ -8,6 +8,7 @@ read with about 1/tp of the checkpoint's bytes instead of all of them."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Iterator
@@ -15,12 +16,19 @@ from dataclasses import dataclass, replace
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.distributed.parallel_state import GroupCoordinator
 from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.layers.moe import SparseMoE
-from kvserve.model_executor.loader import LoadedModel, _read_json, _safetensors_files, hf_model_config
+from kvserve.model_executor.loader import (
+    LoadedModel,
+    _materialize,
+    _read_json,
+    _safetensors_files,
+    hf_model_config,
+)
 from kvserve.model_executor.models.registry import get_model_class
 from kvserve.model_executor.pipeline_parallel import keep_stage, stage_layers
 from kvserve.model_executor.tensor_parallel import (
@@ -29,6 +37,9 @@ from kvserve.model_executor.tensor_parallel import (
     check_shardable,
     vocab_rows_per_rank,
 )
+from kvserve.quantization.checkpoint import CheckpointFormat, CheckpointGrid, GridFormat
+from kvserve.quantization.grid import grid_linear
+from kvserve.quantization.registry import get_checkpoint_format
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -59,11 +70,10 @@ class ShardedRead:
 
 
 def can_load_sharded(model: str | None, load_format: str) -> bool:
-    """A float safetensors directory of a text model: what a rank reads its share of."""
+    """A safetensors directory of a text model: what a rank reads its share of."""
     if model is None or load_format not in ("auto", "safetensors") or not os.path.isdir(model):
         return False
-    config = _read_json(os.path.join(model, "config.json"))
-    return "quantization_config" not in config and "vision_config" not in config
+    return "vision_config" not in _read_json(os.path.join(model, "config.json"))
 
 
 class RankShare:
@@ -83,6 +93,8 @@ class RankShare:
     def rank_config(self) -> ModelConfig:
         """The model config whose layers have exactly this rank's shapes."""
         c, tp = self.config, self.tp
+        if tp == 1:
+            return c
         return replace(
             c, num_attention_heads=c.num_attention_heads // tp,
             num_key_value_heads=max(1, c.num_key_value_heads // tp),
@@ -91,6 +103,30 @@ class RankShare:
             shared_expert_intermediate_size=c.shared_expert_intermediate_size // tp,
             vocab_size=self.vocab_rows,
         )
+
+    def cut_grid(self, name: str, grid: CheckpointGrid) -> CheckpointGrid:
+        """This rank's share of linear `name`'s unpacked grid: its rows with their scales
+        and zero points, or its columns with the groups they fall in (act order: the columns
+        with their g_idx, every group's scale kept, since g_idx indexes them all)."""
+        part = self.slice_of(f"{name}.weight", list(grid.q.shape))
+        if part is None:
+            return grid
+        if part.dim == 0:
+            rows = slice(part.start, part.stop)
+            return replace(grid, q=grid.q[rows], scale=grid.scale[rows], zero=grid.zero[rows])
+        columns = slice(part.start, part.stop)
+        if not grid.contiguous_groups():
+            return replace(grid, q=grid.q[:, columns], g_idx=grid.g_idx[columns])
+        if grid.scale.shape[1] == 1:  # one group per row: every column shares it
+            return replace(grid, q=grid.q[:, columns], g_idx=None)
+        size = grid.group_size
+        if part.start % size or part.stop % size:
+            raise ValueError(f"{name}: its groups of {size} input columns do not split at the "
+                             f"{part.stop - part.start} columns each of {self.tp} ranks holds; use a "
+                             "tensor_parallel_size that leaves each rank whole groups")
+        groups = slice(part.start // size, part.stop // size)
+        return replace(grid, q=grid.q[:, columns], scale=grid.scale[:, groups], zero=grid.zero[:, groups],
+                       g_idx=None)
 
     def owns_expert(self, index: int) -> bool:
         return not self.expert_parallel or index // (self.config.num_experts // self.tp) == self.rank
@@ -132,28 +168,62 @@ def _pad_rows(tensor: torch.Tensor, part: RankSlice | None) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(part.rows - tensor.shape[0], *tensor.shape[1:])])
 
 
-def _local_name(name: str, first_layer: int) -> str:
-    """The name a stage's model (layers renumbered from 0) gives checkpoint tensor `name`."""
+def _local_name(name: str, layers: range) -> str | None:
+    """The name a stage's model (its `layers` renumbered from 0) gives checkpoint tensor
+    `name`; None for another stage's layer."""
     match = _LAYER.match(name)
     if match is None:
         return name
-    return f"model.layers.{int(match.group(1)) - first_layer}.{name[match.end():]}"
+    index = int(match.group(1))
+    return f"model.layers.{index - layers.start}.{name[match.end():]}" if index in layers else None
 
 
-def _iter_share(files: list[str], share: RankShare, wanted: set[str], first_layer: int,
+def _checkpoint_name(local: str, layers: range) -> str:
+    match = _LAYER.match(local)
+    if match is None:
+        return local
+    return f"model.layers.{int(match.group(1)) + layers.start}.{local[match.end():]}"
+
+
+def _iter_share(files: list[str], share: RankShare, wanted: set[str], layers: range,
                 report: ShardedRead) -> Iterator[tuple[str, torch.Tensor]]:
+    """(local name, this rank's slice, read from the file) of every tensor the rank wants."""
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 view = handle.get_slice(name)
                 report.checkpoint_bytes += _nbytes(view)
-                local = _local_name(name, first_layer)
+                local = _local_name(name, layers)
                 if local not in wanted:
                     continue  # another stage's layer, another rank's expert, a tied copy
                 part = share.slice_of(name, view.get_shape())
                 tensor = _read(view, part)
                 report.bytes_read += tensor.numel() * tensor.element_size()
                 yield local, _pad_rows(tensor, part)
+
+
+def _read_stage(files: list[str], layers: range, report: ShardedRead) -> dict[str, torch.Tensor]:
+    """Every tensor of the stage, whole: a packed layer unpacks whole before it is cut, and
+    packed checkpoints are small."""
+    tensors = {}
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                view = handle.get_slice(name)
+                report.checkpoint_bytes += _nbytes(view)
+                if _local_name(name, layers) is not None:
+                    tensors[name] = view[:]
+                    report.bytes_read += _nbytes(view)
+    return tensors
+
+
+def _share_in_memory(tensors: dict[str, torch.Tensor], share: RankShare, wanted: set[str],
+                     layers: range) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors.items():
+        local = _local_name(name, layers)
+        if local in wanted:
+            part = share.slice_of(name, list(tensor.shape))
+            yield local, _pad_rows(_read(tensor, part), part)
 
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -167,6 +237,66 @@ def _nbytes(view) -> int:
     return numel * _DTYPE_BYTES[view.get_dtype()]
 
 
+def _install_quantized_share(model: nn.Module, fmt: CheckpointFormat, tensors: dict[str, torch.Tensor],
+                             share: RankShare, layers: range) -> dict[str, torch.Tensor]:
+    """Swap each linear the checkpoint stores quantized for the rank's share of it: each
+    shard's packed tensors unpacked to its grid, the grid cut to the rank's rows or columns
+    (tensor parallelism) and the layer built from the cut grids as one process builds it
+    from whole ones. Returns the exact fp32 weights (local names) of act-order layers,
+    which run as float layers."""
+    dense: dict[str, torch.Tensor] = {}
+    for module_name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or module_name.rsplit(".", 1)[-1] == "lm_head":
+            continue
+        local_shards = model.hf_shard_names(module_name)
+        shards = [_checkpoint_name(local, layers) for local in local_shards]
+        packed = [f"{hf}.{fmt.packed_suffix}" in tensors for hf in shards]
+        if not any(packed):
+            continue
+        if not all(packed):
+            raise ValueError(f"{module_name}: only some of {shards} are quantized; they are fused "
+                             "into one layer, so all or none must be")
+        if share.tp == 1:
+            layer = fmt.linear(tensors, shards, module.bias)
+            if layer is None:  # act order: the format put the fp32 weights back
+                dense.update({f"{local}.weight": tensors.pop(f"{hf}.weight")
+                              for local, hf in zip(local_shards, shards)})
+        else:
+            if not isinstance(fmt, GridFormat):
+                raise ValueError(f"{fmt.quant_method} checkpoints cannot be split over tensor-parallel ranks "
+                                 "yet (GPTQ, AWQ and integer compressed-tensors can)")
+            grids = [share.cut_grid(hf, fmt.unpack(tensors, hf)) for hf in shards]
+            for hf in shards:
+                for name in fmt.consumed(tensors, hf):
+                    del tensors[name]
+            layer = None
+            if all(grid.contiguous_groups() for grid in grids):
+                layer = grid_linear([grid.to_group_grid() for grid in grids], module.bias)
+            else:
+                dense.update({f"{local}.weight": grid.dequantize() for local, grid in zip(local_shards, grids)})
+        if layer is not None:
+            parent, _, attr = module_name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, layer)
+    return dense
+
+
+def _rank_model(config: ModelConfig, share: RankShare, pp_group: GroupCoordinator) -> tuple[nn.Module, range]:
+    """The rank's model on the meta device: its shapes, its experts, its stage's layers
+    (returned: their indices in the checkpoint)."""
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(share.rank_config()).to(config.dtype)
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            for index in range(len(module.experts)):
+                if not share.owns_expert(index):
+                    module.experts[index] = None
+    layers = range(config.num_hidden_layers)
+    if pp_group.world_size > 1:
+        keep_stage(model, pp_group)
+        layers = range(*stage_layers(config.num_hidden_layers, pp_group.world_size)[pp_group.rank_in_group])
+    return model, layers
+
+
 @torch.no_grad()
 def load_rank_share(
     model_dir: str, dtype: torch.dtype, device: torch.device, tp_group: GroupCoordinator,
@@ -174,34 +304,34 @@ def load_rank_share(
 ) -> tuple[LoadedModel, ModelConfig, ShardedRead]:
     """This rank's share of the model in `model_dir`: (the loaded model, whose config is
     the whole model's, without a tokenizer; the config of what the rank holds, its KV
-    cache's shape; what it read)."""
+    cache's shape; what it read). A float checkpoint is read a slice per tensor; a
+    quantized one (GPTQ, AWQ, compressed-tensors) is read whole for the stage, and each
+    packed layer cut after unpacking, its scales and zero points with its rows or columns."""
     config = hf_model_config(model_dir, dtype)
     tp, rank = tp_group.world_size, tp_group.rank_in_group
     check_shardable(config, tp, expert_parallel)
     share = RankShare(config, tp, rank, expert_parallel)
-    with torch.device("meta"):
-        model = get_model_class(config.architecture)(share.rank_config() if tp > 1 else config).to(dtype)
-    for module in model.modules():
-        if isinstance(module, SparseMoE):
-            for index in range(len(module.experts)):
-                if not share.owns_expert(index):
-                    module.experts[index] = None
-    first_layer = 0
-    if pp_group.world_size > 1:
-        keep_stage(model, pp_group)
-        first_layer = stage_layers(config.num_hidden_layers, pp_group.world_size)[pp_group.rank_in_group][0]
-    model = model.to_empty(device=device).eval()
-    targets = model.hf_weight_views()
+    model, layers = _rank_model(config, share, pp_group)
+    files = _safetensors_files(model_dir)
     report = ShardedRead()
-    loaded: set[str] = set()
+    config_path = os.path.join(model_dir, "config.json")
+    quantization_config = _read_json(config_path).get("quantization_config")
     try:
-        for name, tensor in _iter_share(_safetensors_files(model_dir), share, set(targets), first_layer, report):
-            target = targets[name]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ModelLoadError(f"{model_dir}: weight {name!r} has shape {tuple(tensor.shape)} on rank "
-                                     f"{rank}, expected {tuple(target.shape)}")
-            target.copy_(tensor)
-            loaded.add(name)
+        if quantization_config:
+            fmt = get_checkpoint_format(quantization_config, config_path)
+            tensors = _read_stage(files, layers, report)
+            dense = _install_quantized_share(model, fmt, tensors, share, layers)
+            model = _materialize(model, device)
+            targets = model.hf_weight_views()
+            weights = itertools.chain(_share_in_memory(tensors, share, set(targets), layers), dense.items())
+        else:
+            fmt = None
+            model = model.to_empty(device=device).eval()
+            targets = model.hf_weight_views()
+            weights = _iter_share(files, share, set(targets), layers, report)
+        loaded = _copy_into(targets, weights, rank)
+    except ValueError as error:
+        raise ModelLoadError(f"{model_dir}: {error}") from error
     except (OSError, RuntimeError) as error:
         raise ModelLoadError(f"{model_dir}: corrupt or truncated safetensors file ({error})") from error
     missing = sorted(set(targets) - loaded)
@@ -210,12 +340,23 @@ def load_rank_share(
     if tp > 1:
         _wrap_parallel(model, tp_group)
     model.config = config  # the whole vocabulary: compute_logits keeps that much of the gathered logits
-    rank_shape = replace(config, num_attention_heads=share.rank_config().num_attention_heads,
-                         num_key_value_heads=share.rank_config().num_key_value_heads)
-    if pp_group.world_size > 1:
-        start, end = stage_layers(config.num_hidden_layers, pp_group.world_size)[pp_group.rank_in_group]
-        rank_shape = replace(rank_shape, num_hidden_layers=end - start)
-    return LoadedModel(model, config, None), rank_shape, report
+    rank_config = share.rank_config()
+    rank_shape = replace(config, num_attention_heads=rank_config.num_attention_heads,
+                         num_key_value_heads=rank_config.num_key_value_heads, num_hidden_layers=len(layers))
+    return LoadedModel(model, config, None, quantization=fmt and fmt.quant_method), rank_shape, report
+
+
+def _copy_into(targets: dict[str, torch.Tensor], weights: Iterator[tuple[str, torch.Tensor]], rank: int) -> set[str]:
+    """Copy each (local name, tensor) into its parameter; returns the names filled."""
+    loaded = set()
+    for name, tensor in weights:
+        target = targets[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} on rank {rank}, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(tensor)
+        loaded.add(name)
+    return loaded
 
 
 def _wrap_parallel(model: torch.nn.Module, group: GroupCoordinator) -> None:
