@@ -61,9 +61,9 @@ class MultiprocExecutor(ParallelExecutor):
             self._processes.append(process)
         weakref.finalize(self, _stop, self._processes, self._connections)
         self._adopt(self._wait_ready())
-        logger.info("tensor parallelism: %d ranks, pipeline parallelism: %d stages (%d processes on %s), "
-                    "%d KV blocks on each", args.tensor_parallel_size, args.pipeline_parallel_size,
-                    world_size, device, self.num_blocks)
+        logger.info("tensor parallelism: %d ranks, pipeline parallelism: %d stages with up to %d steps in "
+                    "flight (%d processes on %s), %d KV blocks on each", args.tensor_parallel_size,
+                    args.pipeline_parallel_size, args.pipeline_parallel_size, world_size, device, self.num_blocks)
 
     def _wait_ready(self) -> WorkerInfo:
         """Rank 0's WorkerInfo once every rank is ready; the first rank's error otherwise

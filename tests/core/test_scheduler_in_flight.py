@@ -118,3 +118,20 @@ def test_random_workloads_through_a_pipeline(w, depth, policy):
     pipeline.run()
     for i, request in enumerate(w["reqs"]):
         assert seqs[i].output_token_ids == expected_output(request["prompt"], request["max_tokens"])
+
+
+def test_sequences_dropped_while_nothing_runs_go_with_the_next_step():
+    """A step that schedules nothing is never sent: the sequences the runner must forget
+    go with the next step that runs (the engine puts them back)."""
+    kv = KVCacheManager(16, 2, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), kv)
+    first, second = make_seq(0, [1, 2, 3]), make_seq(1, [4, 5])
+    sched.add(first)
+    assert sched.schedule().scheduled_seq_ids == ["s0"]
+    sched.finish(first, SequenceStatus.FINISHED_ABORTED)
+    empty = sched.schedule()
+    assert empty.is_empty and empty.finished_seq_ids == ["s0"]
+    sched.step_builder.put_back_dropped(empty.finished_seq_ids)
+    sched.add(second)
+    out = sched.schedule()
+    assert out.scheduled_seq_ids == ["s1"] and out.finished_seq_ids == ["s0"]

@@ -4,10 +4,17 @@ steps in flight as there are stages."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import Qwen2Config
 
 from kvserve import LLM, SamplingParams
+from kvserve.model_executor.loader import load_model
 from kvserve.model_executor.pipeline_parallel import stage_layers
+from tests.conftest import save_tokenizer
 from tests.distributed.test_tensor_parallel import _save_tiny
 
 
@@ -69,5 +76,37 @@ def test_two_stages_run_two_steps_at_once(tmp_path_factory):
         core = llm.engine.core
         assert core.most_batches_in_flight == 2
         assert not core.has_unfinished_requests()
+    finally:
+        llm.engine.shutdown()
+
+
+def _save_qwen2_5_0_5b_shape(directory: str) -> str:
+    """Random weights in Qwen2.5-0.5B's shape (kvserve's dummy init) as a bf16 safetensors
+    directory: 14 heads over 2 KV heads, QKV bias, 24 layers, a tied 151936-row vocabulary."""
+    model = load_model(None, load_format="dummy", model_shape="qwen2.5-0.5b", dtype=torch.float32).model
+    tensors = {name: view.to(torch.bfloat16).contiguous() for name, view in model.hf_weight_views().items()}
+    del model
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                max_position_embeddings=32768, tie_word_embeddings=True,
+                architectures=["Qwen2ForCausalLM"]).save_pretrained(directory)
+    save_tokenizer(directory, 151936)
+    return directory
+
+
+@pytest.mark.slow
+def test_qwen2_5_0_5b_shape_on_two_stages_of_two_ranks(tmp_path):
+    model_dir = _save_qwen2_5_0_5b_shape(str(tmp_path))
+    prompts = [{"prompt_token_ids": [(7919 * i + 131 * j) % 151936 for j in range(4 + 5 * i)]} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kwargs = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=256, max_num_batched_tokens=64)
+    reference = LLM(model_dir, **kwargs)
+    expected = _tokens(reference, prompts, params)
+    del reference
+    llm = LLM(model_dir, tensor_parallel_size=2, pipeline_parallel_size=2, **kwargs)
+    try:
+        assert _tokens(llm, prompts, params) == expected
+        assert llm.engine.core.most_batches_in_flight == 2
     finally:
         llm.engine.shutdown()
