@@ -24,9 +24,9 @@ from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.layers.moe import SparseMoE
 from kvserve.model_executor.loader import (
     LoadedModel,
-    _materialize,
-    _read_json,
-    _safetensors_files,
+    materialize,
+    read_json,
+    safetensors_files,
     hf_model_config,
 )
 from kvserve.model_executor.models.registry import get_model_class
@@ -73,7 +73,7 @@ def can_load_sharded(model: str | None, load_format: str) -> bool:
     """A safetensors directory of a text model: what a rank reads its share of."""
     if model is None or load_format not in ("auto", "safetensors") or not os.path.isdir(model):
         return False
-    return "vision_config" not in _read_json(os.path.join(model, "config.json"))
+    return "vision_config" not in read_json(os.path.join(model, "config.json"))
 
 
 class RankShare:
@@ -312,16 +312,16 @@ def load_rank_share(
     check_shardable(config, tp, expert_parallel)
     share = RankShare(config, tp, rank, expert_parallel)
     model, layers = _rank_model(config, share, pp_group)
-    files = _safetensors_files(model_dir)
+    files = safetensors_files(model_dir)
     report = ShardedRead()
     config_path = os.path.join(model_dir, "config.json")
-    quantization_config = _read_json(config_path).get("quantization_config")
+    quantization_config = read_json(config_path).get("quantization_config")
     try:
         if quantization_config:
             fmt = get_checkpoint_format(quantization_config, config_path)
             tensors = _read_stage(files, layers, report)
             dense = _install_quantized_share(model, fmt, tensors, share, layers)
-            model = _materialize(model, device)
+            model = materialize(model, device)
             targets = model.hf_weight_views()
             weights = itertools.chain(_share_in_memory(tensors, share, set(targets), layers), dense.items())
         else:

@@ -95,7 +95,8 @@ def test_a_stage_reads_only_its_own_layers(tmp_path_factory):
     assert shape.num_hidden_layers == 1
     header = _header(model_dir)
     # Layer 2 (the stage's), the final norm and (tied) the embedding as the LM head.
-    kept = {name: entry for name, entry in header.items() if not name.startswith(("model.layers.0.", "model.layers.1."))}
+    other_stage = ("model.layers.0.", "model.layers.1.")
+    kept = {name: entry for name, entry in header.items() if not name.startswith(other_stage)}
     assert read.bytes_read == _expected_bytes(kept, 2, 1, 128)
 
 
