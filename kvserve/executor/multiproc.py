@@ -77,7 +77,7 @@ class MultiprocExecutor(ParallelExecutor):
                     if connection.poll(_LIVENESS_CHECK_S / len(self._connections)):
                         try:
                             replies[rank] = connection.recv()
-                        except EOFError:
+                        except (EOFError, OSError):
                             self._raise_dead()
                         if replies[rank][0] == "error":
                             raise replies[rank][1]
@@ -97,7 +97,7 @@ class MultiprocExecutor(ParallelExecutor):
                 self._raise_dead()
         try:
             return connection.recv()
-        except EOFError:
+        except (EOFError, OSError):  # a reset, where the rank died with steps unread in its pipe
             self._raise_dead()
 
     def _raise_dead(self) -> None:
@@ -117,7 +117,10 @@ class MultiprocExecutor(ParallelExecutor):
     def submit(self, sched: SchedulerOutput) -> None:
         """Hand every rank the step (pickled once) without waiting for it: each runs its
         steps in order, so a stage starts the next while later stages run this one."""
-        _send_to_all(self._connections, ("execute", sched))
+        try:
+            _send_to_all(self._connections, ("execute", sched))
+        except OSError:  # a rank's end of its pipe is gone: say which rank died
+            self._raise_dead()
 
     def receive(self) -> ModelRunnerOutput:
         """The output of the oldest step submitted and not yet received."""

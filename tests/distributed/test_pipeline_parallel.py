@@ -15,7 +15,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.model_executor.loader import load_model
 from kvserve.model_executor.pipeline_parallel import stage_layers
 from tests.conftest import save_tokenizer
-from tests.distributed.test_tensor_parallel import _save_tiny
+from tests.distributed.test_tensor_parallel import _save_tiny, _spawned_children
 
 
 def test_stage_layers_split_evenly_or_as_told(monkeypatch):
@@ -110,3 +110,32 @@ def test_qwen2_5_0_5b_shape_on_two_stages_of_two_ranks(tmp_path):
         assert llm.engine.core.most_batches_in_flight == 2
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_a_dead_stage_fails_the_steps_in_flight_and_nothing_is_left_behind(tmp_path_factory):
+    import signal
+    import time
+
+    model_dir = _save_tiny(tmp_path_factory, num_hidden_layers=2)
+    before = {child.pid for child in _spawned_children()}
+    llm = LLM(model_dir, pipeline_parallel_size=2, dtype="float32", kv_cache_memory="4MiB",
+              max_num_batched_tokens=16)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(3 + i, 30))}, params)
+    engine.step()
+    engine.step()
+    assert engine.core.most_batches_in_flight == 2
+    ranks = [child for child in _spawned_children() if child.pid not in before]
+    assert len(ranks) == 2
+    ranks[0].send_signal(signal.SIGKILL)  # stage 0, while its steps are in the pipeline
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel .*rank 0 exited \(code -9\)"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10
+    engine.shutdown()
+    for rank in ranks:
+        rank.wait(timeout=15)
