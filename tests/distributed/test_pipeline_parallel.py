@@ -55,6 +55,7 @@ def test_stages_generate_the_one_process_tokens(tmp_path_factory, tied, tp, pp):
         llm.engine.shutdown()
 
 
+@pytest.mark.slow  # tp2-pp2 above runs two steps at once by default; this adds forks in flight
 def test_two_stages_run_two_steps_at_once(tmp_path_factory):
     """Steps are submitted while earlier ones are still in the stages, never two holding one
     sequence: greedy and seeded samples (a prompt forking into two samples in flight) are
