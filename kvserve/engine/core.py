@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -159,6 +160,12 @@ class EngineCore:
         self.overlap_scheduling = (args.resolved_overlap_scheduling(self.device) and spec_config is None
                                    and args.tensor_parallel_size * args.pipeline_parallel_size == 1)
         self._inflight: list[Sequence] | None = None  # a launched step's sequences, unread
+        # Pipeline parallelism: up to one step per stage in flight, oldest first, each as
+        # the ids of the sequences it runs (none of which another in-flight step runs).
+        self.max_batches_in_flight = args.pipeline_parallel_size
+        self._batch_queue: deque[set[str]] = deque()
+        self._seqs_in_pipeline: set[str] = set()
+        self.most_batches_in_flight = 0  # the most steps that were in the pipeline at once
         self.num_steps = 0
         self.num_steps_ahead = 0
         self.step_timeline = StepTimeline()  # for a watching dashboard only
@@ -343,7 +350,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Also true while a step is in flight, so that stepping drains it."""
-        return bool(self.requests) or self._inflight is not None
+        return bool(self.requests) or self._inflight is not None or bool(self._batch_queue)
 
     def dead_reason(self) -> str | None:
         """Why no step can run any more (a parallel worker has died), or None."""
@@ -401,10 +408,13 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule -> execute -> update. With overlapped scheduling a decode step's
         tokens are read one call later: the call launches the next step first (see
-        kvserve/engine/overlap.py)."""
+        kvserve/engine/overlap.py). With pipeline stages, see _step_pipelined."""
+        if self.max_batches_in_flight > 1:
+            return self._step_pipelined()
         if self._inflight is None:
             sched = self.scheduler.schedule()
             if sched.is_empty:
+                self.scheduler.step_builder.put_back_dropped(sched.finished_seq_ids)
                 return EngineCoreOutputs(stats=self.stats())
             seqs = self.scheduler.scheduled(sched)
             if self.step_timeline.watched:
@@ -423,6 +433,35 @@ class EngineCore:
         inflight = self._inflight
         self._inflight = self._launch_ahead(inflight)
         return self._update(self.runner.collect(), inputs_were_in_flight=True)
+
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """A step of pipeline parallelism: while fewer steps than stages are in flight,
+        submit one more (of sequences no in-flight step runs) and return, so that stage 0
+        starts it while later stages still run the earlier ones; otherwise (or when nothing
+        more can be scheduled) wait for the oldest step's output and apply it."""
+        first_scheduled: dict[str, tuple[float, int]] = {}
+        if len(self._batch_queue) < self.max_batches_in_flight:
+            sched = self.scheduler.schedule(self._seqs_in_pipeline)
+            if sched.is_empty:
+                self.scheduler.step_builder.put_back_dropped(sched.finished_seq_ids)
+            else:
+                first_scheduled = self._note_scheduled(self.scheduler.scheduled(sched))
+                self.runner.submit(sched)
+                self.scheduler.advance(sched)
+                # A prompt's forked samples take their first tokens from this step too.
+                seq_ids = set(sched.num_scheduled_tokens).union(
+                    *({child for child, _ in forks} for forks in sched.forks.values()))
+                self._batch_queue.append(seq_ids)
+                self._seqs_in_pipeline |= seq_ids
+                self.most_batches_in_flight = max(self.most_batches_in_flight, len(self._batch_queue))
+                if len(self._batch_queue) < self.max_batches_in_flight:
+                    return EngineCoreOutputs(first_scheduled=first_scheduled, stats=self.stats())
+        if not self._batch_queue:
+            return EngineCoreOutputs(stats=self.stats())
+        self._seqs_in_pipeline -= self._batch_queue.popleft()
+        outputs = self._update(self.runner.receive())
+        outputs.first_scheduled = first_scheduled
+        return outputs
 
     def _note_scheduled(self, seqs: list[Sequence]) -> dict[str, tuple[float, int]]:
         now = time.time()

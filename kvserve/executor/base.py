@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.executor.tp_worker import WorkerInfo
 
 
@@ -22,6 +23,18 @@ class ParallelExecutor:
         self.attention_backend_name = info.attention_backend_name
         self.decode_weight_bytes = info.decode_weight_bytes
         self.expert_weight_bytes = info.expert_weight_bytes
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Start a step on every rank without waiting for it."""
+        raise NotImplementedError
+
+    def receive(self) -> ModelRunnerOutput:
+        """The output of the oldest step submitted and not yet received."""
+        raise NotImplementedError
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(sched)
+        return self.receive()
 
     def compile_idle(self) -> bool:
         return False

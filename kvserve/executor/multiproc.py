@@ -1,6 +1,7 @@
 """Tensor and pipeline parallelism on this host: one worker process per rank (tp_worker.py),
-spawned at start. The engine core hands it steps as it would a ModelRunner; rank 0 takes
-them, the first rank of the last stage answers."""
+spawned at start. The engine core hands it steps as it would a ModelRunner, and with
+pipeline stages several at once (submit, then receive); every rank takes each step from
+its pipe, the first rank of the last stage answers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import socket
 import weakref
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -57,11 +59,11 @@ class MultiprocExecutor(ParallelExecutor):
             theirs.close()
             self._connections.append(ours)
             self._processes.append(process)
-        weakref.finalize(self, _stop, self._processes, self._connections[0])
+        weakref.finalize(self, _stop, self._processes, self._connections)
         self._adopt(self._wait_ready())
-        logger.info("tensor parallelism: %d ranks, pipeline parallelism: %d stages (%d processes on %s), "
-                    "%d KV blocks on each", args.tensor_parallel_size, args.pipeline_parallel_size,
-                    world_size, device, self.num_blocks)
+        logger.info("tensor parallelism: %d ranks, pipeline parallelism: %d stages with up to %d steps in "
+                    "flight (%d processes on %s), %d KV blocks on each", args.tensor_parallel_size,
+                    args.pipeline_parallel_size, args.pipeline_parallel_size, world_size, device, self.num_blocks)
 
     def _wait_ready(self) -> WorkerInfo:
         """Rank 0's WorkerInfo once every rank is ready; the first rank's error otherwise
@@ -75,7 +77,7 @@ class MultiprocExecutor(ParallelExecutor):
                     if connection.poll(_LIVENESS_CHECK_S / len(self._connections)):
                         try:
                             replies[rank] = connection.recv()
-                        except EOFError:
+                        except (EOFError, OSError):
                             self._raise_dead()
                         if replies[rank][0] == "error":
                             raise replies[rank][1]
@@ -83,7 +85,7 @@ class MultiprocExecutor(ParallelExecutor):
                         raise RuntimeError(f"tensor-parallel rank {rank} exited while starting "
                                            f"(code {self._processes[rank].exitcode})")
         except BaseException:
-            _stop(self._processes, self._connections[0])
+            _stop(self._processes, self._connections)
             raise
         return replies[0][1]
 
@@ -95,7 +97,7 @@ class MultiprocExecutor(ParallelExecutor):
                 self._raise_dead()
         try:
             return connection.recv()
-        except EOFError:
+        except (EOFError, OSError):  # a reset, where the rank died with steps unread in its pipe
             self._raise_dead()
 
     def _raise_dead(self) -> None:
@@ -112,20 +114,36 @@ class MultiprocExecutor(ParallelExecutor):
                 for rank, process in enumerate(self._processes) if not process.is_alive()]
         return f"tensor-parallel {'; '.join(dead)}" if dead else None
 
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._connections[0].send(("execute", sched))
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Hand every rank the step (pickled once) without waiting for it: each runs its
+        steps in order, so a stage starts the next while later stages run this one."""
+        try:
+            _send_to_all(self._connections, ("execute", sched))
+        except OSError:  # a rank's end of its pipe is gone: say which rank died
+            self._raise_dead()
+
+    def receive(self) -> ModelRunnerOutput:
+        """The output of the oldest step submitted and not yet received."""
         _, output = self._receive(self._output_rank)
         return output
 
     def shutdown(self) -> None:
-        _stop(self._processes, self._connections[0])
+        _stop(self._processes, self._connections)
 
 
-def _stop(processes: list, rank0: Connection) -> None:
-    try:
-        rank0.send(("shutdown", None))
-    except (OSError, ValueError):
-        pass
+def _send_to_all(connections: list[Connection], message: tuple[str, Any]) -> None:
+    payload = ForkingPickler.dumps(message)
+    for connection in connections:
+        connection.send_bytes(payload)
+
+
+def _stop(processes: list, connections: list[Connection]) -> None:
+    payload = ForkingPickler.dumps(("shutdown", None))
+    for connection in connections:
+        try:
+            connection.send_bytes(payload)
+        except (OSError, ValueError):
+            pass  # that rank is gone
     for process in processes:
         process.join(timeout=5)
         if process.is_alive():

@@ -2,13 +2,15 @@
 (one GPU each on GPUs), so one model can span machines. Start the cluster with
 `ray start --head` on one machine and `ray start --address HEAD:6379` on the others; kvserve
 joins it with `ray.init(address="auto")` (or uses the Ray runtime already started in this
-process). Every rank receives each step from the object store and runs it; the output of
-the first rank of the last stage is the step's."""
+process). Every rank receives each step from the object store and runs it (with pipeline
+stages, several steps are submitted before the first is read); the output of the first
+rank of the last stage is the step's."""
 
 from __future__ import annotations
 
 import logging
 import socket
+from collections import deque
 from typing import Any
 
 import torch
@@ -41,7 +43,7 @@ class RayWorker:
 
     def start(self, args: EngineArgs, rank: int, world_size: int, init_method: str) -> WorkerInfo | None:
         # Ray shows each actor only its own GPU.
-        self.runner, _, info = start_rank(args, rank, world_size, init_method, worker_device(args, 0))
+        self.runner, info = start_rank(args, rank, world_size, init_method, worker_device(args, 0))
         return info
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -70,6 +72,7 @@ class RayExecutor(ParallelExecutor):
         self._ray = ray
         world_size = args.tensor_parallel_size * args.pipeline_parallel_size
         self._output_rank = output_rank(args)
+        self._submitted: deque[list] = deque()  # each step's calls, one per rank
         gpus = 1 if args.resolved_device().type == "cuda" else 0
         actor = ray.remote(num_cpus=0 if gpus else 1, num_gpus=gpus)(RayWorker)
         self._workers = [actor.remote(1, logging.getLogger().level) for _ in range(world_size)]
@@ -99,9 +102,16 @@ class RayExecutor(ParallelExecutor):
             what = f"rank {', '.join(dead)} (Ray actors) died" if dead else "a rank failed"
             raise RuntimeError(f"tensor-parallel {what}: {error}") from None
 
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def submit(self, sched: SchedulerOutput) -> None:
+        """An actor runs its calls in the order they were made, so a stage starts the next
+        step while later stages run this one."""
         step = self._ray.put(sched)
-        return self._get([worker.execute.remote(step) for worker in self._workers])[self._output_rank]
+        self._submitted.append([worker.execute.remote(step) for worker in self._workers])
+
+    def receive(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output, once every rank has run it (a rank that
+        failed it fails the step, by name)."""
+        return self._get(self._submitted.popleft())[self._output_rank]
 
     def shutdown(self) -> None:
         for worker in self._workers:

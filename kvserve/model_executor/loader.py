@@ -48,7 +48,7 @@ class LoadedModel:
     gguf_tensor_types: dict[str, str] = field(default_factory=dict)
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def read_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -76,7 +76,7 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
         config_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ModelLoadError(f"{config_path}: no config.json in the model directory")
-    cfg = _read_json(config_path)
+    cfg = read_json(config_path)
     if not cfg.get("architectures"):
         raise ModelLoadError(f"{config_path}: no 'architectures' entry naming the model class")
     architecture = cfg["architectures"][0]
@@ -101,7 +101,7 @@ def hf_model_config(model_dir: str, dtype: torch.dtype) -> ModelConfig:
         rope_scaling = None
     eos = cfg.get("eos_token_id")
     generation_path = os.path.join(model_dir, "generation_config.json")
-    generation = _read_json(generation_path) if os.path.isfile(generation_path) else {}
+    generation = read_json(generation_path) if os.path.isfile(generation_path) else {}
     eos = generation.get("eos_token_id", eos)
     num_heads = cfg["num_attention_heads"]
     mistral_attention = architecture in ("MistralForCausalLM", "MixtralForCausalLM")
@@ -195,10 +195,10 @@ def _mixture_fields(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 dense_mlp_layers=dense)
 
 
-def _safetensors_files(model_dir: str) -> list[str]:
+def safetensors_files(model_dir: str) -> list[str]:
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index_path):
-        names = sorted(set(_read_json(index_path).get("weight_map", {}).values()))
+        names = sorted(set(read_json(index_path).get("weight_map", {}).values()))
     elif os.path.isfile(os.path.join(model_dir, "model.safetensors")):
         names = ["model.safetensors"]
     else:
@@ -232,7 +232,7 @@ def _empty_model(config: ModelConfig, device: str | torch.device) -> LlamaForCau
     return model.to(config.dtype).to_empty(device=device).eval()
 
 
-def _materialize(model: LlamaForCausalLM, device: str | torch.device) -> LlamaForCausalLM:
+def materialize(model: LlamaForCausalLM, device: str | torch.device) -> LlamaForCausalLM:
     """Allocate the tensors still on the meta device (those the checkpoint fills as floats)
     and move the already built quantized layers to `device`."""
     model = model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
@@ -281,8 +281,8 @@ def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
 def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
     config = hf_model_config(model_dir, dtype)
     config_path = os.path.join(model_dir, "config.json")
-    quantization_config = _read_json(config_path).get("quantization_config")
-    files = _safetensors_files(model_dir)
+    quantization_config = read_json(config_path).get("quantization_config")
+    files = safetensors_files(model_dir)
     if not quantization_config:
         model = _empty_model(config, device)
         _load_into(model, _iter_safetensors(files), model_dir)
@@ -300,7 +300,7 @@ def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device)
         _install_checkpoint_layers(model, fmt, tensors)
     except ValueError as e:
         raise ModelLoadError(f"{model_dir}: {e}") from e
-    model = _materialize(model, device)
+    model = materialize(model, device)
     _load_into(model, iter(tensors.items()), model_dir)
     return LoadedModel(model, config, None, quantization=fmt.quant_method)
 
@@ -346,7 +346,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed
         with torch.device("meta"):
             model = get_model_class(config.architecture)(config).to(dtype)
         consumed = install_packed_linears(model, reader, path, config, arch)
-        model = _materialize(model, device)
+        model = materialize(model, device)
     else:
         model, consumed = _empty_model(config, device), set()
     _load_into(model, iter_gguf_weights(reader, path, config, arch, skip=consumed), path)

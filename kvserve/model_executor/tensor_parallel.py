@@ -5,9 +5,9 @@ one all-reduce each), the embedding and LM head vocab-parallel (vocabulary padde
 multiple of 64 per rank, logits gathered). Every rank's KV cache holds its KV heads only
 (a copy of one, where there are fewer KV heads than ranks, as vLLM does).
 
-The model is loaded whole and dense, cut down, and then quantized on each rank where asked
-(quantize_shard), which needs each rank to hold it once while starting; checkpoints stored
-quantized are not sharded yet. A mixture of experts splits every expert's rows, or with
+shard_model cuts a model loaded whole and dense (GGUF files, dummy weights);
+sharded_loader.py reads the same share straight from a safetensors checkpoint (one stored
+quantized included). Either way each rank quantizes its share where asked (quantize_shard). A mixture of experts splits every expert's rows, or with
 expert parallelism gives each rank whole experts; either way one all-reduce sums the layer."""
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ def shard_model(model: nn.Module, group: GroupCoordinator, expert_parallel: bool
     tp, rank = group.world_size, group.rank_in_group
     check_shardable(config, tp, expert_parallel)
     if model.quantized_lm_head is not None or any(isinstance(m, QuantizedLinear) for m in model.modules()):
-        raise ValueError("a checkpoint stored quantized (GPTQ, AWQ, compressed-tensors, fp8) cannot be "
-                         "sharded yet; load a float checkpoint with --quantization instead")
+        raise ValueError("shard_model cuts float layers; a checkpoint stored quantized is split while "
+                         "loading (sharded_loader.load_rank_share), a float one quantized after sharding")
     shard_config = rank_config(config, tp)
     heads, kv_heads = shard_config.num_attention_heads, shard_config.num_key_value_heads
     first_kv = rank * kv_heads if config.num_key_value_heads >= tp else rank * config.num_key_value_heads // tp

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence as Seq
+from collections.abc import Set
 from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig
@@ -131,10 +132,13 @@ class Scheduler:
 
     # -- the step decision -----------------------------------------------------------------
 
-    def _pick_victim(self) -> Sequence:
+    def _pick_victim(self, in_flight: Set[str]) -> Sequence:
+        """A running sequence to preempt; never one a step in flight still runs (its blocks
+        are being written, and its output would land on a sequence reset for recompute)."""
+        candidates = [seq for seq in self.running if seq.seq_id not in in_flight]
         if self.config.policy == "priority":
-            return max(self.running, key=self._queue_key)
-        return self.running[-1]  # the latest admitted
+            return max(candidates, key=self._queue_key)
+        return candidates[-1]  # the latest admitted
 
     def _preempt(
         self,
@@ -155,7 +159,10 @@ class Scheduler:
         self.num_preemptions += 1
         return returned_budget
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: Set[str] = frozenset()) -> SchedulerOutput:
+        """The next step. `in_flight`: sequences that steps still in the pipeline run
+        (pipeline parallelism keeps several in flight); they are neither scheduled again
+        nor preempted until their outputs are back."""
         scheduled: dict[Sequence, int] = {}  # in batch order
         copies: dict[str, list[BlockCopy]] = {}
         preempted: list[Sequence] = []
@@ -166,7 +173,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            # Preempted earlier in this loop, or run by a step still in the pipeline.
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in in_flight:
                 continue
             num_new = seq.num_tokens - seq.num_computed_tokens
             if seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -184,7 +192,7 @@ class Scheduler:
                 )
                 if seq_copies is not None:
                     break
-                victim = self._pick_victim()
+                victim = self._pick_victim(in_flight)
                 budget += self._preempt(victim, scheduled, copies, preempted)
                 if victim is seq:
                     break

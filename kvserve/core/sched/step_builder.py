@@ -65,3 +65,7 @@ class StepBuilder:
     def take_dropped(self) -> list[str]:
         dropped, self._dropped = self._dropped, []
         return dropped
+
+    def put_back_dropped(self, seq_ids: list[str]) -> None:
+        """Dropped sequences a step that never ran had taken: the next step carries them."""
+        self._dropped = seq_ids + self._dropped
