@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.benchmarks.quantized_linears import time_calls
 from kvserve.model_executor.dummy import dummy_model_config, dummy_shapes
 from kvserve.ops.elementwise import silu_and_mul
 from kvserve.ops.expert_weights import ExpertWeights, weight_format
@@ -87,28 +88,6 @@ def _compile_quietly(args: tuple) -> str | None:
     except Exception as error:  # a tile this GPU cannot run (resources): the timing skips it
         return f"{type(error).__name__}: {str(error)[:200]}"
     return None
-
-
-def graph_time_ms(launches: list) -> float:
-    """GPU time of one launch: the launches (one per routing) captured in a CUDA graph, so
-    Python's launch cost is not timed, and replayed; the median replay over their count."""
-    for launch in launches:
-        launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for launch in launches:
-            launch()
-    graph.replay()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2] / len(launches)
 
 
 def reference(x, chosen, weights, w13, w2) -> torch.Tensor:
@@ -189,7 +168,9 @@ def tune_shape(experts: int, hidden: int, intermediate: int, top_k: int, dtype: 
                                                   rows_per_a, scale, block_m, tile)
                                 for flat_weights, alignment in aligned]
                     try:
-                        candidates.append((graph_time_ms(launches), tile))
+                        # One graph replays every routing in turn: each reads experts the
+                        # previous left cold in L2.
+                        candidates.append((time_calls(launches, repeats=2) / 1e3, tile))
                     except Exception as error:  # a tile this GPU cannot run (resources)
                         print(f"  skip {tile}: {type(error).__name__}", file=sys.stderr)
                 timed[name] = min(candidates, key=lambda c: c[0])
