@@ -305,6 +305,17 @@ def _load_hf_dir(model_dir: str, dtype: torch.dtype, device: str | torch.device)
     return LoadedModel(model, config, None, quantization=fmt.quant_method)
 
 
+def stored_quantized(module_name: str, shards: list[str], fmt: CheckpointFormat,
+                     tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether the checkpoint stores the shards of this (fused) linear quantized: all of them
+    or none, since they become one layer."""
+    packed = [f"{hf}.{fmt.packed_suffix}" in tensors for hf in shards]
+    if any(packed) and not all(packed):
+        raise ValueError(f"{module_name}: only some of {shards} are quantized; they are fused "
+                         "into one layer, so all or none must be")
+    return all(packed)
+
+
 def _install_checkpoint_layers(
     model: LlamaForCausalLM, fmt: CheckpointFormat, tensors: dict[str, torch.Tensor]
 ) -> None:
@@ -315,12 +326,8 @@ def _install_checkpoint_layers(
         if not isinstance(module, nn.Linear) or module_name.rsplit(".", 1)[-1] == "lm_head":
             continue
         shards = model.hf_shard_names(module_name)
-        packed = [f"{hf}.{fmt.packed_suffix}" in tensors for hf in shards]
-        if not any(packed):
+        if not stored_quantized(module_name, shards, fmt, tensors):
             continue
-        if not all(packed):
-            raise ValueError(f"{module_name}: only some of {shards} are quantized; they are fused "
-                             "into one layer, so all or none must be")
         layer = fmt.linear(tensors, shards, module.bias)
         if layer is not None:
             parent, _, attr = module_name.rpartition(".")

@@ -24,10 +24,11 @@ from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.layers.moe import SparseMoE
 from kvserve.model_executor.loader import (
     LoadedModel,
+    hf_model_config,
     materialize,
     read_json,
     safetensors_files,
-    hf_model_config,
+    stored_quantized,
 )
 from kvserve.model_executor.models.registry import get_model_class
 from kvserve.model_executor.pipeline_parallel import keep_stage, stage_layers
@@ -250,12 +251,8 @@ def _install_quantized_share(model: nn.Module, fmt: CheckpointFormat, tensors: d
             continue
         local_shards = model.hf_shard_names(module_name)
         shards = [_checkpoint_name(local, layers) for local in local_shards]
-        packed = [f"{hf}.{fmt.packed_suffix}" in tensors for hf in shards]
-        if not any(packed):
+        if not stored_quantized(module_name, shards, fmt, tensors):
             continue
-        if not all(packed):
-            raise ValueError(f"{module_name}: only some of {shards} are quantized; they are fused "
-                             "into one layer, so all or none must be")
         if share.tp == 1:
             layer = fmt.linear(tensors, shards, module.bias)
             if layer is None:  # act order: the format put the fp32 weights back
