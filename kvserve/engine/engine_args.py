@@ -271,7 +271,9 @@ class EngineArgs:
         )
         group.add_argument(
             "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-            help="Split long prompts across steps so running decodes keep flowing.",
+            help="Split long prompts across steps so running decodes keep flowing. Without it a "
+            "prompt runs whole, and one longer than --max-num-batched-tokens runs alone in a step of "
+            "its own, over that budget.",
         )
         group.add_argument(
             "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
