@@ -34,6 +34,7 @@ from kvserve.model_executor.default_model import default_model_path
 from kvserve.model_executor.loader import LoadedModel, load_model
 from kvserve.model_executor.kv_sizing import kv_cache_bytes_per_block
 from kvserve.model_executor.model_runner import ModelRunner
+from kvserve.quantization.batch_invariance import make_batch_invariant
 from kvserve.quantization.cpu_plan import (
     AUTO,
     NONE,
@@ -82,6 +83,10 @@ def load_engine_model(args: EngineArgs) -> LoadedModel:
         for reason in plan.reasons:
             logger.info("quantization=auto: %s", reason)
         apply_plan(loaded, plan)
+    if args.resolved_batch_invariant(device):
+        layers = make_batch_invariant(loaded.model)
+        logger.info("batch-invariant: decode rows of %d quantized layers run their kernels at every batch size, "
+                    "prompt rows the dense copies (--no-batch-invariant: the per-batch-size plan)", layers)
     return loaded
 
 

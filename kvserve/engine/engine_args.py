@@ -91,6 +91,9 @@ class EngineArgs:
     enforce_eager: bool = False
     overlap_scheduling: bool | None = None  # None: on for GPUs (resolved_overlap_scheduling)
     compile_decode: bool | None = False  # None: on where supported (serve's default)
+    # Greedy output independent of the batch (quantization/batch_invariance.py); None: on for
+    # CPU with quantization=auto (serve's default).
+    batch_invariant: bool | None = False
     # The engine core (scheduler and model) in a process of its own (core_proc.py).
     multiprocess_engine_core: bool = False
     tensor_parallel_size: int = 1  # worker processes, one per rank (executor/multiproc.py)
@@ -154,6 +157,11 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return CPU_MAX_NUM_BATCHED_TOKENS if device.type == "cpu" else GPU_MAX_NUM_BATCHED_TOKENS
+
+    def resolved_batch_invariant(self, device: torch.device) -> bool:
+        if self.batch_invariant is not None:
+            return self.batch_invariant
+        return device.type == "cpu" and self.quantization == AUTO
 
     def resolved_overlap_scheduling(self, device: torch.device) -> bool:
         # On a CPU the model runs in the host thread: there is nothing to overlap with.
@@ -263,7 +271,9 @@ class EngineArgs:
         )
         group.add_argument(
             "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-            help="Split long prompts across steps so running decodes keep flowing.",
+            help="Split long prompts across steps so running decodes keep flowing. Without it a "
+            "prompt runs whole, and one longer than --max-num-batched-tokens runs alone in a step of "
+            "its own, over that budget.",
         )
         group.add_argument(
             "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -332,6 +342,16 @@ class EngineArgs:
             "`kvserve serve` turns it on by default where it applies (CPU, torch attention, "
             "a KV cache that is not float8) and compiles the graphs in a background thread, "
             "serving eager steps until each is ready; --no-compile-decode: eager only.",
+        )
+        group.add_argument(
+            "--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+            help="CPU, quantized models: a request's greedy tokens do not depend on how many other "
+            "requests share its steps. Decode rows always run the quantized kernels (int4/int8 "
+            "linears, the int8 LM head copy), whatever the batch size, and prompt rows the dense "
+            "copies, instead of switching every row to the dense copies past a few rows. Costs "
+            "decode throughput at many streams (see docs/batch_invariance.md). `kvserve serve` "
+            "turns it on by default on CPU with --quantization auto; --no-batch-invariant: the "
+            "per-batch-size plan.",
         )
         group.add_argument(
             "--speculative-config", default=None, type=_json_dict,

@@ -143,8 +143,10 @@ class CompiledDecode:
 
     def graph_batch_sizes(self) -> list[int]:
         """The smallest row count of each graph: 1, 2, and one past each row threshold at
-        which the model's quantized layers switch from their kernel to their dense copy."""
-        thresholds = {m.cpu_kernel_max_rows for m in self.model.modules() if isinstance(m, QuantizedLinear)}
+        which the model's quantized layers switch from their kernel to their dense copy
+        (batch-invariant layers have none: their decode rows always take the kernel)."""
+        thresholds = {m.cpu_kernel_max_rows for m in self.model.modules()
+                      if isinstance(m, QuantizedLinear) and not m.batch_invariant}
         return [1, 2, *sorted(t + 1 for t in thresholds if 2 <= t < MAX_ROWS)]
 
     def bands(self) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
@@ -38,6 +39,8 @@ from kvserve.model_executor.cuda_graphs import CudaGraphRunner
 from kvserve.model_executor.step_sampler import StepSampler
 from kvserve.ops.argmax import row_argmax
 from kvserve.ops.cpu import float_matmul_op
+from kvserve.quantization.base import QuantizedLinear
+from kvserve.quantization.batch_invariance import routed_rows, row_runs
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
 
@@ -129,6 +132,9 @@ class ModelRunner:
         linears are wrapped in LoRALinear; their slots are allocated before the KV cache is
         sized, so on a GPU the memory profile counts them)."""
         self.model = model
+        # Quantized layers made batch-invariant (load_engine_model): each step names its
+        # prompt rows, which take the dense path, and its decode rows, the kernels.
+        self.batch_invariant = any(isinstance(m, QuantizedLinear) and m.batch_invariant for m in model.modules())
         self.attn_backend = get_attn_backend(
             device, attention_backend, model_config.sliding_window
         )
@@ -606,11 +612,13 @@ class ModelRunner:
         rope_positions: list[int] = []  # differ from positions only for token trees
         image_spans: list[ImageSpan] = []
         mrope_chunks: list[torch.Tensor] = []
+        row_kinds: list[tuple[int, bool]] = []  # (rows, decode) per sequence, for batch invariance
 
         for seq_id, num_new in sched.num_scheduled_tokens.items():
             seq = self.seqs[seq_id]
             start = seq.num_computed_tokens
             end = start + num_new
+            row_kinds.append((num_new, start >= seq.num_prompt_tokens))
             flat_start = len(input_ids)
             tokens = seq.token_ids
             if end > seq.num_tokens:  # drafted tokens to verify follow the verified ones
@@ -665,12 +673,15 @@ class ModelRunner:
             rope_positions_t = torch.cat(mrope_chunks, dim=1).to(self.device)
         inputs_embeds = self._merge_images(input_ids_t, image_spans) if image_spans else None
         streams = dict.fromkeys(self.aux_hidden_layers) if self.aux_hidden_layers else None
+        runs = row_runs(row_kinds) if self.batch_invariant else ()
+        prompt_rows = any(not run.decode for run in runs)
         if (inputs_embeds is None and streams is None and self.compiled_decode is not None
-                and self.compiled_decode.applies(metadata)):
+                and not prompt_rows and self.compiled_decode.applies(metadata)):
             hidden = self.compiled_decode.forward(input_ids_t, rope_positions_t, metadata)
         else:
-            hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata,
-                                inputs_embeds=inputs_embeds, residual_streams=streams)
+            with routed_rows(runs) if prompt_rows else contextlib.nullcontext():
+                hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata,
+                                    inputs_embeds=inputs_embeds, residual_streams=streams)
         if not self.model.is_last_stage:  # a pipeline stage that hands its hidden states on
             return StepLogits(hidden.new_empty(0, 0), [], [], [])
         # The LM head runs only on the rows that sample or score.

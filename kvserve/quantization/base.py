@@ -19,6 +19,7 @@ from torch import nn
 
 from kvserve import envs
 from kvserve.ops.quant.pending_norm import PendingNorm
+from kvserve.quantization.batch_invariance import current_runs
 from kvserve.quantization.cpu_dense import DenseWeight
 
 # Measured on SmolLM2's linears (2-core AVX512 CPU, torch 2.13): torch's weight-only
@@ -113,10 +114,14 @@ class QuantizedLinear(nn.Module, ABC):
     # not a buffer: a packed weight is opaque to .to(), state_dict and torch.compile.
     dense_weight: DenseWeight | None = None
 
+    # Batch-invariant (batch_invariance.py): CPU decode rows take the fused kernel at any row
+    # count, and prompt rows (the runs a step names) the dense path.
+    batch_invariant = False
+
     def decode_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x @ W^T through the fused kernel for decode-sized CPU inputs or the method's
-        CUDA kernels, else None."""
-        if x.device.type == "cpu" and x.numel() <= self.cpu_kernel_max_rows * self.in_features:
+        """x @ W^T through the fused kernel for decode-sized CPU inputs (any size where
+        batch-invariant) or the method's CUDA kernels, else None."""
+        if x.device.type == "cpu" and (self.batch_invariant or x.numel() <= self.cpu_kernel_max_rows * self.in_features):
             return self.kernel_matmul(x)
         if x.is_cuda:
             return self.gpu_matmul(x)
@@ -195,14 +200,24 @@ class QuantizedLinear(nn.Module, ABC):
             if y is not None:
                 return y if self.bias is None else y + self.bias
             x = x.finish()  # only where folds_pending_norm promised what pending_matmul declined
-        y = self.decode_matmul(x)
-        if y is None:
-            if self.dense_weight is not None:
-                # The activations are cast, not the weight: a bf16 dense weight computes in bf16.
-                y = self.dense_weight.linear(x)
-            else:
-                y = self.dense_matmul(x)
+        # A compiled decode graph holds decode rows only: nothing to route.
+        routes = (self.batch_invariant and x.dim() == 2 and x.device.type == "cpu"
+                  and not torch.compiler.is_compiling())
+        runs = current_runs(x.shape[0]) if routes else None
+        if runs is not None:  # decode rows on the kernel, prompt rows on the dense path
+            y = torch.cat([self._matmul(x[run.start : run.end], run.decode) for run in runs])
+        else:
+            y = self._matmul(x, decode=True)
         return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        y = self.decode_matmul(x) if decode else None
+        if y is not None:
+            return y
+        if self.dense_weight is not None:
+            # The activations are cast, not the weight: a bf16 dense weight computes in bf16.
+            return self.dense_weight.linear(x)
+        return self.dense_matmul(x)
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         return self.apply(x)

@@ -108,8 +108,9 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scale", scale.float())
         self.register_buffer("minimum", minimum.float())
         # kvserve's own kernel (kvserve.ops.cpu), built here rather than in the first
-        # (possibly compiled) call; not on GPU machines, which run Triton.
-        own = None if torch.cuda.is_available() or q.device.type != "cpu" else int4_matmul_op()
+        # (possibly compiled) call; for CPU weights only (CUDA ones run Triton), also on a
+        # machine that has a GPU (--device cpu).
+        own = int4_matmul_op() if q.device.type == "cpu" else None
         self.own_kernel = own if own is not None and group_size % 32 == 0 else None
         self.kernel_layout = self.own_kernel is None and self._try_kernel_layout(q)
         if not self.kernel_layout:

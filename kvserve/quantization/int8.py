@@ -44,8 +44,9 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("kernel_scale", scale.to(torch.bfloat16), persistent=False)
         self.has_kernel = self.in_features % 16 == 0
         # kvserve's own kernel for fp32 activations (kvserve.ops.cpu), built here rather than
-        # in the first (possibly compiled) call; not on GPU machines, which run Triton.
-        self.own_kernel = None if torch.cuda.is_available() else int8_matmul_op()
+        # in the first (possibly compiled) call; for CPU weights only (CUDA ones run Triton),
+        # also on a machine that has a GPU (--device cpu).
+        self.own_kernel = int8_matmul_op() if q.device.type == "cpu" else None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.qweight.to(torch.float32) * self.scale[:, None]).to(dtype)
@@ -104,9 +105,9 @@ class GroupInt8Linear(QuantizedLinear):
         if self.has_kernel:
             self.register_buffer("kernel_scale", self.scale[:, 0].to(torch.bfloat16), persistent=False)
         # kvserve's own kernel (fp32 activations) takes symmetric groups of a multiple of 16
-        # columns (GGUF's Q8_0 and Q6_K); not on GPU machines, which run Triton.
+        # columns (GGUF's Q8_0 and Q6_K); for CPU weights only (CUDA ones run Triton).
         kernel_groups = group_size == self.in_features or (group_size % 16 == 0 and group_size <= OWN_KERNEL_MAX_GROUP)
-        self.own_kernel = (int8_matmul_op() if offset is None and kernel_groups and not torch.cuda.is_available()
+        self.own_kernel = (int8_matmul_op() if offset is None and kernel_groups and q.device.type == "cpu"
                            else None)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

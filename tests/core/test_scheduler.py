@@ -117,7 +117,9 @@ class FakeEngine:
         # Budgets and limits.
         assert sorted(ids) == sorted(sizes)
         assert len(set(ids)) == len(ids)
-        assert sum(sizes.values()) <= cfg.max_num_batched_tokens
+        # Without chunking, a prompt longer than the whole budget runs in a step of its own.
+        assert sum(sizes.values()) <= cfg.max_num_batched_tokens or (
+            not cfg.enable_chunked_prefill and len(sizes) == 1)
         assert len(sched.running) <= cfg.max_num_seqs
         assert all(n >= 1 for n in sizes.values())
         assert out.block_copies == []  # no forks here
@@ -254,6 +256,22 @@ def test_no_chunking_waits_for_full_prompt_budget():
     # Step 0: a's 3-token prompt fits, b's 5 do not (3 left). Step 1: decode a (1) + b (5).
     assert eng.outputs[0].num_scheduled_tokens == {"s0": 3}
     assert eng.outputs[1].num_scheduled_tokens == {"s0": 1, "s1": 5}
+
+
+def test_no_chunking_runs_a_prompt_over_the_whole_budget_alone():
+    """It used to wait forever (the budget never grows), holding up every request behind it."""
+    eng = FakeEngine(num_blocks=20, block_size=4, max_num_seqs=4, max_num_batched_tokens=6,
+                     chunked=False)
+    a, b, c = make_seq(0, [1] * 3), make_seq(1, list(range(9))), make_seq(2, [2] * 2)
+    eng.submit(a, max_tokens=2)
+    eng.submit(b, max_tokens=2)
+    eng.submit(c, max_tokens=1)
+    eng.run()
+    # a's prompt, a's decode; then b alone (9 > 6), then b's decode beside c's prompt.
+    assert [o.num_scheduled_tokens for o in eng.outputs[:4]] == [
+        {"s0": 3}, {"s0": 1}, {"s1": 9}, {"s1": 1, "s2": 2}]
+    assert b.output_token_ids == expected_output(list(range(9)), 2)
+    assert c.output_token_ids == expected_output([2] * 2, 1)
 
 
 def test_decodes_scheduled_before_new_prefill():

@@ -235,8 +235,12 @@ class Scheduler:
             num_computed = len(cached_prefix) * self.kv_cache.block_size
             num_new = seq.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
-                break
-            num_new = min(num_new, budget)
+                # Whole prompts only: one longer than the whole step budget runs alone, in a
+                # step of its own (waiting for a budget it can never get would stall the queue).
+                if scheduled or num_new <= self.config.max_num_batched_tokens:
+                    break
+            else:
+                num_new = min(num_new, budget)
             if seq.mm_features:
                 fitted = encoder_budget.fit(seq.mm_features, num_computed, num_new)
                 if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):

@@ -100,4 +100,5 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     EngineArgs.add_cli_args(parser)
     # Serving picks per-device settings unless told otherwise (logged at startup).
-    parser.set_defaults(quantization="auto", max_num_batched_tokens=None, compile_decode=None)
+    parser.set_defaults(quantization="auto", max_num_batched_tokens=None, compile_decode=None,
+                        batch_invariant=None)

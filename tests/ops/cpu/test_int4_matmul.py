@@ -98,3 +98,20 @@ def test_layers_keep_fp16_scales_where_fp16_holds_them_exactly(int4_matmul):
     for rows in (1, 3):
         x = torch.randn(rows, 576)
         assert torch.equal(exact.kernel_matmul(x), int4_matmul(x, nibble_pairs(q), scale16, minimum16, 32))
+
+
+# The shapes' every path: whole 128-column blocks and a 32-column tail (576), blocks only
+# (1536, groups of 64 or 256), groups of 96 (no blocks), a last tile of fewer than four rows (n).
+@pytest.mark.parametrize("n,k,group", [(1536, 576, 32), (577, 1536, 64), (38, 384, 96), (10, 1024, 256)])
+@pytest.mark.parametrize("stored", [torch.float32, torch.float16])
+def test_a_rows_result_does_not_depend_on_the_row_count(int4_matmul, n, k, group, stored):
+    """Bit for bit: the batch-invariant serving plan runs every decode row on this kernel, so
+    a request's greedy tokens must not change with how many others share its step. One-row
+    calls are the reference; odd counts end in a one-row pass, even ones in paired passes."""
+    torch.manual_seed(k + group)
+    q, scale, minimum = quantize_int4(torch.randn(n, k), group)
+    packed, scale, minimum = nibble_pairs(q), scale.to(stored), minimum.to(stored)
+    x = torch.randn(33, k)
+    one_row = torch.cat([int4_matmul(x[i : i + 1], packed, scale, minimum, group) for i in range(33)])
+    for rows in (2, 3, 4, 5, 8, 16, 17, 32, 33):
+        assert torch.equal(int4_matmul(x[:rows], packed, scale, minimum, group), one_row[:rows]), rows

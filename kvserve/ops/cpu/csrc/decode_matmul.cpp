@@ -21,7 +21,7 @@
 #include <cmath>
 #include <vector>
 
-// The one-row int4 kernel on 128-column blocks (int4_dot_blocks) needs AVX-512 BW, DQ and VL.
+// The int4 kernel on 128-column blocks (int4_dot_blocks) needs AVX-512 BW, DQ and VL.
 #if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define KVSERVE_INT4_BLOCKS 1
 #else
@@ -428,7 +428,7 @@ inline float minimum_offset(const Scale* minimum, const float* sums, int64_t gro
 }
 
 #if KVSERVE_INT4_BLOCKS
-// One row of x against packed weights (int4_dot_blocks) takes the columns of whole blocks of
+// Rows of x against packed weights (int4_dot_blocks) take the columns of whole blocks of
 // kInt4Block in this order: a 64-byte load of a weight row is 32 int16 lanes, lane l holding
 // columns 4l .. 4l + 3 (bytes 2l, 2l + 1), and nibble i of every lane meets x's vector i,
 // columns 4l + i. The columns past the last whole block keep the 32-column chunk order.
@@ -699,16 +699,18 @@ inline __m512 block_scales(const at::Half* scale, __mmask16 live) {
   return _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>(live), scale)));
 }
 
-// sums[r] = sum over groups g of scale[r, g] * (q[r, group g] . xq[group g]) for R rows of
-// packed weights and one row of x in int4_rows' blocked order. A block's 64-byte load of a row
-// gives its four nibbles a lane by shifts and masks, no widening shuffle (against
-// int4_dot_row_pairs' 16-byte loads, each widened by vpmovzxbw): on the 2-core Xeon one row of
-// x is bound by instructions, not by memory. Lane L of a block's int32 sums covers columns
-// 8L .. 8L + 7, inside one group (groups are multiples of 32 columns that divide or are
-// multiples of kInt4Block), so each block takes its scales (fp32 or fp16, as stored) as one
-// vector, lane L the scale of group 8L / group of the block. Columns past the last whole block
-// go 32 at a time, in the chunk order.
-template <int64_t R, typename Scale>
+// sums[j * R + r] = sum over groups g of scale[r, g] * (q[r, group g] . xq[j, group g]) for R
+// rows of packed weights and X rows of x (`k` apart) in int4_rows' blocked order. A block's
+// 64-byte load of a row gives its four nibbles a lane by shifts and masks, no widening shuffle
+// (against int4_dot_row_pairs' 16-byte loads, each widened by vpmovzxbw): on the 2-core Xeon one
+// row of x is bound by instructions, not by memory; the nibbles a load gives serve all X rows.
+// Lane L of a block's int32 sums covers columns 8L .. 8L + 7, inside one group (groups are
+// multiples of 32 columns that divide or are multiples of kInt4Block), so each block takes its
+// scales (fp32 or fp16, as stored) as one vector, lane L the scale of group 8L / group of the
+// block. Columns past the last whole block go 32 at a time, in the chunk order.
+// Each row of x meets the same operations in the same order whatever X is, so a row's result
+// does not depend on how many rows the call has (greedy decoding stays batch-invariant).
+template <int64_t X, int64_t R, typename Scale>
 void int4_dot_blocks(const int16_t* xq, int64_t k, const uint8_t* q, int64_t row_bytes, const Scale* scale,
                      int64_t groups, int64_t group, float* sums, const uint8_t* prefetch) {
   const int64_t block_end = k / kInt4Block * kInt4Block;
@@ -721,39 +723,48 @@ void int4_dot_blocks(const int16_t* xq, int64_t k, const uint8_t* q, int64_t row
                                                                   _mm512_set1_epi32(8)),
                                                __builtin_ctzll(std::min(group, kInt4Block)));
   const __mmask16 live = static_cast<__mmask16>((1u << groups_per_block) - 1);
-  __m512 acc[R];
-  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[X][R];
+  for (int64_t j = 0; j < X; ++j)
+    for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < block_end; c += kInt4Block) {
     if (prefetch != nullptr)
       for (int64_t line = 0; line < R; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(prefetch + c / 2 * R + 64 * line), _MM_HINT_T0);
-    __m512i x[4];
-    for (int64_t i = 0; i < 4; ++i) x[i] = _mm512_loadu_si512(xq + c + 32 * i);
+    __m512i x[X][4];
+    for (int64_t j = 0; j < X; ++j)
+      for (int64_t i = 0; i < 4; ++i) x[j][i] = _mm512_loadu_si512(xq + j * k + c + 32 * i);
     const int64_t first_group = c / group;
     for (int64_t r = 0; r < R; ++r) {
       const __m512i w = _mm512_loadu_si512(q + r * row_bytes + c / 2);
-      __m512i dots = multiply_add(_mm512_setzero_si512(), _mm512_and_si512(w, low_nibble), x[0]);
-      dots = multiply_add(dots, _mm512_and_si512(_mm512_srli_epi16(w, 4), low_nibble), x[1]);
-      dots = multiply_add(dots, _mm512_and_si512(_mm512_srli_epi16(w, 8), low_nibble), x[2]);
-      dots = multiply_add(dots, _mm512_srli_epi16(w, 12), x[3]);
+      const __m512i nibbles[4] = {_mm512_and_si512(w, low_nibble),
+                                  _mm512_and_si512(_mm512_srli_epi16(w, 4), low_nibble),
+                                  _mm512_and_si512(_mm512_srli_epi16(w, 8), low_nibble), _mm512_srli_epi16(w, 12)};
       const __m512 scales = _mm512_permutexvar_ps(lane_group, block_scales(scale + r * groups + first_group, live));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scales, acc[r]);
+      for (int64_t j = 0; j < X; ++j) {
+        __m512i dots = multiply_add(_mm512_setzero_si512(), nibbles[0], x[j][0]);
+        for (int64_t i = 1; i < 4; ++i) dots = multiply_add(dots, nibbles[i], x[j][i]);
+        acc[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scales, acc[j][r]);
+      }
     }
   }
-  __m256 tail[R];
-  for (int64_t r = 0; r < R; ++r) tail[r] = _mm256_setzero_ps();
+  __m256 tail[X][R];
+  for (int64_t j = 0; j < X; ++j)
+    for (int64_t r = 0; r < R; ++r) tail[j][r] = _mm256_setzero_ps();
   for (int64_t c = block_end; c < k; c += kInt4Chunk) {
-    const __m256i even_x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c));
-    const __m256i odd_x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c + kInt4Chunk / 2));
     for (int64_t r = 0; r < R; ++r) {
       __m256i even, odd;
       widen_nibbles(q + r * row_bytes + c / 2, even, odd);
-      const __m256i dots = multiply_add(multiply_add(_mm256_setzero_si256(), even, even_x), odd, odd_x);
       const __m256 group_scale = _mm256_set1_ps(as_float(scale[r * groups + c / group]));
-      tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), group_scale, tail[r]);
+      for (int64_t j = 0; j < X; ++j) {
+        const __m256i even_x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * k + c));
+        const __m256i odd_x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * k + c + kInt4Chunk / 2));
+        const __m256i dots = multiply_add(multiply_add(_mm256_setzero_si256(), even, even_x), odd, odd_x);
+        tail[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), group_scale, tail[j][r]);
+      }
     }
   }
-  for (int64_t r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]) + horizontal_sum(tail[r]);
+  for (int64_t j = 0; j < X; ++j)
+    for (int64_t r = 0; r < R; ++r) sums[j * R + r] = _mm512_reduce_add_ps(acc[j][r]) + horizontal_sum(tail[j][r]);
 }
 #endif
 
@@ -779,14 +790,18 @@ void int4_tiles(const Int4Rows& rows, int64_t m, int64_t n, int64_t k, int64_t g
     const int16_t* xq = rows.values.data() + i * k;
     const uint8_t* tile = qp + row * row_bytes;
 #if KVSERVE_INT4_BLOCKS
-    if (blocked) {  // one row of x, scales as stored
-      if (count == kRowsPerTile) {
-        int4_dot_blocks<kRowsPerTile>(xq, k, tile, row_bytes, sp + row * groups, groups, group, partial,
-                                      prefetch_target(qp, i, row, n, row_bytes));
+    if (blocked) {  // scales as stored; every row of x by the same operations
+      if (count == kRowsPerTile && x_rows == kXRowsPerPass) {
+        int4_dot_blocks<kXRowsPerPass, kRowsPerTile>(xq, k, tile, row_bytes, sp + row * groups, groups, group,
+                                                     partial, prefetch_target(qp, i, row, n, row_bytes));
+      } else if (count == kRowsPerTile) {  // the last, partial pass over x
+        int4_dot_blocks<1, kRowsPerTile>(xq, k, tile, row_bytes, sp + row * groups, groups, group, partial,
+                                         prefetch_target(qp, i, row, n, row_bytes));
       } else {
-        for (int64_t r = 0; r < count; ++r)
-          int4_dot_blocks<1>(xq, k, tile + r * row_bytes, row_bytes, sp + (row + r) * groups, groups, group,
-                             partial + r, nullptr);
+        for (int64_t j = 0; j < x_rows; ++j)
+          for (int64_t r = 0; r < count; ++r)
+            int4_dot_blocks<1, 1>(xq + j * k, k, tile + r * row_bytes, row_bytes, sp + (row + r) * groups, groups,
+                                  group, partial + j * kRowsPerTile + r, nullptr);
       }
     } else
 #endif
@@ -851,8 +866,9 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
               "int4_matmul: scale and minimum must be both fp32 or both fp16 [N, K / group]");
   const at::Tensor xc = x.contiguous(), sc = scale.contiguous(), mc = minimum.contiguous();
   at::Tensor y = at::empty({m, n}, xc.options());
-  // One row of x over whole blocks (int4_dot_blocks) where the groups line up with them.
-  const bool blocked = kBlockedInt4 && m == 1 && (group % kInt4Block == 0 || kInt4Block % group == 0);
+  // Whole blocks (int4_dot_blocks) where the groups line up with them, for any number of rows:
+  // a row's result is then the same at every row count.
+  const bool blocked = kBlockedInt4 && (group % kInt4Block == 0 || kInt4Block % group == 0);
   const Int4Rows& rows = int4_rows(xc.data_ptr<float>(), m, k, group, blocked);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   if (fp16) {
