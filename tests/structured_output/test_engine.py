@@ -154,33 +154,12 @@ def test_speculative_decoding_keeps_greedy_constrained_output(smollm2_loaded, gr
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
 
 
-LONG_KEYS = {"type": "object", "additionalProperties": False,
-             "required": ["customer_full_name", "preferred_delivery_time_window", "gift_wrapping_was_requested"],
-             "properties": {"customer_full_name": {"type": "string", "maxLength": 10},
-                            "preferred_delivery_time_window": {"enum": ["morning", "evening"]},
-                            "gift_wrapping_was_requested": {"type": "boolean"}}}
-
-
-def _long_keys(llm: LLM) -> tuple[list[list[int]], int]:
-    """Greedy token ids of a constrained and an unconstrained request, and the steps taken."""
-    params = [SamplingParams(temperature=0.0, max_tokens=96, structured_outputs=StructuredOutputsParams(
-                  json=LONG_KEYS, disable_any_whitespace=True)),
-              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]
-    steps_before = llm.engine.core.num_steps
-    outputs = llm.generate(["An order as JSON:", SPEC_PROMPT], params)
-    jsonschema.validate(json.loads(outputs[0].outputs[0].text), LONG_KEYS)
-    return [list(o.outputs[0].token_ids) for o in outputs], llm.engine.core.num_steps - steps_before
-
-
-def test_jump_forward_keeps_greedy_output_in_fewer_steps(smollm2_loaded, llm):
-    jumping = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024,
-                  speculative_config={"method": "jump_forward", "num_speculative_tokens": 8})
-    (tokens, steps), (plain_tokens, plain_steps) = _long_keys(jumping), _long_keys(llm)
-    assert tokens == plain_tokens
-    stats = jumping.engine.spec_decode_stats
-    # The keys the schema forces were drafted and held.
-    assert stats.num_accepted_tokens >= 10
-    assert steps <= plain_steps - stats.num_accepted_tokens // 2
+def test_jump_forward_keeps_greedy_constrained_output(smollm2_loaded, greedy_plain):
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024,
+              speculative_config={"method": "jump_forward", "num_speculative_tokens": 8})
+    assert _greedy_constrained(llm) == greedy_plain
+    # The forced text (the schema's keys, the date's dashes) was drafted and held.
+    assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
 
 
 NUMBERS = StructuredOutputsParams(
