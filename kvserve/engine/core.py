@@ -268,6 +268,11 @@ class EngineCore:
             head, layers = load_eagle3_head(config.model, self.model_config, self.model_config.dtype, self.device)
             self.runner.aux_hidden_layers = layers
             proposer = EagleProposer(head, self.runner.model.model.embed_tokens, head.draft_token_ids)
+        elif config.method == "jump_forward":
+            from kvserve.spec_decode.jump_forward_proposer import JumpForwardProposer
+
+            step_sampler = self.runner.step_sampler
+            proposer = JumpForwardProposer(lambda: step_sampler.grammars)
         elif draft is None:
             from kvserve.spec_decode.ngram_proposer import NgramProposer
 

@@ -361,7 +361,9 @@ class EngineArgs:
             "\"num_speculative_tokens\": 4, \"quantization\": \"int4\"}'; draft heads: "
             "'{\"method\": \"medusa\" | \"eagle\" | \"eagle3\", \"model\": \"<heads directory>\", "
             "\"num_speculative_tokens\": 4}' (medusa: optional \"speculative_token_tree\", e.g. "
-            "\"[(0,), (0, 0), (1,)]\", verified as a token tree). Optional "
+            "\"[(0,), (0, 0), (1,)]\", verified as a token tree); jump-forward for structured "
+            "outputs: '{\"method\": \"jump_forward\", \"num_speculative_tokens\": 8}' (the text a "
+            "request's grammar forces is the draft; other requests do not draft). Optional "
             "\"disable_by_batch_size\" (default 8): no drafting while more sequences run. "
             "Output is unchanged (lossless verification).",
         )

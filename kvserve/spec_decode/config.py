@@ -9,7 +9,7 @@ from typing import Any
 from kvserve.quantization import QUANTIZATION_METHODS
 from kvserve.spec_decode.tree import TokenTree
 
-METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "jump_forward")
 MAX_SPECULATIVE_TOKENS = 16
 # Speculation pays while a decode step is bound by reading the weights: verifying k extra
 # tokens per sequence is then almost free. With many sequences running, the step already
@@ -27,7 +27,8 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     # ngram: the longest suffix n-gram (n from max down to min) found earlier in the
-    # request's prompt + output proposes what followed it.
+    # request's prompt + output proposes what followed it. jump_forward: a constrained
+    # request's grammar proposes the text it forces (unconstrained requests do not draft).
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # draft_model: a model directory / .gguf with the target's vocabulary, or "same".
@@ -73,6 +74,8 @@ class SpeculativeConfig:
         elif self.method in ("eagle", "eagle3"):
             if not self.model:
                 raise _error("model", self.model, f"a directory of an EAGLE head for method {self.method}")
+        elif self.method == "jump_forward":
+            pass  # drafts come from the request's own grammar
         elif self.method == "medusa":
             if not self.model:
                 raise _error("model", self.model, "a directory of Medusa heads for method medusa")

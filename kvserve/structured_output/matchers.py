@@ -111,6 +111,26 @@ class GrammarMatchers:
             matcher.rollback(num_accepted)
         return allowed
 
+    def forced_tokens(self, seq_id: str, params: StructuredOutputsParams,
+                      output_token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens spelling what the grammar forces after `output_token_ids`
+        (which may run past the tokens the runner holds: this step's), xgrammar's jump-forward
+        tokenization. The model may tokenize the same text otherwise: they are drafts."""
+        state = self._states.get(seq_id)
+        num_held = 0 if state is None else state.num_consumed
+        matcher = self.matcher(seq_id, params, output_token_ids[:num_held])
+        num_accepted = 0
+        for token_id in output_token_ids[num_held:]:
+            if not matcher.accept_token(token_id):
+                break
+            num_accepted += 1
+        forced = []
+        if num_accepted == len(output_token_ids) - num_held:
+            forced = matcher.find_jump_forward_tokens()[:max_tokens]
+        if num_accepted:
+            matcher.rollback(num_accepted)
+        return forced
+
     def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
         import xgrammar as xgr
 

@@ -1,7 +1,8 @@
 """Tool calling through the real server (started with --tool-call-parser hermes) and the
 openai client: "required" and named functions come back as tool_calls whose arguments
 validate against the tool's parameters; streamed deltas reassemble to the non-streamed
-calls; tool messages in the history reach the prompt; bad tool requests are 400s."""
+calls, a long argument arriving in fragments as it is generated; tool messages in the
+history reach the prompt; bad tool requests are 400s."""
 
 from __future__ import annotations
 
@@ -34,18 +35,38 @@ def _check_calls(calls) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
 
 
-def _streamed_calls(stream) -> tuple[list[tuple[str, str]], str]:
-    calls: dict[int, list[str]] = {}
-    finish_reason = None
-    for chunk in stream:
-        for choice in chunk.choices:
-            finish_reason = choice.finish_reason or finish_reason
-            for call in choice.delta.tool_calls or []:
-                entry = calls.setdefault(call.index, ["", ""])
-                if call.function.name:
-                    entry[0] = call.function.name
-                entry[1] += call.function.arguments or ""
-    return [tuple(calls[i]) for i in sorted(calls)], finish_reason
+NOTE = {"type": "object", "properties": {
+    "title": {"type": "string", "minLength": 1, "maxLength": 12},
+    "body": {"type": "string", "minLength": 40, "maxLength": 60}},
+    "required": ["title", "body"], "additionalProperties": False}
+NOTE_TOOL = {"type": "function", "function": {"name": "write_note", "description": "Save a note",
+                                              "parameters": NOTE}}
+
+
+class Streamed:
+    """A streamed reply reassembled the way a client does: content, and each call's name and
+    arguments concatenated by index (with the argument fragments kept)."""
+
+    def __init__(self, stream) -> None:
+        self.content = ""
+        self.finish_reason = None
+        self.fragments: dict[int, list[str]] = {}
+        self.names: dict[int, str] = {}
+        for chunk in stream:
+            for choice in chunk.choices:
+                self.finish_reason = choice.finish_reason or self.finish_reason
+                self.content += choice.delta.content or ""
+                for call in choice.delta.tool_calls or []:
+                    if call.function.name:
+                        assert call.index not in self.names and call.id.startswith("call_")
+                        self.names[call.index] = call.function.name
+                    if call.function.arguments:
+                        assert call.index in self.names, "arguments before the call's name"
+                        self.fragments.setdefault(call.index, []).append(call.function.arguments)
+
+    @property
+    def calls(self) -> list[tuple[str, str]]:
+        return [(self.names[i], "".join(self.fragments.get(i, []))) for i in sorted(self.names)]
 
 
 @pytest.mark.parametrize("tool_choice", [
@@ -61,9 +82,26 @@ def test_constrained_tool_calls_validate_and_stream_the_same(server, tool_choice
     _check_calls(choice.message.tool_calls)
     if isinstance(tool_choice, dict):
         assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
-    streamed, finish_reason = _streamed_calls(client.chat.completions.create(stream=True, **args))
-    assert streamed == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
-    assert finish_reason == "tool_calls"
+    streamed = Streamed(client.chat.completions.create(stream=True, **args))
+    assert streamed.calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert streamed.finish_reason == "tool_calls"
+    assert len(streamed.fragments[0]) >= 2  # the arguments as they are generated
+
+
+def test_a_long_argument_streams_in_fragments(server):
+    client = server.client()
+    args = dict(model=MODEL, tools=[NOTE_TOOL, *TOOLS], temperature=0.0, max_tokens=64,
+                tool_choice={"type": "function", "function": {"name": "write_note"}},
+                messages=[{"role": "user", "content": "Write a note about the shopping for the weekend."}])
+    reply = client.chat.completions.create(**args).choices[0]
+    assert reply.finish_reason == "tool_calls"
+    (call,) = reply.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), NOTE)
+    streamed = Streamed(client.chat.completions.create(stream=True, **args))
+    assert streamed.calls == [("write_note", call.function.arguments)]
+    assert streamed.finish_reason == "tool_calls"
+    # Fragments as the tokens come (one each), not the arguments whole at the end.
+    assert len(streamed.fragments[0]) >= 10, streamed.fragments[0]
 
 
 @pytest.mark.slow
@@ -77,15 +115,19 @@ def test_required_samples_at_temperature_validate(server):
         assert len(choice.message.tool_calls) == 1
 
 
-def test_auto_answers_with_content_or_parsed_calls(server):
-    reply = server.client().chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, temperature=0.0, max_tokens=32)
-    choice = reply.choices[0]
+def test_auto_answers_with_content_or_parsed_calls_and_streams_the_same(server):
+    client = server.client()
+    args = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0.0, max_tokens=32)
+    choice = client.chat.completions.create(**args).choices[0]
     if choice.message.tool_calls:
         assert choice.finish_reason == "tool_calls"
         _check_calls(choice.message.tool_calls)
     else:  # what the model wrote was not a well-formed call: it is the content
         assert choice.message.content and choice.finish_reason in ("stop", "length")
+    streamed = Streamed(client.chat.completions.create(stream=True, **args))
+    assert streamed.calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert streamed.content.strip() == (choice.message.content or "").strip()
+    assert streamed.finish_reason == choice.finish_reason
 
 
 def test_round_trip_with_a_tool_message(server):

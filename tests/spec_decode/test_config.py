@@ -15,7 +15,7 @@ from kvserve.spec_decode.config import SpeculativeConfig
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0 is invalid; allowed: an integer in [1, 16]"),
         ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens=17 is invalid; allowed: an integer in [1, 16]"),
         ({"method": "lookahead", "num_speculative_tokens": 2},
-         "method='lookahead' is invalid; allowed: one of ['ngram', 'draft_model', 'medusa', 'eagle', 'eagle3']"),
+         "method='lookahead' is invalid; allowed: one of ['ngram', 'draft_model', 'medusa', 'eagle', 'eagle3', 'jump_forward']"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
          "prompt_lookup_min=5 is invalid; allowed: <= prompt_lookup_max (3)"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model=None is invalid"),

@@ -154,6 +154,14 @@ def test_speculative_decoding_keeps_greedy_constrained_output(smollm2_loaded, gr
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
 
 
+def test_jump_forward_keeps_greedy_constrained_output(smollm2_loaded, greedy_plain):
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024,
+              speculative_config={"method": "jump_forward", "num_speculative_tokens": 8})
+    assert _greedy_constrained(llm) == greedy_plain
+    # The forced text (the schema's keys, the date's dashes) was drafted and held.
+    assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
+
+
 NUMBERS = StructuredOutputsParams(
     json={"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
           "minItems": 6, "maxItems": 6}, disable_any_whitespace=True)

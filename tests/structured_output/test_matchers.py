@@ -76,3 +76,32 @@ def test_drafts_cut_at_the_first_refused_token(matchers, tokenizer):
     assert matchers.allowed_drafts("s", regex, [], one, one + letter + one) == one
     assert matchers.allowed_drafts("s", regex, [], one, letter) == []
     assert matchers.allowed_drafts("s", regex, one, one, one + one) == one  # 3 digits, then end
+
+
+def test_forced_tokens_spell_what_the_grammar_forces_and_leave_the_state(matchers, tokenizer, smollm2_loaded):
+    """Jump-forward drafts: the text the regex forces next, from the held tokens or past
+    them (this step's new tokens), with the matcher left where the held tokens put it."""
+    vocab_size = smollm2_loaded.config.vocab_size
+    forced = StructuredOutputsParams(regex="order_number_[0-9]{2}_confirmed")
+
+    def mask(held: list[int]) -> torch.Tensor:
+        logits = torch.zeros(1, vocab_size)
+        matchers.mask_logits(logits, [ConstrainedRows("s", forced, held, 0)])
+        return logits
+
+    def jump(output_token_ids: list[int], forced_text: str, max_tokens: int = 16) -> list[int]:
+        tokens = matchers.forced_tokens("s", forced, output_token_ids, max_tokens)
+        # xgrammar may leave out a last token that a longer token extends: a prefix.
+        assert tokens and forced_text.startswith(text := tokenizer.decode(tokens)), tokens
+        assert len(text) >= len(forced_text) - 2, text
+        return tokens
+
+    before = mask([])
+    jump([], "order_number_")
+    jump(_ids(tokenizer, "order"), "_number_")  # past the held tokens
+    assert len(matchers.forced_tokens("s", forced, [], 2)) == 2
+    assert torch.equal(mask([]), before)  # still at the start
+    held = _ids(tokenizer, "order_number_4")
+    mask(held)
+    assert matchers.forced_tokens("s", forced, held, 16) == []  # a digit is a choice
+    jump(held + _ids(tokenizer, "2"), "_confirmed")

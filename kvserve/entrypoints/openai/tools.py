@@ -9,7 +9,10 @@ from typing import Any
 
 from kvserve.entrypoints.openai.errors import OpenAIError
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, Tool
-from kvserve.entrypoints.openai.tool_parsers import PARSERS, HermesParser, ParsedOutput, ToolCall
+from kvserve.entrypoints.openai.json_spans import JsonSpans
+from kvserve.entrypoints.openai.tool_parsers import (
+    PARSERS, CallSoFar, HermesParser, ParsedOutput, ToolCall, array_calls,
+)
 from kvserve.structured_output.params import StructuredOutputsParams
 
 # For chat templates that do not render tools themselves (they never mention `tools`): the
@@ -72,16 +75,32 @@ def tool_constraint(request: ChatCompletionRequest, mode: str) -> StructuredOutp
     return StructuredOutputsParams(json=schema)
 
 
+class ConstrainedCalls:
+    """The calls of a "named" or "required" output as it grows: a named function's output is
+    its arguments object; "required" writes an array of {"name", "parameters"} objects."""
+
+    def __init__(self, request: ChatCompletionRequest, mode: str) -> None:
+        self.name = request.tool_choice.function.name if mode == "named" else None
+        self._spans = JsonSpans()
+
+    def calls(self, text: str) -> list[CallSoFar]:
+        self._spans.feed(text)
+        if self.name is None:
+            return array_calls(self._spans, text, ("parameters",))
+        if () not in self._spans.spans:
+            return []
+        return [CallSoFar(self.name, self._spans.value(text, ()), self._spans.done)]
+
+
 def constrained_calls(text: str, request: ChatCompletionRequest, mode: str) -> list[ToolCall]:
     """The calls of a "named" or "required" output (it follows its schema unless it ran out
     of tokens, in which case it is returned as content)."""
     try:
-        value = json.loads(text)
+        json.loads(text)
     except json.JSONDecodeError:
         return []
-    if mode == "named":
-        return [ToolCall(request.tool_choice.function.name, json.dumps(value, ensure_ascii=False))]
-    return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in value]
+    calls = [call.finished_call() for call in ConstrainedCalls(request, mode).calls(text)]
+    return [] if None in calls else calls
 
 
 def parse_output(text: str, request: ChatCompletionRequest, mode: str, tool_call_parser: str | None) -> ParsedOutput:
