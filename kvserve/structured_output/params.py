@@ -30,7 +30,8 @@ class StructuredOutputsParams:
             )
         if isinstance(self.json, dict):
             try:
-                self.json = json_lib.dumps(self.json, sort_keys=True)
+                # Key order kept: a schema's property order is the order the output writes them.
+                self.json = json_lib.dumps(self.json)
             except (TypeError, ValueError) as error:
                 raise ValueError(f"structured_outputs.json is not JSON-serialisable: {error}") from None
         for kind, expected in (("json", str), ("regex", str), ("grammar", str)):

@@ -3,6 +3,8 @@ content that compiles; a bad one is a ValueError naming the field."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvserve import SamplingParams
@@ -24,11 +26,16 @@ def test_malformed_params(kwargs, message):
         StructuredOutputsParams(**kwargs)
 
 
-def test_equal_schemas_share_a_key():
-    a = StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}}})
-    b = StructuredOutputsParams(json={"properties": {"x": {"type": "integer"}}, "type": "object"})
-    assert a.key == b.key
+def test_equal_schemas_share_a_key_and_property_order_is_kept():
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}},
+              "required": ["b", "a"]}
+    a = StructuredOutputsParams(json=schema)
+    assert a.key == StructuredOutputsParams(json=dict(schema)).key
     assert a.key != StructuredOutputsParams(json=a.json, disable_any_whitespace=True).key
+    # The output writes properties in the schema's order, as OpenAI's does: "b" before "a".
+    assert list(json.loads(a.json)["properties"]) == ["b", "a"]
+    reordered = {**schema, "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    assert StructuredOutputsParams(json=reordered).key != a.key
 
 
 def test_sampling_params_reads_a_dict():
