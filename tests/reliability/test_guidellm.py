@@ -37,7 +37,7 @@ def _guidellm() -> str:
 @pytest.mark.slow
 def test_guidellm_benchmark_has_no_failed_requests(tmp_path):
     guidellm = _guidellm()
-    server = launch_server(tmp_path, serve_defaults=True)
+    server = launch_server(tmp_path, "--max-model-len", "1024", serve_defaults=True)
     report_path = tmp_path / "guidellm.json"
     try:
         run = subprocess.run(
