@@ -159,6 +159,31 @@ def test_sigterm_drains_in_flight_request_then_exits_0(small_server):
     assert "".join(c["choices"][0]["text"] for c in chunks)  # the whole stream arrived
 
 
+def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_done(tmp_path):
+    server = launch_server(tmp_path, "--max-model-len", "1024", "--shutdown-timeout", "1")
+    try:
+        streams = [[] for _ in range(2)]
+
+        def stream(events: list[str]) -> None:
+            body = {"prompt": "Tell me a story:", "max_tokens": 900, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
+                events.extend(line[6:] for line in response.iter_lines() if line.startswith("data: "))
+
+        threads = [threading.Thread(target=stream, args=(events,)) for events in streams]
+        for thread in threads:
+            thread.start()
+        _wait_for(lambda: all(len(events) > 1 for events in streams), 120)
+        server.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(60)
+        assert server.process.wait(timeout=60) == 0
+        for events in streams:  # 900 tokens outlast the 1 s: each ends as an aborted stream
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["code"] == "server_shutdown"
+    finally:
+        server.stop()
+
+
 def test_a_port_in_use_is_an_error_before_the_model_loads():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

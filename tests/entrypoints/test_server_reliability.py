@@ -212,6 +212,23 @@ def test_unknown_fields_are_ignored_with_a_warning_and_vllm_extensions_work(serv
     assert "ignored unknown fields max_completion_tokens, some_future_field" in log
 
 
+def test_guidellm_chat_request_shape_streams_exactly_the_asked_tokens_with_usage(server):
+    # The body guidellm 0.8 sends by default, verbatim: stop null, ignore_eos, usage in every chunk.
+    body = {"model": MODEL, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_completion_tokens": 7, "stop": None, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Say something."}]}]}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        payloads = sse_payloads(response)
+    assert payloads[-1] == "[DONE]"
+    *content, last = [json.loads(p) for p in payloads[:-1]]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 7
+    assert all("usage" in c for c in content)
+    assert [c["choices"][0]["finish_reason"] for c in content if c["choices"][0]["finish_reason"]] == ["length"]
+    assert "Traceback" not in server.log()
+
+
 def test_out_of_range_seed_never_fails_a_request_running_beside_it(server):
     events: list = []
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -44,9 +46,14 @@ class Report:
     statuses: list[int] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # what went wrong with valid requests
     valid_done: int = 0
+    valid_latencies_s: list[float] = field(default_factory=list)  # send to last byte, completed ones
 
     def server_errors(self) -> list[int]:
         return [s for s in self.statuses if s >= 500]
+
+    def valid_latency_percentile(self, percent: float) -> float:
+        ordered = sorted(self.valid_latencies_s)  # nearest rank
+        return ordered[max(0, math.ceil(len(ordered) * percent / 100) - 1)]
 
 
 async def _valid(client: httpx.AsyncClient, rng: random.Random, report: Report) -> None:
@@ -56,6 +63,7 @@ async def _valid(client: httpx.AsyncClient, rng: random.Random, report: Report) 
                   "stream": stream}
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body |= {"messages": CHAT} if chat else {"prompt": f"Request {rng.randint(0, 10**6)}:"}
+    sent = time.monotonic()
     try:
         if stream:
             async with client.stream("POST", path, json=body) as response:
@@ -74,6 +82,7 @@ async def _valid(client: httpx.AsyncClient, rng: random.Random, report: Report) 
         return
     if ok:
         report.valid_done += 1
+        report.valid_latencies_s.append(time.monotonic() - sent)
     else:
         report.failures.append(f"{path} {body}: {response.status_code}")
 
@@ -118,8 +127,10 @@ async def run(base_url: str, num_requests: int, concurrency: int, num_abandoned:
     rng = random.Random(seed)
     report = Report()
     limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=300,
-                                 limits=httpx.Limits(max_connections=concurrency + num_abandoned)) as client:
+    # Pooled connections expire before the server's idle limit (the suite's --header-read-timeout
+    # is 1-2 s), as a client tuned to its server would: the server may close one idle longer.
+    limits = httpx.Limits(max_connections=concurrency + num_abandoned, keepalive_expiry=0.5)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
 
         async def one() -> None:
             async with limit:

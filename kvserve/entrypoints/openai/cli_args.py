@@ -57,7 +57,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--header-read-timeout", type=_positive(float), default=20.0,
         help="Seconds a connection may take to send a request's headers (counted from when it "
-        "opens or its previous response ends) before it is closed.",
+        "opens or its previous response ends) before it is closed; keep it above clients' "
+        "idle-connection expiry (httpx: 5 s).",
     )
     group.add_argument(
         "--body-read-timeout", type=_positive(float), default=60.0,

@@ -23,14 +23,6 @@ def header_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self._header_timer: asyncio.TimerHandle | None = None
-            app = self.app
-
-            async def app_with_headers_complete(scope, receive, send) -> None:
-                # uvicorn calls the app once a request's headers are complete.
-                self._cancel_header_timer()
-                await app(scope, receive, send)
-
-            self.app = app_with_headers_complete
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -56,8 +48,15 @@ def header_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
 
         def _headers_timed_out(self) -> None:
             self._header_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
+            # uvicorn starts a request cycle the moment its headers are parsed, but the handler
+            # task only runs on a later loop turn: on a lagging loop the bytes and this timer
+            # are handled in the same turn, so a request that made it in time is in a cycle.
+            if self._request_in_progress() or self.transport.is_closing():
+                return
+            self.transport.close()
+
+        def _request_in_progress(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
 
     return HeaderTimeoutProtocol
 

@@ -234,6 +234,11 @@ class _DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
         if self.state.num_in_flight:
             logger.warning("shutdown timeout: aborting %d in-flight requests", self.state.num_in_flight)
+            self.state.abort_in_flight()
+            # Each handler now answers its error (a stream: error event and [DONE]).
+            flush_deadline = time.monotonic() + 5
+            while self.state.num_in_flight and time.monotonic() < flush_deadline:
+                await asyncio.sleep(0.05)
         self.should_exit = True
 
 

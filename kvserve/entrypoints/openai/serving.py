@@ -39,6 +39,10 @@ RETRY_AFTER_S = 1
 T = TypeVar("T")
 
 
+# Put into a generation's output queue when the server stops waiting for it at shutdown.
+SHUTDOWN = object()
+
+
 @dataclass
 class ServerState:
     engine_args: EngineArgs
@@ -60,6 +64,9 @@ class ServerState:
     load_error: BaseException | None = None
     # Generation requests between admission and their last byte; SIGTERM waits for 0.
     num_in_flight: int = 0
+    # Each running generation's output queue: past --shutdown-timeout, SIGTERM ends them all
+    # with an error (a stream gets its error event and [DONE]) instead of cutting connections.
+    output_queues: set[asyncio.Queue] = field(default_factory=set)
     # Engine requests admitted here that have no output yet: the engine's own waiting count
     # lags while their add commands sit in its queue, so a burst would all pass admit().
     num_not_started: int = 0
@@ -68,6 +75,10 @@ class ServerState:
     lora: LoRARegistry = field(init=False)
     # Set by run_server: asks uvicorn to stop (used when loading the model fails).
     request_exit: Callable[[], None] = lambda: None
+
+    def abort_in_flight(self) -> None:
+        for queue in self.output_queues:
+            queue.put_nowait(SHUTDOWN)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.served_model_name)
@@ -235,6 +246,7 @@ async def generate_all(
     timeout = state.request_timeout
     deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
     tasks = [asyncio.create_task(consume(i, ids)) for i, ids in enumerate(prompts)]
+    state.output_queues.add(merged)
     try:
         remaining = len(tasks)
         while remaining:
@@ -248,11 +260,15 @@ async def generate_all(
                     code="request_timeout") from None
             if item is None:
                 remaining -= 1
+            elif item is SHUTDOWN:
+                raise OpenAIError(503, "the server shut down before the request finished "
+                                  "(--shutdown-timeout)", type="service_unavailable", code="server_shutdown")
             elif isinstance(item, BaseException):
                 raise OpenAIError(500, f"generation failed: {item}", type="internal_server_error")
             else:
                 yield item
     finally:
+        state.output_queues.discard(merged)
         for index in list(not_started):
             mark_started(index)
         for task in tasks:
