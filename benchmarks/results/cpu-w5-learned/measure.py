@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--heads", required=True)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--only", nargs="*", help="configuration names to run besides plain")
+    parser.add_argument("--num-prompts", type=int, default=len(LOW_REPETITION_PROMPTS),
+                        help="the first N low-repetition prompts")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     loaded = load_engine_model(EngineArgs())
@@ -56,13 +58,14 @@ def main() -> None:
     outputs = {name: [] for name in names}
     before = {name: counters(e) for name, e in engines.items()}
     load_start = os.getloadavg()
-    for i, text in enumerate(LOW_REPETITION_PROMPTS):
+    for i, text in enumerate(LOW_REPETITION_PROMPTS[: args.num_prompts]):
         for name in names[i % len(names):] + names[: i % len(names)]:
             llm = engines[name]
             start = time.perf_counter()
             out = llm.generate(_prompt(llm, text), params)[0]
             seconds[name] += time.perf_counter() - start
             outputs[name].append(list(out.outputs[0].token_ids))
+        print(f"prompt {i}: " + ", ".join(f"{n} {seconds[n]:.1f}s" for n in names), flush=True)
     results = {}
     for name in names:
         after = counters(engines[name])
