@@ -9,7 +9,9 @@ target's LM head) and its residual block is trained; `--train-lm-head` trains ea
 LM head copy too (Medusa-1's recipe: better heads, but a 49k-token head per draft position
 costs most of the time and memory on a CPU). Held-out
 chunks give each head's top-1 agreement with the target, the acceptance a chain of drafts
-sees per position, printed beside a random head's.
+sees per position, printed beside a random head's. `--draft-vocab-size N` gives the heads an
+LM head over the N tokens the target predicts most often in the training text (written as
+`draft_vocab`): drafting and training then project onto N rows instead of the whole vocabulary.
 
     kvserve train-drafter --method medusa --model M --data text.jsonl --out heads/
 
@@ -62,6 +64,28 @@ def head_targets(predictions: torch.Tensor, num_heads: int) -> torch.Tensor:
     return labels
 
 
+def most_predicted_tokens(data: list[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` target tokens most often among the labels (ties and unseen tokens: lower ids,
+    which a BPE vocabulary gives its more frequent merges), sorted."""
+    counts = torch.zeros(vocab_size)
+    for _, labels in data:
+        valid = labels[labels != -100]
+        counts += torch.bincount(valid, minlength=vocab_size)
+    # A tiny decreasing term orders equal counts by id.
+    order = (counts - torch.arange(vocab_size) / vocab_size).argsort(descending=True)
+    return order[:size].sort().values
+
+
+def to_draft_labels(labels: torch.Tensor, draft_vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Labels as LM head rows: the target token's row in the draft vocabulary, -100 (ignored)
+    for a token outside it."""
+    if draft_vocab is None:
+        return labels
+    row_of = torch.full((vocab_size + 1,), -100, dtype=torch.long)
+    row_of[draft_vocab] = torch.arange(len(draft_vocab))
+    return row_of[labels.where(labels != -100, vocab_size)]
+
+
 def agreement(heads: MedusaHeads, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
     """Per head, the fraction of positions where its top-1 is the target's prediction."""
     hits = torch.zeros(heads.num_heads)
@@ -69,16 +93,20 @@ def agreement(heads: MedusaHeads, data: list[tuple[torch.Tensor, torch.Tensor]])
     with torch.no_grad():
         for hidden, labels in data:
             predicted = heads(hidden).argmax(dim=-1)  # [heads, n]
+            if heads.draft_vocab is not None:
+                predicted = heads.draft_vocab[predicted]
             valid = labels != -100
             hits += ((predicted == labels) & valid).sum(dim=1)
             counts += valid.sum(dim=1)
     return (hits / counts.clamp_min(1)).tolist()
 
 
-def initial_heads(llm: LLM, num_heads: int, train_lm_head: bool) -> MedusaHeads:
+def initial_heads(llm: LLM, num_heads: int, train_lm_head: bool, draft_vocab: torch.Tensor | None) -> MedusaHeads:
     model, config = llm.engine.core.runner.model, llm.engine.model_config
-    heads = MedusaHeads(config.hidden_size, config.vocab_size, num_heads, num_layers=1)
     lm_head = model.model.embed_tokens.weight if config.tie_word_embeddings else model.lm_head.weight
+    if draft_vocab is not None:
+        lm_head = lm_head[draft_vocab]
+    heads = MedusaHeads(config.hidden_size, lm_head.shape[0], num_heads, num_layers=1, draft_vocab=draft_vocab)
     with torch.no_grad():
         for blocks, head in zip(heads.blocks, heads.lm_heads):
             blocks[0].weight.zero_()
@@ -89,7 +117,8 @@ def initial_heads(llm: LLM, num_heads: int, train_lm_head: bool) -> MedusaHeads:
 
 
 def train(llm: LLM, texts: list[str], num_heads: int, chunk_tokens: int, epochs: int, lr: float,
-          held_out: float, seed: int, train_lm_head: bool = False) -> tuple[MedusaHeads, list[float], list[float]]:
+          held_out: float, seed: int, train_lm_head: bool = False,
+          draft_vocab_size: int = 0) -> tuple[MedusaHeads, list[float], list[float]]:
     """(trained heads, their held-out agreement per head, a random head's)."""
     tokenizer = llm.get_tokenizer()
     chunks = []
@@ -107,8 +136,12 @@ def train(llm: LLM, texts: list[str], num_heads: int, chunk_tokens: int, epochs:
         # A copy outside inference mode: autograd may save it for the backward pass.
         scored.append((hidden.clone(), head_targets(predictions, num_heads)))
     evaluation, training = scored[:num_held_out], scored[num_held_out:]
+    vocab_size = llm.engine.model_config.vocab_size
+    draft_vocab = (most_predicted_tokens(training, vocab_size, draft_vocab_size)
+                   if 0 < draft_vocab_size < vocab_size else None)
+    training = [(hidden, to_draft_labels(labels, draft_vocab, vocab_size)) for hidden, labels in training]
     torch.manual_seed(seed)
-    heads = initial_heads(llm, num_heads, train_lm_head)
+    heads = initial_heads(llm, num_heads, train_lm_head, draft_vocab)
     optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr)
     with tqdm(total=epochs * len(training), desc="training Medusa heads", unit="chunk") as progress:
         for _ in range(epochs):
@@ -121,7 +154,7 @@ def train(llm: LLM, texts: list[str], num_heads: int, chunk_tokens: int, epochs:
                 optimizer.step()
                 progress.set_postfix(loss=f"{loss.item():.3f}")
                 progress.update()
-    baseline = MedusaHeads(heads.hidden_size, heads.vocab_size, num_heads, 1)
+    baseline = MedusaHeads(heads.hidden_size, heads.vocab_size, num_heads, 1, draft_vocab)
     return heads, agreement(heads, evaluation), agreement(baseline, evaluation)
 
 
@@ -133,6 +166,8 @@ def save_medusa_heads(heads: MedusaHeads, out: str) -> None:
         state[f"{i}.0.linear.weight"] = blocks[0].weight.detach().contiguous()
         state[f"{i}.0.linear.bias"] = blocks[0].bias.detach().contiguous()
         state[f"{i}.1.weight"] = head.weight.detach().contiguous()
+    if heads.draft_vocab is not None:
+        state["draft_vocab"] = heads.draft_vocab.contiguous()
     save_file(state, os.path.join(out, "medusa_lm_head.safetensors"))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump({"medusa_num_heads": heads.num_heads, "medusa_num_layers": 1}, f, indent=2)
@@ -152,6 +187,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate.")
     group.add_argument("--train-lm-head", action="store_true",
                        help="Train each head's copy of the LM head too (better heads, much slower on a CPU).")
+    group.add_argument("--draft-vocab-size", type=int, default=0,
+                       help="Give the heads an LM head over only the N tokens the model predicts most often in "
+                            "the training text (0: the whole vocabulary). Drafting then projects onto N rows, the "
+                            "lever on a small model whose LM head is a large share of a step.")
     group.add_argument("--held-out", type=float, default=0.1,
                        help="Fraction of chunks held out to measure acceptance.")
 
@@ -162,7 +201,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     if llm.get_tokenizer() is None:
         raise ValueError("train-drafter needs the model's tokenizer to read --data")
     heads, trained, random_head = train(llm, read_texts(args.data), args.num_heads, args.chunk_tokens,
-                                        args.epochs, args.lr, args.held_out, engine_args.seed, args.train_lm_head)
+                                        args.epochs, args.lr, args.held_out, engine_args.seed, args.train_lm_head,
+                                        args.draft_vocab_size)
     save_medusa_heads(heads, args.out)
     print(f"wrote {args.num_heads} Medusa heads to {args.out}")
     print("held-out acceptance (top-1 agreement with the target) per draft position: "

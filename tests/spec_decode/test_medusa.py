@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -201,6 +201,7 @@ def test_medusa_proposer_drafts_the_tree_from_the_heads_top_k() -> None:
     class FixedHeads(nn.Module):
         num_heads = 2
         lm_heads = [nn.Linear(1, 1)]
+        draft_vocab = None
 
         def forward(self, hidden: torch.Tensor) -> torch.Tensor:
             # head 0 ranks tokens 5 > 3 > 1, head 1 ranks 2 > 4 (> 0 ...)
@@ -240,3 +241,36 @@ def test_tree_rejection_sampling_matches_the_target_distribution() -> None:
         samples.append((first, second))
     exact = {(a, b): float(root[a] * after[a][b]) for a in range(vocab) for b in range(vocab)}
     assert chi_square_p_value(samples, exact) > P_VALUE_THRESHOLD
+
+
+def test_equal_lm_heads_are_shared_and_match_the_paper_heads(tmp_path) -> None:
+    reference = reference_heads(16, 40, num_heads=3, num_layers=1, seed=4)
+    with torch.no_grad():
+        for head in reference[1:]:
+            head[-1].weight.copy_(reference[0][-1].weight)
+    path = save_medusa(str(tmp_path / "shared"), reference, num_layers=1)
+    heads = load_medusa_heads(path, SimpleNamespace(hidden_size=16, vocab_size=40), torch.float32, torch.device("cpu"))
+    assert heads.shares_lm_head
+    hidden = torch.randn(2, 16)
+    torch.testing.assert_close(heads(hidden), torch.stack([head(hidden) for head in reference]), rtol=1e-5, atol=1e-5)
+
+
+def test_draft_vocab_heads_draft_target_tokens(tmp_path) -> None:
+    """Heads over a reduced vocabulary: each LM head row stands for the target token
+    `draft_vocab[row]`; the proposer drafts the top rows' target tokens."""
+    reference = reference_heads(16, 6, num_heads=2, num_layers=1, seed=5)
+    path = save_medusa(str(tmp_path / "reduced"), reference, num_layers=1)
+    draft_vocab = torch.tensor([3, 7, 11, 20, 31, 39])
+    state = load_file(os.path.join(path, "medusa_lm_head.safetensors"))
+    save_file({**state, "draft_vocab": draft_vocab}, os.path.join(path, "medusa_lm_head.safetensors"))
+    target = SimpleNamespace(hidden_size=16, vocab_size=40)
+    heads = load_medusa_heads(path, target, torch.float32, torch.device("cpu"))
+    hidden = torch.randn(1, 16)
+    expected = [int(draft_vocab[head(hidden)[0].argmax()]) for head in reference]
+    proposer = MedusaProposer(heads, TokenTree([(0,), (0, 0)]))
+    draft = proposer.propose([SimpleNamespace(hidden_state=hidden[0])], [2])[0]
+    assert draft.token_ids == expected
+    save_file({**state, "draft_vocab": torch.tensor([3, 7, 11, 20, 31, 40])},
+              os.path.join(path, "medusa_lm_head.safetensors"))
+    with pytest.raises(ValueError, match="draft_vocab has shape \\(6,\\) and ids 3..40; allowed: one target token id \\(0..39\\)"):
+        load_medusa_heads(path, target, torch.float32, torch.device("cpu"))

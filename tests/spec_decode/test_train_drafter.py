@@ -42,3 +42,17 @@ def test_trained_heads_beat_a_random_head_and_draft_losslessly(tiny_smollm2_draf
     spec = LLM(**llm_kwargs, speculative_config={"method": "medusa", "model": str(out), "num_speculative_tokens": 2})
     assert spec.generate(prompt, params)[0].outputs[0].token_ids == plain
     assert spec.engine.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_draft_vocabulary_keeps_the_most_predicted_tokens_and_relabels() -> None:
+    import torch
+
+    from kvserve.spec_decode.train_drafter import most_predicted_tokens, to_draft_labels
+
+    labels = torch.tensor([[5, 5, 5, 2, 2, 9, -100], [9, 9, 9, 9, 7, -100, -100]])
+    # counts: 9 x5, 5 x3, 2 x2, 7 x1; size 5 fills the rest with the lowest unseen id (0)
+    vocab = most_predicted_tokens([(torch.zeros(7, 4), labels)], vocab_size=12, size=5)
+    assert vocab.tolist() == [0, 2, 5, 7, 9]
+    three = most_predicted_tokens([(torch.zeros(7, 4), labels)], vocab_size=12, size=3)
+    assert three.tolist() == [2, 5, 9]
+    assert to_draft_labels(labels, three, 12).tolist() == [[1, 1, 1, 0, 0, 2, -100], [2, 2, 2, 2, -100, -100, -100]]
