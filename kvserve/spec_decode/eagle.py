@@ -18,18 +18,16 @@ are dropped after each proposal, so the next one continues from verified pairs o
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.linear import linear
+from kvserve.spec_decode.head_checkpoint import read_head_checkpoint
 from kvserve.spec_decode.proposer import Draft, DraftContext
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -116,26 +114,15 @@ class EagleCache:
             self.keys, self.values = self.keys[:length], self.values[:length]
 
 
-def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    for name in WEIGHT_FILES:
-        file = os.path.join(path, name)
-        if os.path.isfile(file):
-            state = load_file(file) if name.endswith(".safetensors") else torch.load(
-                file, map_location="cpu", weights_only=True)
-            return {key.removeprefix("model."): tensor for key, tensor in state.items()}
-    raise ValueError(f"speculative_config: model={path!r} is not an EAGLE checkpoint; allowed: a directory "
-                     f"with config.json and one of {list(WEIGHT_FILES)}")
+def read_eagle_checkpoint(path: str, described: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """EAGLE-1 and EAGLE-3 checkpoints: the EAGLE repository's and vLLM/SGLang's layouts."""
+    return read_head_checkpoint(path, "an EAGLE", WEIGHT_FILES, described, strip_prefix="model.")
 
 
 def load_eagle_head(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> EagleHead:
     """The EAGLE-1 head at `path`, checked against the target: hidden size, vocabulary."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"speculative_config: model={path!r} has no config.json; allowed: an EAGLE checkpoint "
-                         "directory (a Llama config.json and the head's weights)")
-    with open(config_path) as f:
-        config = json.load(f)
-    state = _read_state_dict(path)
+    config, state = read_eagle_checkpoint(
+        path, "an EAGLE checkpoint directory (a Llama config.json and the head's weights)")
     fc = state.get("fc.weight")
     if fc is None:
         raise ValueError(f"speculative_config: model={path!r} has no 'fc.weight' (EAGLE's fusion of embeddings "

@@ -16,15 +16,12 @@ layers (2, L // 2, L - 3) unless the config names others.
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.linear import linear
-from kvserve.spec_decode.eagle import EagleCache, _read_state_dict, _rms_norm, draft_layer
+from kvserve.spec_decode.eagle import EagleCache, _rms_norm, draft_layer, read_eagle_checkpoint
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -71,13 +68,8 @@ class Eagle3Head(nn.Module):
 def load_eagle3_head(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device
                      ) -> tuple[Eagle3Head, tuple[int, ...]]:
     """The head at `path` and the target layers it reads, checked against the target."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"speculative_config: model={path!r} has no config.json; allowed: an EAGLE-3 checkpoint "
-                         "directory (a Llama config.json with draft_vocab_size, and the head's weights)")
-    with open(config_path) as f:
-        config = json.load(f)
-    state = _read_state_dict(path)
+    config, state = read_eagle_checkpoint(
+        path, "an EAGLE-3 checkpoint directory (a Llama config.json with draft_vocab_size, and the head's weights)")
     fc = state.get("fc.weight")
     if fc is None or state.get("d2t") is None or state.get("lm_head.weight") is None:
         raise ValueError(f"speculative_config: model={path!r} lacks EAGLE-3's fc.weight, lm_head.weight or d2t; "

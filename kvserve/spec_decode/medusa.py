@@ -14,17 +14,15 @@ does not project onto the whole vocabulary.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.linear import linear
+from kvserve.spec_decode.head_checkpoint import read_head_checkpoint
 from kvserve.spec_decode.proposer import Draft, DraftContext
 from kvserve.spec_decode.tree import TokenTree
 
@@ -73,26 +71,11 @@ class MedusaHeads(nn.Module):
         return torch.stack([matmul(x, lm_head.weight) for x, lm_head in zip(features, self.lm_heads)])
 
 
-def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    for name in WEIGHT_FILES:
-        file = os.path.join(path, name)
-        if os.path.isfile(file):
-            if name.endswith(".safetensors"):
-                return load_file(file)
-            return torch.load(file, map_location="cpu", weights_only=True)
-    raise ValueError(f"speculative_config: model={path!r} is not a Medusa checkpoint; "
-                     f"allowed: a directory with config.json and one of {list(WEIGHT_FILES)}")
-
-
 def load_medusa_heads(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> MedusaHeads:
     """The heads at `path`, checked against the target: hidden size and vocabulary."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"speculative_config: model={path!r} has no config.json; allowed: a Medusa "
-                         "checkpoint directory (config.json with medusa_num_heads, medusa_lm_head.*)")
-    with open(config_path) as f:
-        config = json.load(f)
-    state = _read_state_dict(path)
+    config, state = read_head_checkpoint(
+        path, "a Medusa", WEIGHT_FILES,
+        "a Medusa checkpoint directory (config.json with medusa_num_heads, medusa_lm_head.*)")
     num_heads = config.get("medusa_num_heads")
     num_layers = config.get("medusa_num_layers", 1)
     if not isinstance(num_heads, int) or num_heads < 1:
