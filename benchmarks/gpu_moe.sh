@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_moe.sh [STAGE...]      stages: tests tune w2 w1x64 w1 (default: all)
 #
 # Environment: OUT (default /tmp/kvserve-gpu) gets the logs, JSON results and the tuned
-# config; SHAPES (default "mixtral-8x7b qwen3-30b-a3b"); FLAGS extra engine flags;
+# config; SHAPES (default "mixtral-8x7b qwen3-30b-a3b"); QUANT the expert format for the
+# tuner and the engine (int4 | fp8; default: as stored); FLAGS extra engine flags;
 # W2_BATCH_SIZES (default 1,16,64); TUNE_TOKENS the token counts to tune (default: the tuner's).
 set -uo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
@@ -27,14 +28,15 @@ bench() {  # kind, shape, label, flags...
   echo "== $kind $label"
   # shellcheck disable=SC2086
   python -m kvserve.entrypoints.cli --log-level WARNING bench "$kind" --load-format dummy \
-    --model-shape "$shape" ${FLAGS:-} "$@" --output-json "$OUT/kvserve-$label.json" 2>&1 \
+    --model-shape "$shape" ${QUANT:+--quantization $QUANT} ${FLAGS:-} "$@" --output-json "$OUT/kvserve-$label.json" 2>&1 \
     | grep -v "Generating" | tail -6
 }
 for stage in $STAGES; do
   case $stage in
-    tests) timeout 300 python -m pytest -v -m gpu -p no:cacheprovider tests/ops/test_fused_moe.py 2>&1 \
+    tests) timeout 300 python -m pytest -v -m gpu -p no:cacheprovider tests/ops/test_fused_moe.py \
+             tests/model_executor/test_moe.py 2>&1 \
              | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -30 ;;
-    tune) python -m kvserve.benchmarks.tune_fused_moe --model-shape $SHAPES ${TUNE_TOKENS:+--tokens $TUNE_TOKENS} 2>&1 | tee "$OUT/tune.log"
+    tune) python -m kvserve.benchmarks.tune_fused_moe --model-shape $SHAPES ${QUANT:+--quantization $QUANT} ${TUNE_TOKENS:+--tokens $TUNE_TOKENS} 2>&1 | tee "$OUT/tune.log"
           cp kvserve/ops/configs/fused_moe/*.json "$OUT/" ;;
     w2) for shape in $SHAPES; do
           bench latency "$shape" "w2-$shape" --batch-sizes "${W2_BATCH_SIZES:-1,16,64}"

@@ -21,7 +21,8 @@ from kvserve.core.sequence import Sequence
 def can_sample_ahead(seq: Sequence) -> bool:
     """Whether the sequence is decoding and its next token can be sampled before the host
     holds its previous one: no logprobs to gather, and no penalty or min_tokens ban that
-    depends on the output so far, and no grammar whose matcher needs it."""
+    depends on the output so far. A grammar's mask needs the previous token on the host:
+    the runner reads it after launching the step's forward, before its sampling."""
     params = seq.request.params
     return (
         bool(seq.output_token_ids)  # past its prompt (and past the fork of n > 1 samples)
@@ -31,5 +32,4 @@ def can_sample_ahead(seq: Sequence) -> bool:
         and params.frequency_penalty == 0.0
         and params.presence_penalty == 0.0
         and len(seq.output_token_ids) >= params.min_tokens
-        and params.structured_outputs is None
     )

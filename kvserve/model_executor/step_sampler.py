@@ -75,8 +75,18 @@ class StepSampler:
             eos_token_ids=self.eos_token_ids,
         )
 
-    def sample_ids(self, logits: torch.Tensor, seq_ids: list[str], seqs: SequenceStates) -> torch.Tensor:
-        """One id per sequence, left on the device (overlapped decode steps)."""
+    def sample_ids(self, logits: torch.Tensor, seq_ids: list[str], seqs: SequenceStates,
+                   pending: dict[str, int] | None = None) -> torch.Tensor:
+        """One id per sequence, left on the device (overlapped decode steps). `pending`: the
+        newest token of each sequence, sampled by the step still in flight, which the
+        grammars of constrained sequences must see before this step's mask."""
+        constrained = [
+            ConstrainedRows(seq_id, seq.params.structured_outputs, TokenSpan(seq.token_ids, seq.num_prompt_tokens),
+                            row, pending_token_ids=() if pending is None else (pending[seq_id],))
+            for row, seq_id in enumerate(seq_ids) if (seq := seqs[seq_id]).params.structured_outputs is not None
+        ]
+        if constrained:
+            self.grammars.mask_logits(logits, constrained)
         return self.sampler.sample_ids(logits, [self.row(seq_id, seqs[seq_id]) for seq_id in seq_ids])
 
     def sample(

@@ -24,13 +24,15 @@ if TYPE_CHECKING:
 @dataclass
 class ConstrainedRows:
     """A constrained sequence's rows of a step's logits: one, or 1 + k verifying k drafts
-    (row j is reached only if drafts[:j] are accepted)."""
+    (row j is reached only if drafts[:j] are accepted). `pending_token_ids`: tokens after
+    the output that a step still in flight sampled (overlapped scheduling)."""
 
     seq_id: str
     params: StructuredOutputsParams
     output_token_ids: Sequence[int]
     first_row: int
     drafts: Sequence[int] = field(default_factory=list)
+    pending_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -53,30 +55,39 @@ class GrammarMatchers:
         for seq_id in seq_ids:
             self._states.pop(seq_id, None)
 
-    def matcher(self, seq_id: str, params: StructuredOutputsParams,
-                output_token_ids: Sequence[int]) -> xgrammar.GrammarMatcher:
-        """The sequence's matcher, caught up with its output tokens."""
+    def matcher(self, seq_id: str, params: StructuredOutputsParams, output_token_ids: Sequence[int],
+                pending_token_ids: Sequence[int] = ()) -> xgrammar.GrammarMatcher:
+        """The sequence's matcher, caught up with its output tokens and those after them
+        that a step in flight sampled (the runner holds them with the next step)."""
         import xgrammar as xgr
 
         state = self._states.get(seq_id)
         if state is None:
             state = _MatcherState(xgr.GrammarMatcher(self.compiler.get(params)))
             self._states[seq_id] = state
-        for token_id in output_token_ids[state.num_consumed:]:
-            # Every sampled token was allowed by the mask; one that is not (a token past
-            # the grammar's end, with ignore_eos) leaves the matcher where it was.
-            state.matcher.accept_token(token_id)
-        state.num_consumed = len(output_token_ids)
+        num_tokens = len(output_token_ids) + len(pending_token_ids)
+        if state.num_consumed < num_tokens:
+            known = output_token_ids[state.num_consumed:] if state.num_consumed < len(output_token_ids) else []
+            pending = pending_token_ids[max(0, state.num_consumed - len(output_token_ids)):]
+            for token_id in [*known, *pending]:
+                # Every sampled token was allowed by the mask; one that is not (a token past
+                # the grammar's end, with ignore_eos) leaves the matcher where it was.
+                state.matcher.accept_token(token_id)
+            state.num_consumed = num_tokens
         return state.matcher
 
     def mask_logits(self, logits: torch.Tensor, constrained: list[ConstrainedRows]) -> None:
         """Disallowed tokens' logits to -inf, in place, on the constrained rows only."""
         import xgrammar as xgr
 
-        bitmask = self._bitmask_rows(logits.shape[0])
+        bitmask = self._bitmask_rows(logits.shape[0], pinned=logits.is_cuda)
         indices = []
         for rows in constrained:
-            matcher = self.matcher(rows.seq_id, rows.params, rows.output_token_ids)
+            matcher = self.matcher(rows.seq_id, rows.params, rows.output_token_ids, rows.pending_token_ids)
+            if matcher.is_terminated():
+                # Its stop token is sampled: the sequence ends, and a row a step in flight
+                # computed after it is dropped unread.
+                continue
             num_accepted = 0
             for j in range(len(rows.drafts) + 1):
                 matcher.fill_next_token_bitmask(bitmask, rows.first_row + j)
@@ -88,6 +99,8 @@ class GrammarMatchers:
                 num_accepted += 1
             if num_accepted:
                 matcher.rollback(num_accepted)
+        if not indices:
+            return
         xgr.apply_token_bitmask_inplace(
             logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size,
             indices=indices,
@@ -131,9 +144,12 @@ class GrammarMatchers:
             matcher.rollback(num_accepted)
         return forced
 
-    def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
+    def _bitmask_rows(self, num_rows: int, pinned: bool) -> torch.Tensor:
+        """Pinned for a GPU, so its copy does not hold up the host (the host refills it only
+        after the step that read it has sampled)."""
         import xgrammar as xgr
 
-        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
-            self._bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows or self._bitmask.is_pinned() != pinned:
+            bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+            self._bitmask = bitmask.pin_memory() if pinned else bitmask
         return self._bitmask[:num_rows]

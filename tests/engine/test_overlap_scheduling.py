@@ -9,8 +9,14 @@ and admissions in between.
 
 from __future__ import annotations
 
+import json
+import re
+
+import jsonschema
+
 from kvserve import LLM, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.structured_output.params import StructuredOutputsParams
 from tests.quantization.prompts import CONTINUATIONS as PROMPTS
 
 
@@ -99,3 +105,32 @@ def test_abort_while_a_step_is_in_flight(smollm2_loaded):
     reference = LLM(loaded=smollm2_loaded, kv_cache_memory="64MiB", max_model_len=1024)
     expected = reference.generate(PROMPTS[0], params)[0]
     assert finals[0].outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_constrained_steps_run_ahead_with_the_same_tokens(smollm2_loaded):
+    """Grammar-constrained sequences decode overlapped too (each launched step's masks see
+    the token of the step still in flight): same tokens as one step at a time, valid output,
+    and the matcher of a sequence ended by its grammar is never asked for another mask."""
+    schema = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+              "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=40,
+                       structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,8}-\d{2}")),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                       structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"])),
+        SamplingParams(temperature=0.0, max_tokens=4),  # unconstrained beside them, done early
+    ]
+    prompts = [f"Describe person {i} as JSON:" for i in range(len(params))]
+    reference = LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", max_model_len=1024)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+    llm = LLM(loaded=smollm2_loaded, kv_cache_memory="128MiB", max_model_len=1024, overlap_scheduling=True)
+    outputs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.engine.core.num_steps_ahead >= 10
+    jsonschema.validate(json.loads(outputs[0].outputs[0].text), schema)
+    jsonschema.validate(json.loads(outputs[1].outputs[0].text), schema)
+    assert re.fullmatch(r"[a-z]{3,8}-\d{2}", outputs[2].outputs[0].text)
+    assert outputs[3].outputs[0].text.startswith(("alpha", "beta"))
+    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.runner.num_blocks

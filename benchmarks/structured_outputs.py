@@ -1,5 +1,6 @@
-"""Output tok/s of SmolLM2 on the CPU with every stream constrained to a JSON schema of its
-own, beside the same load unconstrained, interleaved in one process; and what a first request
+"""Output tok/s with every stream constrained to a JSON schema of its own, beside the same
+load unconstrained, interleaved in one process (SmolLM2 on the CPU by default; a model shape
+with random weights and a tokenizer directory for the GPU); and what a first request
 with a new schema pays before its first constrained step: the schema's check in the front
 (JSON schema to grammar) and the grammar's compile in the runner (its token tables), p50 and
 p99 over the 30 schemas of the structured-output tests, each round on a cold compiler.
@@ -7,8 +8,9 @@ p99 over the 30 schemas of the structured-output tests, each round on a cold com
 Each constrained stream's schema asks for more objects than fit in --max-tokens, so both
 runs generate exactly streams x max-tokens tokens (the unconstrained one with ignore_eos).
 
-    PYTHONPATH=. python benchmarks/cpu_structured_outputs.py [--streams 16] [--max-tokens 128] [--runs 3]
-    PYTHONPATH=. python benchmarks/cpu_structured_outputs.py --compile-only [--compile-rounds 5]
+    PYTHONPATH=. python benchmarks/structured_outputs.py [--streams 16] [--max-tokens 128] [--runs 3]
+    PYTHONPATH=. python benchmarks/structured_outputs.py --compile-only [--compile-rounds 5]
+    PYTHONPATH=. python benchmarks/structured_outputs.py --model-shape llama3-8b --tokenizer DIR --streams 64
 """
 
 from __future__ import annotations
@@ -80,9 +82,20 @@ def main() -> None:
                         help="Cold rounds over the 30 schemas for the compile times (default: 5).")
     parser.add_argument("--compile-only", action="store_true",
                         help="Measure the compile times alone, not the throughput.")
+    parser.add_argument("--model-shape", default=None,
+                        help="Random weights in this model's shape instead of the default model "
+                             "(e.g. llama3-8b on a GPU); needs --tokenizer.")
+    parser.add_argument("--tokenizer", default=None,
+                        help="Tokenizer directory or GGUF file for --model-shape (the grammars' vocabulary).")
     args = parser.parse_args()
+    if (args.model_shape is None) != (args.tokenizer is None):
+        parser.error("--model-shape and --tokenizer go together")
 
-    llm = LLM(kv_cache_memory="512MiB", max_num_seqs=args.streams)
+    if args.model_shape is None:
+        llm = LLM(kv_cache_memory="512MiB", max_num_seqs=args.streams)
+    else:
+        llm = LLM(load_format="dummy", model_shape=args.model_shape, tokenizer=args.tokenizer,
+                  max_num_seqs=args.streams)
     report_compile_times(compile_times(llm, args.compile_rounds), args.compile_rounds)
     if args.compile_only:
         return
