@@ -8,7 +8,7 @@ the tile's rows, gathered from the activations, by that expert's weights. A step
 the experts some token chose; padding rows and the tiles past the end exit early. The
 gate/up GEMM writes [pairs, 2 x intermediate], SwiGLU makes [pairs, intermediate], and the
 down GEMM scales each row by its routing weight in the epilogue before the pairs of a token
-are summed.
+are summed. A few tokens take the pair GEMVs of ops/fused_moe_gemv.py instead.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import triton.language as tl
 from kvserve.ops.elementwise import silu_and_mul
 from kvserve.ops.expert_weights import ExpertWeights, weight_format
 from kvserve.ops.fused_moe_configs import GemmTile, MoEConfig, config_for
+from kvserve.ops.fused_moe_gemv import experts_gemv, uses_gemv
 
 
 def align_by_expert(chosen: torch.Tensor, num_experts: int, block: int
@@ -197,9 +198,12 @@ def fused_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     """sum over each token's top_k choices of weights x down(silu(gate(x)) * up(x)) of the
     chosen expert. x [T, H]; chosen [T, top_k] expert ids; weights [T, top_k] (fp32);
     w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. Returns [T, H] in x's dtype.
-    `config` (the tiles) defaults to the tuned one for this device, shape and weight format."""
+    `config` (the tiles) defaults to the tuned one for this device, shape and weight format.
+    A few tokens' pairs take the pair GEMVs instead (ops/fused_moe_gemv.py)."""
     tokens, top_k = chosen.shape
     num_experts, two_i = w13.weight.shape[:2]
+    if config is None and uses_gemv(tokens * top_k, num_experts, top_k, w13.scale is not None):
+        return experts_gemv(x, chosen, weights, w13, w2)
     hidden = w13.in_features
     if config is None:
         config = config_for(tokens, num_experts, hidden, two_i // 2, weight_format(w13, x.dtype), x.device)

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from kvserve.ops.expert_weights import ExpertWeights
 from kvserve.ops.fused_moe import align_by_expert, fused_experts
+from kvserve.ops.fused_moe_configs import default_config as default_moe_config
+from kvserve.ops.fused_moe_gemv import GemvTile, experts_gemv, uses_gemv
 from kvserve.quantization.fp8 import quantize_fp8
 from kvserve.quantization.int4 import dequantize_int4, quantize_int4
 from kvserve.quantization.int8 import quantize_int8
@@ -77,8 +79,21 @@ def to_device(weights: ExpertWeights, device: str, dtype: torch.dtype) -> Expert
                             offset=None if weights.offset is None else weights.offset.to(device))
 
 
-def errors(device: str, cases: list[tuple], hidden: int, intermediate: int) -> list[str]:
-    """Cases (tokens, experts, top_k, activation dtype, weight format)."""
+def grouped(x, chosen, weights, w13, w2):
+    """The grouped GEMMs whatever the token count."""
+    return fused_experts(x, chosen, weights, w13, w2, default_moe_config(chosen.shape[0]))
+
+
+def gemv(x, chosen, weights, w13, w2):
+    """The pair GEMVs whatever the token count, with small tiles (masks, several groups a
+    tile) and the down GEMV's k in 3 splits."""
+    tile = GemvTile(16, 64, 4)
+    return experts_gemv(x, chosen, weights, w13, w2, tile, tile, num_splits=3)
+
+
+def errors(device: str, cases: list[tuple], hidden: int, intermediate: int, run=fused_experts) -> list[str]:
+    """Cases (tokens, experts, top_k, activation dtype, weight format); `run`: fused_experts
+    (the path it picks), grouped or gemv."""
     generator = torch.Generator().manual_seed(0)
     wrong = []
     for tokens, experts, top_k, dtype, fmt in cases:
@@ -92,8 +107,8 @@ def errors(device: str, cases: list[tuple], hidden: int, intermediate: int) -> l
         if fmt == "dense":
             dense13, dense2 = dense13.to(dtype), dense2.to(dtype)
         expected = reference(x.to(dtype), chosen, weights, dense13, dense2)
-        got = fused_experts(x.to(device, dtype), chosen.to(device), weights.to(device),
-                            to_device(w13, device, dtype), to_device(w2, device, dtype)).float().cpu()
+        got = run(x.to(device, dtype), chosen.to(device), weights.to(device),
+                  to_device(w13, device, dtype), to_device(w2, device, dtype)).float().cpu()
         # bf16: the intermediate activations (and dequantized weights) are rounded to bf16.
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         error = (got - expected).abs().max().item() / max(expected.abs().max().item(), 1e-6)
@@ -113,7 +128,36 @@ def run_small_cases() -> None:
     """Under the interpreter (a subprocess): the mismatches as JSON. Widths that are not
     multiples of the tiles (hidden 64 with 96-wide tiles' masks, intermediate 96) exercise
     the masks; quantized widths are multiples of their groups."""
-    print(json.dumps(errors("cpu", INTERPRETED_CASES, hidden=64, intermediate=96)))
+    print(json.dumps(errors("cpu", INTERPRETED_CASES, hidden=64, intermediate=96, run=grouped)))
+
+
+GEMV_CASES = [
+    (1, 8, 2, torch.float32, "dense"), (2, 128, 8, torch.bfloat16, "dense"), (1, 8, 2, torch.float32, "int4-g32"),
+    (3, 8, 2, torch.bfloat16, "int4-g32"), (1, 8, 1, torch.float32, "int8"), (2, 8, 2, torch.float32, "fp8-g32"),
+    (1, 8, 2, torch.float32, "fp8"),
+]
+
+
+def run_gemv_cases() -> None:
+    """The pair GEMVs under the interpreter: widths not multiples of the 16 x 64 tiles for
+    dense weights (hidden 80, intermediate 96), 32-wide groups two a tile, k split in 3."""
+    wrong = errors("cpu", [c for c in GEMV_CASES if c[4] == "dense"], hidden=80, intermediate=96, run=gemv)
+    wrong += errors("cpu", [c for c in GEMV_CASES if c[4] != "dense"], hidden=64, intermediate=128, run=gemv)
+    print(json.dumps(wrong))
+
+
+def test_interpreted_gemv_experts_equal_the_loop() -> None:
+    assert json.loads(run_interpreted("tests.ops.test_fused_moe", "run_gemv_cases")) == []
+
+
+def test_few_pairs_take_the_gemvs() -> None:
+    """One token always; dense experts up to a quarter of the experts in pairs (Mixtral's 8:
+    one token; Qwen3's 128: 4 tokens); packed ones up to one pair an expert."""
+    assert uses_gemv(2, 8, 2, packed=False) and not uses_gemv(4, 8, 2, packed=False)
+    assert uses_gemv(8, 8, 2, packed=True) and not uses_gemv(10, 8, 2, packed=True)
+    assert uses_gemv(32, 128, 8, packed=False) and not uses_gemv(40, 128, 8, packed=False)
+    assert uses_gemv(128, 128, 8, packed=True) and not uses_gemv(136, 128, 8, packed=True)
+    assert uses_gemv(1, 8, 1, packed=False) and not uses_gemv(3, 8, 1, packed=False)
 
 
 def test_interpreted_fused_experts_equal_the_loop() -> None:
@@ -175,6 +219,8 @@ def test_gpu_fused_experts_equal_the_loop() -> None:
     cases = [(t, e, k, dtype, "dense") for t in (1, 7, 33, 257) for e, k in ((8, 2), (60, 4), (128, 8), (8, 1))
              for dtype in (torch.bfloat16, torch.float16)]
     assert errors("cuda", cases, hidden=1024, intermediate=704) == []
+    assert errors("cuda", cases, hidden=1024, intermediate=704, run=grouped) == []
+    assert errors("cuda", [c for c in cases if c[0] <= 7], hidden=1024, intermediate=704, run=gemv) == []
 
 
 @pytest.mark.gpu
@@ -183,6 +229,8 @@ def test_gpu_quantized_experts_equal_the_loop_on_their_dequantized_weights() -> 
     cases = [(t, e, k, dtype, fmt) for t in (1, 7, 33, 257) for e, k in ((8, 2), (128, 8))
              for dtype in (torch.bfloat16, torch.float16) for fmt in ("int4-g128", "int4-g64", "int8", "fp8", "fp8-g128")]
     assert errors("cuda", cases, hidden=1024, intermediate=768) == []
+    assert errors("cuda", cases, hidden=1024, intermediate=768, run=grouped) == []
+    assert errors("cuda", [c for c in cases if c[0] <= 7], hidden=1024, intermediate=768, run=gemv) == []
 
 
 @pytest.mark.gpu
