@@ -117,6 +117,7 @@ class EngineCore:
             max_num_batched_tokens=args.resolved_max_num_batched_tokens(self.device),
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
+            batch_invariant=args.resolved_batch_invariant(self.device),
         )
         self.lora_config = args.lora_config()
         if self.lora_config is not None:
