@@ -151,6 +151,9 @@ class EngineCore:
                 compile_decode=args.compile_decode, tokenizer=loaded.tokenizer,
                 lora_config=self.lora_config,
             )
+            # Prompts are cut canonically where the model routes its rows batch-invariantly
+            # (a model without quantized layers is not, even when asked).
+            self.scheduler_config.batch_invariant = self.runner.batch_invariant
         self._check_max_model_len_fits()
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching

@@ -77,3 +77,9 @@ def test_prefix_hits_give_the_cold_runs_tokens_and_logprobs_bit_for_bit(loaded, 
         output = llm.generate([{"prompt_token_ids": token_ids}], GREEDY)[0].outputs[0]
         assert (list(output.token_ids), list(output.logprobs)) == cold_solo(loaded, token_ids)
         assert stats.hit_tokens - before == hit
+
+
+def test_prompts_are_cut_canonically_only_where_the_model_routes_rows_batch_invariantly(loaded, smollm2_loaded):
+    assert LLM(loaded=loaded, **ENGINE).engine.core.scheduler.canonical.chunk_size == 48
+    # No quantized layers: nothing is routed, so the budget is not given up for it.
+    assert LLM(loaded=smollm2_loaded, **ENGINE).engine.core.scheduler.canonical is None
