@@ -6,10 +6,12 @@ pieces, budgets, admission order, preemption victims and the K/V each hit reads.
 
 from __future__ import annotations
 
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.core.sched.canonical_chunks import canonical_chunk_size
+from kvserve.multimodal.inputs import ImageFeature
 from tests.core.test_scheduler import FakeEngine, expected_output, make_seq, workloads
 
 
@@ -77,6 +79,21 @@ def test_a_prefix_hit_skips_only_whole_chunks_computed_as_prompt_chunks():
         assert seq.output_token_ids == expected_output(seq.prompt_token_ids, 2)
     assert prompt_pieces(eng, "s1") == [12, 1, 1] and prompt_pieces(eng, "s2") == [12, 12, 2, 1]
     assert prompt_pieces(eng, "s3") == [4, 1]
+
+
+def test_a_piece_that_would_start_too_much_image_encoding_waits_then_runs_whole_alone():
+    eng = FakeEngine(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, canonical_chunk=12)
+    eng.submit(make_seq(0, [1, 2, 3]), max_tokens=4)
+    with_images = make_seq(1, list(range(30)))
+    # Both start in the first chunk, 4 + 14 placeholder tokens: more than the step's 16
+    # (which would end the piece before the second image, at 8).
+    with_images.request.mm_features = [ImageFeature(f"h{offset}", offset, length, {"pixel_values": torch.zeros(1)})
+                                       for offset, length in ((2, 4), (8, 14))]
+    eng.submit(with_images, max_tokens=2, at_step=1)
+    eng.run()
+    assert [out.num_scheduled_tokens for out in eng.outputs[:6]] == [
+        {"s0": 3}, {"s0": 1}, {"s0": 1}, {"s0": 1}, {"s1": 12}, {"s1": 12}]
+    assert with_images.output_token_ids == expected_output(list(range(30)), 2)
 
 
 def test_whole_prompts_batch_invariant_take_no_prefix_hits():
