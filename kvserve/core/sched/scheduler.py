@@ -311,7 +311,7 @@ class Scheduler:
                     step_has_others: bool) -> int:
         """The tokens of the piece the step may compute without starting more image encoding
         than its budget allows. A batch-invariant piece is never cut: it waits for a step
-        with room, or runs whole in a step of its own."""
+        with room, or runs whole when it is the first thing its step schedules."""
         fitted = encoder_budget.fit(seq.mm_features, start, num_new)
         if self.canonical is None or fitted == num_new or start >= seq.num_prompt_tokens:
             return fitted
