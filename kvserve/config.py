@@ -87,6 +87,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority"
     max_loras: int = 0  # LoRA adapters that may run at once (the device's slots); 0: no LoRA
+    # Prompts cut only at fixed chunk boundaries, whatever else a step runs (canonical_chunks.py).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

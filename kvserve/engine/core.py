@@ -117,6 +117,7 @@ class EngineCore:
             max_num_batched_tokens=args.resolved_max_num_batched_tokens(self.device),
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
+            batch_invariant=args.resolved_batch_invariant(self.device),
         )
         self.lora_config = args.lora_config()
         if self.lora_config is not None:
@@ -150,6 +151,9 @@ class EngineCore:
                 compile_decode=args.compile_decode, tokenizer=loaded.tokenizer,
                 lora_config=self.lora_config,
             )
+            # Prompts are cut canonically where the model routes its rows batch-invariantly
+            # (a model without quantized layers is not, even when asked).
+            self.scheduler_config.batch_invariant = self.runner.batch_invariant
         self._check_max_model_len_fits()
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching

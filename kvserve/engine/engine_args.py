@@ -348,8 +348,10 @@ class EngineArgs:
             help="CPU, quantized models: a request's greedy tokens do not depend on how many other "
             "requests share its steps. Decode rows always run the quantized kernels (int4/int8 "
             "linears, the int8 LM head copy), whatever the batch size, and prompt rows the dense "
-            "copies, instead of switching every row to the dense copies past a few rows. Costs "
-            "decode throughput at many streams (see docs/batch_invariance.md). `kvserve serve` "
+            "copies, instead of switching every row to the dense copies past a few rows; prompts "
+            "are cut into chunks at fixed boundaries (256 tokens with the CPU defaults), and prefix-cache "
+            "hits reuse only whole chunks computed as prompt chunks. Costs decode throughput at many "
+            "streams and prefix reuse (see docs/batch-invariance.md). `kvserve serve` "
             "turns it on by default on CPU with --quantization auto; --no-batch-invariant: the "
             "per-batch-size plan.",
         )

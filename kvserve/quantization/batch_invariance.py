@@ -15,9 +15,10 @@ at near-ties flip (the LM head, int8 against bf16, differs by ~1e-3). Batch-inva
 * Each prompt's rows take the dense copy in a call of their own (oneDNN's result for a row
   changes in the last bits with the number of rows of its call).
 
-Left to chance: a prompt split into different chunks (the token budget other requests leave
-it, or a prefix-cache hit that skips a different part of it) is attended and multiplied in
-different pieces, a few ulps apart; a greedy token flips only at an exact near-tie.
+A prompt is computed in the same pieces whatever else runs: the scheduler cuts it only at
+canonical chunk boundaries, and prefix hits skip only whole chunks computed as such
+(core/sched/canonical_chunks.py). Left to chance: a preempted sequence, whose generated
+tokens are recomputed as prompt rows (docs/batch-invariance.md).
 """
 
 from __future__ import annotations

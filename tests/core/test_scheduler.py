@@ -56,13 +56,21 @@ def greedy_token(tokens: list[int]) -> int:
 
 class FakeEngine:
     def __init__(self, *, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                 policy="fcfs", chunked=True, prefix_caching=True):
+                 policy="fcfs", chunked=True, prefix_caching=True, canonical_chunk=None):
+        """`canonical_chunk`: batch-invariant scheduling, with the chunk size the test
+        expects it to cut prompts at (ignored without chunking: prompts run whole)."""
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=chunked,
             policy=policy,
+            batch_invariant=canonical_chunk is not None,
         )
+        self.batch_invariant = canonical_chunk is not None
+        self.chunk = canonical_chunk if chunked else None
+        # (block, slot)s last written by a full canonical chunk of prompt rows: the only
+        # K/V a batch-invariant prefix hit may read.
+        self.canonical_slots: set[tuple[int, int]] = set()
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         self.sched = Scheduler(self.config, self.kv)
         self.bs = block_size
@@ -146,16 +154,18 @@ class FakeEngine:
         # Running sequences are served before new prefills; new ones come in queue order.
         admitted = [s for s in scheduled if s not in running_before]
         kept = [s for s in running_before if s not in preempted]
+        asked = {s.seq_id: self.asked(s, computed_before[s.seq_id], remaining_before[s.seq_id])
+                 for s in running_before}
         assert ids[: len(ids) - len(admitted)] == [s.seq_id for s in kept if s.seq_id in sizes]
         assert scheduled[len(ids) - len(admitted):] == admitted
         if admitted:
             assert not preempted
             for s in kept:  # every running sequence got all it asked for first
-                assert sizes[s.seq_id] == remaining_before[s.seq_id]
+                assert sizes[s.seq_id] == asked[s.seq_id]
             assert admitted == sorted(waiting_before, key=self.key)[: len(admitted)]
         for s in kept:
             if s.seq_id in sizes:
-                assert sizes[s.seq_id] <= remaining_before[s.seq_id]
+                assert sizes[s.seq_id] <= asked[s.seq_id]
                 assert s.num_computed_tokens == computed_before[s.seq_id]
         for s in admitted:
             self.admissions.append(s.seq_id)
@@ -166,6 +176,17 @@ class FakeEngine:
             assert s.num_computed_tokens < s.num_tokens  # at least one token to compute
             if not self.config.enable_chunked_prefill:
                 assert s.num_computed_tokens + sizes[s.seq_id] == s.num_tokens
+        if self.batch_invariant:
+            for s in scheduled:  # a prompt's pieces are exactly its canonical chunks
+                start = s.num_computed_tokens
+                if start < s.num_prompt_tokens:
+                    chunk = self.chunk or s.num_tokens  # without chunking: whole
+                    assert start % chunk == 0, (s.seq_id, start)
+                    assert sizes[s.seq_id] == min(chunk, s.num_tokens - start), (s.seq_id, start)
+            for s in admitted:  # a hit skips only K/V computed as this prompt's cold run would
+                table = self.kv.block_ids(s.seq_id)
+                assert all((table[pos // self.bs], pos % self.bs) in self.canonical_slots
+                           for pos in range(s.num_computed_tokens))
 
         # Every scheduled sequence has room for its tokens.
         for s in scheduled:
@@ -175,6 +196,12 @@ class FakeEngine:
         # "Run the model": write the step's KV, then check every sequence reads its own.
         for s in scheduled:
             table = self.kv.block_ids(s.seq_id)
+            start, num = s.num_computed_tokens, sizes[s.seq_id]
+            full_chunk = (self.chunk is not None and start % self.chunk == 0 and num == self.chunk
+                          and start + num <= s.num_prompt_tokens)
+            for pos in range(start, start + num):
+                slot = (table[pos // self.bs], pos % self.bs)
+                (self.canonical_slots.add if full_chunk else self.canonical_slots.discard)(slot)
             for pos in range(s.num_computed_tokens, s.num_computed_tokens + sizes[s.seq_id]):
                 self.content.setdefault(table[pos // self.bs], [None] * self.bs)[
                     pos % self.bs
@@ -197,6 +224,13 @@ class FakeEngine:
                     self.finished.append(s)
         self.check_pool()
         return out
+
+    def asked(self, seq: Sequence, start: int, remaining: int) -> int:
+        """Tokens a running sequence asks for: all it has left, or, batch-invariant, its
+        prompt's next canonical piece."""
+        if self.chunk is None or start >= seq.num_prompt_tokens:
+            return remaining
+        return min(remaining, self.chunk - start % self.chunk)
 
     def check_pool(self):
         pool = self.kv.pool

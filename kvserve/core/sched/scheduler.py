@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import BlockCopy, KVCacheManager
+from kvserve.core.sched.canonical_chunks import CanonicalChunks, canonical_chunk_size
 from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
 from kvserve.core.sched.encoder_budget import EncoderBudget
 from kvserve.core.sched.step_builder import StepBuilder
@@ -65,6 +66,13 @@ class Scheduler:
         self.step_builder = StepBuilder(kv_cache)
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_preemptions = 0
+        # Batch-invariant: a prompt's pieces depend on the prompt alone, never on the budget
+        # other requests leave it (canonical_chunks.py).
+        self.canonical: CanonicalChunks | None = None
+        if config.batch_invariant:
+            size = (canonical_chunk_size(config.max_num_batched_tokens, config.max_num_seqs, kv_cache.block_size)
+                    if config.enable_chunked_prefill else None)
+            self.canonical = CanonicalChunks(size, kv_cache.block_size)
 
     # -- queue management ------------------------------------------------------------------
 
@@ -181,9 +189,13 @@ class Scheduler:
                 # A decode (and any accepted tokens whose KV is recomputed): its drafts, if
                 # any, are verified in the same pass.
                 num_new += len(seq.spec_token_ids)
+            elif self.canonical is not None:
+                num_new = self.canonical.next_piece(seq.num_computed_tokens, num_new)
+                if num_new > budget:
+                    continue  # a later step runs the whole piece
             num_new = min(num_new, budget)
             if seq.mm_features:
-                num_new = encoder_budget.fit(seq.mm_features, seq.num_computed_tokens, num_new)
+                num_new = self._fit_images(encoder_budget, seq, seq.num_computed_tokens, num_new, bool(scheduled))
                 if num_new == 0:
                     continue
             while True:
@@ -232,6 +244,10 @@ class Scheduler:
                 [] if seq.wants_prompt_logprobs
                 else self.kv_cache.find_cached_prefix(seq.all_token_ids, seq.mm_features, lora_int_id)
             )
+            if self.canonical is not None:
+                cached_prefix = cached_prefix[
+                    : self.canonical.usable_hit_tokens(len(cached_prefix) * self.kv_cache.block_size)
+                    // self.kv_cache.block_size]
             num_computed = len(cached_prefix) * self.kv_cache.block_size
             num_new = seq.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -239,10 +255,14 @@ class Scheduler:
                 # step of its own (waiting for a budget it can never get would stall the queue).
                 if scheduled or num_new <= self.config.max_num_batched_tokens:
                     break
+            elif self.canonical is not None:
+                num_new = self.canonical.next_piece(num_computed, num_new)
+                if num_new > budget:
+                    break  # it and those behind it wait for a step with room for its piece
             else:
                 num_new = min(num_new, budget)
             if seq.mm_features:
-                fitted = encoder_budget.fit(seq.mm_features, num_computed, num_new)
+                fitted = self._fit_images(encoder_budget, seq, num_computed, num_new, bool(scheduled))
                 if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):
                     break
                 num_new = fitted
@@ -270,12 +290,14 @@ class Scheduler:
         )
         for seq, num_new in scheduled.items():
             out.block_copies.extend(copies[seq.seq_id])
-            # all_token_ids holds verified tokens only, so no block holding a draft's KV
-            # is ever registered in the prefix cache.
-            self.kv_cache.cache_full_blocks(
-                seq.seq_id, seq.all_token_ids, seq.num_computed_tokens + num_new, seq.mm_features,
-                seq.lora_int_id,
-            )
+            if self.canonical is None or self.canonical.is_full_prompt_chunk(
+                    seq.num_computed_tokens, num_new, seq.num_prompt_tokens):
+                # all_token_ids holds verified tokens only, so no block holding a draft's KV
+                # is ever registered in the prefix cache.
+                self.kv_cache.cache_full_blocks(
+                    seq.seq_id, seq.all_token_ids, seq.num_computed_tokens + num_new, seq.mm_features,
+                    seq.lora_int_id,
+                )
             self.add_to_step(out, seq, num_new)
             if (
                 seq.request.params.n > 1
@@ -284,6 +306,16 @@ class Scheduler:
             ):
                 self._fork(out, seq)
         return out
+
+    def _fit_images(self, encoder_budget: EncoderBudget, seq: Sequence, start: int, num_new: int,
+                    step_has_others: bool) -> int:
+        """The tokens of the piece the step may compute without starting more image encoding
+        than its budget allows. A batch-invariant piece is never cut: it waits for a step
+        with room, or runs whole when it is the first thing its step schedules."""
+        fitted = encoder_budget.fit(seq.mm_features, start, num_new)
+        if self.canonical is None or fitted == num_new or start >= seq.num_prompt_tokens:
+            return fitted
+        return 0 if step_has_others else num_new
 
     def add_to_step(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         request = seq.request
@@ -345,7 +377,7 @@ class Scheduler:
                 continue
             if sampled.num_drafts:
                 self.kv_cache.trim(seq.seq_id, seq.num_computed_tokens)
-            if inputs_were_in_flight:
+            if inputs_were_in_flight and self.canonical is None:  # decoded K/V: never canonical
                 self.kv_cache.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens,
                                                 seq.mm_features, seq.lora_int_id)
         for seq_id, drafts in out.draft_token_ids.items():
