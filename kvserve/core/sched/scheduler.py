@@ -17,6 +17,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import BlockCopy, KVCacheManager
 from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
 from kvserve.core.sched.encoder_budget import EncoderBudget
+from kvserve.core.sched.encoder_slicer import EncoderSlicer
 from kvserve.core.sched.step_builder import StepBuilder
 from kvserve.core.sequence import Sequence, SequenceStatus, check_stop
 
@@ -65,6 +66,8 @@ class Scheduler:
         self.step_builder = StepBuilder(kv_cache)
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_preemptions = 0
+        self.encoder_slicer = None if config.encoder_slicing is None else EncoderSlicer(
+            config.encoder_slicing, config.max_num_batched_tokens)
 
     # -- queue management ------------------------------------------------------------------
 
@@ -103,6 +106,8 @@ class Scheduler:
         self.seqs.pop(seq.seq_id, None)
         self.kv_cache.free(seq.seq_id)
         self.step_builder.drop(seq.seq_id)
+        if self.encoder_slicer is not None:
+            self.encoder_slicer.release(seq.seq_id)
 
     def scheduled(self, out: SchedulerOutput) -> list[Sequence]:
         """The sequences a step runs, in batch order."""
@@ -153,6 +158,8 @@ class Scheduler:
         self.step_builder.resend(seq.seq_id)
         returned_budget = scheduled.pop(seq, 0)
         copies.pop(seq.seq_id, None)
+        if self.encoder_slicer is not None:
+            self.encoder_slicer.release(seq.seq_id)
         seq.reset_for_recompute()
         self.add(seq)
         preempted.append(seq)
@@ -168,6 +175,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         budget = self.config.max_num_batched_tokens
         encoder_budget = EncoderBudget(budget)
+        slicer = self.encoder_slicer
 
         # Running sequences first: decodes and prefills already under way.
         for seq in list(self.running):
@@ -183,7 +191,8 @@ class Scheduler:
                 num_new += len(seq.spec_token_ids)
             num_new = min(num_new, budget)
             if seq.mm_features:
-                num_new = encoder_budget.fit(seq.mm_features, seq.num_computed_tokens, num_new)
+                num_new = (encoder_budget.fit(seq.mm_features, seq.num_computed_tokens, num_new) if slicer is None
+                           else slicer.fit(seq.seq_id, seq.mm_features, seq.num_computed_tokens, num_new))
                 if num_new == 0:
                     continue
             while True:
@@ -242,7 +251,8 @@ class Scheduler:
             else:
                 num_new = min(num_new, budget)
             if seq.mm_features:
-                fitted = encoder_budget.fit(seq.mm_features, num_computed, num_new)
+                fitted = (encoder_budget.fit(seq.mm_features, num_computed, num_new) if slicer is None
+                          else slicer.fit(seq.seq_id, seq.mm_features, num_computed, num_new))
                 if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):
                     break
                 num_new = fitted
@@ -268,6 +278,9 @@ class Scheduler:
             finished_seq_ids=self.step_builder.take_dropped(),
             preempted_seq_ids=[seq.seq_id for seq in preempted],
         )
+        if slicer is not None:
+            out.encoder_slices = slicer.take_step()
+            out.encoder_cancelled = slicer.take_cancelled()
         for seq, num_new in scheduled.items():
             out.block_copies.extend(copies[seq.seq_id])
             # all_token_ids holds verified tokens only, so no block holding a draft's KV
@@ -302,8 +315,8 @@ class Scheduler:
         (overlapped scheduling: the step is launched before the host reads it). None when
         it must wait for the host: requests waiting for admission (admitted in a step of
         their own) or too few free blocks (preemption happens in a step of its own)."""
-        if self.waiting:
-            return None
+        if self.waiting or (self.encoder_slicer is not None and self.encoder_slicer.busy):
+            return None  # encoder slices run in steps scheduled with the host's view
         copies: list[BlockCopy] = []
         for seq in seqs:
             # Blocks taken here before a failure are the ones the next step needs anyway.
@@ -335,6 +348,8 @@ class Scheduler:
         sequences whose tokens end them, give back the blocks of rejected drafts, and take
         the drafts of the next step. `inputs_were_in_flight`: an overlapped step, whose
         tokens were unknown when it was scheduled (its full blocks are registered now)."""
+        if self.encoder_slicer is not None and out.encoder_evicted:
+            self.encoder_slicer.forget(out.encoder_evicted)
         updates = []
         for sampled in out.sampled:
             seq = self.seqs.get(sampled.seq_id)

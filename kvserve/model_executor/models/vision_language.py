@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
-from kvserve.config import ModelConfig
+from kvserve.config import EncoderSlicing, ModelConfig
+from kvserve.model_executor.models import qwen_vision_slices
 from kvserve.model_executor.models.llama import LlamaForCausalLM
 
 LLAVA = "LlavaForConditionalGeneration"
@@ -45,6 +46,16 @@ def image_token_id(hf_config: dict[str, Any]) -> int:
         if hf_config.get(key) is not None:
             return int(hf_config[key])
     raise ValueError("config.json names no image_token_id")
+
+
+def encoder_slicing(config: ModelConfig, budget_per_step: int) -> EncoderSlicing | None:
+    """How a model's vision tower is spread over steps; None where it runs whole (a budget of
+    0, or a tower without a sliced form: LLaVA's CLIP/SigLIP)."""
+    if budget_per_step <= 0 or config.architecture not in (QWEN2_VL, QWEN2_5_VL):
+        return None
+    vision = hf_config_object(config.hf_config or {}).vision_config
+    return EncoderSlicing(budget_per_step, qwen_vision_slices.num_passes(vision.depth),
+                          vision.spatial_merge_size**2)
 
 
 def _no_init_weights():
@@ -168,3 +179,16 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         merged = self.visual(pixels, grid_thw=grid_thw).pooler_output
         sizes = (grid_thw.prod(-1) // self.visual.spatial_merge_size**2).tolist()
         return list(merged.to(self.config.dtype).split(sizes))
+
+    # The same tower a slice at a time (qwen_vision_slices.py): the batch's state, its next
+    # `num_units` row-passes, and the embeddings once it has finished.
+    def begin_encoding(self, images: list[dict[str, torch.Tensor]]) -> qwen_vision_slices.VisionSliceState:
+        pixels = self._vision_input(torch.cat([image["pixel_values"] for image in images]))
+        grid_thw = torch.cat([image["image_grid_thw"] for image in images]).to(pixels.device)
+        return qwen_vision_slices.begin(self.visual, pixels, grid_thw)
+
+    def advance_encoding(self, state: qwen_vision_slices.VisionSliceState, num_units: int) -> int:
+        return qwen_vision_slices.advance(self.visual, state, num_units)
+
+    def finish_encoding(self, state: qwen_vision_slices.VisionSliceState) -> list[torch.Tensor]:
+        return [embedding.to(self.config.dtype) for embedding in qwen_vision_slices.result(state)]
