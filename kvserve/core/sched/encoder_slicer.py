@@ -56,7 +56,9 @@ class EncoderSlicer:
 
     def fit(self, seq_id: str, images: Sequence[ImageFeature], start: int, num_new: int) -> int:
         """The tokens of [start, start + num_new) this step may compute: up to the first
-        image they reach whose embeddings are not ready (which is then wanted)."""
+        image they reach whose embeddings are not ready. Every such image in the range is
+        wanted, so that later images encode while the earlier ones' tokens are prefilled."""
+        fitted = num_new
         for image in sorted(images, key=lambda f: f.offset):
             if image.offset >= start + num_new:
                 break
@@ -70,8 +72,8 @@ class EncoderSlicer:
             else:
                 self._wanted.setdefault(image.image_hash, image)
                 self._wanters.setdefault(image.image_hash, set()).add(seq_id)
-            return image.offset - start
-        return num_new
+            fitted = min(fitted, image.offset - start)
+        return fitted
 
     def release(self, seq_id: str) -> None:
         """A sequence stops waiting (finished, aborted or preempted): jobs left with no one
