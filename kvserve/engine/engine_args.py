@@ -41,9 +41,10 @@ def _json_dict(text: str) -> dict[str, Any]:
 
 # Images a prompt may carry unless --limit-mm-per-prompt says otherwise.
 DEFAULT_IMAGES_PER_PROMPT = 8
-# Vision encoder row-passes one CPU step may run (--encoder-budget-per-step): about as long
-# as a decode step of a decoder sized like the tower (benchmarks/cpu_vision_itl.py).
-CPU_ENCODER_BUDGET_PER_STEP = 256
+# Vision encoder row-passes one CPU step may run (--encoder-budget-per-step): less than a
+# decode step of a decoder sized like the tower, so a step that encodes takes under twice a
+# decode step (benchmarks/cpu_vision_itl.py: 1.7x at 128, 2.1x at 256).
+CPU_ENCODER_BUDGET_PER_STEP = 128
 
 
 def _mm_limits(text: str) -> dict[str, int]:

@@ -133,7 +133,7 @@ def _run_rows(visual: nn.Module, state: VisionSliceState, start: int, end: int) 
     depth = len(visual.blocks)
     if state.pass_index == 0:
         # After this pass the hidden rows are the first block's input (buffers swap).
-        out = visual.patch_embed(state.pixels[start:end])
+        out = _embed_patches(visual.patch_embed.proj, state.pixels[start:end])
     else:
         block = visual.blocks[state.pass_index - 1]
         attended = _attention(block.attn, state.qkv, state.segment_starts[state.pass_index - 1], start, end)
@@ -145,6 +145,13 @@ def _run_rows(visual: nn.Module, state: VisionSliceState, start: int, end: int) 
     else:
         unit = visual.spatial_merge_size**2
         state.merged[start // unit: end // unit] = visual.merger(out)
+
+
+def _embed_patches(proj: nn.Conv3d, pixels: torch.Tensor) -> torch.Tensor:
+    """The patch embedding's Conv3d (its kernel is its stride, one output per patch) as the
+    matmul it is: the convolution's small-batch CPU kernel costs several times more per row."""
+    weight = proj.weight.reshape(proj.out_channels, -1)
+    return F.linear(pixels.to(weight.dtype), weight, proj.bias)
 
 
 def _project_qkv(block: nn.Module, hidden: torch.Tensor, state: VisionSliceState, start: int, end: int) -> None:
