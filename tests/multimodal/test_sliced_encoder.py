@@ -150,8 +150,8 @@ def test_each_step_runs_its_budget_while_text_streams_decode(qwen, budget):
 
 def test_tokens_equal_whole_image_encoding(qwen):
     """Image requests beside text streams: the same greedy tokens with the tower whole or
-    sliced (two requests share an image: encoded once)."""
-    directory, _ = qwen
+    sliced, and as transformers' (two requests share an image: encoded once)."""
+    directory, hf_model = qwen
     images = drawn_images()
     requests = [_request(_prompt(2), images[:2]), list(range(30, 60)), _request(_prompt(1, lead=5), images[2:]),
                 list(range(60, 75)), _request(_prompt(1, lead=2), images[:1])]
@@ -165,6 +165,9 @@ def test_tokens_equal_whole_image_encoding(qwen):
         assert (llm.engine.core.runner.sliced_encoder.num_units_run > 0) == (budget > 0)
     assert results[4] == results[0]
     assert results[24] == results[0]
+    expected = [_hf_ids(hf_model, r["prompt_token_ids"], r["multi_modal_data"]["image"], 12) if isinstance(r, dict)
+                else _hf_ids(hf_model, r, [], 12) for r in requests]
+    assert results[4] == expected
 
 
 def test_abort_mid_encoding_drops_the_partial_state(qwen):
