@@ -55,7 +55,7 @@ def build_model(directory: str, image_size: int) -> None:
 
 
 def run_round(engine: LLMEngine, args: argparse.Namespace, rng: np.random.Generator, tag: str,
-              steps: list[tuple[str, float]]) -> Iterator[None]:
+              steps: list[tuple[str, float, float]]) -> Iterator[None]:
     """One scenario: text streams decode, image requests arrive, then two chunk-long text
     prompts; every step timed and classified into `steps`. Yields after each timed step,
     so that two configurations' steps can alternate."""
@@ -73,6 +73,7 @@ def run_round(engine: LLMEngine, args: argparse.Namespace, rng: np.random.Genera
 
     def timed_step(kind_if_plain: str) -> None:
         encoded, units = runner.encoder_cache.num_images_encoded, runner.sliced_encoder.num_units_run
+        encoder_seconds = runner.encoder_cache.encoder_seconds
         prefilling = {seq.seq_id for seq in scheduler.running if seq.num_computed_tokens < seq.num_prompt_tokens}
         scheduled: dict[str, int] = {}
         execute = runner.execute
@@ -92,7 +93,7 @@ def run_round(engine: LLMEngine, args: argparse.Namespace, rng: np.random.Genera
             kind = "encoding + prefill" if prompt_tokens else "encoding"
         else:
             kind = "image prefill" if prompt_tokens and kind_if_plain == "decode" else kind_if_plain
-        steps.append((kind, elapsed))
+        steps.append((kind, elapsed, runner.encoder_cache.encoder_seconds - encoder_seconds))
 
     for _ in range(20):
         timed_step("decode")
@@ -120,16 +121,21 @@ def run_round(engine: LLMEngine, args: argparse.Namespace, rng: np.random.Genera
         engine.abort_request(request_id)
 
 
-def report(label: str, steps: list[tuple[str, float]]) -> dict[str, list[float]]:
+def report(label: str, steps: list[tuple[str, float, float]]) -> dict[str, list[float]]:
+    """Step times per kind, and (for scale against the step) the encoder's own time in it."""
     by_kind: dict[str, list[float]] = {}
-    for kind, elapsed in steps:
+    encoder_ms: dict[str, list[float]] = {}
+    for kind, elapsed, encoder in steps:
         by_kind.setdefault(kind, []).append(elapsed * 1e3)
+        encoder_ms.setdefault(kind, []).append(encoder * 1e3)
     decode_median = statistics.median(by_kind["decode"])
     print(label)
-    print(f"{'steps':>20} {'n':>4} {'median ms':>10} {'max ms':>8} {'median / decode':>16} {'max / decode':>13}")
+    print(f"{'steps':>20} {'n':>4} {'median ms':>10} {'max ms':>8} {'median / decode':>16} {'max / decode':>13} "
+          f"{'encoder median ms':>18}")
     for kind, times in by_kind.items():
         print(f"{kind:>20} {len(times):>4} {statistics.median(times):>10.2f} {max(times):>8.2f} "
-              f"{statistics.median(times) / decode_median:>16.2f} {max(times) / decode_median:>13.2f}")
+              f"{statistics.median(times) / decode_median:>16.2f} {max(times) / decode_median:>13.2f} "
+              f"{statistics.median(encoder_ms[kind]):>18.2f}")
     return by_kind
 
 
@@ -159,7 +165,7 @@ def main() -> None:
     loaded = load_engine_model(base)
     engines = {label: LLMEngine(replace(base, encoder_budget_per_step=budget), loaded)
                for label, budget in configs.items()}
-    steps: dict[str, list[tuple[str, float]]] = {label: [] for label in configs}
+    steps: dict[str, list[tuple[str, float, float]]] = {label: [] for label in configs}
     for round_index in range(args.rounds):
         # The same requests and images for both; their steps alternate one for one.
         rounds = [run_round(engine, args, np.random.default_rng(round_index), f"{label}-{round_index}", steps[label])
