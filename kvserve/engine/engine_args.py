@@ -166,8 +166,9 @@ class EngineArgs:
         return CPU_MAX_NUM_BATCHED_TOKENS if device.type == "cpu" else GPU_MAX_NUM_BATCHED_TOKENS
 
     def resolved_encoder_budget_per_step(self, device: torch.device) -> int:
-        """On a GPU the tower runs whole by default: an image's encoding takes milliseconds
-        there, and slicing it would trade batched encoder kernels for many small launches."""
+        """On a GPU the tower runs whole by default: a batch of images encodes in milliseconds
+        there, slices would replace its large batched kernels with many small launches, and
+        the sliced tower's cost on a GPU is not measured yet."""
         if self.encoder_budget_per_step is not None:
             if self.encoder_budget_per_step < 0:
                 raise ValueError(f"encoder_budget_per_step must be >= 0, got {self.encoder_budget_per_step}")
