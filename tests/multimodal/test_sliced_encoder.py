@@ -224,3 +224,29 @@ def test_preemption_mid_encoding_drops_the_partial_state_and_recomputes(qwen):
     assert preempted_with_job
     assert outputs["image"] == _hf_ids(hf_model, prompt, images, 4)
     assert runner.encoder_cache.num_images_encoded == 3
+
+
+def test_the_budget_flag_per_device_and_model(qwen, tmp_path):
+    import argparse
+
+    from kvserve.engine.engine_args import CPU_ENCODER_BUDGET_PER_STEP, EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    default = EngineArgs.from_cli_args(parser.parse_args([]))
+    assert default.resolved_encoder_budget_per_step(cpu) == CPU_ENCODER_BUDGET_PER_STEP
+    assert default.resolved_encoder_budget_per_step(gpu) == 0  # whole images: the GPU path as it was
+    chosen = EngineArgs.from_cli_args(parser.parse_args(["--encoder-budget-per-step", "32"]))
+    assert chosen.resolved_encoder_budget_per_step(gpu) == 32
+    with pytest.raises(ValueError, match="encoder_budget_per_step"):
+        EngineArgs(encoder_budget_per_step=-1).resolved_encoder_budget_per_step(cpu)
+    # LLaVA's tower always runs whole; Qwen2-VL's is sliced unless the budget is 0.
+    llava, _ = save_model("llava", str(tmp_path / "llava"))
+    assert LLM(model=llava, kv_cache_memory="8MiB", max_model_len=256).engine.core.scheduler.encoder_slicer is None
+    directory, _ = qwen
+    assert LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256,
+               encoder_budget_per_step=0).engine.core.scheduler.encoder_slicer is None
+    slicing = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256).engine.core.scheduler_config.encoder_slicing
+    assert (slicing.budget_per_step, slicing.num_passes, slicing.rows_per_group) == (
+        CPU_ENCODER_BUDGET_PER_STEP, DEPTH + 1, 4)
