@@ -88,6 +88,9 @@ class EncoderSlicing:
     budget_per_step: int  # row-passes one step may run (a job's first slice may take one group more)
     num_passes: int  # passes over an image's rows: the patch embedding, then each block
     rows_per_group: int  # rows a slice keeps together (the patch merger's merge group)
+    # Rows of every image (LLaVA: its patches and class token); 0: each image's own, the
+    # first dimension of its pixel_values (Qwen2-VL's patches).
+    rows_per_image: int = 0
 
 
 @dataclass

@@ -393,7 +393,7 @@ class EngineArgs:
         group.add_argument(
             "--encoder-budget-per-step", type=int, default=None,
             help="Vision encoder work one step may run, in patch rows times tower layers: an "
-            "image's encoding (Qwen2-VL, Qwen2.5-VL) is spread over steps so running streams keep "
+            "image's encoding is spread over steps so running streams keep "
             "decoding, and its placeholder tokens are prefilled once it is complete; 0 encodes each "
             f"image whole in one step. Default: {CPU_ENCODER_BUDGET_PER_STEP} on CPU, 0 on GPU.",
         )

@@ -47,6 +47,36 @@ def _num_rows(images) -> int:
     return int(image_processor(KIND)(images=images, return_tensors="pt")["pixel_values"].shape[0])
 
 
+@pytest.mark.parametrize("kind", ["llava", "llava_siglip"])
+@pytest.mark.parametrize("slice_units", [1, 7, 100, 10**6])
+def test_sliced_llava_tower_matches_transformers(kind, slice_units):
+    """CLIP (features: the second-to-last layer, class token dropped) and SigLIP (the last
+    layer, every patch), three images in one batch, against transformers' tower and
+    projector."""
+    from kvserve.model_executor.models import llava_vision_slices
+    from kvserve.model_executor.models.vision_language import _llava_feature_layers
+
+    model = build_model(kind)
+    tower, projector, config = model.model.vision_tower, model.model.multi_modal_projector, model.config
+    pixels = image_processor(kind)(images=drawn_images(), return_tensors="pt")["pixel_values"]
+    skip = 1 if config.vision_feature_select_strategy == "default" else 0
+    with torch.no_grad():
+        hidden_states = tower(pixels, output_hidden_states=True).hidden_states
+        expected = projector(hidden_states[config.vision_feature_layer][:, skip:])
+        state = llava_vision_slices.begin(tower, pixels, _llava_feature_layers(config), skip,
+                                          projector.linear_2.out_features)
+        runs = []
+        while not state.finished:
+            runs.append(llava_vision_slices.advance(tower, projector, state, slice_units))
+        embeddings = llava_vision_slices.result(state)
+    rows = 3 * (16 + skip)
+    # The embeddings' pass, then the layers up to the features' (past them none runs).
+    total = rows * (config.vision_feature_layer % len(hidden_states) + 1)
+    assert state.total_units == total
+    assert runs == [slice_units] * (total // slice_units) + ([total % slice_units] if total % slice_units else [])
+    torch.testing.assert_close(torch.stack(embeddings), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
 @pytest.mark.parametrize("slice_units", [4, 12, 100, 10**6])
 def test_sliced_tower_matches_transformers(kind, slice_units):
@@ -241,12 +271,34 @@ def test_the_budget_flag_per_device_and_model(qwen, tmp_path):
     assert chosen.resolved_encoder_budget_per_step(gpu) == 32
     with pytest.raises(ValueError, match="encoder_budget_per_step"):
         EngineArgs(encoder_budget_per_step=-1).resolved_encoder_budget_per_step(cpu)
-    # LLaVA's tower always runs whole; Qwen2-VL's is sliced unless the budget is 0.
+    # LLaVA (CLIP): 16 patches and the class token per image, through the embeddings and
+    # layer 0 (its features are the second-to-last of 2 layers' hidden states).
     llava, _ = save_model("llava", str(tmp_path / "llava"))
-    assert LLM(model=llava, kv_cache_memory="8MiB", max_model_len=256).engine.core.scheduler.encoder_slicer is None
+    slicing = LLM(model=llava, kv_cache_memory="8MiB", max_model_len=256).engine.core.scheduler_config.encoder_slicing
+    assert (slicing.num_passes, slicing.rows_per_group, slicing.rows_per_image) == (2, 1, 17)
     directory, _ = qwen
     assert LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256,
                encoder_budget_per_step=0).engine.core.scheduler.encoder_slicer is None
     slicing = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256).engine.core.scheduler_config.encoder_slicing
     assert (slicing.budget_per_step, slicing.num_passes, slicing.rows_per_group) == (
         CPU_ENCODER_BUDGET_PER_STEP, DEPTH + 1, 4)
+
+
+@pytest.mark.parametrize("kind", ["llava", "llava_siglip"])
+def test_llava_engine_tokens_sliced_equal_transformers(kind, tmp_path):
+    from tests.vision_models import LLAVA_IMAGE
+
+    directory, hf_model = save_model(kind, str(tmp_path / kind))
+    images = drawn_images()[:2]
+    prompt = [1, 10, 11, LLAVA_IMAGE, 20, LLAVA_IMAGE, 21, 30]
+    llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, encoder_budget_per_step=5)
+    steps = _steps(llm)
+    (output,) = llm.generate([_request(prompt, images)], GREEDY)
+    inputs = hf_inputs(kind, prompt, images)
+    with torch.no_grad():
+        expected = hf_model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    assert output.outputs[0].token_ids == expected
+    slicing = llm.engine.core.scheduler_config.encoder_slicing
+    assert all(step["ran"] <= 5 for step in steps)
+    assert sum(step["ran"] for step in steps) == 2 * slicing.rows_per_image * slicing.num_passes

@@ -52,7 +52,8 @@ class EncoderSlicer:
         return bool(self._jobs)
 
     def units_of(self, image: ImageFeature) -> int:
-        return image.tensors["pixel_values"].shape[0] * self.slicing.num_passes
+        rows = self.slicing.rows_per_image or image.tensors["pixel_values"].shape[0]
+        return rows * self.slicing.num_passes
 
     def fit(self, seq_id: str, images: Sequence[ImageFeature], start: int, num_new: int) -> int:
         """The tokens of [start, start + num_new) this step may compute: up to the first

@@ -12,12 +12,13 @@ and next blocks' q/k/v, and the merged output: a few times the image's activatio
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvserve.model_executor.models.vision_slices import segment_attention
 
 
 @dataclass
@@ -136,7 +137,8 @@ def _run_rows(visual: nn.Module, state: VisionSliceState, start: int, end: int) 
         out = _embed_patches(visual.patch_embed.proj, state.pixels[start:end])
     else:
         block = visual.blocks[state.pass_index - 1]
-        attended = _attention(block.attn, state.qkv, state.segment_starts[state.pass_index - 1], start, end)
+        attended = segment_attention(state.qkv, state.segment_starts[state.pass_index - 1], start, end,
+                                     block.attn.scaling)
         out = state.hidden[start:end] + block.attn.proj(attended)
         out = out + block.mlp(block.norm2(out))
     state.next_hidden[start:end] = out
@@ -161,22 +163,3 @@ def _project_qkv(block: nn.Module, hidden: torch.Tensor, state: VisionSliceState
     q, k, v = attn.qkv(block.norm1(hidden)).reshape(end - start, 3, attn.num_heads, -1).permute(1, 0, 2, 3)
     q, k = apply_rotary_pos_emb_vision(q, k, state.cos[start:end], state.sin[start:end])
     state.next_qkv[0, start:end], state.next_qkv[1, start:end], state.next_qkv[2, start:end] = q, k, v
-
-
-def _attention(attn: nn.Module, qkv: torch.Tensor, segment_starts: list[int], start: int, end: int) -> torch.Tensor:
-    """Rows [start, end) attending to every row of their own segment (image or window)."""
-    outputs = []
-    first = bisect.bisect_right(segment_starts, start) - 1
-    for index in range(first, len(segment_starts) - 1):
-        seg_start, seg_end = segment_starts[index], segment_starts[index + 1]
-        if seg_start >= end:
-            break
-        lo, hi = max(seg_start, start), min(seg_end, end)
-        if lo >= hi:
-            continue
-        q = qkv[0, lo:hi].transpose(0, 1)[None]  # [1, heads, rows, head dim]
-        k = qkv[1, seg_start:seg_end].transpose(0, 1)[None]
-        v = qkv[2, seg_start:seg_end].transpose(0, 1)[None]
-        out = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling)
-        outputs.append(out[0].transpose(0, 1).reshape(hi - lo, -1))
-    return torch.cat(outputs)
