@@ -279,7 +279,8 @@ def test_the_budget_flag_per_device_and_model(qwen, tmp_path):
     directory, _ = qwen
     assert LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256,
                encoder_budget_per_step=0).engine.core.scheduler.encoder_slicer is None
-    slicing = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256).engine.core.scheduler_config.encoder_slicing
+    llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256)
+    slicing = llm.engine.core.scheduler_config.encoder_slicing
     assert (slicing.budget_per_step, slicing.num_passes, slicing.rows_per_group) == (
         CPU_ENCODER_BUDGET_PER_STEP, DEPTH + 1, 4)
 
