@@ -80,6 +80,20 @@ class CacheConfig:
 
 
 @dataclass
+class EncoderSlicing:
+    """Vision encoder work spread over steps (core/sched/encoder_slicer.py). Work is counted
+    in row-passes: one patch row through one pass of the tower (its patch embedding, or one
+    of its blocks)."""
+
+    budget_per_step: int  # row-passes one step may run (a job's first slice may take one group more)
+    num_passes: int  # passes over an image's rows: the patch embedding, then each block
+    rows_per_group: int  # rows a slice keeps together (the patch merger's merge group)
+    # Rows of every image (LLaVA: its patches and class token); 0: each image's own, the
+    # first dimension of its pixel_values (Qwen2-VL's patches).
+    rows_per_image: int = 0
+
+
+@dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -89,6 +103,8 @@ class SchedulerConfig:
     max_loras: int = 0  # LoRA adapters that may run at once (the device's slots); 0: no LoRA
     # Prompts cut only at fixed chunk boundaries, whatever else a step runs (canonical_chunks.py).
     batch_invariant: bool = False
+    # None: each image is encoded whole in the step that first computes its placeholders.
+    encoder_slicing: EncoderSlicing | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -34,6 +34,7 @@ from kvserve.model_executor.default_model import default_model_path
 from kvserve.model_executor.loader import LoadedModel, load_model
 from kvserve.model_executor.kv_sizing import kv_cache_bytes_per_block
 from kvserve.model_executor.model_runner import ModelRunner
+from kvserve.model_executor.models.vision_language import encoder_slicing
 from kvserve.quantization.batch_invariance import make_batch_invariant
 from kvserve.quantization.cpu_plan import (
     AUTO,
@@ -140,6 +141,8 @@ class EngineCore:
             spec_config, draft, loaded = self._load(args, loaded, dtype)
             self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
             self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
+            self.scheduler_config.encoder_slicing = encoder_slicing(
+                self.model_config, args.resolved_encoder_budget_per_step(self.device))
             self.runner = ModelRunner(
                 loaded.model, self.model_config, self.cache_config, self.scheduler_config,
                 self.device, args.attention_backend, self.max_model_len, args.enforce_eager,
@@ -350,8 +353,10 @@ class EngineCore:
         step that may not come (a draft model's blocks, seeded generators)."""
         if not self.has_unfinished_requests():
             finished = self.scheduler.step_builder.take_dropped()
-            if finished:
-                self.runner.execute(SchedulerOutput(finished_seq_ids=finished))
+            slicer = self.scheduler.encoder_slicer
+            cancelled = [] if slicer is None else slicer.take_cancelled()
+            if finished or cancelled:
+                self.runner.execute(SchedulerOutput(finished_seq_ids=finished, encoder_cancelled=cancelled))
 
     def _finish(self, request: Request, status: SequenceStatus) -> None:
         for seq in request.sequences:
@@ -490,7 +495,7 @@ class EngineCore:
     def _can_defer(self, sched: SchedulerOutput, seqs: list[Sequence]) -> bool:
         """A step whose tokens may be read later: every sequence decodes one token and can
         be sampled ahead."""
-        return self.overlap_scheduling and all(
+        return self.overlap_scheduling and bool(seqs) and not sched.encoder_slices and all(
             sched.num_scheduled_tokens[seq.seq_id] == 1
             and seq.num_computed_tokens + 1 == seq.num_tokens
             and can_sample_ahead(seq)

@@ -41,6 +41,10 @@ def _json_dict(text: str) -> dict[str, Any]:
 
 # Images a prompt may carry unless --limit-mm-per-prompt says otherwise.
 DEFAULT_IMAGES_PER_PROMPT = 8
+# Vision encoder row-passes one CPU step may run (--encoder-budget-per-step): less than a
+# decode step of a decoder sized like the tower, so a step that encodes takes under twice a
+# decode step (benchmarks/cpu_vision_itl.py: 1.7x at 128, 2.1x at 256).
+CPU_ENCODER_BUDGET_PER_STEP = 128
 
 
 def _mm_limits(text: str) -> dict[str, int]:
@@ -106,6 +110,9 @@ class EngineArgs:
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_local_media_path: str | None = None
     allow_remote_media: bool = False
+    # Vision encoder work one step may run, in row-passes (config.EncoderSlicing); 0: each
+    # image encoded whole in one step; None: per device (resolved_encoder_budget_per_step).
+    encoder_budget_per_step: int | None = None
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
@@ -157,6 +164,16 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return CPU_MAX_NUM_BATCHED_TOKENS if device.type == "cpu" else GPU_MAX_NUM_BATCHED_TOKENS
+
+    def resolved_encoder_budget_per_step(self, device: torch.device) -> int:
+        """On a GPU the tower runs whole by default: a batch of images encodes in milliseconds
+        there, slices would replace its large batched kernels with many small launches, and
+        the sliced tower's cost on a GPU is not measured yet."""
+        if self.encoder_budget_per_step is not None:
+            if self.encoder_budget_per_step < 0:
+                raise ValueError(f"encoder_budget_per_step must be >= 0, got {self.encoder_budget_per_step}")
+            return self.encoder_budget_per_step
+        return CPU_ENCODER_BUDGET_PER_STEP if device.type == "cpu" else 0
 
     def resolved_batch_invariant(self, device: torch.device) -> bool:
         if self.batch_invariant is not None:
@@ -374,6 +391,13 @@ class EngineArgs:
             "--limit-mm-per-prompt", default=None, type=_mm_limits,
             help="Most images a prompt may carry, as image=N or JSON '{\"image\": N}' "
             f"(default {DEFAULT_IMAGES_PER_PROMPT}); a request with more is refused with a 400.",
+        )
+        group.add_argument(
+            "--encoder-budget-per-step", type=int, default=None,
+            help="Vision encoder work one step may run, in patch rows times tower layers: an "
+            "image's encoding is spread over steps so running streams keep "
+            "decoding, and its placeholder tokens are prefilled once it is complete; 0 encodes each "
+            f"image whole in one step. Default: {CPU_ENCODER_BUDGET_PER_STEP} on CPU, 0 on GPU.",
         )
         group.add_argument(
             "--allowed-local-media-path", default=None,

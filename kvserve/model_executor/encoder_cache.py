@@ -25,6 +25,7 @@ class EncoderCache:
         # Counters the engine reports: images encoded, and the seconds spent encoding.
         self.num_images_encoded = 0
         self.encoder_seconds = 0.0
+        self._evicted: list[str] = []  # since take_evicted: the scheduler's view of what is ready
 
     def __contains__(self, image_hash: str) -> bool:
         return image_hash in self._entries
@@ -50,14 +51,30 @@ class EncoderCache:
             self.encoder_seconds += time.perf_counter() - start
             self.num_images_encoded += len(missing)
             for feature, embedding in zip(missing.values(), embeddings, strict=True):
-                if embedding.shape[0] != feature.length:
-                    raise ValueError(f"image {feature.image_hash}: the encoder produced {embedding.shape[0]} "
-                                     f"embeddings for {feature.length} placeholder tokens")
-                self._entries[feature.image_hash] = embedding
-                self.num_cached_tokens += embedding.shape[0]
+                self._insert(feature, embedding)
         wanted = {feature.image_hash for feature in features}
         self._evict(keep=wanted)
         return {image_hash: self._entries[image_hash] for image_hash in wanted}
+
+    def put(self, features: Sequence[ImageFeature], embeddings: Sequence[torch.Tensor]) -> None:
+        """Embeddings encoded elsewhere (a sliced encoder job that finished)."""
+        for feature, embedding in zip(features, embeddings, strict=True):
+            self._insert(feature, embedding)
+        self._evict(keep={feature.image_hash for feature in features})
+
+    def take_evicted(self) -> list[str]:
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def _insert(self, feature: ImageFeature, embedding: torch.Tensor) -> None:
+        if embedding.shape[0] != feature.length:
+            raise ValueError(f"image {feature.image_hash}: the encoder produced {embedding.shape[0]} "
+                             f"embeddings for {feature.length} placeholder tokens")
+        previous = self._entries.pop(feature.image_hash, None)
+        if previous is not None:
+            self.num_cached_tokens -= previous.shape[0]
+        self._entries[feature.image_hash] = embedding
+        self.num_cached_tokens += embedding.shape[0]
 
     def _evict(self, keep: set[str]) -> None:
         for image_hash in list(self._entries):
@@ -65,3 +82,4 @@ class EncoderCache:
                 break
             if image_hash not in keep:
                 self.num_cached_tokens -= self._entries.pop(image_hash).shape[0]
+                self._evicted.append(image_hash)

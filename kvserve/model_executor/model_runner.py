@@ -25,6 +25,7 @@ from kvserve.lora.slots import LoRASlots
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
 from kvserve.model_executor.encoder_cache import EncoderCache
+from kvserve.model_executor.sliced_encoder import SlicedEncoder
 from kvserve.model_executor.inflight import InflightStep
 from kvserve.model_executor.kv_sizing import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -198,6 +199,7 @@ class ModelRunner:
         self.compiled_decode = self._compiled_decode(compile_decode)
         self.encoder_cache = EncoderCache(
             max(MIN_ENCODER_CACHE_TOKENS, scheduler_config.max_num_batched_tokens))
+        self.sliced_encoder = SlicedEncoder(self.encoder_cache)
 
     def _compiled_decode(self, compile_decode: bool | None) -> CompiledDecode | None:
         """The compiled CPU decode step: compiled now for an explicit True (which raises if
@@ -524,16 +526,23 @@ class ModelRunner:
             self.step_sampler.forget(sched.finished_seq_ids)
         if self.speculator is not None and (sched.finished_seq_ids or sched.preempted_seq_ids):
             self.speculator.retain(self.seqs)
+        self.sliced_encoder.cancel(sched.encoder_cancelled)
+        if sched.encoder_slices:  # before the forward: a step may prefill an image its slice finishes
+            self.sliced_encoder.run(sched.encoder_slices, self.model, self._device_sync)
+
+    def _device_sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- a step with its sampling ----------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step and sample it; returns once the tokens are on the host. A step
-        that schedules nothing only says what finished."""
-        if sched.is_empty:
+        that schedules no tokens only says what finished and runs its encoder slices."""
+        if not sched.num_scheduled_tokens:
             self._apply(sched)
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(encoder_evicted=self.encoder_cache.take_evicted())
         logits = self.forward(sched)
         output = self.step_sampler.sample(
             sched, self.seqs, logits.sample_logits, logits.sampling_seq_ids,
@@ -543,6 +552,7 @@ class ModelRunner:
         if self._lora_failures:
             output.failed.update(self._lora_failures)
             self._lora_failures = {}
+        output.encoder_evicted = self.encoder_cache.take_evicted()
         return output
 
     @torch.inference_mode()
@@ -717,8 +727,8 @@ class ModelRunner:
     def _merge_images(self, input_ids: torch.Tensor, spans: list[ImageSpan]) -> torch.Tensor:
         """The step's input embeddings: token embeddings, with each image's placeholder
         rows replaced by its encoder output (encoded once per image, EncoderCache)."""
-        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
-        embeddings = self.encoder_cache.get([span.feature for span in spans], self.model.encode_images, sync)
+        embeddings = self.encoder_cache.get([span.feature for span in spans], self.model.encode_images,
+                                            self._device_sync)
         inputs_embeds = self.model.model.embed_tokens(input_ids)
         for span in spans:
             rows = embeddings[span.feature.image_hash][span.first_row : span.first_row + span.num_rows]

@@ -66,7 +66,9 @@ def test_chunked_prefill_splits_image_tokens_and_encodes_each_image_once(qwen):
     num_prompt = len(prompt) - 3 + sum(num_image_tokens(KIND, image) for image in images)
     budget = 3  # smaller than every image's placeholder run: each image spans several steps
     assert all(num_image_tokens(KIND, image) > budget for image in images)
-    llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=budget)
+    # Images encoded whole in the step that reaches them (test_sliced_encoder.py: spread over steps).
+    llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=budget,
+              encoder_budget_per_step=0)
     steps = _record_steps(llm)
     (output,) = llm.generate(_request(prompt, images), GREEDY)
     assert output.outputs[0].token_ids == _hf_ids(hf_model, prompt, images)
@@ -201,7 +203,9 @@ def test_a_step_starts_encoder_work_within_its_token_budget(qwen):
     # Images of 6, 8 and 4 tokens at offsets 2, 11 and 22: the first 12 tokens would start
     # the first two (14 > 12) without the encoder budget.
     budget = 12
-    llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=budget)
+    # Images encoded whole in the step that reaches them (test_sliced_encoder.py: spread over steps).
+    llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=budget,
+              encoder_budget_per_step=0)
     steps = _record_steps(llm)
     (output,) = llm.generate(_request(prompt, images), GREEDY)
     assert output.outputs[0].token_ids == _hf_ids(hf_model, prompt, images)

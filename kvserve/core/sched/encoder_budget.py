@@ -1,5 +1,6 @@
-"""How much vision encoder work a step may start: an image is encoded whole in the step
-that computes its first placeholder token, so a prefill chunk that reaches several images
+"""How much vision encoder work a step may start when images are encoded whole (no
+--encoder-budget-per-step; encoder_slicer.py spreads them over steps instead): an image is
+encoded whole in the step that computes its first placeholder token, so a prefill chunk that reaches several images
 could make one step encode far more than its token budget and stall every running stream
 for it. A step starts images only while their placeholder tokens fit the step's token
 budget (the first image always starts, so a larger one still progresses); a chunk that

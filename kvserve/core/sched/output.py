@@ -50,6 +50,16 @@ class CachedSequenceData:
 
 
 @dataclass
+class EncoderSlice:
+    """Vision encoder work of one step on one job (a batch of images encoded together)."""
+
+    job_id: int
+    num_units: int  # row-passes to run (see config.EncoderSlicing)
+    # The job's images, sent with its first slice only (the runner keeps them until it ends).
+    images: list[ImageFeature] = field(default_factory=list)
+
+
+@dataclass
 class SchedulerOutput:
     new_seqs: list[NewSequenceData] = field(default_factory=list)
     cached_seqs: list[CachedSequenceData] = field(default_factory=list)
@@ -70,6 +80,10 @@ class SchedulerOutput:
     # step, and those preempted in this one (they come back as new sequences).
     finished_seq_ids: list[str] = field(default_factory=list)
     preempted_seq_ids: list[str] = field(default_factory=list)
+    # Vision encoder slices the runner runs before the forward pass, and jobs it drops
+    # (their partial state) because no sequence waits for their images any more.
+    encoder_slices: list[EncoderSlice] = field(default_factory=list)
+    encoder_cancelled: list[int] = field(default_factory=list)
 
     @property
     def scheduled_seq_ids(self) -> list[str]:
@@ -81,7 +95,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens
+        """Nothing for the runner to run (what finished may still be news to it)."""
+        return not self.num_scheduled_tokens and not self.encoder_slices and not self.encoder_cancelled
 
 
 @dataclass
@@ -113,3 +128,5 @@ class ModelRunnerOutput:
     draft_tree_parents: dict[str, list[int]] = field(default_factory=dict)
     # Sequences whose sampling raised (id -> the error): their requests fail, no other.
     failed: dict[str, str] = field(default_factory=dict)
+    # Images whose embeddings the encoder cache dropped since the last output.
+    encoder_evicted: list[str] = field(default_factory=list)

@@ -18,6 +18,7 @@ from kvserve.core.kv_cache_manager import BlockCopy, KVCacheManager
 from kvserve.core.sched.canonical_chunks import CanonicalChunks, canonical_chunk_size
 from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
 from kvserve.core.sched.encoder_budget import EncoderBudget
+from kvserve.core.sched.encoder_slicer import EncoderSlicer
 from kvserve.core.sched.step_builder import StepBuilder
 from kvserve.core.sequence import Sequence, SequenceStatus, check_stop
 
@@ -73,6 +74,8 @@ class Scheduler:
             size = (canonical_chunk_size(config.max_num_batched_tokens, config.max_num_seqs, kv_cache.block_size)
                     if config.enable_chunked_prefill else None)
             self.canonical = CanonicalChunks(size, kv_cache.block_size)
+        self.encoder_slicer = None if config.encoder_slicing is None else EncoderSlicer(
+            config.encoder_slicing, config.max_num_batched_tokens)
 
     # -- queue management ------------------------------------------------------------------
 
@@ -111,6 +114,8 @@ class Scheduler:
         self.seqs.pop(seq.seq_id, None)
         self.kv_cache.free(seq.seq_id)
         self.step_builder.drop(seq.seq_id)
+        if self.encoder_slicer is not None:
+            self.encoder_slicer.release(seq.seq_id)
 
     def scheduled(self, out: SchedulerOutput) -> list[Sequence]:
         """The sequences a step runs, in batch order."""
@@ -161,6 +166,8 @@ class Scheduler:
         self.step_builder.resend(seq.seq_id)
         returned_budget = scheduled.pop(seq, 0)
         copies.pop(seq.seq_id, None)
+        if self.encoder_slicer is not None:
+            self.encoder_slicer.release(seq.seq_id)
         seq.reset_for_recompute()
         self.add(seq)
         preempted.append(seq)
@@ -176,6 +183,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         budget = self.config.max_num_batched_tokens
         encoder_budget = EncoderBudget(budget)
+        slicer = self.encoder_slicer
 
         # Running sequences first: decodes and prefills already under way.
         for seq in list(self.running):
@@ -288,6 +296,9 @@ class Scheduler:
             finished_seq_ids=self.step_builder.take_dropped(),
             preempted_seq_ids=[seq.seq_id for seq in preempted],
         )
+        if slicer is not None:
+            out.encoder_slices = slicer.take_step()
+            out.encoder_cancelled = slicer.take_cancelled()
         for seq, num_new in scheduled.items():
             out.block_copies.extend(copies[seq.seq_id])
             if self.canonical is None or self.canonical.is_full_prompt_chunk(
@@ -310,12 +321,16 @@ class Scheduler:
     def _fit_images(self, encoder_budget: EncoderBudget, seq: Sequence, start: int, num_new: int,
                     step_has_others: bool) -> int:
         """The tokens of the piece the step may compute without starting more image encoding
-        than its budget allows. A batch-invariant piece is never cut: it waits for a step
-        with room, or runs whole when it is the first thing its step schedules."""
-        fitted = encoder_budget.fit(seq.mm_features, start, num_new)
+        than its budget allows (whole images), or up to the first image whose sliced
+        encoding is not finished. A batch-invariant piece is never cut: it waits for a step
+        with room, or, with whole images, runs whole when it is the first thing its step
+        schedules; with sliced encoding it waits until its images are ready."""
+        slicer = self.encoder_slicer
+        fitted = (encoder_budget.fit(seq.mm_features, start, num_new) if slicer is None
+                  else slicer.fit(seq.seq_id, seq.mm_features, start, num_new))
         if self.canonical is None or fitted == num_new or start >= seq.num_prompt_tokens:
             return fitted
-        return 0 if step_has_others else num_new
+        return 0 if step_has_others or slicer is not None else num_new
 
     def add_to_step(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         request = seq.request
@@ -334,8 +349,8 @@ class Scheduler:
         (overlapped scheduling: the step is launched before the host reads it). None when
         it must wait for the host: requests waiting for admission (admitted in a step of
         their own) or too few free blocks (preemption happens in a step of its own)."""
-        if self.waiting:
-            return None
+        if self.waiting or (self.encoder_slicer is not None and self.encoder_slicer.busy):
+            return None  # encoder slices run in steps scheduled with the host's view
         copies: list[BlockCopy] = []
         for seq in seqs:
             # Blocks taken here before a failure are the ones the next step needs anyway.
@@ -367,6 +382,8 @@ class Scheduler:
         sequences whose tokens end them, give back the blocks of rejected drafts, and take
         the drafts of the next step. `inputs_were_in_flight`: an overlapped step, whose
         tokens were unknown when it was scheduled (its full blocks are registered now)."""
+        if self.encoder_slicer is not None and out.encoder_evicted:
+            self.encoder_slicer.forget(out.encoder_evicted)
         updates = []
         for sampled in out.sampled:
             seq = self.seqs.get(sampled.seq_id)

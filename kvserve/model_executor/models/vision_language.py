@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
-from kvserve.config import ModelConfig
+from kvserve.config import EncoderSlicing, ModelConfig
+from kvserve.model_executor.models import llava_vision_slices, qwen_vision_slices
 from kvserve.model_executor.models.llama import LlamaForCausalLM
 
 LLAVA = "LlavaForConditionalGeneration"
@@ -45,6 +46,30 @@ def image_token_id(hf_config: dict[str, Any]) -> int:
         if hf_config.get(key) is not None:
             return int(hf_config[key])
     raise ValueError("config.json names no image_token_id")
+
+
+def encoder_slicing(config: ModelConfig, budget_per_step: int) -> EncoderSlicing | None:
+    """How a model's vision tower is spread over steps; None where it runs whole (a budget of
+    0, or not a vision-language model)."""
+    if budget_per_step <= 0 or config.architecture not in VISION_LANGUAGE_ARCHITECTURES:
+        return None
+    hf = hf_config_object(config.hf_config or {})
+    vision = hf.vision_config
+    if config.architecture == LLAVA:
+        patches = (vision.image_size // vision.patch_size) ** 2
+        rows = patches + (1 if vision.model_type == "clip_vision_model" else 0)  # CLIP's class token
+        return EncoderSlicing(budget_per_step, max(_llava_feature_layers(hf)) + 1, 1, rows)
+    return EncoderSlicing(budget_per_step, qwen_vision_slices.num_passes(vision.depth),
+                          vision.spatial_merge_size**2)
+
+
+def _llava_feature_layers(hf) -> list[int]:
+    """The hidden-state indices (0: the embeddings, i: after i layers) LLaVA's features
+    concatenate, negative ones counted from the last."""
+    layers = hf.vision_feature_layer
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    num_states = hf.vision_config.num_hidden_layers + 1
+    return [layer % num_states for layer in layers]
 
 
 def _no_init_weights():
@@ -136,6 +161,19 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         features = torch.cat([out.hidden_states[layer][:, skip:] for layer in layers], dim=-1)
         return list(self.multi_modal_projector(features).to(self.config.dtype))
 
+    # The same tower a slice at a time (llava_vision_slices.py).
+    def begin_encoding(self, images: list[dict[str, torch.Tensor]]) -> llava_vision_slices.ClipSliceState:
+        pixels = self._vision_input(torch.cat([image["pixel_values"] for image in images]))
+        skip = 1 if self.hf.vision_feature_select_strategy == "default" else 0
+        out_dim = self.multi_modal_projector.linear_2.out_features
+        return llava_vision_slices.begin(self.vision_tower, pixels, _llava_feature_layers(self.hf), skip, out_dim)
+
+    def advance_encoding(self, state: llava_vision_slices.ClipSliceState, num_units: int) -> int:
+        return llava_vision_slices.advance(self.vision_tower, self.multi_modal_projector, state, num_units)
+
+    def finish_encoding(self, state: llava_vision_slices.ClipSliceState) -> list[torch.Tensor]:
+        return [embedding.to(self.config.dtype) for embedding in llava_vision_slices.result(state)]
+
 
 class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     _RENAMES = (
@@ -168,3 +206,16 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         merged = self.visual(pixels, grid_thw=grid_thw).pooler_output
         sizes = (grid_thw.prod(-1) // self.visual.spatial_merge_size**2).tolist()
         return list(merged.to(self.config.dtype).split(sizes))
+
+    # The same tower a slice at a time (qwen_vision_slices.py): the batch's state, its next
+    # `num_units` row-passes, and the embeddings once it has finished.
+    def begin_encoding(self, images: list[dict[str, torch.Tensor]]) -> qwen_vision_slices.VisionSliceState:
+        pixels = self._vision_input(torch.cat([image["pixel_values"] for image in images]))
+        grid_thw = torch.cat([image["image_grid_thw"] for image in images]).to(pixels.device)
+        return qwen_vision_slices.begin(self.visual, pixels, grid_thw)
+
+    def advance_encoding(self, state: qwen_vision_slices.VisionSliceState, num_units: int) -> int:
+        return qwen_vision_slices.advance(self.visual, state, num_units)
+
+    def finish_encoding(self, state: qwen_vision_slices.VisionSliceState) -> list[torch.Tensor]:
+        return [embedding.to(self.config.dtype) for embedding in qwen_vision_slices.result(state)]
