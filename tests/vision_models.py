@@ -4,8 +4,6 @@ with PIL."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -113,6 +111,15 @@ def drawn_images() -> list[Image.Image]:
     text = Image.new("RGB", (64, 64), (240, 230, 200))
     ImageDraw.Draw(text).text((4, 25), "kvserve", fill="black")
     return [gradient, shapes, text]
+
+
+def qwen_image_prompt(num_images: int, lead: int = 3) -> list[int]:
+    """`lead` text ids, then per image its vision start, one pad and vision end and a text
+    id, then two more text ids (a Qwen2-VL prompt before its pads are expanded)."""
+    ids = list(range(10, 10 + lead))
+    for i in range(num_images):
+        ids += [VISION_START, IMAGE_PAD, VISION_END, 40 + i]
+    return ids + [50, 51]
 
 
 def is_llava(kind: str) -> bool:

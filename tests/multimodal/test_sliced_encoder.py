@@ -10,9 +10,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.model_executor.models import qwen_vision_slices
-from tests.vision_models import (
-    IMAGE_PAD, VISION_END, VISION_START, build_model, drawn_images, hf_inputs, image_processor, save_model,
-)
+from tests.vision_models import build_model, drawn_images, hf_inputs, image_processor, qwen_image_prompt, save_model
 
 KIND = "qwen2_vl"
 DEPTH = 2  # tests/vision_models.py's towers
@@ -22,13 +20,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     return save_model(KIND, str(tmp_path_factory.mktemp(KIND)))
-
-
-def _prompt(num_images: int, lead: int = 3) -> list[int]:
-    ids = list(range(10, 10 + lead))
-    for i in range(num_images):
-        ids += [VISION_START, IMAGE_PAD, VISION_END, 40 + i]
-    return ids + [50, 51]
 
 
 def _request(prompt: list[int], images) -> dict:
@@ -142,7 +133,7 @@ def _steps(llm: LLM) -> list[dict]:
 def test_each_step_runs_its_budget_while_text_streams_decode(qwen, budget):
     directory, hf_model = qwen
     images = drawn_images()
-    prompt = _prompt(3)
+    prompt = qwen_image_prompt(3)
     llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, encoder_budget_per_step=budget)
     engine = llm.engine
     text = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
@@ -183,8 +174,8 @@ def test_tokens_equal_whole_image_encoding(qwen):
     sliced, and as transformers' (two requests share an image: encoded once)."""
     directory, hf_model = qwen
     images = drawn_images()
-    requests = [_request(_prompt(2), images[:2]), list(range(30, 60)), _request(_prompt(1, lead=5), images[2:]),
-                list(range(60, 75)), _request(_prompt(1, lead=2), images[:1])]
+    requests = [_request(qwen_image_prompt(2), images[:2]), list(range(30, 60)), _request(qwen_image_prompt(1, lead=5), images[2:]),
+                list(range(60, 75)), _request(qwen_image_prompt(1, lead=2), images[:1])]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     results = {}
     for budget in (0, 4, 24):
@@ -205,7 +196,7 @@ def test_abort_mid_encoding_drops_the_partial_state(qwen):
     llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, encoder_budget_per_step=4)
     engine, runner = llm.engine, llm.engine.core.runner
     engine.add_request("text", list(range(20, 40)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
-    engine.add_request("image", _request(_prompt(3), drawn_images()), GREEDY)
+    engine.add_request("image", _request(qwen_image_prompt(3), drawn_images()), GREEDY)
     for _ in range(3):
         engine.step()
     assert len(runner.sliced_encoder) == 1 and engine.core.scheduler.encoder_slicer.busy
@@ -213,7 +204,7 @@ def test_abort_mid_encoding_drops_the_partial_state(qwen):
     engine.step()  # the next step tells the runner
     assert len(runner.sliced_encoder) == 0 and not engine.core.scheduler.encoder_slicer.busy
     # Alone: the engine goes idle, and the runner is told at once.
-    engine.add_request("image-2", _request(_prompt(3), drawn_images()), GREEDY)
+    engine.add_request("image-2", _request(qwen_image_prompt(3), drawn_images()), GREEDY)
     for _ in range(3):
         engine.step()
     engine.abort_request("text")
@@ -229,7 +220,7 @@ def test_preemption_mid_encoding_drops_the_partial_state_and_recomputes(qwen):
     transformers."""
     directory, hf_model = qwen
     images = drawn_images()
-    prompt = _prompt(3)
+    prompt = qwen_image_prompt(3)
     # 12 blocks of 16 tokens: the stream's 192 tokens take all of them.
     llm = LLM(model=directory, kv_cache_memory="96KiB", max_model_len=192, enable_prefix_caching=False,
               encoder_budget_per_step=4)

@@ -13,7 +13,7 @@ from PIL import Image
 
 from kvserve import LLM, SamplingParams
 from tests.vision_models import (
-    IMAGE_PAD, LLAVA_IMAGE, VISION_END, VISION_START, drawn_images, hf_inputs, num_image_tokens, save_model,
+    LLAVA_IMAGE, drawn_images, hf_inputs, num_image_tokens, qwen_image_prompt, save_model,
 )
 
 KIND = "qwen2_vl"
@@ -24,13 +24,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     return save_model(KIND, str(tmp_path_factory.mktemp(KIND)))
-
-
-def _prompt(num_images: int, lead: int = 3) -> list[int]:
-    ids = list(range(10, 10 + lead))
-    for i in range(num_images):
-        ids += [VISION_START, IMAGE_PAD, VISION_END, 40 + i]
-    return ids + [50, 51]
 
 
 def _hf_ids(model, prompt: list[int], images) -> list[int]:
@@ -62,7 +55,7 @@ def _record_steps(llm: LLM) -> list[dict[str, int]]:
 def test_chunked_prefill_splits_image_tokens_and_encodes_each_image_once(qwen):
     directory, hf_model = qwen
     images = drawn_images()
-    prompt = _prompt(3)
+    prompt = qwen_image_prompt(3)
     num_prompt = len(prompt) - 3 + sum(num_image_tokens(KIND, image) for image in images)
     budget = 3  # smaller than every image's placeholder run: each image spans several steps
     assert all(num_image_tokens(KIND, image) > budget for image in images)
@@ -82,7 +75,7 @@ def test_chunked_prefill_splits_image_tokens_and_encodes_each_image_once(qwen):
 def test_preemption_recomputes_without_reencoding(qwen):
     directory, hf_model = qwen
     images = drawn_images()
-    prompts = [_prompt(1, lead=3 + i) for i in range(4)]
+    prompts = [qwen_image_prompt(1, lead=3 + i) for i in range(4)]
     requests = [_request(p, [images[i % 3]]) for i, p in enumerate(prompts)]
     # 12 blocks of 16 tokens: four ~30-token prompts fit, their growth does not.
     llm = LLM(model=directory, kv_cache_memory="96KiB", max_model_len=128, max_num_batched_tokens=256,
@@ -103,7 +96,7 @@ def test_prefix_cache_shared_for_the_same_image_never_across_images(qwen):
     directory, hf_model = qwen
     image, other = drawn_images()[1], drawn_images()[1].transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     # The image starts in the first block, so every full block depends on it.
-    prompt = _prompt(1, lead=3) + list(range(60, 90))
+    prompt = qwen_image_prompt(1, lead=3) + list(range(60, 90))
     llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, block_size=16)
     stats = llm.engine.core.scheduler.prefix_cache_stats
     llm.generate(_request(prompt, [image]), GREEDY)
@@ -150,12 +143,12 @@ def test_chat_with_image_parts_matches_generate_with_pil_images(qwen, tmp_path):
 
 
 @pytest.mark.parametrize("prompt, error", [
-    (lambda images: _request(_prompt(2), images[:1]), "2 image placeholder"),
-    (lambda images: _request(_prompt(0), images[:1]), "0 image placeholder"),
-    (lambda images: _request(_prompt(3), images * 3), "at most 4 image"),
-    (lambda images: {"prompt_token_ids": _prompt(1), "multi_modal_data": {"image": ["not an image"]}},
+    (lambda images: _request(qwen_image_prompt(2), images[:1]), "2 image placeholder"),
+    (lambda images: _request(qwen_image_prompt(0), images[:1]), "0 image placeholder"),
+    (lambda images: _request(qwen_image_prompt(3), images * 3), "at most 4 image"),
+    (lambda images: {"prompt_token_ids": qwen_image_prompt(1), "multi_modal_data": {"image": ["not an image"]}},
      "PIL image"),
-    (lambda images: _request(_prompt(1), [Image.new("RGB", (600, 600))]), "maximum context length"),
+    (lambda images: _request(qwen_image_prompt(1), [Image.new("RGB", (600, 600))]), "maximum context length"),
 ])
 def test_bad_image_inputs_are_refused_before_queueing(qwen, prompt, error):
     directory, _ = qwen
@@ -163,7 +156,7 @@ def test_bad_image_inputs_are_refused_before_queueing(qwen, prompt, error):
     with pytest.raises(ValueError, match=error):
         llm.generate(prompt(drawn_images()), GREEDY)
     assert not llm.engine.has_unfinished_requests()
-    (output,) = llm.generate(_request(_prompt(1), drawn_images()[:1]), GREEDY)  # the engine goes on
+    (output,) = llm.generate(_request(qwen_image_prompt(1), drawn_images()[:1]), GREEDY)  # the engine goes on
     assert len(output.outputs[0].token_ids) == NUM_TOKENS
 
 
@@ -173,7 +166,7 @@ def test_overlapped_decode_steps_keep_mrope_positions(qwen):
     directory, hf_model = qwen
     images = drawn_images()
     llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, overlap_scheduling=True)
-    prompts = [_prompt(1), _prompt(2, lead=5)]
+    prompts = [qwen_image_prompt(1), qwen_image_prompt(2, lead=5)]
     outputs = llm.generate([_request(prompts[0], images[:1]), _request(prompts[1], images[1:])], GREEDY)
     assert llm.engine.core.num_steps_ahead > 0
     assert outputs[0].outputs[0].token_ids == _hf_ids(hf_model, prompts[0], images[:1])
@@ -199,7 +192,7 @@ def test_a_step_starts_encoder_work_within_its_token_budget(qwen):
     the step's budget; the chunk ends before an image that does not fit."""
     directory, hf_model = qwen
     images = drawn_images()
-    prompt = _prompt(3, lead=1)
+    prompt = qwen_image_prompt(3, lead=1)
     # Images of 6, 8 and 4 tokens at offsets 2, 11 and 22: the first 12 tokens would start
     # the first two (14 > 12) without the encoder budget.
     budget = 12

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvserve.model_executor.models.vision_slices import segment_attention
+from kvserve.model_executor.models.vision_slices import advance_rows, segment_attention
 
 
 @dataclass
@@ -77,18 +77,7 @@ def begin(tower: nn.Module, pixel_values: torch.Tensor, feature_layers: list[int
 
 def advance(tower: nn.Module, projector: nn.Module, state: ClipSliceState, num_units: int) -> int:
     """Run the next `num_units` row-passes; returns those run (fewer only at the end)."""
-    run = 0
-    while run < num_units and not state.finished:
-        count = min(num_units - run, state.num_rows - state.row)
-        _run_rows(tower, projector, state, state.row, state.row + count)
-        run += count
-        state.row += count
-        if state.row == state.num_rows:
-            state.pass_index += 1
-            state.row = 0
-            state.hidden, state.next_hidden = state.next_hidden, state.hidden
-            state.qkv, state.next_qkv = state.next_qkv, state.qkv
-    return run
+    return advance_rows(state, num_units, lambda start, end: _run_rows(tower, projector, state, start, end))
 
 
 def result(state: ClipSliceState) -> list[torch.Tensor]:

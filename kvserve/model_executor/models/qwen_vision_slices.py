@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model_executor.models.vision_slices import segment_attention
+from kvserve.model_executor.models.vision_slices import advance_rows, segment_attention
 
 
 @dataclass
@@ -108,18 +108,7 @@ def advance(visual: nn.Module, state: VisionSliceState, num_units: int) -> int:
     unit = visual.spatial_merge_size**2
     if num_units % unit:
         raise ValueError(f"a slice is whole merge groups of {unit} rows, got {num_units}")
-    run = 0
-    while run < num_units and not state.finished:
-        count = min(num_units - run, state.num_rows - state.row)
-        _run_rows(visual, state, state.row, state.row + count)
-        run += count
-        state.row += count
-        if state.row == state.num_rows:
-            state.pass_index += 1
-            state.row = 0
-            state.hidden, state.next_hidden = state.next_hidden, state.hidden
-            state.qkv, state.next_qkv = state.next_qkv, state.qkv
-    return run
+    return advance_rows(state, num_units, lambda start, end: _run_rows(visual, state, start, end))
 
 
 def result(state: VisionSliceState) -> list[torch.Tensor]:

@@ -1,9 +1,12 @@
 """What the sliced vision towers share (qwen_vision_slices.py, llava_vision_slices.py):
-attention of a run of rows, once the whole block's queries, keys and values are known."""
+attention of a run of rows, once the whole block's queries, keys and values are known, and
+the loop that advances a tower's state by a number of row-passes."""
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,3 +32,21 @@ def segment_attention(qkv: torch.Tensor, segment_starts: list[int], start: int, 
         out = F.scaled_dot_product_attention(q, k, v, scale=scale)
         outputs.append(out[0].transpose(0, 1).reshape(hi - lo, -1))
     return torch.cat(outputs)
+
+
+def advance_rows(state: Any, num_units: int, run_rows: Callable[[int, int], None]) -> int:
+    """Run the next `num_units` row-passes of a sliced tower's `state` (its row, num_rows,
+    pass_index, finished, and the double-buffered hidden / qkv of the pass) by calling
+    run_rows(start, end) per run within a pass; returns those run (fewer only at the end)."""
+    run = 0
+    while run < num_units and not state.finished:
+        count = min(num_units - run, state.num_rows - state.row)
+        run_rows(state.row, state.row + count)
+        run += count
+        state.row += count
+        if state.row == state.num_rows:
+            state.pass_index += 1
+            state.row = 0
+            state.hidden, state.next_hidden = state.next_hidden, state.hidden
+            state.qkv, state.next_qkv = state.next_qkv, state.qkv
+    return run
