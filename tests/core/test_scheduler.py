@@ -453,10 +453,13 @@ def workloads(draw):
     )
 
 
-def run_workload(w, policy):
+def run_workload(w, policy, canonical_chunk=None):
+    """Every request of workload `w` run to the end (FakeEngine.run fails if one starves),
+    each output checked; `canonical_chunk`: batch-invariant scheduling with that chunk."""
     eng = FakeEngine(num_blocks=w["num_blocks"], block_size=w["bs"],
                      max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
-                     policy=policy, chunked=w["chunked"], prefix_caching=w["prefix_caching"])
+                     policy=policy, chunked=w["chunked"], prefix_caching=w["prefix_caching"],
+                     canonical_chunk=canonical_chunk)
     # Requests arrive over time; arrival_time follows the arrival step.
     order = sorted(range(len(w["reqs"])), key=lambda i: (w["reqs"][i]["arrival_step"], i))
     seqs = {}

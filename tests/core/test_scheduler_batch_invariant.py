@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvserve.core.sched.canonical_chunks import canonical_chunk_size
 from kvserve.multimodal.inputs import ImageFeature
-from tests.core.test_scheduler import FakeEngine, expected_output, make_seq, workloads
+from tests.core.test_scheduler import FakeEngine, expected_output, make_seq, run_workload, workloads
 
 
 def test_the_chunk_size_leaves_room_for_a_full_batch_of_decodes_in_whole_blocks():
@@ -112,15 +112,4 @@ def test_whole_prompts_batch_invariant_take_no_prefix_hits():
 @given(w=workloads(), policy=st.sampled_from(["fcfs", "priority"]))
 def test_random_workloads_cut_prompts_at_canonical_boundaries_and_all_finish(w, policy):
     chunk = canonical_chunk_size(w["budget"], w["max_num_seqs"], w["bs"]) if w["chunked"] else w["budget"]
-    eng = FakeEngine(num_blocks=w["num_blocks"], block_size=w["bs"], max_num_seqs=w["max_num_seqs"],
-                     max_num_batched_tokens=w["budget"], policy=policy, chunked=w["chunked"],
-                     prefix_caching=w["prefix_caching"], canonical_chunk=chunk)
-    order = sorted(range(len(w["reqs"])), key=lambda i: (w["reqs"][i]["arrival_step"], i))
-    seqs = {}
-    for rank, i in enumerate(order):
-        r = w["reqs"][i]
-        seqs[i] = make_seq(i, r["prompt"], priority=r["priority"], arrival=float(rank))
-        eng.submit(seqs[i], r["max_tokens"], at_step=r["arrival_step"])
-    eng.run()  # fails if anything starves
-    for i, r in enumerate(w["reqs"]):
-        assert seqs[i].output_token_ids == expected_output(r["prompt"], r["max_tokens"])
+    run_workload(w, policy, canonical_chunk=chunk)  # FakeEngine checks every step's pieces and hits
