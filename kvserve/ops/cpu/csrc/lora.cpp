@@ -1,0 +1,196 @@
+// Multi-LoRA deltas for a CPU step, added in place to the base linear's output:
+// y[t, offset_i + o] += sum_r B_i[s, r, o] * (A[s, i * R + r] . x[t]) for each token t whose
+// slot s = slots[t] is not -1 (-1: the base model, left alone), every slice i of y.
+//
+// Tokens are grouped by slot, so each slot's A and B are read once for all of its tokens
+// (from memory for the first pass of up to kTokensPerPass tokens, from the cache after) and
+// each token is computed against its own slot only: a dense GEMM against every slot, masked
+// afterwards, did slots x the useful work, and MKL's GEMMs at these narrow shapes (16 rows,
+// 64-192 columns) ran far below the memory bandwidth.
+//
+// Each token's sums run in the same order whatever else is in the batch (its own accumulator
+// lanes, the same column and rank order), so its result does not depend on the batch.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTokensPerPass = 4;
+// Output columns a thread takes at a time in the expand (a multiple of 32).
+constexpr int64_t kColumnGrain = 256;
+
+// h[j * h_stride + r] = a[r] . x[j] for the X tokens at xs, every row r < rows of a [rows, k].
+template <int64_t X>
+void shrink_rows(const float* const* xs, const float* a, int64_t rows, int64_t k, float* h, int64_t h_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = a + r * k;
+    float sums[X];
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    __m512 acc[X];
+    for (int64_t j = 0; j < X; ++j) acc[j] = _mm512_setzero_ps();
+    for (; c + 16 <= k; c += 16) {
+      const __m512 w = _mm512_loadu_ps(row + c);
+      for (int64_t j = 0; j < X; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs[j] + c), acc[j]);
+    }
+    for (int64_t j = 0; j < X; ++j) sums[j] = _mm512_reduce_add_ps(acc[j]);
+#else
+    for (int64_t j = 0; j < X; ++j) sums[j] = 0.f;
+#endif
+    for (; c < k; ++c)
+      for (int64_t j = 0; j < X; ++j) sums[j] = std::fma(row[c], xs[j][c], sums[j]);
+    for (int64_t j = 0; j < X; ++j) h[j * h_stride + r] = sums[j];
+  }
+}
+
+// ys[j][o] += sum_r h[j * h_stride + r] * b[r * n + o] for the X tokens, columns begin <= o < end
+// of b [rank, n] (the same columns of each y row).
+template <int64_t X>
+void expand_columns(float* const* ys, const float* h, int64_t h_stride, const float* b, int64_t rank, int64_t n,
+                    int64_t begin, int64_t end) {
+  int64_t o = begin;
+#if defined(__AVX512F__)
+  // Two column vectors a pass: 2 X independent FMA chains.
+  for (; o + 32 <= end; o += 32) {
+    __m512 lo[X], hi[X];
+    for (int64_t j = 0; j < X; ++j) {
+      lo[j] = _mm512_loadu_ps(ys[j] + o);
+      hi[j] = _mm512_loadu_ps(ys[j] + o + 16);
+    }
+    for (int64_t r = 0; r < rank; ++r) {
+      const __m512 w_lo = _mm512_loadu_ps(b + r * n + o), w_hi = _mm512_loadu_ps(b + r * n + o + 16);
+      for (int64_t j = 0; j < X; ++j) {
+        const __m512 scale = _mm512_set1_ps(h[j * h_stride + r]);
+        lo[j] = _mm512_fmadd_ps(scale, w_lo, lo[j]);
+        hi[j] = _mm512_fmadd_ps(scale, w_hi, hi[j]);
+      }
+    }
+    for (int64_t j = 0; j < X; ++j) {
+      _mm512_storeu_ps(ys[j] + o, lo[j]);
+      _mm512_storeu_ps(ys[j] + o + 16, hi[j]);
+    }
+  }
+  for (; o + 16 <= end; o += 16) {
+    __m512 acc[X];
+    for (int64_t j = 0; j < X; ++j) acc[j] = _mm512_loadu_ps(ys[j] + o);
+    for (int64_t r = 0; r < rank; ++r) {
+      const __m512 w = _mm512_loadu_ps(b + r * n + o);
+      for (int64_t j = 0; j < X; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(h[j * h_stride + r]), w, acc[j]);
+    }
+    for (int64_t j = 0; j < X; ++j) _mm512_storeu_ps(ys[j] + o, acc[j]);
+  }
+#endif
+  for (; o < end; ++o)
+    for (int64_t j = 0; j < X; ++j) {
+      float value = ys[j][o];
+      for (int64_t r = 0; r < rank; ++r) value = std::fma(h[j * h_stride + r], b[r * n + o], value);
+      ys[j][o] = value;
+    }
+}
+
+// One pass: up to kTokensPerPass tokens of one slot.
+struct Pass {
+  int64_t slot;
+  int64_t first;  // index into the tokens grouped by slot
+  int64_t count;
+};
+
+template <typename Fn>
+void for_token_count(int64_t count, const Fn& fn) {
+  switch (count) {
+    case 4: fn(std::integral_constant<int64_t, 4>{}); break;
+    case 3: fn(std::integral_constant<int64_t, 3>{}); break;
+    case 2: fn(std::integral_constant<int64_t, 2>{}); break;
+    default: fn(std::integral_constant<int64_t, 1>{}); break;
+  }
+}
+
+void lora_add_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& slots, const at::Tensor& a, at::TensorList b) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "lora_add_: x must be contiguous fp32 [T, in]");
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.is_contiguous() && y.size(0) == x.size(0),
+              "lora_add_: y must be contiguous fp32 [T, out]");
+  TORCH_CHECK(a.dim() == 3 && a.scalar_type() == at::kFloat && a.is_contiguous() && a.size(2) == x.size(1),
+              "lora_add_: a must be contiguous fp32 [slots, slices x rank, in]");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kInt && slots.size(0) >= x.size(0),
+              "lora_add_: slots must be int32 [>= T]");
+  const int64_t num_tokens = x.size(0), k = x.size(1), num_slots = a.size(0), rows = a.size(1);
+  const int64_t num_slices = static_cast<int64_t>(b.size());
+  TORCH_CHECK(num_slices > 0 && rows % num_slices == 0, "lora_add_: a's rows are not slices x rank");
+  const int64_t rank = rows / num_slices;
+  std::vector<int64_t> offsets(num_slices + 1, 0);
+  for (int64_t i = 0; i < num_slices; ++i) {
+    TORCH_CHECK(b[i].dim() == 2 && b[i].scalar_type() == at::kFloat && b[i].is_contiguous() &&
+                    b[i].size(0) == num_slots * rank,
+                "lora_add_: b[", i, "] must be contiguous fp32 [slots x rank, out]");
+    offsets[i + 1] = offsets[i] + b[i].size(1);
+  }
+  TORCH_CHECK(offsets[num_slices] == y.size(1), "lora_add_: y has ", y.size(1), " columns, the slices ",
+              offsets[num_slices]);
+
+  // Tokens grouped by slot (counting sort, batch order kept within a slot).
+  const int32_t* slot_of = slots.data_ptr<int32_t>();
+  std::vector<int64_t> starts(num_slots + 1, 0);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int32_t s = slot_of[t];
+    TORCH_CHECK(s >= -1 && s < num_slots, "lora_add_: token ", t, " has slot ", s, " of ", num_slots);
+    if (s >= 0) ++starts[s + 1];
+  }
+  for (int64_t s = 0; s < num_slots; ++s) starts[s + 1] += starts[s];
+  std::vector<int64_t> grouped(starts[num_slots]);
+  std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if (slot_of[t] >= 0) grouped[fill[slot_of[t]]++] = t;
+  std::vector<Pass> passes;
+  for (int64_t s = 0; s < num_slots; ++s)
+    for (int64_t first = starts[s]; first < starts[s + 1]; first += kTokensPerPass)
+      passes.push_back({s, first, std::min(kTokensPerPass, starts[s + 1] - first)});
+  if (passes.empty()) return;
+
+  const float* xp = x.data_ptr<float>();
+  const float* ap = a.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t out = y.size(1);
+  // h[g * rows + i * rank + r]: grouped token g's shrunk activations.
+  std::vector<float> h(grouped.size() * rows);
+  at::parallel_for(0, static_cast<int64_t>(passes.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const Pass& pass = passes[p];
+      const float* xs[kTokensPerPass];
+      for (int64_t j = 0; j < pass.count; ++j) xs[j] = xp + grouped[pass.first + j] * k;
+      for_token_count(pass.count, [&](auto tokens) {
+        shrink_rows<decltype(tokens)::value>(xs, ap + pass.slot * rows * k, rows, k, h.data() + pass.first * rows, rows);
+      });
+    }
+  });
+  for (int64_t i = 0; i < num_slices; ++i) {
+    const int64_t n = offsets[i + 1] - offsets[i];
+    const float* bp = b[i].data_ptr<float>();
+    at::parallel_for(0, n, kColumnGrain, [&](int64_t begin, int64_t end) {
+      for (const Pass& pass : passes) {
+        float* ys[kTokensPerPass];
+        for (int64_t j = 0; j < pass.count; ++j) ys[j] = yp + grouped[pass.first + j] * out + offsets[i];
+        for_token_count(pass.count, [&](auto tokens) {
+          expand_columns<decltype(tokens)::value>(ys, h.data() + pass.first * rows + i * rank, rows,
+                                                  bp + pass.slot * rank * n, rank, n, begin, end);
+        });
+      }
+    });
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor slots, Tensor a, Tensor[] b) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("lora_add_", lora_add_); }
