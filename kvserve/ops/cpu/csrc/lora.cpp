@@ -27,18 +27,23 @@ namespace {
 constexpr int64_t kTokensPerPass = 4;
 // Output columns a thread takes at a time in the expand (a multiple of 32).
 constexpr int64_t kColumnGrain = 256;
+// How many rows of A ahead the shrink prefetches.
+constexpr int64_t kPrefetchRows = 2;
 
 // h[j * h_stride + r] = a[r] . x[j] for the X tokens at xs, every row r < rows of a [rows, k].
+// The rows are one contiguous block, read once, the row kPrefetchRows ahead prefetched.
 template <int64_t X>
 void shrink_rows(const float* const* xs, const float* a, int64_t rows, int64_t k, float* h, int64_t h_stride) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = a + r * k;
+    const float* ahead = r + kPrefetchRows < rows ? row + kPrefetchRows * k : nullptr;
     float sums[X];
     int64_t c = 0;
 #if defined(__AVX512F__)
     __m512 acc[X];
     for (int64_t j = 0; j < X; ++j) acc[j] = _mm512_setzero_ps();
     for (; c + 16 <= k; c += 16) {
+      if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T0);
       const __m512 w = _mm512_loadu_ps(row + c);
       for (int64_t j = 0; j < X; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs[j] + c), acc[j]);
     }
@@ -53,48 +58,29 @@ void shrink_rows(const float* const* xs, const float* a, int64_t rows, int64_t k
 }
 
 // ys[j][o] += sum_r h[j * h_stride + r] * b[r * n + o] for the X tokens, columns begin <= o < end
-// of b [rank, n] (the same columns of each y row).
+// of b [rank, n] (the same columns of each y row), one rank row of b after the other: b is read
+// in order, the X output rows (a few KB) stay in L1. Each y value takes its rank products in
+// rank order, one FMA each, in the vector and the scalar columns alike.
 template <int64_t X>
 void expand_columns(float* const* ys, const float* h, int64_t h_stride, const float* b, int64_t rank, int64_t n,
                     int64_t begin, int64_t end) {
-  int64_t o = begin;
+  for (int64_t r = 0; r < rank; ++r) {
+    const float* row = b + r * n;
+    int64_t o = begin;
 #if defined(__AVX512F__)
-  // Two column vectors a pass: 2 X independent FMA chains.
-  for (; o + 32 <= end; o += 32) {
-    __m512 lo[X], hi[X];
-    for (int64_t j = 0; j < X; ++j) {
-      lo[j] = _mm512_loadu_ps(ys[j] + o);
-      hi[j] = _mm512_loadu_ps(ys[j] + o + 16);
+    const float* ahead = r + 1 < rank ? row + n : nullptr;
+    __m512 scale[X];
+    for (int64_t j = 0; j < X; ++j) scale[j] = _mm512_set1_ps(h[j * h_stride + r]);
+    for (; o + 16 <= end; o += 16) {
+      if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
+      const __m512 w = _mm512_loadu_ps(row + o);
+      for (int64_t j = 0; j < X; ++j)
+        _mm512_storeu_ps(ys[j] + o, _mm512_fmadd_ps(scale[j], w, _mm512_loadu_ps(ys[j] + o)));
     }
-    for (int64_t r = 0; r < rank; ++r) {
-      const __m512 w_lo = _mm512_loadu_ps(b + r * n + o), w_hi = _mm512_loadu_ps(b + r * n + o + 16);
-      for (int64_t j = 0; j < X; ++j) {
-        const __m512 scale = _mm512_set1_ps(h[j * h_stride + r]);
-        lo[j] = _mm512_fmadd_ps(scale, w_lo, lo[j]);
-        hi[j] = _mm512_fmadd_ps(scale, w_hi, hi[j]);
-      }
-    }
-    for (int64_t j = 0; j < X; ++j) {
-      _mm512_storeu_ps(ys[j] + o, lo[j]);
-      _mm512_storeu_ps(ys[j] + o + 16, hi[j]);
-    }
-  }
-  for (; o + 16 <= end; o += 16) {
-    __m512 acc[X];
-    for (int64_t j = 0; j < X; ++j) acc[j] = _mm512_loadu_ps(ys[j] + o);
-    for (int64_t r = 0; r < rank; ++r) {
-      const __m512 w = _mm512_loadu_ps(b + r * n + o);
-      for (int64_t j = 0; j < X; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(h[j * h_stride + r]), w, acc[j]);
-    }
-    for (int64_t j = 0; j < X; ++j) _mm512_storeu_ps(ys[j] + o, acc[j]);
-  }
 #endif
-  for (; o < end; ++o)
-    for (int64_t j = 0; j < X; ++j) {
-      float value = ys[j][o];
-      for (int64_t r = 0; r < rank; ++r) value = std::fma(h[j * h_stride + r], b[r * n + o], value);
-      ys[j][o] = value;
-    }
+    for (; o < end; ++o)
+      for (int64_t j = 0; j < X; ++j) ys[j][o] = std::fma(h[j * h_stride + r], row[o], ys[j][o]);
+  }
 }
 
 // One pass: up to kTokensPerPass tokens of one slot.
