@@ -30,29 +30,51 @@ constexpr int64_t kColumnGrain = 256;
 // How many rows of A ahead the shrink prefetches.
 constexpr int64_t kPrefetchRows = 4;
 
-// h[j * h_stride + r] = a[r] . x[j] for the X tokens at xs, every row r < rows of a [rows, k].
-// The rows are one contiguous block, read once, the row kPrefetchRows ahead prefetched.
+// sums[p * X + j] = a[p] . x[j] over columns [0, k) for P consecutive rows a[p] (stride k) and
+// the X tokens at xs, the row P ahead prefetched; each sum takes its columns in the same
+// order (16 lanes, then the lane total, then the scalar tail) for every P and X.
+template <int64_t P, int64_t X>
+void row_dots(const float* const* xs, const float* a, int64_t k, const float* ahead, float* sums) {
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  __m512 acc[P][X];
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t j = 0; j < X; ++j) acc[p][j] = _mm512_setzero_ps();
+  for (; c + 16 <= k; c += 16) {
+    if (ahead != nullptr)
+      for (int64_t p = 0; p < P; ++p) _mm_prefetch(reinterpret_cast<const char*>(ahead + p * k + c), _MM_HINT_T0);
+    __m512 w[P];
+    for (int64_t p = 0; p < P; ++p) w[p] = _mm512_loadu_ps(a + p * k + c);
+    for (int64_t j = 0; j < X; ++j) {
+      const __m512 xv = _mm512_loadu_ps(xs[j] + c);
+      for (int64_t p = 0; p < P; ++p) acc[p][j] = _mm512_fmadd_ps(w[p], xv, acc[p][j]);
+    }
+  }
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t j = 0; j < X; ++j) sums[p * X + j] = _mm512_reduce_add_ps(acc[p][j]);
+#else
+  for (int64_t e = 0; e < P * X; ++e) sums[e] = 0.f;
+#endif
+  for (; c < k; ++c)
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t j = 0; j < X; ++j) sums[p * X + j] = std::fma(a[p * k + c], xs[j][c], sums[p * X + j]);
+}
+
+// h[j * h_stride + r] = a[r] . x[j] for the X tokens at xs, every row r < rows of a [rows, k]:
+// two rows at a time (2 X independent FMA chains, two weight loads per X activation loads),
+// the rows kPrefetchRows ahead prefetched. The rows are one contiguous block, read once.
 template <int64_t X>
 void shrink_rows(const float* const* xs, const float* a, int64_t rows, int64_t k, float* h, int64_t h_stride) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = a + r * k;
-    const float* ahead = r + kPrefetchRows < rows ? row + kPrefetchRows * k : nullptr;
-    float sums[X];
-    int64_t c = 0;
-#if defined(__AVX512F__)
-    __m512 acc[X];
-    for (int64_t j = 0; j < X; ++j) acc[j] = _mm512_setzero_ps();
-    for (; c + 16 <= k; c += 16) {
-      if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T0);
-      const __m512 w = _mm512_loadu_ps(row + c);
-      for (int64_t j = 0; j < X; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs[j] + c), acc[j]);
-    }
-    for (int64_t j = 0; j < X; ++j) sums[j] = _mm512_reduce_add_ps(acc[j]);
-#else
-    for (int64_t j = 0; j < X; ++j) sums[j] = 0.f;
-#endif
-    for (; c < k; ++c)
-      for (int64_t j = 0; j < X; ++j) sums[j] = std::fma(row[c], xs[j][c], sums[j]);
+  float sums[2 * X];
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    const float* ahead = r + kPrefetchRows + 2 <= rows ? a + (r + kPrefetchRows) * k : nullptr;
+    row_dots<2, X>(xs, a + r * k, k, ahead, sums);
+    for (int64_t p = 0; p < 2; ++p)
+      for (int64_t j = 0; j < X; ++j) h[j * h_stride + r + p] = sums[p * X + j];
+  }
+  for (; r < rows; ++r) {
+    row_dots<1, X>(xs, a + r * k, k, nullptr, sums);
     for (int64_t j = 0; j < X; ++j) h[j * h_stride + r] = sums[j];
   }
 }
