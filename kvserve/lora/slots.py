@@ -1,6 +1,6 @@
 """The model runner's side of LoRA: the model's linears wrapped in LoRALinear, which adapter
 sits in which device slot, the adapters kept in host memory (least recently used evicted
-past max_cpu_loras), and each step's per-token slot mask."""
+past max_cpu_loras), and each step's per-token slot index."""
 
 from __future__ import annotations
 
