@@ -1,6 +1,6 @@
 """The model runner's side of LoRA: the model's linears wrapped in LoRALinear, which adapter
 sits in which device slot, the adapters kept in host memory (least recently used evicted
-past max_cpu_loras), and each step's per-token slot mask."""
+past max_cpu_loras), and each step's per-token slot index."""
 
 from __future__ import annotations
 
@@ -48,12 +48,8 @@ class LoRASlots:
         included)."""
         self.model_config = model_config
         self.config = lora_config
-        # Each token's slot, as LoRALinear reads it: indices (-1: base) for the CUDA kernels,
-        # one-hot rows for the CPU path.
-        if device.type == "cuda":
-            self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
-        else:
-            self.token_slots = torch.zeros(max_tokens, lora_config.max_loras, dtype=model_config.dtype)
+        # Each token's slot as LoRALinear reads it (-1: base).
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.layers = add_lora_layers(model, model_config, lora_config, self.token_slots)
         self._slot_ids: list[int] = [0] * lora_config.max_loras  # adapter id per slot (0: empty)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recently used first
@@ -124,11 +120,5 @@ class LoRASlots:
         batch order."""
         slots = np.repeat(np.array([self.slot_of(lora_id) for lora_id in lora_ids], dtype=np.int32),
                           np.asarray(num_tokens, dtype=np.int64))
-        if self.token_slots.is_cuda:
-            self.token_slots[: len(slots)].copy_(torch.from_numpy(slots))
-            return
-        mask = np.zeros((len(slots), self.config.max_loras), dtype=np.float32)
-        rows = np.nonzero(slots >= 0)[0]
-        mask[rows, slots[rows]] = 1.0
-        self.token_slots[: len(slots)].copy_(torch.from_numpy(mask))
+        self.token_slots[: len(slots)].copy_(torch.from_numpy(slots))
 

@@ -3,19 +3,26 @@ slot s, base only for tokens without one; and the adapter id in the prefix-cache
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.lora.layers import LoRALinear
 from kvserve.model_executor.layers.linear import Linear
+from kvserve.ops import cpu as cpu_kernels
 
 
-def test_mixed_slots_match_per_token_reference() -> None:
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "masked"])
+def test_mixed_slots_match_per_token_reference(cpu_kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not cpu_kernel:
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif not cpu_kernels.available():
+        pytest.skip("kvserve's CPU kernels could not be built here")
     torch.manual_seed(0)
     in_features, slice_sizes, max_loras, max_rank = 24, (16, 8, 8), 3, 5
     base = Linear(in_features, sum(slice_sizes), bias=True)
-    token_mask = torch.zeros(32, max_loras)
-    layer = LoRALinear(base, in_features, slice_sizes, max_loras, max_rank, token_mask, torch.float32)
+    token_slots = torch.full((32,), -1, dtype=torch.int32)
+    layer = LoRALinear(base, in_features, slice_sizes, max_loras, max_rank, token_slots, torch.float32)
     # Slot 0: rank 5 on slices 0 and 2; slot 2: rank 2 on slice 1; slot 1 stays empty.
     adapters = {
         0: [(0, torch.randn(5, in_features), torch.randn(16, 5)), (2, torch.randn(5, in_features), torch.randn(8, 5))],
@@ -27,10 +34,8 @@ def test_mixed_slots_match_per_token_reference() -> None:
         layer.set_slot(slot, slices)
     slots = [0, -1, 2, 2, 1, 0, -1, 0, 2, 0, 1]
     x = torch.randn(len(slots), in_features)
-    for t, slot in enumerate(slots):
-        if slot >= 0:
-            token_mask[t, slot] = 1.0
-    token_mask[len(slots):] = 1.0  # rows past the step's tokens are never read
+    token_slots[: len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    token_slots[len(slots):] = 2  # entries past the step's tokens are never read
 
     expected = torch.nn.functional.linear(x, base.weight, base.bias).double()
     offsets = [0, 16, 24, 32]

@@ -117,3 +117,20 @@ def test_requests_running_on_a_removed_adapter_finish_on_it(tiny_with_adapters) 
     assert [o.outputs[0].token_ids for o in outputs if o.finished] == [expected]
     # Asked for again, it is read from disk again.
     assert llm.generate(prompt, greedy(), lora_request=adapters[2])[0].outputs[0].token_ids == expected
+
+
+def test_decode_logprobs_do_not_depend_on_the_batch(tiny_with_adapters) -> None:
+    """Bit for bit: on CPU each token runs through its own slot's matrices in the same order
+    whatever else is in the step (kvserve's lora_add_ kernel), as the fp32 base linears do up
+    to 16 rows; 4 prompts of 4 tokens keep every step within that."""
+    model_dir, adapters = tiny_with_adapters
+    llm = LLM(loaded=load_model(model_dir, dtype=torch.float32), enable_lora=True, kv_cache_memory="16MiB",
+              block_size=4, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": random_prompt(4, seed=20 + i)} for i in range(4)]
+    loras = [adapters[0], adapters[1], None, adapters[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    alone = [llm.generate(prompt, params, lora_request=lora)[0].outputs[0] for prompt, lora in zip(prompts, loras)]
+    together = [output.outputs[0] for output in llm.generate(prompts, params, lora_request=loras)]
+    for one, batched in zip(alone, together):
+        assert batched.token_ids == one.token_ids
+        assert batched.logprobs == one.logprobs

@@ -15,6 +15,8 @@ few rows of a decode step:
   plain read reaches on a 2-core EPYC), this kernel reads each weight tile once for every row.
 * `decode_attention`: single-token decodes attending to a paged fp32 KV cache in place,
   instead of gathering each layer's context into a padded copy for SDPA.
+* `lora_add_`: the multi-LoRA deltas of a step added in place to a linear's output, each
+  token through its own adapter slot's matrices only (kvserve/lora/layers.py).
 
 The build (torch's cpp_extension, ~50 s once, cached under ~/.cache/torch_extensions) uses
 -march=native, so the cache key includes the CPU's flags: a cache shared between machines
@@ -112,6 +114,7 @@ def _built() -> bool:
     torch.library.register_fake("kvserve_cpu::float_matmul", _float_matmul_shape)
     torch.library.register_fake("kvserve_cpu::int4_matmul", _int4_matmul_shape)
     torch.library.register_fake("kvserve_cpu::decode_attention", _decode_attention_shape)
+    torch.library.register_fake("kvserve_cpu::lora_add_", _lora_add_shape)
     return True
 
 
@@ -143,6 +146,11 @@ def decode_attention_op() -> Callable[..., torch.Tensor] | None:
     return torch.ops.kvserve_cpu.decode_attention if _built() else None
 
 
+def lora_add_op() -> Callable[..., None] | None:
+    """torch.ops.kvserve_cpu.lora_add_, built if needed; None where it cannot be built."""
+    return torch.ops.kvserve_cpu.lora_add_ if _built() else None
+
+
 def _matmul_shape(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0])
 
@@ -157,3 +165,7 @@ def _float_matmul_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _decode_attention_shape(query: torch.Tensor, *args: object) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def _lora_add_shape(*args: object) -> None:
+    return None
