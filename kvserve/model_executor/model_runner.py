@@ -22,6 +22,7 @@ from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
 from kvserve.lora.config import LoRAConfig
 from kvserve.lora.slots import LoRASlots
+from kvserve.model_executor.compiled_decode import MAX_ROWS as MAX_COMPILED_ROWS
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
 from kvserve.model_executor.encoder_cache import EncoderCache
@@ -202,8 +203,16 @@ class ModelRunner:
     def _compiled_decode(self, compile_decode: bool | None) -> CompiledDecode | None:
         """The compiled CPU decode step: compiled now for an explicit True (which raises if
         compiling fails); for None (the serve default) where it applies, its graphs left to
-        `compile_idle`."""
+        `compile_idle`, except in batch-invariant mode: a graph's results differ from eager
+        ones in the low bits, and a step runs eager when it holds prompt rows, more than
+        MAX_ROWS rows, or comes before its graph is compiled, so a row's bits would depend
+        on what else runs and when (docs/batch-invariance.md)."""
         supported = CompiledDecode.supports(self.model, self.kv_caches, self.device)
+        if compile_decode is None and self.batch_invariant:
+            if supported:
+                logger.info("compile-decode: off in batch-invariant mode (compiled and eager steps differ in "
+                            "the low bits); --compile-decode turns it on, leaving greedy output to chance")
+            return None
         if compile_decode is False or (compile_decode is None and not supported):
             return None
         if not supported:
@@ -212,6 +221,11 @@ class ModelRunner:
                 "that is not float8 and, in a mixture of experts, unquantized experts all on this rank"
             )
         compiled = CompiledDecode(self.model, self.kv_caches, self.model_config.sliding_window)
+        if self.batch_invariant:
+            logger.warning("compile-decode with batch-invariant: a decode step runs its compiled graph only "
+                           "without prompt rows and with at most %d rows, eager otherwise, and the two differ "
+                           "in the low bits: a greedy request's output can depend on what else runs",
+                           MAX_COMPILED_ROWS)
         if compile_decode:
             logger.info("compile-decode: compiling %d graphs (%s), ~10-15 s each on 2 cores (~1 min "
                         "each the first time)", compiled.pending, ", ".join(compiled.bands()))

@@ -285,3 +285,28 @@ def test_two_models_keep_their_own_graphs(save_hf_model, paged_runner) -> None:
             expected = eager.step(batch)
             ours = compiled_runner.step(batch, forward=compiled.forward)
             torch.testing.assert_close(torch.cat(ours), torch.cat(expected), atol=tolerance, rtol=tolerance)
+
+
+def test_batch_invariant_mode_leaves_compiled_decode_off_unless_asked(save_hf_model, monkeypatch, caplog) -> None:
+    """A compiled step's low bits differ from an eager one's, and steps with prompt rows or
+    more than 16 rows run eager: serve's default (None) is off where rows are routed
+    batch-invariantly, on without; an explicit True still compiles, with a warning."""
+    path = save_hf_model(ARCHITECTURES["qwen3-qk-norm"]())
+
+    def compile_next(self):  # the decision is under test, not the compile
+        if not self._pending:
+            return False
+        self._pending.pop(0)
+        return True
+
+    monkeypatch.setattr(CompiledDecode, "compile_next", compile_next)
+    engine = dict(model=path, quantization="int8", kv_cache_memory="16MiB")
+    invariant = LLM(**engine, batch_invariant=True, compile_decode=None).engine.core.runner
+    assert invariant.batch_invariant and invariant.compiled_decode is None
+    per_batch_size = LLM(**engine, batch_invariant=False, compile_decode=None).engine.core.runner
+    assert isinstance(per_batch_size.compiled_decode, CompiledDecode)
+    assert not any(record.levelname == "WARNING" for record in caplog.records)
+    asked = LLM(**engine, batch_invariant=True, compile_decode=True).engine.core.runner
+    assert isinstance(asked.compiled_decode, CompiledDecode)
+    assert any(record.levelname == "WARNING" and "batch-invariant" in record.getMessage()
+               for record in caplog.records)
