@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 # Query rows per compiled step: the int4/int8 kernels' range (their dispatch on the row
 # count is a guard of the graph, so larger batches would compile again); more run eager.
 MAX_ROWS = CPU_KERNEL_MAX_ROWS
-# Shorter cached contexts (the padded longest of the step) run eager: lengths 0 and 1 would
-# be specialized, compiling again.
+# The graphs' shortest cached context (the padded longest of the step): lengths 0 and 1
+# would be specialized, compiling again. A step whose longest is 1 is padded to it; steps
+# with no cached context (a first prompt chunk) run eager.
 MIN_CONTEXT = 2
 
 
@@ -118,15 +119,15 @@ class CompiledDecode:
                 and model.graph_capturable)
 
     def applies(self, metadata: AttentionMetadata) -> bool:
-        """At most MAX_ROWS query rows (decodes, verify steps, short chunks), a longest
-        cached context of at least MIN_CONTEXT positions, in a band of row counts whose graph
-        is compiled (a step never waits for a compile)."""
+        """At most MAX_ROWS query rows (decodes, verify steps, short chunks) after a cached
+        context, in a band of row counts whose graph is compiled (a step never waits for a
+        compile)."""
         starts = metadata.query_start_loc_cpu
         num_rows = starts[-1]
         if num_rows > MAX_ROWS:
             return False
         num_cached = max(s - (b - a) for s, a, b in zip(metadata.seq_lens_cpu, starts, starts[1:]))
-        return (num_cached >= MIN_CONTEXT
+        return (num_cached >= 1
                 and self._band_starts[bisect.bisect_right(self._band_starts, num_rows) - 1] not in self._pending)
 
     @property
@@ -136,7 +137,8 @@ class CompiledDecode:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        context = decode_context(metadata, self.sliding_window)
+        # A context of one position is padded to MIN_CONTEXT (masked), which the graphs take.
+        context = decode_context(metadata, self.sliding_window, min_cached=MIN_CONTEXT)
         hidden, new_kv = self._run(input_ids, positions, context)
         self._slots_view.index_copy_(2, metadata.slot_mapping, new_kv)
         return hidden

@@ -43,7 +43,10 @@ def llm(smollm2_path) -> LLM:
     assert args.resolved_batch_invariant(args.resolved_device())
     fields = dataclasses.asdict(args)
     del fields["model"]
-    return LLM(loaded=load_engine_model(args), **fields)
+    llm = LLM(loaded=load_engine_model(args), **fields)
+    compiled = llm.engine.core.runner.compiled_decode
+    assert compiled is not None and not compiled.pending  # every decode step runs a graph
+    return llm
 
 
 def greedy_output(llm: LLM, prompts: list[PromptType], index: int) -> tuple[list[int], list[dict[int, float]]]:
@@ -65,4 +68,12 @@ def test_a_request_beside_a_long_prompt_gives_its_solo_tokens_and_logprobs(llm):
 def test_a_request_beside_17_decoding_requests_gives_its_solo_tokens_and_logprobs(llm):
     solo = greedy_output(llm, ["Winter is"], 0)
     beside = greedy_output(llm, [*SUBJECTS, "Winter is"], len(SUBJECTS))
+    assert beside == solo
+
+
+def test_a_one_token_prompt_gives_its_solo_tokens_and_logprobs_beside_a_longer_one(llm):
+    """Its first decode step has one cached position: alone, the graph's context is padded."""
+    one = {"prompt_token_ids": llm.get_tokenizer().encode("Winter")[:1]}
+    solo = greedy_output(llm, [one], 0)
+    beside = greedy_output(llm, [one, "The history of the lighthouse begins with"], 0)
     assert beside == solo
