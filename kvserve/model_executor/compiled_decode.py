@@ -18,7 +18,10 @@ of its own (0/1 specialization: traced size-obliviously, inductor still speciali
 batch), and so does each band of row counts on one side of a quantized layer's kernel/dense row
 threshold (a guard of the graph): two or three compiles, done at start-up by `warm_up`, or
 one at a time by `compile_next` while a server is idle (a step whose band has no graph yet
-runs eager).
+runs eager). Batch-invariant runners compile them at start-up and send every decode row
+through a graph, in groups of up to MAX_ROWS, with any prompt rows of the step in an eager
+forward beside it: a row gets the same bits from either graph and any padded context
+length, but other low bits from an eager forward.
 """
 
 from __future__ import annotations
