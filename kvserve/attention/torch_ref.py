@@ -156,10 +156,11 @@ class DecodeContext:
     new_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
-def decode_context(metadata: AttentionMetadata, sliding_window: int | None) -> DecodeContext:
+def decode_context(metadata: AttentionMetadata, sliding_window: int | None, min_cached: int = 0) -> DecodeContext:
     """The DecodeContext of a step: row r of a sequence feeding q tokens sits at position
     seq_len - q + j, sees the cached positions before seq_len - q and the step's rows of its
-    sequence up to itself (or, for a token tree, its ancestors)."""
+    sequence up to itself (or, for a token tree, its ancestors). The context is padded
+    (masked) to at least `min_cached` positions."""
     device = metadata.block_tables.device
     starts = metadata.query_start_loc_cpu
     query_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=device)
@@ -170,7 +171,8 @@ def decode_context(metadata: AttentionMetadata, sliding_window: int | None) -> D
     row = torch.arange(num_rows, device=device)
     row_cached = cached[seq_of_row]
     row_position = row_cached + row - torch.tensor(starts[:-1], device=device)[seq_of_row]
-    num_cached = max(s - q for s, q in zip(metadata.seq_lens_cpu, (b - a for a, b in zip(starts, starts[1:]))))
+    query_lens_cpu = (b - a for a, b in zip(starts, starts[1:]))
+    num_cached = max(min_cached, *(s - q for s, q in zip(metadata.seq_lens_cpu, query_lens_cpu)))
     key_pos = torch.arange(num_cached, device=device)[None, :]
     valid = key_pos < row_cached[:, None]
     new_valid = (seq_of_row[:, None] == seq_of_row[None, :]) & (row[None, :] <= row[:, None])

@@ -5,7 +5,7 @@ decode built, then alternates the variants round by round (the machine is shared
 minutes apart are not comparable): each round runs `batch` requests of random prompt
 tokens, greedy with ignore_eos, and times every engine step in which all sequences decode.
 
-    python -m kvserve.benchmarks.cpu_decode --batch-sizes 1,16 --rounds 5
+    python -m kvserve.benchmarks.cpu_decode --batch-sizes 1,16 --rounds 5 [--batch-invariant]
 """
 
 from __future__ import annotations
@@ -69,13 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+                        help="route rows as `kvserve serve` does on CPU (docs/batch-invariance.md)")
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
     start = time.perf_counter()
     # No prefix caching: a variant's rerun of the same prompts must prefill them too.
     llm = LLM(model=args.model, quantization=args.quantization, compile_decode=True,
-              max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
+              batch_invariant=args.batch_invariant, max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
     print(f"load + compile {time.perf_counter() - start:.1f} s, torch threads "
           f"{torch.get_num_threads()}, load average {os.getloadavg()}")
     runner = llm.engine.core.runner

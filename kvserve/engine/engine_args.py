@@ -358,7 +358,10 @@ class EngineArgs:
             "SmolLM2 step takes ~30%% less time. "
             "`kvserve serve` turns it on by default where it applies (CPU, torch attention, "
             "a KV cache that is not float8) and compiles the graphs in a background thread, "
-            "serving eager steps until each is ready; --no-compile-decode: eager only.",
+            "serving eager steps until each is ready; --no-compile-decode: eager only. "
+            "With --batch-invariant (serve's CPU default) the graphs compile before serving, and "
+            "every decode row runs through one: a step's prompt rows run eager beside them, and "
+            "more than 16 decode rows in graph-sized groups (a graph's low bits differ from eager ones).",
         )
         group.add_argument(
             "--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
@@ -368,7 +371,8 @@ class EngineArgs:
             "copies, instead of switching every row to the dense copies past a few rows; prompts "
             "are cut into chunks at fixed boundaries (256 tokens with the CPU defaults), and prefix-cache "
             "hits reuse only whole chunks computed as prompt chunks. Costs decode throughput at many "
-            "streams and prefix reuse (see docs/batch-invariance.md). `kvserve serve` "
+            "streams and prefix reuse, and compiles serve's default decode graphs before serving (see "
+            "docs/batch-invariance.md). `kvserve serve` "
             "turns it on by default on CPU with --quantization auto; --no-batch-invariant: the "
             "per-batch-size plan.",
         )

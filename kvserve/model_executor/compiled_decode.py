@@ -18,7 +18,10 @@ of its own (0/1 specialization: traced size-obliviously, inductor still speciali
 batch), and so does each band of row counts on one side of a quantized layer's kernel/dense row
 threshold (a guard of the graph): two or three compiles, done at start-up by `warm_up`, or
 one at a time by `compile_next` while a server is idle (a step whose band has no graph yet
-runs eager).
+runs eager). Batch-invariant runners compile them at start-up and send every decode row
+through a graph, in groups of up to MAX_ROWS, with any prompt rows of the step in an eager
+forward beside it: a row gets the same bits from either graph and any padded context
+length, but other low bits from an eager forward.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ logger = logging.getLogger(__name__)
 # Query rows per compiled step: the int4/int8 kernels' range (their dispatch on the row
 # count is a guard of the graph, so larger batches would compile again); more run eager.
 MAX_ROWS = CPU_KERNEL_MAX_ROWS
-# Shorter cached contexts (the padded longest of the step) run eager: lengths 0 and 1 would
-# be specialized, compiling again.
+# The graphs' shortest cached context (the padded longest of the step): lengths 0 and 1
+# would be specialized, compiling again. A step whose longest is 1 is padded to it; steps
+# with no cached context (a first prompt chunk) run eager.
 MIN_CONTEXT = 2
 
 
@@ -118,15 +122,15 @@ class CompiledDecode:
                 and model.graph_capturable)
 
     def applies(self, metadata: AttentionMetadata) -> bool:
-        """At most MAX_ROWS query rows (decodes, verify steps, short chunks), a longest
-        cached context of at least MIN_CONTEXT positions, in a band of row counts whose graph
-        is compiled (a step never waits for a compile)."""
+        """At most MAX_ROWS query rows (decodes, verify steps, short chunks) after a cached
+        context, in a band of row counts whose graph is compiled (a step never waits for a
+        compile)."""
         starts = metadata.query_start_loc_cpu
         num_rows = starts[-1]
         if num_rows > MAX_ROWS:
             return False
         num_cached = max(s - (b - a) for s, a, b in zip(metadata.seq_lens_cpu, starts, starts[1:]))
-        return (num_cached >= MIN_CONTEXT
+        return (num_cached >= 1
                 and self._band_starts[bisect.bisect_right(self._band_starts, num_rows) - 1] not in self._pending)
 
     @property
@@ -136,7 +140,8 @@ class CompiledDecode:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        context = decode_context(metadata, self.sliding_window)
+        # A context of one position is padded to MIN_CONTEXT (masked), which the graphs take.
+        context = decode_context(metadata, self.sliding_window, min_cached=MIN_CONTEXT)
         hidden, new_kv = self._run(input_ids, positions, context)
         self._slots_view.index_copy_(2, metadata.slot_mapping, new_kv)
         return hidden

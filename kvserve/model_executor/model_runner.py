@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import sys
@@ -22,6 +23,7 @@ from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
 from kvserve.lora.config import LoRAConfig
 from kvserve.lora.slots import LoRASlots
+from kvserve.model_executor.compiled_decode import MAX_ROWS as MAX_COMPILED_ROWS
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.block_tables import BlockTable, pack_block_tables
 from kvserve.model_executor.encoder_cache import EncoderCache
@@ -204,7 +206,9 @@ class ModelRunner:
     def _compiled_decode(self, compile_decode: bool | None) -> CompiledDecode | None:
         """The compiled CPU decode step: compiled now for an explicit True (which raises if
         compiling fails); for None (the serve default) where it applies, its graphs left to
-        `compile_idle`."""
+        `compile_idle`, except in batch-invariant mode, which compiles them now: a step
+        before its graph is ready would run eager, and a graph's results differ from eager
+        ones in the low bits (a compile that fails leaves every step eager)."""
         supported = CompiledDecode.supports(self.model, self.kv_caches, self.device)
         if compile_decode is False or (compile_decode is None and not supported):
             return None
@@ -214,10 +218,17 @@ class ModelRunner:
                 "that is not float8 and, in a mixture of experts, unquantized experts all on this rank"
             )
         compiled = CompiledDecode(self.model, self.kv_caches, self.model_config.sliding_window)
-        if compile_decode:
-            logger.info("compile-decode: compiling %d graphs (%s), ~10-15 s each on 2 cores (~1 min "
-                        "each the first time)", compiled.pending, ", ".join(compiled.bands()))
-            compiled.warm_up()
+        if compile_decode or self.batch_invariant:
+            logger.info("compile-decode: compiling %d graphs (%s) before serving%s, ~10-15 s each on 2 cores "
+                        "(~1 min each the first time)", compiled.pending, ", ".join(compiled.bands()),
+                        " (batch-invariant: every decode step runs a graph)" if self.batch_invariant else "")
+            try:
+                compiled.warm_up()
+            except Exception as error:
+                if compile_decode:
+                    raise
+                logger.warning("compile-decode: compiling failed, decode steps run eager: %s", error)
+                return None
         else:
             logger.info("compile-decode: on by default for CPU serving: %d decode graphs (%s) compile while "
                         "the engine is idle (a server: in the background), ~10-15 s each on 2 cores (~1 min "
@@ -692,7 +703,11 @@ class ModelRunner:
         streams = dict.fromkeys(self.aux_hidden_layers) if self.aux_hidden_layers else None
         runs = row_runs(row_kinds) if self.batch_invariant else ()
         prompt_rows = any(not run.decode for run in runs)
-        if (inputs_embeds is None and streams is None and self.compiled_decode is not None
+        if (self.batch_invariant and self.compiled_decode is not None and inputs_embeds is None
+                and streams is None and self.lora is None and rope_positions_t.dim() == 1):
+            hidden = self._forward_decodes_compiled(input_ids_t, rope_positions_t, positions_t, metadata,
+                                                    query_start_loc, seq_lens, tables, tree_masks, row_kinds)
+        elif (inputs_embeds is None and streams is None and self.compiled_decode is not None
                 and not prompt_rows and self.compiled_decode.applies(metadata)):
             hidden = self.compiled_decode.forward(input_ids_t, rope_positions_t, metadata)
         else:
@@ -710,6 +725,56 @@ class ModelRunner:
         ]
         step_hidden = hidden if streams is None else torch.cat([streams[i] for i in self.aux_hidden_layers], dim=-1)
         return StepLogits(sample_logits, sampling_seq_ids, num_sample_rows, prompt_logits, sample_hidden, step_hidden)
+
+    def _forward_decodes_compiled(
+        self, input_ids: torch.Tensor, rope_positions: torch.Tensor, positions: torch.Tensor,
+        metadata: AttentionMetadata, query_start_loc: list[int], seq_lens: list[int], tables: list[BlockTable],
+        tree_masks: dict[int, torch.Tensor], row_kinds: list[tuple[int, bool]],
+    ) -> torch.Tensor:
+        """A batch-invariant step with compiled decode graphs: every decoding sequence's rows
+        go through a graph whatever else the step holds, and only they. A graph's results
+        differ from an eager forward's in the low bits, but not with the number of rows it
+        runs or their contexts' lengths; so the decodes run in graph-sized groups and the
+        prompts beside them in an eager forward of their own (the groups hold different
+        sequences: none attends to another's rows, and each writes its own K/V)."""
+        groups: list[tuple[list[int], bool]] = []  # (sequence indices, decode)
+        prompts = [index for index, (_, decode) in enumerate(row_kinds) if not decode]
+        if prompts:
+            groups.append((prompts, False))
+        group_rows = MAX_COMPILED_ROWS
+        for index, (count, decode) in enumerate(row_kinds):
+            if not decode:
+                continue
+            if group_rows + count > MAX_COMPILED_ROWS:
+                groups.append(([], True))
+                group_rows = 0
+            groups[-1][0].append(index)
+            group_rows += count
+        if len(groups) == 1:
+            return self._forward_group(input_ids, rope_positions, metadata, row_kinds, groups[0][1])
+        hidden: torch.Tensor | None = None
+        for indices, decode in groups:
+            rows = torch.cat([torch.arange(query_start_loc[i], query_start_loc[i + 1]) for i in indices])
+            rows = rows.to(self.device)
+            group_metadata = self._metadata(
+                rope_positions[rows], [0, *itertools.accumulate(row_kinds[i][0] for i in indices)],
+                [seq_lens[i] for i in indices], [tables[i] for i in indices], positions[rows],
+                {j: tree_masks[i] for j, i in enumerate(indices) if i in tree_masks} or None)
+            group_hidden = self._forward_group(input_ids[rows], rope_positions[rows], group_metadata,
+                                               [row_kinds[i] for i in indices], decode)
+            if hidden is None:
+                hidden = group_hidden.new_empty(input_ids.shape[0], group_hidden.shape[-1])
+            hidden.index_copy_(0, rows, group_hidden)
+        return hidden
+
+    def _forward_group(self, input_ids: torch.Tensor, rope_positions: torch.Tensor, metadata: AttentionMetadata,
+                       row_kinds: list[tuple[int, bool]], decode: bool) -> torch.Tensor:
+        """Hidden states of sequences all decoding (a compiled graph where one applies) or all
+        prompts (eager, each prompt's rows routed as a run of their own)."""
+        if decode and self.compiled_decode.applies(metadata):
+            return self.compiled_decode.forward(input_ids, rope_positions, metadata)
+        with routed_rows(row_runs(row_kinds)) if not decode else contextlib.nullcontext():
+            return self.model(input_ids, rope_positions, self.kv_caches, metadata)
 
     # -- images ----------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ _SUBJECTS = ["The ocean", "A robot", "Winter", "Coffee", "The moon", "A library"
 def test_greedy_tokens_at_16_17_and_32_streams_equal_the_solo_runs():
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    args = EngineArgs.from_cli_args(parser.parse_args(["--no-compile-decode"]))  # eager: no graphs to wait for
+    args = EngineArgs.from_cli_args(parser.parse_args([]))
     assert args.resolved_batch_invariant(args.resolved_device())
     llm = LLM(**dataclasses.asdict(args))
     prompts = [f"{subject} is" for subject in _SUBJECTS]

@@ -13,6 +13,7 @@ from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3Fo
 from kvserve import LLM, SamplingParams
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.engine_args import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.model_executor.compiled_decode import CompiledDecode
 from kvserve.model_executor.loader import load_model
 from tests.quantization.prompts import PROMPTS
@@ -285,3 +286,24 @@ def test_two_models_keep_their_own_graphs(save_hf_model, paged_runner) -> None:
             expected = eager.step(batch)
             ours = compiled_runner.step(batch, forward=compiled.forward)
             torch.testing.assert_close(torch.cat(ours), torch.cat(expected), atol=tolerance, rtol=tolerance)
+
+
+def test_batch_invariant_mode_compiles_the_graphs_before_serving(save_hf_model, monkeypatch) -> None:
+    """serve's default (None) compiles while the engine is idle, its steps eager until then;
+    where rows are routed batch-invariantly, a step must not run eager for want of a graph
+    (its low bits would differ), so the graphs compile before the engine serves."""
+    path = save_hf_model(ARCHITECTURES["qwen3-qk-norm"]())
+    compiled_sizes = []
+
+    def compile_next(self):  # the order of the compiles is under test, not the compile
+        if not self._pending:
+            return False
+        compiled_sizes.append(self._pending.pop(0))
+        return True
+
+    monkeypatch.setattr(CompiledDecode, "compile_next", compile_next)
+    engine = dict(model=path, quantization="int8", kv_cache_memory="16MiB", compile_decode=None)
+    invariant = LLMEngine(EngineArgs(**engine, batch_invariant=True)).core.runner
+    assert invariant.batch_invariant and invariant.compiled_decode.pending == 0 and compiled_sizes == [1, 2]
+    per_batch_size = LLMEngine(EngineArgs(**engine, batch_invariant=False)).core.runner
+    assert per_batch_size.compiled_decode.pending == 2 and compiled_sizes == [1, 2]
