@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 
@@ -227,10 +228,13 @@ def run_from_args(args: argparse.Namespace) -> int:
                                             args.draft_vocab_size)
         save_medusa_heads(heads, args.out)
         print(f"wrote {args.num_heads} Medusa heads to {args.out}")
-    print("held-out acceptance (top-1 agreement with the target) per draft position: "
-          + ", ".join(f"{a:.1%}" for a in trained)
-          + "; a random head: " + ", ".join(f"{a:.1%}" for a in random_head))
+    print("held-out acceptance (top-1 agreement with the target) per draft position: " + _percentages(trained)
+          + "; a random head: " + _percentages(random_head))
     return 0
+
+
+def _percentages(fractions: list[float]) -> str:
+    return ", ".join("n/a" if math.isnan(a) else f"{a:.1%}" for a in fractions)
 
 
 def _train_eagle(llm: LLM, texts: list[str], args: argparse.Namespace, seed: int) -> tuple[list[float], list[float]]:

@@ -88,7 +88,7 @@ def eagle_loss(head: EagleHead, target: FrozenTarget, chunk: ScoredChunk, cls_we
 def chained_acceptance(head: EagleHead, target: FrozenTarget, chunks: list[ScoredChunk],
                        num_tokens: int) -> list[float]:
     """Per draft position 1..num_tokens, the fraction of measured positions where the chained
-    drafts through it all equal the target's greedy continuation."""
+    drafts through it all equal the target's greedy continuation (nan: none measured)."""
     hits, counts = torch.zeros(num_tokens), torch.zeros(num_tokens)
     for token_ids, features, predictions in chunks:
         n = token_ids.shape[0]
@@ -111,7 +111,8 @@ def chained_acceptance(head: EagleHead, target: FrozenTarget, chunks: list[Score
                 hits[j] += 1
                 if j + 1 < known:
                     estimate = head(target.embed(token), estimate, torch.tensor([s + j]), draft_cache)
-    return (hits / counts.clamp_min(1)).tolist()
+    # nan where no position was measured (text that never follows the target's greedy choice).
+    return (hits / counts).tolist()
 
 
 def train_eagle(llm: LLM, chunks: list[ScoredChunk], num_held_out: int, num_tokens: int, epochs: int, lr: float,
