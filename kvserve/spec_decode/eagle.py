@@ -176,7 +176,10 @@ def load_eagle_head(path: str, target: ModelConfig, dtype: torch.dtype, device: 
 @dataclass
 class _SequenceState:
     cache: EagleCache = field(default_factory=EagleCache)
-    # Target features of positions cache.length, cache.length + 1, ... not paired yet.
+    # The first paired position: a prompt's prefix-cache hit is never recomputed, so its
+    # features never come; the pairs start at the first computed position.
+    start: int = 0
+    # Target features of positions start + cache.length, ... not paired yet.
     features: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -199,12 +202,11 @@ class EagleProposer:
 
     def observe(self, seq_id: str, first_position: int, features: torch.Tensor) -> None:
         """Target features [m, H] of positions first_position.. (a step's verified rows)."""
-        state = self._states.setdefault(seq_id, _SequenceState())
-        expected = state.cache.length + len(state.features)
-        if first_position < expected:  # recomputed after a preemption: start over
-            state = self._states[seq_id] = _SequenceState()
-            expected = 0
-        if first_position == expected:
+        state = self._states.get(seq_id)
+        if state is None or first_position < state.start + state.cache.length + len(state.features):
+            # New, or recomputed after a preemption: start over.
+            state = self._states[seq_id] = _SequenceState(start=first_position)
+        if first_position == state.start + state.cache.length + len(state.features):
             state.features.extend(features.unbind(0))
 
     @torch.inference_mode()
@@ -215,9 +217,9 @@ class EagleProposer:
         state = self._states.get(seq.seq_id)
         tokens = seq.all_token_ids
         # Pairs (f_t, token t + 1) for every t up to the newest token's predecessor.
-        if state is None or state.cache.length + len(state.features) < len(tokens) - 1:
+        if state is None or state.start + state.cache.length + len(state.features) < len(tokens) - 1:
             return Draft([])
-        start = state.cache.length
+        start = state.start + state.cache.length
         count = len(tokens) - 1 - start
         features = torch.stack(state.features[:count])
         del state.features[:count]
@@ -231,7 +233,7 @@ class EagleProposer:
             token = int(self.to_token_ids(estimate)[0])
             drafts.append(token)
             if step + 1 < k:
-                position = torch.tensor([verified_length + step])
+                position = torch.tensor([state.start + verified_length + step])
                 estimate = self.head(self.embed_tokens(torch.tensor([token])).to(dtype), estimate, position, state.cache)
         state.cache.truncate(verified_length)
         return Draft(drafts)
