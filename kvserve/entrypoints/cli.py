@@ -125,7 +125,8 @@ _TOOLS = [
 ]
 # Commands of their own that load an engine: (command, help, module).
 _ENGINE_COMMANDS = [
-    ("train-drafter", "Train Medusa heads for a model by self-distillation on a text; prints held-out acceptance.",
+    ("train-drafter", "Train Medusa heads or an EAGLE head for a model by self-distillation on a text; "
+                      "prints held-out acceptance.",
      "kvserve.spec_decode.train_drafter"),
 ]
 _TOOL_GROUPS = {"bench": "Benchmarks.", "eval": "Quality evaluations."}

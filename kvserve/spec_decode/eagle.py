@@ -65,8 +65,18 @@ class EagleHead(nn.Module):
                 cache: EagleCache) -> torch.Tensor:
         """Estimated next features [m, H] of m pairs (embedding of token t + 1, feature f_t)
         at positions t = cache.length .. + m - 1; their keys/values are appended to `cache`."""
-        x = linear(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias)
+        x = _matmul()(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias)
         return draft_layer(self, x, x, positions, cache)
+
+    def forward_sequence(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Estimated next features [n, H] of a whole sequence's n pairs in one causal pass, no
+        draft cache kept: training's forward (differentiable where grad is enabled)."""
+        return self(embeds, features, torch.arange(embeds.shape[0], device=embeds.device), EagleCache())
+
+
+def _matmul() -> Callable[..., torch.Tensor]:
+    # kvserve's CPU kernel for few rows has no backward: training (train_eagle) uses torch's.
+    return F.linear if torch.is_grad_enabled() else linear
 
 
 def draft_layer(head: nn.Module, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
@@ -75,21 +85,22 @@ def draft_layer(head: nn.Module, x: torch.Tensor, residual: torch.Tensor, positi
     norm and gated MLP): causal attention of x's m rows over the cached ones (their keys
     and values appended to `cache`) added to `residual`, then the MLP's residual add."""
     m = x.shape[0]
+    matmul = _matmul()
     inv_freq = 1.0 / head.rope_theta ** (torch.arange(0, head.head_dim, 2, dtype=torch.float32) / head.head_dim)
     angles = positions.float()[:, None] * inv_freq[None]
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    q = _rotate(linear(x, head.q_proj.weight).view(m, head.num_heads, head.head_dim), cos, sin)
-    k = _rotate(linear(x, head.k_proj.weight).view(m, head.num_kv_heads, head.head_dim), cos, sin)
-    v = linear(x, head.v_proj.weight).view(m, head.num_kv_heads, head.head_dim)
+    q = _rotate(matmul(x, head.q_proj.weight).view(m, head.num_heads, head.head_dim), cos, sin)
+    k = _rotate(matmul(x, head.k_proj.weight).view(m, head.num_kv_heads, head.head_dim), cos, sin)
+    v = matmul(x, head.v_proj.weight).view(m, head.num_kv_heads, head.head_dim)
     keys, values = cache.append(k, v)
     length = keys.shape[0]
     mask = torch.arange(length)[None, :] <= torch.arange(length - m, length)[:, None]
     attended = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
         attn_mask=mask, enable_gqa=True)[0].transpose(0, 1).reshape(m, -1)
-    hidden = residual + linear(attended, head.o_proj.weight)
+    hidden = residual + matmul(attended, head.o_proj.weight)
     h = _rms_norm(hidden, head.post_attention_layernorm, head.eps)
-    return hidden + linear(F.silu(linear(h, head.gate_proj.weight)) * linear(h, head.up_proj.weight),
+    return hidden + matmul(F.silu(matmul(h, head.gate_proj.weight)) * matmul(h, head.up_proj.weight),
                            head.down_proj.weight)
 
 
@@ -165,7 +176,10 @@ def load_eagle_head(path: str, target: ModelConfig, dtype: torch.dtype, device: 
 @dataclass
 class _SequenceState:
     cache: EagleCache = field(default_factory=EagleCache)
-    # Target features of positions cache.length, cache.length + 1, ... not paired yet.
+    # The first paired position: a prompt's prefix-cache hit is never recomputed, so its
+    # features never come; the pairs start at the first computed position.
+    start: int = 0
+    # Target features of positions start + cache.length, ... not paired yet.
     features: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -188,12 +202,11 @@ class EagleProposer:
 
     def observe(self, seq_id: str, first_position: int, features: torch.Tensor) -> None:
         """Target features [m, H] of positions first_position.. (a step's verified rows)."""
-        state = self._states.setdefault(seq_id, _SequenceState())
-        expected = state.cache.length + len(state.features)
-        if first_position < expected:  # recomputed after a preemption: start over
-            state = self._states[seq_id] = _SequenceState()
-            expected = 0
-        if first_position == expected:
+        state = self._states.get(seq_id)
+        if state is None or first_position < state.start + state.cache.length + len(state.features):
+            # New, or recomputed after a preemption: start over.
+            state = self._states[seq_id] = _SequenceState(start=first_position)
+        if first_position == state.start + state.cache.length + len(state.features):
             state.features.extend(features.unbind(0))
 
     @torch.inference_mode()
@@ -204,9 +217,9 @@ class EagleProposer:
         state = self._states.get(seq.seq_id)
         tokens = seq.all_token_ids
         # Pairs (f_t, token t + 1) for every t up to the newest token's predecessor.
-        if state is None or state.cache.length + len(state.features) < len(tokens) - 1:
+        if state is None or state.start + state.cache.length + len(state.features) < len(tokens) - 1:
             return Draft([])
-        start = state.cache.length
+        start = state.start + state.cache.length
         count = len(tokens) - 1 - start
         features = torch.stack(state.features[:count])
         del state.features[:count]
@@ -220,7 +233,7 @@ class EagleProposer:
             token = int(self.to_token_ids(estimate)[0])
             drafts.append(token)
             if step + 1 < k:
-                position = torch.tensor([verified_length + step])
+                position = torch.tensor([state.start + verified_length + step])
                 estimate = self.head(self.embed_tokens(torch.tensor([token])).to(dtype), estimate, position, state.cache)
         state.cache.truncate(verified_length)
         return Draft(drafts)

@@ -1,4 +1,5 @@
-"""`kvserve train-drafter`: train Medusa heads for a model by self-distillation.
+"""`kvserve train-drafter`: train Medusa heads or an EAGLE-1 head (train_eagle) for a model
+by self-distillation.
 
 The target scores the text (one forward pass a chunk through the engine's own model and
 paged cache): its last hidden state at each position t and its greedy prediction at each
@@ -14,6 +15,7 @@ LM head over the N tokens the target predicts most often in the training text (w
 `draft_vocab`): drafting and training then project onto N rows instead of the whole vocabulary.
 
     kvserve train-drafter --method medusa --model M --data text.jsonl --out heads/
+    kvserve train-drafter --method eagle --model M --data text.jsonl --out eagle/
 
 `--seed` (the engine's) seeds the held-out split, the order of the chunks and the init.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 
@@ -52,6 +55,23 @@ def score(llm: LLM, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     metadata = runner._metadata(positions, [0, n], [n], [list(range(-(-n // runner.block_size)))])
     hidden = runner.model(torch.tensor(token_ids), positions, runner.kv_caches, metadata)
     return hidden.float(), runner.model.compute_logits(hidden).argmax(dim=-1)
+
+
+def split_chunks(llm: LLM, texts: list[str], chunk_tokens: int, min_tokens: int, held_out: float,
+                 seed: int) -> tuple[list[list[int]], int]:
+    """The texts' token ids in chunks of up to `chunk_tokens` (shorter than `min_tokens`:
+    dropped), shuffled, and how many of the first are held out."""
+    tokenizer = llm.get_tokenizer()
+    chunks = []
+    for text in texts:
+        ids = tokenizer(text).input_ids
+        chunks += [ids[i : i + chunk_tokens] for i in range(0, len(ids), chunk_tokens)
+                   if len(ids[i : i + chunk_tokens]) >= min_tokens]
+    if len(chunks) < 2:
+        raise ValueError(f"--data has {len(chunks)} chunk(s) of at least {min_tokens} tokens; allowed: at least 2 "
+                         "(one to train on, one held out)")
+    random.Random(seed).shuffle(chunks)
+    return chunks, max(1, int(len(chunks) * held_out))
 
 
 def head_targets(predictions: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -120,16 +140,7 @@ def train(llm: LLM, texts: list[str], num_heads: int, chunk_tokens: int, epochs:
           held_out: float, seed: int, train_lm_head: bool = False,
           draft_vocab_size: int = 0) -> tuple[MedusaHeads, list[float], list[float]]:
     """(trained heads, their held-out agreement per head, a random head's)."""
-    tokenizer = llm.get_tokenizer()
-    chunks = []
-    for text in texts:
-        ids = tokenizer(text).input_ids
-        chunks += [ids[i : i + chunk_tokens] for i in range(0, len(ids), chunk_tokens) if len(ids[i : i + chunk_tokens]) > num_heads + 1]
-    if len(chunks) < 2:
-        raise ValueError(f"--data has {len(chunks)} chunk(s) of more than {num_heads + 1} tokens; allowed: at least 2 "
-                         "(one to train on, one held out)")
-    random.Random(seed).shuffle(chunks)
-    num_held_out = max(1, int(len(chunks) * held_out))
+    chunks, num_held_out = split_chunks(llm, texts, chunk_tokens, num_heads + 2, held_out, seed)
     scored = []
     for ids in tqdm(chunks, desc="scoring with the target", unit="chunk"):
         hidden, predictions = score(llm, ids)
@@ -175,20 +186,28 @@ def save_medusa_heads(heads: MedusaHeads, out: str) -> None:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("drafter training")
-    group.add_argument("--method", choices=["medusa"], required=True,
-                       help="The draft method to train (Medusa heads; EAGLE heads are not trained here yet).")
+    group.add_argument("--method", choices=["medusa", "eagle"], required=True,
+                       help="The draft method to train: Medusa heads, or an EAGLE-1 head (one decoder layer "
+                            "over the target's features, the EAGLE repository's layout).")
     group.add_argument("--data", required=True,
                        help="Training text: a .jsonl file with a \"text\" field a line, or a text file "
                             "(paragraphs separated by blank lines).")
-    group.add_argument("--out", required=True, help="Directory to write the heads to (Medusa layout).")
+    group.add_argument("--out", required=True,
+                       help="Directory to write the drafter to (the Medusa or the EAGLE repository's layout).")
     group.add_argument("--num-heads", type=int, default=3, help="Medusa heads: the deepest draft position.")
+    group.add_argument("--num-speculative-tokens", type=int, default=3,
+                       help="EAGLE: the draft positions whose chained held-out acceptance is printed.")
+    group.add_argument("--cls-weight", type=float, default=0.1,
+                       help="EAGLE: weight of the cross entropy of the target's LM head over the estimated "
+                            "feature (against the target's greedy token) beside the feature regression "
+                            "(SmoothL1, weight 1); EAGLE's is 0.1.")
     group.add_argument("--chunk-tokens", type=int, default=256, help="Tokens the target scores per chunk.")
     group.add_argument("--epochs", type=int, default=3, help="Passes over the training chunks.")
     group.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate.")
     group.add_argument("--train-lm-head", action="store_true",
-                       help="Train each head's copy of the LM head too (better heads, much slower on a CPU).")
+                       help="Medusa: train each head's copy of the LM head too (better heads, much slower on a CPU).")
     group.add_argument("--draft-vocab-size", type=int, default=0,
-                       help="Give the heads an LM head over only the N tokens the model predicts most often in "
+                       help="Medusa: give the heads an LM head over only the N tokens the model predicts most often in "
                             "the training text (0: the whole vocabulary). Drafting then projects onto N rows, the "
                             "lever on a small model whose LM head is a large share of a step.")
     group.add_argument("--held-out", type=float, default=0.1,
@@ -200,12 +219,35 @@ def run_from_args(args: argparse.Namespace) -> int:
     llm = LLM(**vars(engine_args))
     if llm.get_tokenizer() is None:
         raise ValueError("train-drafter needs the model's tokenizer to read --data")
-    heads, trained, random_head = train(llm, read_texts(args.data), args.num_heads, args.chunk_tokens,
-                                        args.epochs, args.lr, args.held_out, engine_args.seed, args.train_lm_head,
-                                        args.draft_vocab_size)
-    save_medusa_heads(heads, args.out)
-    print(f"wrote {args.num_heads} Medusa heads to {args.out}")
-    print("held-out acceptance (top-1 agreement with the target) per draft position: "
-          + ", ".join(f"{a:.1%}" for a in trained)
-          + "; a random head: " + ", ".join(f"{a:.1%}" for a in random_head))
+    texts = read_texts(args.data)
+    if args.method == "eagle":
+        trained, random_head = _train_eagle(llm, texts, args, engine_args.seed)
+    else:
+        heads, trained, random_head = train(llm, texts, args.num_heads, args.chunk_tokens, args.epochs, args.lr,
+                                            args.held_out, engine_args.seed, args.train_lm_head,
+                                            args.draft_vocab_size)
+        save_medusa_heads(heads, args.out)
+        print(f"wrote {args.num_heads} Medusa heads to {args.out}")
+    print("held-out acceptance (top-1 agreement with the target) per draft position: " + _percentages(trained)
+          + "; a random head: " + _percentages(random_head))
     return 0
+
+
+def _percentages(fractions: list[float]) -> str:
+    return ", ".join("n/a" if math.isnan(a) else f"{a:.1%}" for a in fractions)
+
+
+def _train_eagle(llm: LLM, texts: list[str], args: argparse.Namespace, seed: int) -> tuple[list[float], list[float]]:
+    from kvserve.spec_decode.train_eagle import save_eagle_head, train_eagle
+
+    chunks, num_held_out = split_chunks(llm, texts, args.chunk_tokens, 3, args.held_out, seed)
+    scored = []
+    for ids in tqdm(chunks, desc="scoring with the target", unit="chunk"):
+        hidden, predictions = score(llm, ids)
+        # Copies outside inference mode: autograd may save them for the backward pass.
+        scored.append((torch.tensor(ids), hidden.clone(), predictions.clone()))
+    head, trained, random_head = train_eagle(llm, scored, num_held_out, args.num_speculative_tokens, args.epochs,
+                                             args.lr, args.cls_weight, seed)
+    save_eagle_head(head, llm, args.out)
+    print(f"wrote an EAGLE head to {args.out}")
+    return trained, random_head

@@ -191,3 +191,21 @@ def test_observed_features_are_the_targets_hidden_states(tiny_llama, tiny_eagle,
     positions = sorted(features)
     assert positions == list(range(len(tokens) - 1))  # every position but the last token's, once
     torch.testing.assert_close(torch.stack([features[p] for p in positions]), expected[:-1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_prefix_cache_hit_still_drafts_and_stays_exact(tiny_llama, tiny_eagle) -> None:
+    """A later request whose prompt starts with a cached prefix never gets the target's
+    features there: the head pairs from the first computed position on, and still drafts."""
+    shared = list(range(1, 17))  # four full blocks of 4: cached after the first request
+    prompts = [{"prompt_token_ids": shared + [3, 9, 4]}, {"prompt_token_ids": shared + [7, 2, 11, 5]}]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    kwargs = dict(skip_tokenizer_init=True, block_size=4, kv_cache_memory="4MiB", enable_prefix_caching=True)
+    plain = LLM(model=tiny_llama, **kwargs)
+    expected = [list(plain.generate(p, params)[0].outputs[0].token_ids) for p in prompts]
+    llm = LLM(model=tiny_llama, speculative_config={"method": "eagle", "model": tiny_eagle,
+                                                    "num_speculative_tokens": 3}, **kwargs)
+    first = list(llm.generate(prompts[0], params)[0].outputs[0].token_ids)
+    drafts_before = llm.engine.spec_decode_stats.num_drafts
+    second = list(llm.generate(prompts[1], params)[0].outputs[0].token_ids)
+    assert [first, second] == expected
+    assert llm.engine.spec_decode_stats.num_drafts > drafts_before

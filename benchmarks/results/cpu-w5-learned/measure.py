@@ -3,6 +3,7 @@ configurations on the same weights in one process, each prompt run by every conf
 back to back (the order rotating), so a shared machine's load falls on all alike.
 
     python benchmarks/results/cpu-w5-learned/measure.py --heads HEADS_DIR --output-len 64
+    python benchmarks/results/cpu-w5-learned/measure.py --eagle EAGLE_DIR --only "eagle chain 3"
 """
 
 from __future__ import annotations
@@ -19,15 +20,19 @@ from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
 
 
-def configs(heads: str) -> dict[str, dict | None]:
-    return {
+def configs(heads: str | None, eagle: str | None) -> dict[str, dict | None]:
+    chosen = {
         "plain": None,
         "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
         "medusa chain 3": {"method": "medusa", "model": heads, "num_speculative_tokens": 3},
         "medusa chain 2": {"method": "medusa", "model": heads, "num_speculative_tokens": 2},
         "medusa tree 5": {"method": "medusa", "model": heads, "num_speculative_tokens": 5,
                           "speculative_token_tree": "[(0,), (0, 0), (0, 0, 0), (1,), (0, 1)]"},
+        "eagle chain 3": {"method": "eagle", "model": eagle, "num_speculative_tokens": 3},
+        "eagle chain 2": {"method": "eagle", "model": eagle, "num_speculative_tokens": 2},
     }
+    return {name: c for name, c in chosen.items()
+            if c is None or c.get("method") not in ("medusa", "eagle") or c["model"] is not None}
 
 
 def counters(llm: LLM) -> tuple[int, int, int, list[int]]:
@@ -40,7 +45,8 @@ def counters(llm: LLM) -> tuple[int, int, int, list[int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--heads", required=True)
+    parser.add_argument("--heads", help="Medusa heads from train-drafter --method medusa")
+    parser.add_argument("--eagle", help="an EAGLE head from train-drafter --method eagle")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--only", nargs="*", help="configuration names to run besides plain")
     parser.add_argument("--num-prompts", type=int, default=len(LOW_REPETITION_PROMPTS),
@@ -48,7 +54,7 @@ def main() -> None:
     parser.add_argument("--output-json")
     args = parser.parse_args()
     loaded = load_engine_model(EngineArgs())
-    chosen = {name: c for name, c in configs(args.heads).items() if name == "plain" or not args.only or name in args.only}
+    chosen = {name: c for name, c in configs(args.heads, args.eagle).items() if name == "plain" or not args.only or name in args.only}
     engines = {name: LLM(loaded=loaded, speculative_config=c) for name, c in chosen.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     for llm in engines.values():
