@@ -573,18 +573,12 @@ class ModelRunner:
         sampling needs none of the host's lagging state are launched (no logprobs,
         penalties or min_tokens bans, no drafts)."""
         seq_ids = sched.scheduled_seq_ids
-        pending = None
-        if sched.inputs_in_flight:
-            previous = self._inflight[-1]
+        previous = self._inflight[-1] if sched.inputs_in_flight else None
+        if previous is not None:
             logits = self.forward_ahead(sched, previous.inputs_for(seq_ids))
-            if any(self.seqs[seq_id].params.structured_outputs is not None for seq_id in seq_ids):
-                # Grammars need the previous step's tokens: waiting for them here keeps the
-                # device busy (this step's forward is queued behind them), and the host
-                # fills the masks while that forward runs.
-                pending = dict(zip(previous.seq_ids, previous.read()))
         else:
             logits = self.forward(sched).sample_logits
-        token_ids = self.step_sampler.sample_ids(logits, seq_ids, self.seqs, pending)
+        token_ids = self.step_sampler.sample_ids(logits, seq_ids, self.seqs, previous)
         self._inflight.append(InflightStep.start(seq_ids, token_ids))
 
     def collect(self) -> ModelRunnerOutput:

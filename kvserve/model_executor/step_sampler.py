@@ -10,6 +10,7 @@ import torch
 
 from kvserve.core.sched.output import ModelRunnerOutput, SampledSequence, SchedulerOutput
 from kvserve.core.sequence import check_stop
+from kvserve.model_executor.inflight import InflightStep
 from kvserve.model_executor.input_batch import RunnerSequence, SequenceStates, TokenSpan
 from kvserve.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from kvserve.spec_decode.proposer import DraftContext
@@ -76,18 +77,21 @@ class StepSampler:
         )
 
     def sample_ids(self, logits: torch.Tensor, seq_ids: list[str], seqs: SequenceStates,
-                   pending: dict[str, int] | None = None) -> torch.Tensor:
-        """One id per sequence, left on the device (overlapped decode steps). `pending`: the
-        newest token of each sequence, sampled by the step still in flight, which the
-        grammars of constrained sequences must see before this step's mask."""
-        constrained = [
-            ConstrainedRows(seq_id, seq.params.structured_outputs, TokenSpan(seq.token_ids, seq.num_prompt_tokens),
-                            row, pending_token_ids=() if pending is None else (pending[seq_id],))
-            for row, seq_id in enumerate(seq_ids) if (seq := seqs[seq_id]).params.structured_outputs is not None
-        ]
+                   in_flight: InflightStep | None = None) -> torch.Tensor:
+        """One id per sequence, left on the device (overlapped decode steps). `in_flight`:
+        the step still running, whose sampled tokens the grammars of constrained sequences
+        must see before this step's masks. Reading them waits only for that step: this
+        step's forward is already queued behind it, and the host fills the masks meanwhile."""
+        rows = [self.row(seq_id, seqs[seq_id]) for seq_id in seq_ids]
+        constrained = [i for i, row in enumerate(rows) if row.params.structured_outputs is not None]
         if constrained:
-            self.grammars.mask_logits(logits, constrained)
-        return self.sampler.sample_ids(logits, [self.row(seq_id, seqs[seq_id]) for seq_id in seq_ids])
+            pending = {} if in_flight is None else dict(zip(in_flight.seq_ids, in_flight.read()))
+            self.grammars.mask_logits(logits, [
+                ConstrainedRows(seq_ids[i], rows[i].params.structured_outputs, rows[i].output_token_ids, i,
+                                pending_token_ids=(pending[seq_ids[i]],) if seq_ids[i] in pending else ())
+                for i in constrained
+            ])
+        return self.sampler.sample_ids(logits, rows)
 
     def sample(
         self,

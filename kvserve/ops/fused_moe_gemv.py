@@ -15,6 +15,7 @@ Weights as ExpertWeights holds them: dense [E, N, K], or int8 / float8_e4m3fn [E
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -158,6 +159,7 @@ def _combine_kernel(partials_ptr, weights_ptr, out_ptr, N, num_splits, stride_ps
     tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
