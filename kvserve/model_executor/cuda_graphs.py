@@ -235,24 +235,28 @@ class CudaGraphRunner:
         start_positions: list[int],
         block_tables: list[BlockTable],
         device_token_ids: torch.Tensor | None = None,
+        rope_offsets: list[int] | None = None,
     ) -> torch.Tensor:
         """Logits [sum of query lengths, vocab] fp32 of B sequences: sequence i feeds
         query_tokens[i] (its newest token, then any drafts) from start_positions[i] on;
         its rows are consecutive, in batch order. Valid until the next run.
         `device_token_ids` [B]: one query token per sequence, still on the device (sampled
-        by a step the host has not read yet); query_tokens then only give the width."""
+        by a step the host has not read yet); query_tokens then only give the width.
+        `rope_offsets` [B]: added to sequence i's rotary positions only, not to its cache
+        slots (M-RoPE: text after an image rotates by its index plus the image's delta)."""
         batch = len(query_tokens)
         bucket = self.bucket_for(batch)
         lengths = [len(tokens) for tokens in query_tokens]
         width = max(lengths)
         block_size = self.block_size
         ids, positions, slots = [], [], []
-        for tokens, start, table in zip(query_tokens, start_positions, block_tables):
+        offsets = rope_offsets or [0] * batch
+        for tokens, start, table, offset in zip(query_tokens, start_positions, block_tables, offsets):
             pad = width - len(tokens)
             ids += tokens + [0] * pad
             # Padding repeats the last position: RoPE tables end at the context limit.
-            positions += range(start, start + len(tokens))
-            positions += [start + len(tokens) - 1] * pad
+            positions += range(start + offset, start + offset + len(tokens))
+            positions += [start + offset + len(tokens) - 1] * pad
             slots += [table[p // block_size] * block_size + p % block_size
                       for p in range(start, start + len(tokens))]
             slots += [-1] * pad
@@ -280,7 +284,7 @@ class CudaGraphRunner:
         if graph is None:
             # Capturing overwrites the persistent inputs with padding: redo the copies after.
             graph = self.graphs[key] = self._capture(*key)
-            return self.run(query_tokens, start_positions, block_tables, device_token_ids)
+            return self.run(query_tokens, start_positions, block_tables, device_token_ids, rope_offsets)
         timed = self.replay_events
         if timed is None:
             graph.graph.replay()

@@ -519,6 +519,7 @@ class ModelRunner:
              for seq_id, seq, n in zip(seq_ids, seqs, num_rows)],
             [seq.num_computed_tokens for seq in seqs],
             [seq.block_ids for seq in seqs],
+            rope_offsets=self._rope_offsets(seqs),
         )
         return StepLogits(logits, seq_ids, num_rows, [])
 
@@ -603,7 +604,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_tokens([seq.lora_int_id for seq in seqs], [1] * len(seqs))
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(len(seqs)):
-            return self.cuda_graphs.run([[0]] * len(seqs), positions, tables, token_ids)
+            return self.cuda_graphs.run([[0]] * len(seqs), positions, tables, token_ids, self._rope_offsets(seqs))
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         metadata = self._metadata(
             positions_t, list(range(len(seqs) + 1)), [p + 1 for p in positions], tables
@@ -693,6 +694,10 @@ class ModelRunner:
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         if mrope_chunks:
             rope_positions_t = torch.cat(mrope_chunks, dim=1).to(self.device)
+            if all(decode for _, decode in row_kinds):
+                # Past every prompt the three coordinates are equal: plain RoPE, one row,
+                # which is what the compiled decode graphs take.
+                rope_positions_t = rope_positions_t[0].contiguous()
         inputs_embeds = self._merge_images(input_ids_t, image_spans) if image_spans else None
         streams = dict.fromkeys(self.aux_hidden_layers) if self.aux_hidden_layers else None
         runs = row_runs(row_kinds) if self.batch_invariant else ()
@@ -772,13 +777,24 @@ class ModelRunner:
 
     # -- images ----------------------------------------------------------------------------
 
-    def _mrope_positions(self, seq: RunnerSequence, positions: list[int]) -> torch.Tensor:
-        """[3, len(positions)] M-RoPE positions of the sequence's tokens at these 1-D
-        positions (ascending through the prompt; a token tree's drafts rotate by depth)."""
+    def _sequence_mrope(self, seq: RunnerSequence) -> tuple[torch.Tensor, int]:
+        """The prompt's [3, prompt length] M-RoPE positions and the delta of later tokens."""
         if seq.mrope is None:
             merge = int((self.model_config.hf_config or {}).get("vision_config", {}).get("spatial_merge_size", 1))
             seq.mrope = mrope_positions(seq.num_prompt_tokens, seq.mm_features, merge)
-        prompt_positions, delta = seq.mrope
+        return seq.mrope
+
+    def _rope_offsets(self, seqs: list[RunnerSequence]) -> list[int] | None:
+        """Per sequence past its prompt, what its rotary position adds to its index: the
+        M-RoPE delta (None for models without M-RoPE)."""
+        if not self.model_config.mrope_section:
+            return None
+        return [self._sequence_mrope(seq)[1] for seq in seqs]
+
+    def _mrope_positions(self, seq: RunnerSequence, positions: list[int]) -> torch.Tensor:
+        """[3, len(positions)] M-RoPE positions of the sequence's tokens at these 1-D
+        positions (ascending through the prompt; a token tree's drafts rotate by depth)."""
+        prompt_positions, delta = self._sequence_mrope(seq)
         num_prompt = sum(1 for p in positions if p < seq.num_prompt_tokens)
         later = torch.tensor(positions[num_prompt:], dtype=torch.long) + delta
         return torch.cat([prompt_positions[:, positions[:num_prompt]], later.expand(3, -1)], dim=1)

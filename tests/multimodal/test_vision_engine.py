@@ -224,3 +224,49 @@ def test_offline_chat_refuses_bad_image_urls_before_queueing(qwen, url, error):
     with pytest.raises(ValueError, match=error):
         llm.chat([message], GREEDY)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_compiled_decode_steps_rotate_by_the_mrope_offset(qwen):
+    """Past its prompt a Qwen2-VL sequence's three M-RoPE coordinates are equal (its index
+    plus the image's delta): its decode steps run in the compiled CPU graphs, and greedy
+    ids stay transformers' for sequences with different deltas batched together."""
+    directory, hf_model = qwen
+    images = drawn_images()
+    llm = LLM(model=directory, kv_cache_memory="8MiB", max_model_len=256, compile_decode=True)
+    compiled, calls = llm.engine.core.runner.compiled_decode, []
+    forward = compiled.forward
+    compiled.forward = lambda *args: calls.append(args[1].dim()) or forward(*args)
+    prompts = [qwen_image_prompt(1), qwen_image_prompt(2, lead=5), [10, 11, 12]]
+    requests = [_request(prompts[0], images[:1]), _request(prompts[1], images[1:]),
+                {"prompt_token_ids": prompts[2]}]
+    outputs = llm.generate(requests, GREEDY)
+    assert outputs[0].outputs[0].token_ids == _hf_ids(hf_model, prompts[0], images[:1])
+    assert outputs[1].outputs[0].token_ids == _hf_ids(hf_model, prompts[1], images[1:])
+    assert outputs[2].outputs[0].token_ids == _hf_ids(hf_model, prompts[2], [])
+    assert len(calls) >= NUM_TOKENS - 1 and set(calls) == {1}
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_steps_rotate_by_the_mrope_offset(qwen):
+    """The captured decode graphs replay Qwen2-VL's steps with each sequence's M-RoPE delta
+    in its rotary positions (not its cache slots): greedy ids as transformers' (fp32, GPU)."""
+    directory, hf_model = qwen
+    images = drawn_images()
+    llm = LLM(model=directory, device="cuda", dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
+    runner = llm.engine.core.runner
+    assert runner.cuda_graphs is not None
+    prompts = [qwen_image_prompt(1), qwen_image_prompt(2, lead=5), [10, 11, 12]]
+    requests = [_request(prompts[0], images[:1]), _request(prompts[1], images[1:]),
+                {"prompt_token_ids": prompts[2]}]
+    outputs = llm.generate(requests, GREEDY)
+    hf_model = hf_model.to("cuda")
+    try:
+        for prompt, image_list, output in zip(prompts, [images[:1], images[1:], []], outputs):
+            inputs = {k: v.to("cuda") for k, v in hf_inputs(KIND, prompt, image_list).items()}
+            with torch.no_grad():
+                out = hf_model.generate(**inputs, max_new_tokens=NUM_TOKENS, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)
+            assert output.outputs[0].token_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
+    finally:
+        hf_model.to("cpu")
+    assert sum(runner.cuda_graphs.replays.values()) >= NUM_TOKENS - 1

@@ -194,12 +194,6 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     def vision_modules(self) -> nn.Module:
         return self.visual
 
-    @property
-    def graph_capturable(self) -> bool:
-        """M-RoPE positions run ahead of cache slots after an image (mrope_delta): the
-        captured decode graphs and compiled decode take one position per token."""
-        return False
-
     def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         pixels = self._vision_input(torch.cat([image["pixel_values"] for image in images]))
         grid_thw = torch.cat([image["image_grid_thw"] for image in images]).to(pixels.device)
