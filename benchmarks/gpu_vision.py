@@ -123,6 +123,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5, help="Timed TTFT trials a side (after one warm-up).")
     parser.add_argument("--requests", type=int, default=64, help="Concurrent requests in the throughput runs.")
     parser.add_argument("--output-len", type=int, default=128, help="Output tokens per request.")
+    parser.add_argument("--kv-cache-memory", default="16GiB", help="kvserve's KV cache (a size, e.g. 16GiB).")
     parser.add_argument("--skip-transformers", action="store_true", help="kvserve only.")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to try the script on a small --model.")
     args = parser.parse_args()
@@ -133,8 +134,9 @@ def main() -> None:
         llm = LLM(model=args.model, device=args.device, dtype=str(dtype).removeprefix("torch."),
                   max_num_seqs=args.requests)
     else:
+        # The KV cache sized for the throughput runs, leaving room for transformers' copy.
         llm = LLM(load_format="dummy", model_shape=args.model_shape, dtype="bfloat16", max_num_seqs=args.requests,
-                  skip_tokenizer_init=True)
+                  skip_tokenizer_init=True, kv_cache_memory=args.kv_cache_memory)
     config_dict = llm.engine.core.model_config.hf_config
     vocab_size = llm.engine.core.model_config.vocab_size
     prompt = placeholder_prompt(config_dict, args.text_tokens, vocab_size)

@@ -261,7 +261,8 @@ class EngineArgs:
         )
         group.add_argument(
             "--kv-cache-memory", default=None,
-            help="KV-cache size on CPU, e.g. 2GiB or 512MiB (default 2GiB).",
+            help="KV-cache size, e.g. 2GiB or 512MiB (default: 2GiB on CPU; on a GPU what is left "
+                 "after the weights and the largest step at --gpu-memory-utilization).",
         )
         group.add_argument(
             "--gpu-memory-utilization", type=float, default=0.9,

@@ -396,6 +396,13 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             budget = self._profile_free_gpu_memory()
+            if self.cache_config.kv_cache_memory is not None:  # a size given: it, if it fits
+                if self.cache_config.kv_cache_memory > budget:
+                    raise ValueError(
+                        f"kv_cache_memory {self.cache_config.kv_cache_memory / 2**30:.2f} GiB does not fit: "
+                        f"{budget / 2**30:.2f} GiB is free for the KV cache at gpu_memory_utilization "
+                        f"{self.cache_config.gpu_memory_utilization}")
+                budget = self.cache_config.kv_cache_memory
         else:
             budget = self.cache_config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
         return blocks_in_budget(budget, bytes_per_block, self.block_size)

@@ -294,3 +294,45 @@ def test_llava_engine_tokens_sliced_equal_transformers(kind, tmp_path):
     slicing = llm.engine.core.scheduler_config.encoder_slicing
     assert all(step["ran"] <= 5 for step in steps)
     assert sum(step["ran"] for step in steps) == 2 * slicing.rows_per_image * slicing.num_passes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("start", "end"), [(0, 100), (3, 60), (38, 39), (40, 100), (5, 37)])
+def test_gpu_varlen_segment_attention_equals_attention_per_segment(start, end):
+    """One variable-length call for rows [start, end) (a slice may cut segments) against
+    fp32 attention of each row over its own segment's keys."""
+    from kvserve.model_executor.models.vision_slices import segment_attention
+
+    segments = [0, 5, 37, 40, 100]
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, 100, 4, 80, generator=generator)
+    scale = 80**-0.5
+    expected = []
+    for row in range(start, end):
+        segment = max(i for i, s in enumerate(segments[:-1]) if s <= row)
+        keys = slice(segments[segment], segments[segment + 1])
+        weights = torch.softmax(torch.einsum("hd,khd->hk", qkv[0, row], qkv[1, keys]) * scale, dim=-1)
+        expected.append(torch.einsum("hk,khd->hd", weights, qkv[2, keys]).reshape(-1))
+    got = segment_attention(qkv.cuda().bfloat16(), segments, start, end, scale)
+    torch.testing.assert_close(got.float().cpu(), torch.stack(expected), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_gpu_bf16_tower_matches_transformers_fp32(kind, tmp_path):
+    """encode_images on CUDA (the sliced pass in one go, varlen attention) in bf16 against
+    transformers' tower in fp32 on the same weights."""
+    directory, hf_model = save_model(kind, str(tmp_path))
+    llm = LLM(model=directory, device="cuda", dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=256)
+    inputs = image_processor(kind)(images=drawn_images(), return_tensors="pt")
+    visual = hf_model.model.visual.cuda()
+    with torch.no_grad():
+        expected = visual(inputs["pixel_values"].cuda(), grid_thw=inputs["image_grid_thw"].cuda()).pooler_output
+        images = [{"pixel_values": p, "image_grid_thw": g[None]} for p, g in zip(
+            inputs["pixel_values"].split((inputs["image_grid_thw"].prod(-1)).tolist()), inputs["image_grid_thw"])]
+        got = torch.cat(llm.engine.core.runner.model.encode_images(images))
+    assert got.dtype == torch.bfloat16
+    error = (got.float() - expected).abs().max() / expected.abs().max()
+    assert error < 2e-2, error

@@ -255,6 +255,8 @@ def test_cuda_graph_decode_steps_rotate_by_the_mrope_offset(qwen):
     llm = LLM(model=directory, device="cuda", dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
     runner = llm.engine.core.runner
     assert runner.cuda_graphs is not None
+    # kv_cache_memory holds on a GPU too (not the free memory at gpu_memory_utilization).
+    assert sum(cache.numel() * cache.element_size() for cache in runner.kv_caches) <= 64 * 2**20
     prompts = [qwen_image_prompt(1), qwen_image_prompt(2, lead=5), [10, 11, 12]]
     requests = [_request(prompts[0], images[:1]), _request(prompts[1], images[1:]),
                 {"prompt_token_ids": prompts[2]}]

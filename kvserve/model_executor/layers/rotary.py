@@ -79,7 +79,8 @@ class MRotaryEmbedding(RotaryEmbedding):
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
             self.section_of_freq = self.section_of_freq.to(positions.device)
-        chosen = positions.float()[self.section_of_freq].T  # [T, head_dim / 2]
+        # [T, head_dim / 2], contiguous: the CUDA rotary kernel takes rows of cos and sin.
+        chosen = positions.float()[self.section_of_freq].T.contiguous()
         freqs = chosen * self.inv_freq[None, :]
         return freqs.cos(), freqs.sin()
 

@@ -195,6 +195,12 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         return self.visual
 
     def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        if self.visual.device.type == "cuda":
+            # The sliced pass in one go: one variable-length attention call a block, where
+            # transformers' tower (without flash-attn) calls attention once per window.
+            state = self.begin_encoding(images)
+            self.advance_encoding(state, state.total_units)
+            return self.finish_encoding(state)
         pixels = self._vision_input(torch.cat([image["pixel_values"] for image in images]))
         grid_thw = torch.cat([image["image_grid_thw"] for image in images]).to(pixels.device)
         merged = self.visual(pixels, grid_thw=grid_thw).pooler_output
