@@ -47,7 +47,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "KVSERVE_PP_LAYER_PARTITION": lambda: os.environ.get("KVSERVE_PP_LAYER_PARTITION"),
     # How an expert-parallel mixture of experts combines its ranks' work: "all_to_all" (tokens
     # sent to their experts' ranks and back), "all_reduce" (every rank's part of every token
-    # summed), or "auto" (default: whichever sends fewer bytes; layers/moe.py use_all_to_all).
+    # summed), or "auto" (default: whichever sends fewer bytes for the step's token count;
+    # layers/moe.py use_all_to_all).
     "KVSERVE_EP_DISPATCH": lambda: os.environ.get("KVSERVE_EP_DISPATCH", "auto"),
     # The key `kvserve serve` requires of clients (its --api-key default); unset: none.
     "KVSERVE_API_KEY": lambda: os.environ.get("KVSERVE_API_KEY"),

@@ -63,15 +63,18 @@ def test_the_exchange_is_chosen_where_it_sends_fewer_bytes(monkeypatch):
     from kvserve.model_executor.layers.moe import use_all_to_all
 
     monkeypatch.delenv("KVSERVE_EP_DISPATCH", raising=False)
-    # top 2: the exchange sends (1 + 4/N)/2 of the all-reduce's bytes.
-    assert [use_all_to_all(ranks, 2, False) for ranks in (2, 4, 8)] == [False, False, True]
-    assert not use_all_to_all(8, 2, shared_expert=True)
-    assert not use_all_to_all(8, 8, False)  # Qwen3-MoE's top 8
+    # Hidden-state rows a rank sends, top 2: ring all-reduce 2 (N-1)/N T; exchange of
+    # C = ceil(T/N) tokens (N-1) C (1 + 4/N). N=2: T=1 1 vs 3, T=2048 2048 vs 3072;
+    # N=8: T=1 1.75 vs 10.5, T=6 10.5 vs 10.5, T=7 12.25 vs 10.5, T=2048 3584 vs 2688.
+    cases = {(2, 1): False, (2, 2048): False, (8, 1): False, (8, 6): False, (8, 7): True, (8, 2048): True}
+    assert {case: use_all_to_all(case[0], 2, False, case[1]) for case in cases} == cases
+    assert not use_all_to_all(8, 2, True, 2048)  # a shared expert: the all-reduce is needed anyway
+    assert not use_all_to_all(8, 8, False, 2048)  # Qwen3-MoE's top 8: 3584 vs 5376
     monkeypatch.setenv("KVSERVE_EP_DISPATCH", "all_to_all")
-    assert use_all_to_all(2, 2, True)
+    assert use_all_to_all(2, 2, True, 1)
     monkeypatch.setenv("KVSERVE_EP_DISPATCH", "alltoall")
     with pytest.raises(ValueError, match="expected auto, all_to_all or all_reduce"):
-        use_all_to_all(2, 2, False)
+        use_all_to_all(2, 2, False, 1)
 
 
 # An expert-parallel layer on two gloo ranks (run inside tests/distributed/test_tensor_parallel.py's
@@ -143,8 +146,12 @@ def expert_parallel_layer_outputs(group) -> list[tuple[torch.Tensor, bool]]:
         moe.load_state_dict(state)
         os.environ["KVSERVE_EP_DISPATCH"] = dispatch
         _shard_experts(moe, group, expert_parallel=True)
+        exchanges = []
+        group.all_to_all_single = lambda *args, _exchange=type(group).all_to_all_single: (
+            exchanges.append(1) or _exchange(group, *args))
         with torch.no_grad():
-            outputs.append((moe(x), moe.all_to_all))
+            outputs.append((moe(x), bool(exchanges)))
+        del group.all_to_all_single
     return outputs
 
 

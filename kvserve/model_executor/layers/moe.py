@@ -138,9 +138,10 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Router(hidden_size, 1)
         # Set by set_parallel: this rank computes a part of every token's output (a share of
         # each expert's rows, or whole experts of its own, the others None), and the parts
-        # are summed over the group; or (all_to_all) the tokens travel to their experts' ranks.
+        # are summed over the group; or (expert parallel, where use_all_to_all says) the
+        # tokens travel to their experts' ranks and back.
         self.tp_group: GroupCoordinator | None = None
-        self.all_to_all = False
+        self.expert_parallel = False
         # Set by pack_experts: every expert's stacked weights (not registered: the experts'
         # own parameters and buffers, views of these, are what loaders and state dicts name).
         self.w13: ExpertWeights | None = None
@@ -150,8 +151,8 @@ class SparseMoE(nn.Module):
         """Run as one of `group`'s ranks, holding a share of every expert's rows or (expert
         parallel) the contiguous 1/N of the experts numbered rank x E/N onwards."""
         self.tp_group = group
-        self.all_to_all = expert_parallel and use_all_to_all(
-            group.world_size, self.top_k, hasattr(self, "shared_expert"))
+        self.expert_parallel = expert_parallel
+        use_all_to_all(group.world_size, self.top_k, False, 0)  # a bad KVSERVE_EP_DISPATCH fails here
 
     @property
     def packed(self) -> bool:
@@ -183,7 +184,8 @@ class SparseMoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.all_to_all:
+        if self.expert_parallel and use_all_to_all(self.tp_group.world_size, self.top_k,
+                                                   hasattr(self, "shared_expert"), x.shape[0]):
             return self._exchange(x, chosen, weights)
         if self.w13 is not None and x.is_cuda:
             from kvserve.ops.fused_moe import fused_experts
@@ -239,14 +241,17 @@ class SparseMoE(nn.Module):
         return group.all_gather(padded, dim=0)[:tokens]
 
 
-def use_all_to_all(ranks: int, top_k: int, shared_expert: bool) -> bool:
-    """Whether an expert-parallel layer exchanges tokens by all_to_all (SparseMoE._exchange)
-    rather than summing every rank's part of every token's output with an all-reduce: where
-    it sends fewer bytes, unless KVSERVE_EP_DISPATCH names one. For T tokens of S bytes over
-    N ranks a ring all-reduce sends 2 (N-1)/N T S a rank; the exchange sends each rank's T/N
-    tokens' top_k rows (those for other ranks: (N-1)/N of them with even routing) there and
-    back, then gathers the outputs: (N-1)/N T S (1 + 2 top_k / N), fewer where N > 2 top_k
-    (Mixtral on 8 ranks: 3/4 of the bytes; on 2: 3/2). A shared expert's split rows need the
+def use_all_to_all(ranks: int, top_k: int, shared_expert: bool, tokens: int) -> bool:
+    """Whether an expert-parallel layer exchanges a step's tokens by all_to_all
+    (SparseMoE._exchange) rather than summing every rank's part of every token's output with
+    an all-reduce: where it sends fewer bytes, unless KVSERVE_EP_DISPATCH names one (every
+    rank of a group holds the same tokens, so all decide alike). For T tokens over N ranks,
+    in hidden-state rows, a ring all-reduce sends 2 (N-1)/N T a rank; the exchange sends a
+    rank's C = ceil(T/N) tokens' top_k rows (those for other ranks: (N-1)/N of them with
+    even routing) there and back, then all_gathers the C-row slices: (N-1) C (1 + 2 top_k/N).
+    Fewer where C (2 top_k + N) < 2 T: never on 2 ranks with top 2 (3/2 of the bytes), on 8
+    from 7 tokens (3/4 of them for many). Latency (four collectives and a host read of the
+    counts against one collective) is not weighed. A shared expert's split rows need the
     all-reduce anyway, which then carries the experts' parts too."""
     from kvserve import envs
 
@@ -255,4 +260,4 @@ def use_all_to_all(ranks: int, top_k: int, shared_expert: bool) -> bool:
         raise ValueError(f"KVSERVE_EP_DISPATCH={choice!r}: expected auto, all_to_all or all_reduce")
     if choice != "auto":
         return choice == "all_to_all"
-    return not shared_expert and ranks > 2 * top_k
+    return not shared_expert and -(-tokens // ranks) * (2 * top_k + ranks) < 2 * tokens
