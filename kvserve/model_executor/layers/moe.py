@@ -219,14 +219,21 @@ class SparseMoE(nn.Module):
         ours = chosen[start:stop].flatten()
         order = torch.argsort(ours, stable=True)  # pairs by expert, tokens ascending within each
         counts = torch.bincount(ours, minlength=num_experts)
-        arriving = group.all_to_all_single(counts)  # [source rank, our expert]
-        sent, received = torch.stack([counts, arriving]).view(2, ranks, per_rank).sum(-1).tolist()
+        arriving = group.all_to_all_single(counts).view(ranks, per_rank)  # [source rank, our expert]
+        sizes = torch.cat([counts.view(ranks, per_rank).sum(1), arriving.sum(1), arriving.sum(0)]).tolist()
+        sent, received, per_expert = sizes[:ranks], sizes[ranks : 2 * ranks], sizes[2 * ranks :]
         rows = group.all_to_all_single(x[start:stop][order // top_k], received, sent)
-        experts = torch.arange(rank * per_rank, (rank + 1) * per_rank, device=x.device).repeat(ranks)
-        experts = experts.repeat_interleave(arriving)
-        # Each arrived row a token of its own with one choice of weight one: its expert's output.
-        outputs = _grouped(rows, experts[:, None], torch.ones(rows.shape[0], 1, device=x.device),
-                           num_experts, self._run_unpacked)
+        # The rows arrive by source rank, then expert: each of our experts runs once on its
+        # rows from every rank, and its outputs go where its rows arrived.
+        local = torch.arange(per_rank, device=x.device).repeat(ranks).repeat_interleave(arriving.flatten())
+        by_expert = torch.argsort(local, stable=True)
+        outputs = torch.empty_like(rows)
+        first = 0
+        for index, count in enumerate(per_expert):
+            if count:
+                places = by_expert[first : first + count]
+                outputs[places] = self.experts[rank * per_rank + index].output(rows[places])
+            first += count
         returned = group.all_to_all_single(outputs, sent, received)
         pairs = torch.empty_like(returned)
         pairs[order] = returned
