@@ -132,9 +132,9 @@ def _reference(state: dict[str, torch.Tensor], x: torch.Tensor, renormalize: boo
     return out, chosen
 
 
-def expert_parallel_layer_outputs(group) -> list[tuple[torch.Tensor, bool]]:
-    """Each LAYER_CASES layer's output on this rank, expert parallel over `group` (and
-    whether it exchanged its tokens)."""
+def expert_parallel_layer_outputs(group, device: torch.device = torch.device("cpu")) -> list[tuple[torch.Tensor, bool]]:
+    """Each LAYER_CASES layer's output on this rank (on the CPU), expert parallel over
+    `group` on `device` (and whether it exchanged its tokens)."""
     from kvserve.model_executor.layers.moe import SparseMoE
     from kvserve.model_executor.tensor_parallel import _shard_experts
 
@@ -146,11 +146,12 @@ def expert_parallel_layer_outputs(group) -> list[tuple[torch.Tensor, bool]]:
         moe.load_state_dict(state)
         os.environ["KVSERVE_EP_DISPATCH"] = dispatch
         _shard_experts(moe, group, expert_parallel=True)
+        moe, x = moe.to(device), x.to(device)
         exchanges = []
         group.all_to_all_single = lambda *args, _exchange=type(group).all_to_all_single: (
             exchanges.append(1) or _exchange(group, *args))
         with torch.no_grad():
-            outputs.append((moe(x), bool(exchanges)))
+            outputs.append((moe(x).cpu(), bool(exchanges)))
         del group.all_to_all_single
     return outputs
 
@@ -163,3 +164,27 @@ def check_expert_parallel_layers(outputs: list[tuple[torch.Tensor, bool]]) -> No
         if skewed:
             assert max(max(c) for c in chosen) < EXPERTS // 2, name
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-5, msg=name)
+
+
+def _nccl_layers(rank: int, world_size: int, init_method: str, result_file: str) -> None:
+    from kvserve.distributed import parallel_state as ps
+
+    device = torch.device("cuda", rank)
+    ps.init_distributed_environment(world_size, rank, init_method, device)
+    ps.initialize_model_parallel(world_size)
+    outputs = expert_parallel_layer_outputs(ps.get_tp_group(), device)
+    torch.save(outputs, f"{result_file}.{rank}")
+    ps.destroy_model_parallel()
+
+
+@pytest.mark.gpu
+def test_expert_parallel_layers_on_two_gpus(tmp_path):
+    """The same layers over NCCL: the counts, rows and outputs exchanged on the devices."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    from tests.distributed.test_tensor_parallel import _spawn
+
+    result_file = str(tmp_path / "layers.pt")
+    _spawn(_nccl_layers, 2, result_file)
+    for rank in range(2):
+        check_expert_parallel_layers(torch.load(f"{result_file}.{rank}"))

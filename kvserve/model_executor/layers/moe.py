@@ -225,7 +225,8 @@ class SparseMoE(nn.Module):
         rows = group.all_to_all_single(x[start:stop][order // top_k], received, sent)
         # The rows arrive by source rank, then expert: each of our experts runs once on its
         # rows from every rank, and its outputs go where its rows arrived.
-        local = torch.arange(per_rank, device=x.device).repeat(ranks).repeat_interleave(arriving.flatten())
+        local = torch.arange(per_rank, device=x.device).repeat(ranks).repeat_interleave(
+            arriving.flatten(), output_size=rows.shape[0])
         by_expert = torch.argsort(local, stable=True)
         outputs = torch.empty_like(rows)
         first = 0
