@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import envs
 from kvserve.distributed.parallel_state import GroupCoordinator
 from kvserve.model_executor.layers.linear import Linear, linear
 from kvserve.model_executor.layers.mlp import GatedMLP
@@ -261,8 +262,6 @@ def use_all_to_all(ranks: int, top_k: int, shared_expert: bool, tokens: int) -> 
     from 7 tokens (3/4 of them for many). Latency (four collectives and a host read of the
     counts against one collective) is not weighed. A shared expert's split rows need the
     all-reduce anyway, which then carries the experts' parts too."""
-    from kvserve import envs
-
     choice = envs.KVSERVE_EP_DISPATCH
     if choice not in ("auto", "all_to_all", "all_reduce"):
         raise ValueError(f"KVSERVE_EP_DISPATCH={choice!r}: expected auto, all_to_all or all_reduce")
