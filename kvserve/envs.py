@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     KVSERVE_QUANTIZED_GPU_KERNELS: bool
     KVSERVE_API_KEY: str | None
     KVSERVE_PP_LAYER_PARTITION: str | None
+    KVSERVE_EP_DISPATCH: str
     KVSERVE_LLAMA_CPP_DIR: Path
     OPENAI_API_KEY: str | None
     TRITON_INTERPRET: bool
@@ -44,6 +45,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "KVSERVE_QUANTIZED_GPU_KERNELS": lambda: os.environ.get("KVSERVE_QUANTIZED_GPU_KERNELS", "1") != "0",
     # Layers per pipeline stage, comma-separated ("12,10,10"), instead of an even split.
     "KVSERVE_PP_LAYER_PARTITION": lambda: os.environ.get("KVSERVE_PP_LAYER_PARTITION"),
+    # How an expert-parallel mixture of experts combines its ranks' work: "all_to_all" (tokens
+    # sent to their experts' ranks and back), "all_reduce" (every rank's part of every token
+    # summed), or "auto" (default: whichever sends fewer bytes for the step's token count;
+    # layers/moe.py use_all_to_all).
+    "KVSERVE_EP_DISPATCH": lambda: os.environ.get("KVSERVE_EP_DISPATCH", "auto"),
     # The key `kvserve serve` requires of clients (its --api-key default); unset: none.
     "KVSERVE_API_KEY": lambda: os.environ.get("KVSERVE_API_KEY"),
     # Where `kvserve bench cpu-compare` builds and keeps llama.cpp's llama-server; default

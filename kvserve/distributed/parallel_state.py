@@ -41,6 +41,20 @@ class GroupCoordinator:
         dist.all_gather(parts, x.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=dim)
 
+    def all_to_all_single(self, x: torch.Tensor, output_split_sizes: list[int] | None = None,
+                          input_split_sizes: list[int] | None = None) -> torch.Tensor:
+        """x's rows exchanged: its i-th block of input_split_sizes[i] rows goes to rank i, and
+        the result holds the blocks every rank sent here, in rank order (output_split_sizes[i]
+        rows from rank i; None: equal blocks). A block may be empty. Tensors on the CPU travel
+        over the gloo group, others over the device group."""
+        if self.world_size == 1:
+            return x
+        rows = x.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+        out = x.new_empty((rows, *x.shape[1:]))
+        group = self.cpu_group if x.device.type == "cpu" else self.device_group
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes, input_split_sizes, group=group)
+        return out
+
     @property
     def is_last_rank(self) -> bool:
         return self.rank_in_group == self.world_size - 1

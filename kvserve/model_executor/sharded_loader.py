@@ -335,7 +335,7 @@ def load_rank_share(
     if missing:
         raise ModelLoadError(f"{model_dir}: missing weights on rank {rank}: {', '.join(missing[:10])}")
     if tp > 1:
-        _wrap_parallel(model, tp_group)
+        _wrap_parallel(model, tp_group, expert_parallel)
     model.config = config  # the whole vocabulary: compute_logits keeps that much of the gathered logits
     rank_config = share.rank_config()
     rank_shape = replace(config, num_attention_heads=rank_config.num_attention_heads,
@@ -356,7 +356,7 @@ def _copy_into(targets: dict[str, torch.Tensor], weights: Iterator[tuple[str, to
     return loaded
 
 
-def _wrap_parallel(model: torch.nn.Module, group: GroupCoordinator) -> None:
+def _wrap_parallel(model: torch.nn.Module, group: GroupCoordinator, expert_parallel: bool) -> None:
     """The rank's layers summed over the group where shard_model sums them: o_proj and a
     dense down_proj all-reduce, a mixture once for all its experts; the embedding looks up
     its vocabulary rows only; the LM head's logits are gathered."""
@@ -364,7 +364,7 @@ def _wrap_parallel(model: torch.nn.Module, group: GroupCoordinator) -> None:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
         mlp = getattr(layer, layer.mlp_name)
         if isinstance(mlp, SparseMoE):
-            mlp.tp_group = group
+            mlp.set_parallel(group, expert_parallel)
         else:
             mlp.down_proj = RowParallel(mlp.down_proj, group)
     embed = model.model.embed_tokens

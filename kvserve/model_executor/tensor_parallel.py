@@ -8,7 +8,8 @@ multiple of 64 per rank, logits gathered). Every rank's KV cache holds its KV he
 shard_model cuts a model loaded whole and dense (GGUF files, dummy weights);
 sharded_loader.py reads the same share straight from a safetensors checkpoint (one stored
 quantized included). Either way each rank quantizes its share where asked (quantize_shard). A mixture of experts splits every expert's rows, or with
-expert parallelism gives each rank whole experts; either way one all-reduce sums the layer."""
+expert parallelism gives each rank whole experts; one all-reduce sums the layer, or under
+expert parallelism all_to_all sends the tokens to their experts' ranks and back."""
 
 from __future__ import annotations
 
@@ -130,8 +131,8 @@ def _shard_rows(mlp: GatedMLP, rank: int, tp: int, group: GroupCoordinator | Non
 def _shard_experts(moe: SparseMoE, group: GroupCoordinator, expert_parallel: bool) -> None:
     """Tensor parallel: a share of every expert's rows. Expert parallel: whole experts, a
     contiguous 1/tp of them per rank (the router stays whole: every rank routes every
-    token). Either way the shared expert's rows are split and the layer sums its output
-    over the group once."""
+    token). Either way the shared expert's rows are split; the layer sums its output over
+    the group once, or sends its tokens to their experts' ranks (SparseMoE.set_parallel)."""
     tp, rank = group.world_size, group.rank_in_group
     if expert_parallel:
         per_rank = len(moe.experts) // tp
@@ -143,7 +144,7 @@ def _shard_experts(moe: SparseMoE, group: GroupCoordinator, expert_parallel: boo
             _shard_rows(expert, rank, tp, None)
     if hasattr(moe, "shared_expert"):
         _shard_rows(moe.shared_expert, rank, tp, None)
-    moe.tp_group = group
+    moe.set_parallel(group, expert_parallel)
 
 
 @torch.no_grad()

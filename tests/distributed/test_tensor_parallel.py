@@ -5,7 +5,6 @@ will) to the unsharded model's logits and tokens."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 import socket
 
@@ -41,8 +40,13 @@ def _spawn(target, world_size: int, *args) -> None:
     assert [p.exitcode for p in processes] == [0] * world_size
 
 
+# Rows each rank sends to rank 0 and rank 1: uneven, then rank 1 receiving nothing.
+ALL_TO_ALL_SPLITS = [[[1, 3], [2, 0]], [[2, 0], [1, 0]]]
+
+
 def _collectives(rank: int, world_size: int, init_method: str, result_file: str) -> None:
     from kvserve.distributed import parallel_state as ps
+    from tests.distributed.test_expert_parallel import expert_parallel_layer_outputs
 
     ps.init_distributed_environment(world_size, rank, init_method, torch.device("cpu"))
     ps.initialize_model_parallel(world_size)
@@ -50,19 +54,44 @@ def _collectives(rank: int, world_size: int, init_method: str, result_file: str)
     summed = group.all_reduce(torch.full((3,), float(rank + 1)))
     gathered = group.all_gather(torch.full((2, 1), float(rank)), dim=1)
     plan = group.broadcast_object({"step": 7, "ids": list(range(rank, rank + 3))} if rank == 0 else None)
-    if rank == 1:
-        with open(result_file, "wb") as f:
-            pickle.dump((summed, gathered, plan), f)
+    exchanged = []
+    for splits in ALL_TO_ALL_SPLITS:
+        sent = splits[rank]
+        received = [splits[source][rank] for source in range(world_size)]
+        rows = torch.tensor([[100.0 * rank + i, -i] for i in range(sum(sent))])
+        there = group.all_to_all_single(rows, received, sent)
+        back = group.all_to_all_single(there, sent, received)
+        exchanged.append((there, back))
+    counts = group.all_to_all_single(torch.tensor([10 * rank, 10 * rank + 1]))
+    layers = expert_parallel_layer_outputs(group)
+    with open(f"{result_file}.{rank}", "wb") as f:
+        pickle.dump((summed, gathered, plan, exchanged, counts, layers), f)
     ps.destroy_model_parallel()
 
 
 def test_collectives_on_two_processes(tmp_path):
+    from tests.distributed.test_expert_parallel import check_expert_parallel_layers
+
     result_file = str(tmp_path / "result.pkl")
     _spawn(_collectives, 2, result_file)
-    summed, gathered, plan = pickle.loads(open(result_file, "rb").read())
+    results = [pickle.loads(open(f"{result_file}.{rank}", "rb").read()) for rank in range(2)]
+    summed, gathered, plan = results[1][:3]
     assert summed.tolist() == [3.0, 3.0, 3.0]
     assert gathered.tolist() == [[0.0, 1.0], [0.0, 1.0]]
     assert plan == {"step": 7, "ids": [0, 1, 2]}
+    for case, splits in enumerate(ALL_TO_ALL_SPLITS):
+        for rank in range(2):
+            # What reaches `rank`: each source's block for it, sources in order, rows in order.
+            expected = []
+            for source in range(2):
+                first = sum(splits[source][:rank])
+                expected += [[100.0 * source + i, -i] for i in range(first, first + splits[source][rank])]
+            there, back = results[rank][3][case]
+            assert there.reshape(-1, 2).tolist() == expected
+            assert back.reshape(-1, 2).tolist() == [[100.0 * rank + i, -i] for i in range(sum(splits[rank]))]
+    assert [results[rank][4].tolist() for rank in range(2)] == [[0, 10], [1, 11]]
+    for rank in range(2):
+        check_expert_parallel_layers(results[rank][5])
 
 
 @pytest.fixture(scope="module", params=[True, pytest.param(False, marks=pytest.mark.slow)], ids=["tied", "untied"])

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import envs
 from kvserve.distributed.parallel_state import GroupCoordinator
 from kvserve.model_executor.layers.linear import Linear, linear
 from kvserve.model_executor.layers.mlp import GatedMLP
@@ -120,7 +121,9 @@ class SparseMoE(nn.Module):
     route and run them, dense or weight-only quantized, without a host read, so CUDA graphs
     capture the layer; on CPU one opaque op runs dense ones, so the compiled decode step
     covers the rest of the model. Experts that stay unpacked (quantized on CPU, or expert
-    parallel) run one after another, eagerly, with the routing read on the host."""
+    parallel) run one after another, eagerly, with the routing read on the host; expert
+    parallel layers sum every rank's part with an all-reduce or exchange the tokens with
+    all_to_all (use_all_to_all picks)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, shared_intermediate_size: int = 0) -> None:
@@ -134,14 +137,23 @@ class SparseMoE(nn.Module):
         if shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = Router(hidden_size, 1)
-        # Set by tensor_parallel.shard_model: this rank computes a part of every token's
-        # output (a share of each expert's rows, or whole experts of its own, the others
-        # None), and the parts are summed over the group.
+        # Set by set_parallel: this rank computes a part of every token's output (a share of
+        # each expert's rows, or whole experts of its own, the others None), and the parts
+        # are summed over the group; or (expert parallel, where use_all_to_all says) the
+        # tokens travel to their experts' ranks and back.
         self.tp_group: GroupCoordinator | None = None
+        self.expert_parallel = False
         # Set by pack_experts: every expert's stacked weights (not registered: the experts'
         # own parameters and buffers, views of these, are what loaders and state dicts name).
         self.w13: ExpertWeights | None = None
         self.w2: ExpertWeights | None = None
+
+    def set_parallel(self, group: GroupCoordinator, expert_parallel: bool) -> None:
+        """Run as one of `group`'s ranks, holding a share of every expert's rows or (expert
+        parallel) the contiguous 1/N of the experts numbered rank x E/N onwards."""
+        self.tp_group = group
+        self.expert_parallel = expert_parallel
+        use_all_to_all(group.world_size, self.top_k, False, 0)  # a bad KVSERVE_EP_DISPATCH fails here
 
     @property
     def packed(self) -> bool:
@@ -173,6 +185,9 @@ class SparseMoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.expert_parallel and use_all_to_all(self.tp_group.world_size, self.top_k,
+                                                   hasattr(self, "shared_expert"), x.shape[0]):
+            return self._exchange(x, chosen, weights)
         if self.w13 is not None and x.is_cuda:
             from kvserve.ops.fused_moe import fused_experts
 
@@ -188,3 +203,68 @@ class SparseMoE(nn.Module):
     def _run_unpacked(self, expert: int, rows: torch.Tensor) -> torch.Tensor | None:
         module = self.experts[expert]
         return None if module is None else module.output(rows)
+
+    def _exchange(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Expert parallel by all_to_all. Tensor-parallel attention leaves every rank the same
+        tokens, so each rank sends out only its own contiguous 1/N of them (routing every
+        token everywhere would send and compute each pair N times): its (token, choice) rows,
+        ordered by expert (so by owning rank), go to the experts' ranks after the counts per
+        expert do; each rank runs its experts on what arrived, from every rank at once, and
+        sends the outputs back; the source weights each token's choices and sums them in
+        choice order, and an all_gather gives every rank every token's output again."""
+        group, num_experts, top_k = self.tp_group, len(self.experts), self.top_k
+        ranks, rank, hidden = group.world_size, group.rank_in_group, x.shape[1]
+        per_rank, tokens = num_experts // ranks, x.shape[0]
+        chunk = -(-tokens // ranks)
+        start, stop = min(rank * chunk, tokens), min((rank + 1) * chunk, tokens)
+        ours = chosen[start:stop].flatten()
+        order = torch.argsort(ours, stable=True)  # pairs by expert, tokens ascending within each
+        counts = torch.bincount(ours, minlength=num_experts)
+        arriving = group.all_to_all_single(counts).view(ranks, per_rank)  # [source rank, our expert]
+        sizes = torch.cat([counts.view(ranks, per_rank).sum(1), arriving.sum(1), arriving.sum(0)]).tolist()
+        sent, received, per_expert = sizes[:ranks], sizes[ranks : 2 * ranks], sizes[2 * ranks :]
+        rows = group.all_to_all_single(x[start:stop][order // top_k], received, sent)
+        # The rows arrive by source rank, then expert: each of our experts runs once on its
+        # rows from every rank, and its outputs go where its rows arrived.
+        local = torch.arange(per_rank, device=x.device).repeat(ranks).repeat_interleave(
+            arriving.flatten(), output_size=rows.shape[0])
+        by_expert = torch.argsort(local, stable=True)
+        outputs = torch.empty_like(rows)
+        first = 0
+        for index, count in enumerate(per_expert):
+            if count:
+                places = by_expert[first : first + count]
+                outputs[places] = self.experts[rank * per_rank + index].output(rows[places])
+            first += count
+        returned = group.all_to_all_single(outputs, sent, received)
+        pairs = torch.empty_like(returned)
+        pairs[order] = returned
+        pairs = pairs.view(stop - start, top_k, hidden).float() * weights[start:stop, :, None]
+        ours_out = pairs.sum(dim=1).to(x.dtype)
+        if hasattr(self, "shared_expert"):  # its rows are split: its output is summed anyway
+            out = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.output(x)
+            out[start:stop] += ours_out
+            return group.all_reduce(out)
+        padded = x.new_zeros(chunk, hidden)
+        padded[: stop - start] = ours_out
+        return group.all_gather(padded, dim=0)[:tokens]
+
+
+def use_all_to_all(ranks: int, top_k: int, shared_expert: bool, tokens: int) -> bool:
+    """Whether an expert-parallel layer exchanges a step's tokens by all_to_all
+    (SparseMoE._exchange) rather than summing every rank's part of every token's output with
+    an all-reduce: where it sends fewer bytes, unless KVSERVE_EP_DISPATCH names one (every
+    rank of a group holds the same tokens, so all decide alike). For T tokens over N ranks,
+    in hidden-state rows, a ring all-reduce sends 2 (N-1)/N T a rank; the exchange sends a
+    rank's C = ceil(T/N) tokens' top_k rows (those for other ranks: (N-1)/N of them with
+    even routing) there and back, then all_gathers the C-row slices: (N-1) C (1 + 2 top_k/N).
+    Fewer where C (2 top_k + N) < 2 T: never on 2 ranks with top 2 (3/2 of the bytes), on 8
+    from 7 tokens (3/4 of them for many). Latency (four collectives and a host read of the
+    counts against one collective) is not weighed. A shared expert's split rows need the
+    all-reduce anyway, which then carries the experts' parts too."""
+    choice = envs.KVSERVE_EP_DISPATCH
+    if choice not in ("auto", "all_to_all", "all_reduce"):
+        raise ValueError(f"KVSERVE_EP_DISPATCH={choice!r}: expected auto, all_to_all or all_reduce")
+    if choice != "auto":
+        return choice == "all_to_all"
+    return not shared_expert and -(-tokens // ranks) * (2 * top_k + ranks) < 2 * tokens
