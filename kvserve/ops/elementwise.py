@@ -115,16 +115,21 @@ def rotate_pair(x, partner, cos, signed_sin, dtype: tl.constexpr):
 @triton.jit
 def _rotary_kernel(
     x_ptr, cos_ptr, sin_ptr, num_heads, stride_t, stride_h, stride_cs,
-    HALF: tl.constexpr, HEADS_PAD: tl.constexpr, PDL: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.chained(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)[:, None]
-    dims = tl.arange(0, HALF)[None, :]
-    mask = heads < num_heads
+    dims = tl.arange(0, HALF_PAD)[None, :]
     dtype = x_ptr.dtype.element_ty
-    cos = rope_factor(cos_ptr + token * stride_cs + dims, dtype)
-    sin = rope_factor(sin_ptr + token * stride_cs + dims, dtype)
+    if HALF_PAD == HALF:
+        mask = heads < num_heads
+        cos = rope_factor(cos_ptr + token * stride_cs + dims, dtype)
+        sin = rope_factor(sin_ptr + token * stride_cs + dims, dtype)
+    else:  # a half that is not a power of two (a vision tower's head_dim 80)
+        mask = (heads < num_heads) & (dims < HALF)
+        cos = tl.load(cos_ptr + token * stride_cs + dims, mask=dims < HALF, other=0.0).to(dtype).to(tl.float32)
+        sin = tl.load(sin_ptr + token * stride_cs + dims, mask=dims < HALF, other=0.0).to(dtype).to(tl.float32)
     first = x_ptr + token * stride_t + heads * stride_h + dims
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
@@ -139,7 +144,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     if num_tokens:
         _rotary_kernel[(num_tokens,)](
             x, cos, sin, num_heads, x.stride(0), x.stride(1), cos.stride(0),
-            HALF=head_dim // 2, HEADS_PAD=triton.next_power_of_2(num_heads),
+            HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
+            HEADS_PAD=triton.next_power_of_2(num_heads),
             **pdl.chained_options(x.device),
         )
     return x
@@ -150,7 +156,10 @@ def rotary_queries_and_keys_(query: torch.Tensor, key: torch.Tensor, cos: torch.
     directly follow the query's (views of the fused q/k/v projection), else one each."""
     # (A one-token view's first stride is whatever view() gave it: it is never stepped.)
     same_strides = key.stride()[1:] == query.stride()[1:] and (query.shape[0] == 1 or key.stride(0) == query.stride(0))
+    # Views of one storage only: two tensors the allocator happened to place back to back
+    # are adjacent in memory but not one tensor's view.
     adjacent = (key.dtype == query.dtype and same_strides and key.stride(-1) == 1
+                and key.untyped_storage().data_ptr() == query.untyped_storage().data_ptr()
                 and key.data_ptr() == query.data_ptr() + query.shape[1] * query.stride(1) * query.element_size())
     if adjacent:
         rotary_(torch.as_strided(query, (query.shape[0], query.shape[1] + key.shape[1], query.shape[2]),

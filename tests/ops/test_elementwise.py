@@ -19,8 +19,11 @@ from tests.fp8_reference import fp8_mismatches
 from tests.triton_interpreter import run_interpreted
 
 # (tokens, hidden, heads, kv heads, head dim, intermediate)
-SMALL_SHAPES = [(1, 64, 4, 2, 16, 96), (7, 96, 6, 2, 32, 200)]
-GPU_SHAPES = [(1, 4096, 32, 8, 128, 14336), (37, 896, 14, 2, 64, 4864), (300, 576, 9, 3, 64, 1536)]
+# (tokens, hidden, heads, kv heads, head dim, intermediate); head dims 40 and 80 have halves
+# that are not powers of two (Qwen2.5-VL's vision tower has 80).
+SMALL_SHAPES = [(1, 64, 4, 2, 16, 96), (7, 96, 6, 2, 40, 200)]
+GPU_SHAPES = [(1, 4096, 32, 8, 128, 14336), (37, 896, 14, 2, 64, 4864), (300, 576, 9, 3, 64, 1536),
+              (64, 1280, 16, 16, 80, 3420)]
 # The kernels quantize 16-bit rows only (what the fp8 linears take).
 FP8_ROWS_DTYPES = (torch.float16, torch.bfloat16)
 

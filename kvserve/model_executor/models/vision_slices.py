@@ -5,6 +5,7 @@ the loop that advances a tower's state by a number of row-passes."""
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -66,10 +67,16 @@ def _varlen_segment_attention(qkv: torch.Tensor, segment_starts: list[int], firs
     bounds = segment_starts[first : last + 2]
     query_bounds = [start, *bounds[1:-1], end]
     key_start, key_end = bounds[0], bounds[-1]
-    cu_q = torch.tensor([b - start for b in query_bounds], dtype=torch.int32).to(qkv.device, non_blocking=True)
-    cu_k = torch.tensor([b - key_start for b in bounds], dtype=torch.int32).to(qkv.device, non_blocking=True)
+    cu_q = _offsets_on(tuple(b - start for b in query_bounds), qkv.device)
+    cu_k = _offsets_on(tuple(b - key_start for b in bounds), qkv.device)
     max_q = max(b - a for a, b in zip(query_bounds, query_bounds[1:]))
     max_k = max(b - a for a, b in zip(bounds, bounds[1:]))
     out = varlen_attn(qkv[0, start:end], qkv[1, key_start:key_end], qkv[2, key_start:key_end],
                       cu_q, cu_k, max_q, max_k, scale=scale)
     return out.reshape(end - start, -1)
+
+
+@functools.lru_cache(maxsize=16)
+def _offsets_on(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 offsets on the device, copied once: a tower's blocks share their segments."""
+    return torch.tensor(offsets, dtype=torch.int32, device=device)
