@@ -23,7 +23,6 @@ class AttentionMetadata(PagedBatch):
     decode_plan: DecodePlan | None = None
     # Sequence index -> [q, q] bool mask among its query tokens, replacing the causal one
     # (speculative token trees; the context before the queries stays fully visible).
-    # Only the torch reference backend implements it.
     tree_masks: dict[int, torch.Tensor] | None = None
     # What a backend derives from this batch alike for every layer (slot indices, masks),
     # computed by the first layer that needs it and reused by the rest of the step.

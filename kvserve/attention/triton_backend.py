@@ -59,10 +59,11 @@ class TritonAttentionBackend(AttentionBackend):
         kv_scales: tuple[float, float] = (1.0, 1.0),
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        tree_bits = None
         if metadata.tree_masks:
-            raise NotImplementedError(
-                "token-tree attention masks are implemented in the 'torch' attention backend only"
-            )
+            tree_bits = metadata.backend_plans.get("tree_bits")
+            if tree_bits is None:  # the first layer's: every layer of the step has the same
+                tree_bits = metadata.backend_plans["tree_bits"] = query_visibility_bits(metadata, query.device)
         if query.stride(-1) != 1:
             query = query.contiguous()
         plan = metadata.decode_plan
@@ -80,5 +81,22 @@ class TritonAttentionBackend(AttentionBackend):
             write_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         paged_attention(query, kv_cache, metadata, scale, output, plan.num_kv_splits, tile=plan.tile,
-                        kv_scales=kv_scales, new_kv=new_kv)
+                        kv_scales=kv_scales, new_kv=new_kv, tree_bits=tree_bits)
         return output
+
+
+def query_visibility_bits(metadata: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    """[T] int64 for the Triton kernel's token-tree masks: bit j of a token's value is set
+    where it sees its sequence's j-th query token of the step. Sequences without a tree mask
+    get every bit (their causal mask applies alone); a tree's mask rows become bits."""
+    bits = [-1] * metadata.query_start_loc_cpu[-1]
+    for seq, mask in (metadata.tree_masks or {}).items():
+        start = metadata.query_start_loc_cpu[seq]
+        num_queries = mask.shape[0]
+        if num_queries > 64:
+            raise ValueError(f"a token tree of {num_queries} query tokens exceeds the 64 the Triton "
+                             f"attention masks")
+        weights = 1 << torch.arange(num_queries, dtype=torch.int64)
+        for row, value in enumerate((mask.cpu().long() * weights).sum(dim=1).tolist()):
+            bits[start + row] = value
+    return torch.tensor(bits, dtype=torch.int64).to(device, non_blocking=True)

@@ -17,6 +17,7 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.attention.torch_ref import TorchReferenceBackend
 from kvserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
+from kvserve.spec_decode.tree import tree_attention_mask
 from tests.triton_interpreter import run_interpreted
 
 # Worst per-token relative error ||out - ref|| / ||ref|| against an fp32 reference.
@@ -39,6 +40,9 @@ class Case:
     # one q/k/v buffer (the model's layout); else separate tensors (as after q/k norms).
     rotary: bool = False
     qk_views: bool = True
+    # Token trees (TREE_MAX_QUERIES or fewer query tokens): the newest token then draft
+    # nodes in a binary tree, each seeing its ancestors only (tree_attention_mask).
+    tree: bool = False
 
     @property
     def id(self) -> str:
@@ -48,10 +52,11 @@ class Case:
         return (
             f"{self.scenario}-{dtype}-d{self.head_dim}-h{self.num_heads}kv{self.num_kv_heads}"
             f"-bs{self.block_size}{splits}{cache}{'-rotary' if self.rotary else ''}"
-            f"{'' if self.qk_views else '-separate'}"
+            f"{'' if self.qk_views else '-separate'}{'-tree' if self.tree else ''}"
         )
 
 
+TREE_MAX_QUERIES = 9
 # Per-tensor scales of the float8 caches: random normal K/V over them stay inside e4m3's 448.
 KV_SCALES = (0.02, 0.03)
 
@@ -92,6 +97,8 @@ def make_batch(case: Case, device: str, seed: int = 0):
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=starts,
         seq_lens_cpu=seq_lens,
+        tree_masks={i: tree_attention_mask(1, [-1 if n < 2 else (n - 2) // 2 for n in range(q_len - 1)], device)
+                    for i, q_len in enumerate(q_lens) if 2 <= q_len <= TREE_MAX_QUERIES} if case.tree else None,
     )
     to = dict(device=device, dtype=case.dtype)
     query, keys, values = query.to(**to), torch.cat(keys).to(**to), torch.cat(values).to(**to)
@@ -217,6 +224,12 @@ SMALL_CASES = [
     Case("verify_wide", ((40, 9), (20, 9), (9, 9)), 8, 1, 64, torch.bfloat16, rotary=True),
     # A float8 cache: the short tile, RoPE and the cache write ahead of it.
     Case("verify", VERIFY_SEQS, 8, 2, 64, torch.bfloat16, cache_dtype=torch.float8_e4m3fn),
+    # Token trees: in the key loop (fp32, and split 4 ways), among the new keys of the fused
+    # short tile, and beside a 70-token prefill chunk, which keeps its causal mask.
+    Case("verify", VERIFY_SEQS, 8, 2, 64, torch.float32, tree=True),
+    Case("verify", VERIFY_SEQS, 8, 2, 64, torch.float32, num_kv_splits=4, tree=True),
+    Case("verify", VERIFY_SEQS, 8, 2, 64, torch.bfloat16, rotary=True, tree=True),
+    Case("mixed_tree", ((100, 70), (45, 7), (9, 1), (20, 5)), 8, 2, 64, torch.float32, tree=True),
 ]
 
 
@@ -238,7 +251,7 @@ def test_rotary_cases_take_both_paths() -> None:
     # programs), verify_wide, mixed, prefill and fp32 batches do not.
     assert fused == {id: id.startswith(("decode-", "decode_many-", "verify-")) and "float32" not in id
                      and "splits" not in id for id in fused}
-    assert sum(fused.values()) == 9 and len(fused) == 16
+    assert sum(fused.values()) == 10 and len(fused) == 17
 
 
 def run_small_cases() -> None:

@@ -274,3 +274,28 @@ def test_draft_vocab_heads_draft_target_tokens(tmp_path) -> None:
               os.path.join(path, "medusa_lm_head.safetensors"))
     with pytest.raises(ValueError, match="draft_vocab has shape \\(6,\\) and ids 3..40; allowed: one target token id \\(0..39\\)"):
         load_medusa_heads(path, target, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_triton_tree_greedy_is_exact(tiny_llama, tiny_medusa, monkeypatch) -> None:
+    """Tree verify steps on the GPU's Triton attention (the tree mask as per-token bits):
+    greedy output equals no speculation, with branches off the top-1 chain accepted."""
+    from kvserve.spec_decode import speculator as speculator_module
+
+    paths = []
+    greedy_tree_run = speculator_module.greedy_tree_run
+
+    def recording(*args):
+        run = greedy_tree_run(*args)
+        paths.append(run.path)
+        return run
+
+    monkeypatch.setattr(speculator_module, "greedy_tree_run", recording)
+    kwargs = dict(device="cuda", dtype="float32", attention_backend="triton", gpu_memory_utilization=0.3)
+    plain, _ = _tiny_run(tiny_llama, None, **kwargs)
+    config = {"method": "medusa", "model": tiny_medusa, "num_speculative_tokens": 6, "speculative_token_tree": TREE}
+    spec, llm = _tiny_run(tiny_llama, config, **kwargs)
+    assert spec == plain
+    assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
+    assert any(path and path[0] != 0 for path in paths)

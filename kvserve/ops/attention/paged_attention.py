@@ -80,8 +80,9 @@ def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constex
 @triton.jit
 def _attend_new_keys(q, q_pos, q_start, q_len, num_cached, kv_head, m_i, l_i, acc, qk_scale, key_ptr,
                      value_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, stride_kt,
-                     stride_kh, stride_vt, stride_vh, stride_cs, stride_cache_slot, stride_cache_head,
-                     HEAD_DIM: tl.constexpr, NEW_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     stride_kh, stride_vt, stride_vh, stride_cs, stride_cache_slot, stride_cache_head, tree_bits,
+                     HEAD_DIM: tl.constexpr, NEW_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     TREE: tl.constexpr):
     """A sequence's q_len new keys (positions num_cached on) as one more key tile, taken from
     the step's unrotated keys [T, KVH, D] and values: rotated here, stored at their cache slots
     (slot < 0: padding, not stored) and attended causally. Columns past q_len repeat its last
@@ -103,7 +104,19 @@ def _attend_new_keys(q, q_pos, q_start, q_len, num_cached, kv_head, m_i, l_i, ac
     tl.store(k_cache_ptr + cache[None, :] + dims[:, None], k, mask=stored[None, :])
     tl.store(v_cache_ptr + cache[:, None] + dims[None, :], v, mask=stored[:, None])
     visible = ((num_cached + column)[None, :] <= q_pos[:, None]) & (column < q_len)[None, :]
+    if TREE:
+        visible &= _tree_visible(tree_bits, column)
     return _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, "")
+
+
+@triton.jit
+def _tree_visible(tree_bits, step_column):
+    """[M, N]: whether each row sees the key of the step's token at step_column (the key's
+    index among its sequence's query tokens; < 0: a cached key, seen): bit step_column of
+    the row's tree_bits. Columns from 64 on have no bit and stay causal."""
+    shift = tl.minimum(tl.maximum(step_column, 0), 63).to(tl.int64)
+    bit = (tree_bits[:, None] >> shift[None, :]) & 1
+    return (bit != 0) | ((step_column < 0) | (step_column >= 64))[None, :]
 
 
 # Integers that vary from step to step are not specialised (Triton would compile a variant
@@ -125,6 +138,7 @@ def _paged_attention_kernel(
     cos_ptr,  # NEW_KV: RoPE's cos and sin [T, D / 2] fp32 at each token's position
     sin_ptr,
     slot_mapping_ptr,  # NEW_KV: each token's cache slot (< 0: padding, not stored)
+    tree_bits_ptr,  # TREE: [T] int64, bit j: the token sees its sequence's j-th query token
     num_seqs,
     num_heads,
     num_kv_splits,
@@ -168,6 +182,9 @@ def _paged_attention_kernel(
     # one program's rows: the same, with the new keys as one more tile of NEW_KEYS columns
     # after the cached ones (_attend_new_keys), in split 0. 0: not this mode.
     NEW_KEYS: tl.constexpr,
+    # Speculative token trees: each query row sees the step's tokens its tree_bits name (its
+    # ancestors and itself) instead of all earlier ones; every cached key as before.
+    TREE: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -218,6 +235,9 @@ def _paged_attention_kernel(
         row_sin = tl.where(dims < HALF, -1.0, 1.0)[None, :] * rope_factor(sin_ptr + rope, q_ptr.dtype.element_ty)
         q = rotate_pair(q, partner, rope_factor(cos_ptr + rope, q_ptr.dtype.element_ty), row_sin,
                         q_ptr.dtype.element_ty)
+    tree_bits = 0
+    if TREE:
+        tree_bits = tl.load(tree_bits_ptr + token, mask=row_valid, other=-1)
     if FP16_DOTS:
         # e4m3 and e5m2 convert to fp16 in one instruction for two values (to bf16 through
         # fp32); fp16 also holds q and the probabilities more precisely than bf16.
@@ -267,13 +287,16 @@ def _paged_attention_kernel(
             k = tl.where(is_new[None, :], new_k[:, None], k)
             v = tl.where(is_new[:, None], new_v[None, :], v)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < kv_len)[None, :]
+        if TREE:
+            visible &= _tree_visible(tree_bits, k_pos - (seq_len - q_len))
         m_i, l_i, acc = _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, V_FLOAT8_ASM)
     if NEW_KEYS > 0:
         if split == 0:  # a split that always runs, so the merge's running max starts finite
             m_i, l_i, acc = _attend_new_keys(
                 q, q_pos, q_start, q_len, kv_len, kv_head, m_i, l_i, acc, qk_scale, key_ptr, value_ptr, cos_ptr,
                 sin_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                stride_cs, stride_cache_slot, stride_cache_head, HEAD_DIM, NEW_KEYS, DOT_PRECISION)
+                stride_cs, stride_cache_slot, stride_cache_head, tree_bits, HEAD_DIM, NEW_KEYS, DOT_PRECISION,
+                TREE)
 
     if not SPLIT:
         out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -524,14 +547,16 @@ def paged_attention(
     tile: TileConfig | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     new_kv: NewKV | None = None,
+    tree_bits: torch.Tensor | None = None,
 ) -> None:
     """output[T, H, D] = causal attention of query [T, H, D] over each sequence's paged
     context in kv_cache [2, num_blocks, block_size, KVH, D] (a float8 cache holds K/V
     divided by kv_scales). Given new_kv (decode and verify batches on the short-context tile,
     a cache of the query's dtype), the query and the step's keys are unrotated: the kernel
     applies RoPE and stores the new keys and values at metadata.slot_mapping (fuses_new_kv).
-    Grid sizes come from the metadata's host-side fields only, so no device sync happens
-    here."""
+    Given tree_bits ([T] int64, query_visibility_bits), each token sees only the step's
+    tokens its bits name (token trees). Grid sizes come from the metadata's host-side fields
+    only, so no device sync happens here."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     assert num_heads % num_kv_heads == 0 and query.stride(-1) == 1 and output.stride(-1) == 1
@@ -574,6 +599,7 @@ def paged_attention(
         cos,
         sin,
         metadata.slot_mapping,
+        metadata.slot_mapping if tree_bits is None else tree_bits,
         metadata.num_seqs,
         num_heads,
         num_kv_splits,
@@ -606,6 +632,7 @@ def paged_attention(
         NEW_KV=new_kv is not None and metadata.max_query_len == 1,
         # The dot's smallest N is 16.
         NEW_KEYS=max(16, block_q) if new_kv is not None and metadata.max_query_len > 1 else 0,
+        TREE=tree_bits is not None,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **pdl.chained_options(query.device),
