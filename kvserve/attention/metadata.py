@@ -24,6 +24,10 @@ class AttentionMetadata(PagedBatch):
     # Sequence index -> [q, q] bool mask among its query tokens, replacing the causal one
     # (speculative token trees; the context before the queries stays fully visible).
     tree_masks: dict[int, torch.Tensor] | None = None
+    # [T] int64, the Triton kernel's form of the masks (query_visibility_bits), given where it
+    # must be a fixed buffer (a CUDA graph's verify steps, trees or not); None: derived from
+    # tree_masks where there are any.
+    tree_bits: torch.Tensor | None = None
     # What a backend derives from this batch alike for every layer (slot indices, masks),
     # computed by the first layer that needs it and reused by the rest of the step.
     backend_plans: dict[str, Any] = field(default_factory=dict)

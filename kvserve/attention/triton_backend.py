@@ -59,8 +59,8 @@ class TritonAttentionBackend(AttentionBackend):
         kv_scales: tuple[float, float] = (1.0, 1.0),
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        tree_bits = None
-        if metadata.tree_masks:
+        tree_bits = metadata.tree_bits
+        if tree_bits is None and metadata.tree_masks:
             tree_bits = metadata.backend_plans.get("tree_bits")
             if tree_bits is None:  # the first layer's: every layer of the step has the same
                 tree_bits = metadata.backend_plans["tree_bits"] = query_visibility_bits(metadata, query.device)
@@ -89,14 +89,10 @@ def query_visibility_bits(metadata: AttentionMetadata, device: torch.device) -> 
     """[T] int64 for the Triton kernel's token-tree masks: bit j of a token's value is set
     where it sees its sequence's j-th query token of the step. Sequences without a tree mask
     get every bit (their causal mask applies alone); a tree's mask rows become bits."""
+    from kvserve.spec_decode.tree import mask_row_bits
+
     bits = [-1] * metadata.query_start_loc_cpu[-1]
     for seq, mask in (metadata.tree_masks or {}).items():
         start = metadata.query_start_loc_cpu[seq]
-        num_queries = mask.shape[0]
-        if num_queries > 64:
-            raise ValueError(f"a token tree of {num_queries} query tokens exceeds the 64 the Triton "
-                             f"attention masks")
-        weights = 1 << torch.arange(num_queries, dtype=torch.int64)
-        for row, value in enumerate((mask.cpu().long() * weights).sum(dim=1).tolist()):
-            bits[start + row] = value
+        bits[start : start + mask.shape[0]] = mask_row_bits(mask)
     return torch.tensor(bits, dtype=torch.int64).to(device, non_blocking=True)

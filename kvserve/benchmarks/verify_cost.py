@@ -23,17 +23,24 @@ from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
 from kvserve.sample.sampler import Sampler, SamplingRow
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.tree import TokenTree, mask_row_bits, tree_attention_mask, tree_depths
 
 
 @torch.inference_mode()
-def step_time_ms(llm: LLM, num_query_tokens: int, context_len: int, repeats: int = 50) -> float:
+def step_time_ms(llm: LLM, num_query_tokens: int, context_len: int, repeats: int = 50,
+                 tree: TokenTree | None = None) -> float:
+    """A step's replayed graph, a chain of drafts or (`tree`) a token tree's."""
     runner = llm.engine.core.runner
     graphs = runner.cuda_graphs
     if graphs is None:
         raise SystemExit("verify_cost on a GPU needs CUDA graphs: the Triton backend, no --enforce-eager")
     table = list(range(-(-(context_len + num_query_tokens) // runner.block_size)))
     tokens = torch.randint(1000, llm.engine.model_config.vocab_size, (num_query_tokens,))
-    graphs.run([tokens.tolist()], [context_len], [table])  # captures this shape's graph
+    trees = None
+    if tree is not None:
+        positions = [context_len, *(context_len + 1 + depth for depth in tree_depths(tree.parents))]
+        trees = [(positions, mask_row_bits(tree_attention_mask(1, tree.parents, torch.device("cpu"))))]
+    graphs.run([tokens.tolist()], [context_len], [table], trees=trees)  # captures this shape's graph
     return statistics.median(graphs.replay_last_ms(repeats) for _ in range(5))
 
 
@@ -90,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Tokens already in the sequence's cache.")
     parser.add_argument("--repeats", type=int, default=40,
                         help="CPU: steps of each shape, interleaved; the median is reported.")
+    parser.add_argument("--tree", action="store_true",
+                        help="GPU: the k drafts as a token tree (the default tree of k nodes, 4 deep) "
+                             "rather than a chain.")
     args = parser.parse_args(argv)
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.speculative_config is None:
@@ -104,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         path = "compiled graph" if compiled else "eager"
     else:
         plain = step_time_ms(llm, 1, args.context_len)
-        verify = step_time_ms(llm, 1 + k, args.context_len)
-        path = "CUDA graphs"
+        tree = TokenTree.default(num_nodes=k, max_depth=4) if args.tree else None
+        verify = step_time_ms(llm, 1 + k, args.context_len, tree=tree)
+        path = "CUDA graphs, a token tree" if tree is not None else "CUDA graphs"
     print(f"plain decode step {plain:.3f} ms, verify step (k={k}) {verify:.3f} ms: {verify / plain:.3f}x ({path})")
     return 0
 

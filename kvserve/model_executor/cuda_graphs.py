@@ -15,7 +15,9 @@ contexts' split plans on first use.
 A verify step feeds each sequence its newest token plus up to k drafts: the same shape
 with a query width q = 1 + k per sequence. A sequence with fewer drafts is padded at the
 end of its row group (padding tokens come after its real ones, so causal attention keeps
-them out of the real rows, and they write no KV). Graphs are keyed by
+them out of the real rows, and they write no KV). A token tree's drafts take their
+rotary positions by depth and their tree mask as per-token visibility bits, inputs of the
+graph like the token ids (a chain's bits are all set: causal alone). Graphs are keyed by
 (batch bucket, query width, attention plan). Verify steps run only at the batch sizes that
 speculate (max_verify_batch), so only those buckets capture the wider graphs at start.
 """
@@ -135,8 +137,9 @@ class CudaGraphRunner:
         self.replay_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         self.pool = torch.cuda.graph_pool_handle()
         n = self.max_batch
-        # Persistent inputs. int64 rows: token ids, positions, KV slots, copied in one go.
-        self.token_inputs = torch.zeros(3, n * max_width, dtype=torch.long, device=device)
+        # Persistent inputs. int64 rows: token ids, rotary positions, KV slots, and each
+        # token's tree visibility bits (verify steps), copied in one go.
+        self.token_inputs = torch.zeros(4, n * max_width, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         # Padding tokens of a verify row group sit past the sequence's last block: the
         # extra columns keep their (unused) block lookups inside the table.
@@ -152,7 +155,7 @@ class CudaGraphRunner:
         # Host staging, two sets used in turn: with overlapped scheduling the next step's
         # inputs are written while the copy of this step's may still wait in the stream.
         self.stagings = [
-            (torch.zeros(3, n * max_width, dtype=torch.long, pin_memory=True),
+            (torch.zeros(4, n * max_width, dtype=torch.long, pin_memory=True),
              torch.ones(n, dtype=torch.int32, pin_memory=True))
             for _ in range(2)
         ]
@@ -180,6 +183,7 @@ class CudaGraphRunner:
             query_start_loc_cpu=list(range(0, bucket * width + 1, width)),
             seq_lens_cpu=[width] * bucket,
             decode_plan=plan,
+            tree_bits=self.token_inputs[3, : bucket * width] if width > 1 else None,
         )
 
     def _forward(self, bucket: int, width: int, plan: DecodePlan, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,7 +197,7 @@ class CudaGraphRunner:
         # Padding sequences, as replays will see them: no KV write, `width` visible keys.
         num_tokens = bucket * width
         self.token_inputs[:, :num_tokens] = 0
-        self.token_inputs[2, :num_tokens] = -1
+        self.token_inputs[2:, :num_tokens] = -1
         self.seq_lens[:bucket] = width
         start = time.perf_counter()
         # One eager run first: compiles the Triton kernels and settles lazy state
@@ -236,6 +240,7 @@ class CudaGraphRunner:
         block_tables: list[BlockTable],
         device_token_ids: torch.Tensor | None = None,
         rope_offsets: list[int] | None = None,
+        trees: list[tuple[list[int], list[int]] | None] | None = None,
     ) -> torch.Tensor:
         """Logits [sum of query lengths, vocab] fp32 of B sequences: sequence i feeds
         query_tokens[i] (its newest token, then any drafts) from start_positions[i] on;
@@ -243,29 +248,33 @@ class CudaGraphRunner:
         `device_token_ids` [B]: one query token per sequence, still on the device (sampled
         by a step the host has not read yet); query_tokens then only give the width.
         `rope_offsets` [B]: added to sequence i's rotary positions only, not to its cache
-        slots (M-RoPE: text after an image rotates by its index plus the image's delta)."""
+        slots (M-RoPE: text after an image rotates by its index plus the image's delta).
+        `trees` [B]: a token tree's (rotary positions, visibility bits) of each query token
+        (query_visibility_bits), or None for a chain."""
         batch = len(query_tokens)
         bucket = self.bucket_for(batch)
         lengths = [len(tokens) for tokens in query_tokens]
         width = max(lengths)
         block_size = self.block_size
-        ids, positions, slots = [], [], []
+        ids, positions, slots, bits = [], [], [], []
         offsets = rope_offsets or [0] * batch
-        for tokens, start, table, offset in zip(query_tokens, start_positions, block_tables, offsets):
+        for tokens, start, table, offset, tree in zip(query_tokens, start_positions, block_tables, offsets,
+                                                      trees or [None] * batch):
             pad = width - len(tokens)
             ids += tokens + [0] * pad
+            rope = range(start, start + len(tokens)) if tree is None else tree[0]
             # Padding repeats the last position: RoPE tables end at the context limit.
-            positions += range(start + offset, start + offset + len(tokens))
-            positions += [start + offset + len(tokens) - 1] * pad
+            positions += [p + offset for p in rope] + [rope[-1] + offset] * pad
             slots += [table[p // block_size] * block_size + p % block_size
                       for p in range(start, start + len(tokens))]
             slots += [-1] * pad
+            bits += ([-1] * len(tokens) if tree is None else tree[1]) + [-1] * pad
         num_tokens = bucket * width
         staging, staging_lens = self.stagings[self.num_runs % 2]
         self.num_runs += 1
         staging[:, :num_tokens] = 0
-        staging[2, :num_tokens] = -1
-        staging[:, : batch * width] = torch.tensor([ids, positions, slots], dtype=torch.long)
+        staging[2:, :num_tokens] = -1
+        staging[:, : batch * width] = torch.tensor([ids, positions, slots, bits], dtype=torch.long)
         staging_lens[:bucket] = width
         staging_lens[:batch] = torch.tensor(start_positions, dtype=torch.int32) + width
         self.token_inputs[:, :num_tokens].copy_(staging[:, :num_tokens], non_blocking=True)
@@ -284,7 +293,7 @@ class CudaGraphRunner:
         if graph is None:
             # Capturing overwrites the persistent inputs with padding: redo the copies after.
             graph = self.graphs[key] = self._capture(*key)
-            return self.run(query_tokens, start_positions, block_tables, device_token_ids, rope_offsets)
+            return self.run(query_tokens, start_positions, block_tables, device_token_ids, rope_offsets, trees)
         timed = self.replay_events
         if timed is None:
             graph.graph.replay()

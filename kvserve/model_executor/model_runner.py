@@ -45,7 +45,7 @@ from kvserve.ops.cpu import float_matmul_op
 from kvserve.quantization.base import QuantizedLinear
 from kvserve.quantization.batch_invariance import routed_rows, row_runs
 from kvserve.spec_decode.speculator import Speculator
-from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
+from kvserve.spec_decode.tree import mask_row_bits, tree_attention_mask, tree_depths
 
 logger = logging.getLogger(__name__)
 
@@ -508,7 +508,6 @@ class ModelRunner:
             if (
                 seq.num_computed_tokens + 1 != seq.num_tokens
                 or num > 1 + len(sched.spec_token_ids.get(seq_id, ()))
-                or (num > 1 and seq_id in sched.spec_tree_parents)
             ):
                 return False
             width = max(width, num)
@@ -527,8 +526,22 @@ class ModelRunner:
             [seq.num_computed_tokens for seq in seqs],
             [seq.block_ids for seq in seqs],
             rope_offsets=self._rope_offsets(seqs),
+            trees=[self._graph_tree(seq, sched.spec_tree_parents.get(seq_id), n)
+                   for seq_id, seq, n in zip(seq_ids, seqs, num_rows)] if sched.spec_tree_parents else None,
         )
         return StepLogits(logits, seq_ids, num_rows, [])
+
+    @staticmethod
+    def _graph_tree(seq: RunnerSequence, parents: list[int] | None, num_rows: int
+                    ) -> tuple[list[int], list[int]] | None:
+        """A tree verify row group's (rotary positions, visibility bits) for the graphs: the
+        newest token then its drafts, which rotate by depth; None for a chain."""
+        if parents is None or num_rows == 1:
+            return None
+        parents = parents[: num_rows - 1]
+        start = seq.num_computed_tokens
+        positions = [start, *(seq.num_tokens + depth for depth in tree_depths(parents))]
+        return positions, mask_row_bits(tree_attention_mask(1, parents, torch.device("cpu")))
 
     def _apply(self, sched: SchedulerOutput) -> None:
         """Bring the held sequences up to date; forget the sampling and drafting state of

@@ -33,6 +33,16 @@ def tree_attention_mask(num_prefix_queries: int, parents: list[int], device: tor
     return mask.to(device)
 
 
+def mask_row_bits(mask: torch.Tensor) -> list[int]:
+    """Each row of a [q, q] bool mask as int64 bits (bit j: the row sees query token j), the
+    Triton attention's form of it; at most 64 columns."""
+    num_queries = mask.shape[1]
+    if num_queries > 64:
+        raise ValueError(f"a token tree of {num_queries} query tokens exceeds the 64 the Triton attention masks")
+    weights = 1 << torch.arange(num_queries, dtype=torch.int64)
+    return (mask.cpu().long() * weights).sum(dim=1).tolist()
+
+
 class TokenTree:
     """A static draft tree in the Medusa repository's notation: each node is the path of
     candidate ranks from the root, e.g. (0,) the top-1 token after the newest one, (0, 1)

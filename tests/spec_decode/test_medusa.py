@@ -278,9 +278,11 @@ def test_draft_vocab_heads_draft_target_tokens(tmp_path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_triton_tree_greedy_is_exact(tiny_llama, tiny_medusa, monkeypatch) -> None:
-    """Tree verify steps on the GPU's Triton attention (the tree mask as per-token bits):
-    greedy output equals no speculation, with branches off the top-1 chain accepted."""
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_gpu_triton_tree_greedy_is_exact(enforce_eager, tiny_llama, tiny_medusa, monkeypatch) -> None:
+    """Tree verify steps on the GPU's Triton attention (the tree mask as per-token bits),
+    replayed from CUDA graphs (positions by depth and the bits inputs of the graph) and
+    eagerly: greedy output equals no speculation, with branches off the top-1 chain accepted."""
     from kvserve.spec_decode import speculator as speculator_module
 
     paths = []
@@ -292,10 +294,14 @@ def test_gpu_triton_tree_greedy_is_exact(tiny_llama, tiny_medusa, monkeypatch) -
         return run
 
     monkeypatch.setattr(speculator_module, "greedy_tree_run", recording)
-    kwargs = dict(device="cuda", dtype="float32", attention_backend="triton", gpu_memory_utilization=0.3)
+    kwargs = dict(device="cuda", dtype="float32", attention_backend="triton", gpu_memory_utilization=0.3,
+                  enforce_eager=enforce_eager)
     plain, _ = _tiny_run(tiny_llama, None, **kwargs)
     config = {"method": "medusa", "model": tiny_medusa, "num_speculative_tokens": 6, "speculative_token_tree": TREE}
     spec, llm = _tiny_run(tiny_llama, config, **kwargs)
     assert spec == plain
     assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
     assert any(path and path[0] != 0 for path in paths)
+    graphs = llm.engine.core.runner.cuda_graphs
+    if not enforce_eager:
+        assert any(width > 1 for _, width, _ in graphs.replays), "no tree verify step replayed"
