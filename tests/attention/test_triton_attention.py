@@ -56,7 +56,7 @@ class Case:
         )
 
 
-TREE_MAX_QUERIES = 9
+TREE_MAX_QUERIES = 16
 # Per-tensor scales of the float8 caches: random normal K/V over them stay inside e4m3's 448.
 KV_SCALES = (0.02, 0.03)
 
@@ -344,6 +344,17 @@ GPU_CASES = [
     # q and k as separate tensors (as after q/k norms): fused on the short plan, else rotated first.
     Case(scenario, GPU_SCENARIOS[scenario][0], 32, 8, 128, torch.bfloat16, rotary=True, qk_views=False)
     for scenario in ("decode_short", "verify_short", "mixed")
+] + [
+    # Token trees of up to 16 query tokens: forced splits, the short plan (fused where the
+    # rotary is handed over), and beside prefill chunks that stay causal.
+    Case(scenario, seqs, 32, 8, 128, torch.bfloat16, 16, splits, rotary=rotary, tree=True)
+    for scenario, seqs, splits in (
+        ("verify_split", GPU_SCENARIOS["verify_split"][0], 7),
+        ("verify_short_tree", ((1000, 16), (300, 9), (40, 16)), None),
+        ("verify_long_tree", ((4000, 16), (2500, 3)), None),
+        ("mixed", GPU_SCENARIOS["mixed"][0], None),
+    )
+    for rotary in (False, True)
 ]
 
 

@@ -279,11 +279,22 @@ def test_draft_vocab_heads_draft_target_tokens(tmp_path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_gpu_triton_tree_greedy_is_exact(enforce_eager, tiny_llama, tiny_medusa, monkeypatch) -> None:
+def test_gpu_triton_tree_greedy_is_exact(enforce_eager, tmp_path, monkeypatch) -> None:
     """Tree verify steps on the GPU's Triton attention (the tree mask as per-token bits),
     replayed from CUDA graphs (positions by depth and the bits inputs of the graph) and
-    eagerly: greedy output equals no speculation, with branches off the top-1 chain accepted."""
+    eagerly: greedy output equals no speculation, with branches off the top-1 chain accepted.
+    The model is tiny_llama's but with heads of 16 dimensions (the kernels' dot needs 16)."""
+    from tests.conftest import randomize
     from kvserve.spec_decode import speculator as speculator_module
+
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    randomize(model, seed=0)
+    tiny_llama = str(tmp_path / "llama")
+    model.save_pretrained(tiny_llama)
+    tiny_medusa = save_medusa(str(tmp_path / "medusa"), reference_heads(64, TINY_VOCAB, 3, 1, seed=1), 1)
 
     paths = []
     greedy_tree_run = speculator_module.greedy_tree_run
