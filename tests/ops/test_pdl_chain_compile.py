@@ -24,7 +24,7 @@ CHAINED_KERNELS = [
      {"x_ptr": BF16, "residual_ptr": BF16, "weight_ptr": BF16, "out_ptr": "*u8", "scale_ptr": "*fp32",
       "eps": "fp32"}, dict(HAS_RESIDUAL=True, BLOCK=4096, FP8=True)),
     ("rotary", elementwise._rotary_kernel, {"x_ptr": BF16, "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
-     dict(HALF=64, HEADS_PAD=64)),
+     dict(HALF=64, HALF_PAD=64, HEADS_PAD=64)),
     ("silu_and_mul", elementwise._silu_and_mul_kernel, {"x_ptr": BF16, "out_ptr": BF16, "scale_ptr": BF16},
      dict(BLOCK=1024, FP8=False)),
     ("silu_and_mul_fp8", elementwise._silu_and_mul_kernel, {"x_ptr": BF16, "out_ptr": "*u8", "scale_ptr": "*fp32"},
@@ -40,7 +40,7 @@ CHAINED_KERNELS = [
      # The wide-batch form; the narrow decode tile reads its metadata first (test_attention_compile).
      dict(BLOCK_SIZE=16, SPLIT=True, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_M=16, BLOCK_N=128,
           DOT_PRECISION="tf32", FP16_DOTS=False, V_FLOAT8_ASM="", EARLY_METADATA=False, NEW_KV=False,
-          NEW_KEYS=0)),
+          NEW_KEYS=0, TREE=False)),
     ("merge_splits", paged_attention._merge_splits_kernel,
      {"out_ptr": BF16, "partial_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"}, dict(HEAD_DIM=128)),
 ]

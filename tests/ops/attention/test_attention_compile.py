@@ -29,7 +29,7 @@ def test_float8_decode_attention_compiles_for_sm90_with_v_through_ldmatrix(tile)
         paged_attention._paged_attention_kernel,
         dict(BLOCK_SIZE=16, SPLIT=True, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_M=tile.block_m,
              BLOCK_N=tile.block_n, DOT_PRECISION="tf32", FP16_DOTS=True, V_FLOAT8_ASM="e4m3", PDL=True,
-             EARLY_METADATA=tile in NARROW_TILES, NEW_KV=False, NEW_KEYS=0),
+             EARLY_METADATA=tile in NARROW_TILES, NEW_KV=False, NEW_KEYS=0, TREE=False),
         num_warps=tile.num_warps, num_stages=tile.num_stages, types=TYPES, divisible=DIVISIBLE)
     registers, stack = resource_usage(compiled)
     assert stack == 0, f"{registers} registers and {stack} bytes of stack (spilled)"
@@ -56,7 +56,7 @@ def test_decode_attention_with_rope_and_cache_write_compiles_for_sm90(split) -> 
         paged_attention._paged_attention_kernel,
         dict(BLOCK_SIZE=16, SPLIT=split, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_M=tile.block_m,
              BLOCK_N=tile.block_n, DOT_PRECISION="tf32", FP16_DOTS=False, V_FLOAT8_ASM="", PDL=True,
-             EARLY_METADATA=True, NEW_KV=True, NEW_KEYS=0),
+             EARLY_METADATA=True, NEW_KV=True, NEW_KEYS=0, TREE=False),
         num_warps=tile.num_warps, num_stages=tile.num_stages, types=types,
         divisible=(*DIVISIBLE, "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cs"))
     registers, stack = resource_usage(compiled)
@@ -66,20 +66,22 @@ def test_decode_attention_with_rope_and_cache_write_compiles_for_sm90(split) -> 
     assert wait >= 0 and ptx.count("ld.global", 0, wait) >= 4  # the sequence's metadata, cos, sin, slot
 
 
-@pytest.mark.parametrize(("rows", "new_keys"), [(32, 16), (64, 16)], ids=["5-tokens", "9-tokens"])
+@pytest.mark.parametrize(("rows", "new_keys", "tree"), [(32, 16, False), (64, 16, False), (64, 16, True)],
+                         ids=["5-tokens", "9-tokens", "9-tokens-tree"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "unsplit"])
-def test_verify_attention_with_rope_and_cache_write_compiles_for_sm90(rows, new_keys, split) -> None:
+def test_verify_attention_with_rope_and_cache_write_compiles_for_sm90(rows, new_keys, tree, split) -> None:
     """The short-context tile holding a verify step's whole width (llama3-8b's 4 heads a KV
     head: 5 and 9 tokens pad to 32 and 64 rows), rotating it and attending the step's new keys
-    as one more tile (NEW_KEYS): no spill."""
+    as one more tile (NEW_KEYS), with a token tree's visibility bits (TREE: what the verify
+    graphs run): no spill."""
     tile = paged_attention.SHORT_DECODE_TILE
     types = {**TYPES, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "key_ptr": "*bf16", "value_ptr": "*bf16",
-             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_mapping_ptr": "*i64"}
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_mapping_ptr": "*i64", "tree_bits_ptr": "*i64"}
     compiled = compile_kernel(
         paged_attention._paged_attention_kernel,
         dict(BLOCK_SIZE=16, SPLIT=split, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, BLOCK_M=rows,
              BLOCK_N=tile.block_n, DOT_PRECISION="tf32", FP16_DOTS=False, V_FLOAT8_ASM="", PDL=True,
-             EARLY_METADATA=True, NEW_KV=False, NEW_KEYS=new_keys),
+             EARLY_METADATA=True, NEW_KV=False, NEW_KEYS=new_keys, TREE=tree),
         num_warps=tile.num_warps, num_stages=tile.num_stages, types=types,
         divisible=(*DIVISIBLE, "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cs"))
     registers, stack = resource_usage(compiled)
