@@ -123,7 +123,7 @@ def test_health_is_503_while_the_engine_makes_no_progress(core_server):
     time.sleep(STALL_TIMEOUT_S + 0.5)  # idle for longer than the timeout: still healthy
     assert httpx.get(url).status_code == 200
     events: list[str] = []
-    stream = stream_in_thread(core_server, {"max_tokens": 200, "temperature": 0}, events)
+    stream = stream_in_thread(core_server, {"max_tokens": 50, "temperature": 0}, events)
     statuses, deadline = [], time.monotonic() + 180
     while len(events) < 10:  # working: healthy from the first request on
         assert time.monotonic() < deadline
