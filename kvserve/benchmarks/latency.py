@@ -13,7 +13,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvserve.benchmarks.roofline import (
@@ -24,6 +24,7 @@ from kvserve.benchmarks.roofline import (
 from kvserve.benchmarks.throughput import make_requests
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
+from kvserve.lora.request import LoRARequest
 from kvserve.model_executor.model_bytes import decode_step_weight_bytes
 from kvserve.sampling_params import SamplingParams
 
@@ -61,7 +62,8 @@ class LatencyResult:
 
 
 def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
-                bandwidth: float, seed: int = 0) -> LatencyResult:
+                bandwidth: float, seed: int = 0, loras: list[LoRARequest] | None = None) -> LatencyResult:
+    """`loras`: the batch's requests spread over these adapters (None: the base model)."""
     engine = llm.engine
     requests = make_requests(batch_size, (input_len, input_len), (output_len, output_len),
                              engine.model_config.vocab_size, seed)
@@ -74,7 +76,8 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
         replays_before = graphs.replays.copy()
     try:
         outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params,
-                               on_step=lambda: step_ends.append(time.time()))
+                               on_step=lambda: step_ends.append(time.time()),
+                               lora_request=[loras[i % len(loras)] for i in range(batch_size)] if loras else None)
         served = graphs.served_replay_ms() if graphs is not None else []
         gpu_step_ms = _most_replayed_ms(graphs, replays_before) if graphs is not None else None
     finally:
@@ -127,6 +130,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-json", default=None, help="Write the results to this file.")
     group.add_argument("--profile-host", action="store_true",
                        help="Also print where the host spends a batch-1 run's time (cProfile).")
+    group.add_argument("--num-loras", type=int, default=0,
+                       help="Compare the base model with the same model serving this many random LoRA adapters "
+                       "(PEFT format, the model's real shapes, all seven projections), each batch's requests "
+                       "spread over them (batch 1: one adapter): two engines, one after the other. 0: the base "
+                       "model only.")
+    group.add_argument("--lora-rank", type=int, default=16, help="Rank of the random adapters of --num-loras.")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -134,6 +143,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     # Before the engine: on a GPU its KV cache takes the memory a large copy needs.
     bandwidth = copy_bandwidth(engine_args.resolved_device())
+    if args.num_loras:
+        return _compare_with_loras(args, engine_args, batch_sizes, bandwidth)
     llm = LLM(**vars(engine_args))
     run_latency(llm, 1, min(16, args.input_len), 4, bandwidth)  # warm-up
     results = [run_latency(llm, b, args.input_len, args.output_len, bandwidth, args.workload_seed)
@@ -172,3 +183,48 @@ def _profile_host(llm: LLM, input_len: int, output_len: int) -> None:
     profiler.disable()
     print(f"\nhost profile of one batch-1 request ({output_len} tokens), by own time:")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+def _compare_with_loras(args: argparse.Namespace, engine_args: EngineArgs, batch_sizes: list[int],
+                        bandwidth: float) -> int:
+    """TPOT of the base model, then of an engine serving --num-loras random adapters on the
+    same requests (the base engine freed first, so the LoRA one sizes its own KV cache)."""
+    import gc
+    import tempfile
+
+    import torch
+
+    from kvserve.lora.random_adapters import write_random_adapter
+
+    runs: dict[str, list[LatencyResult]] = {}
+    with tempfile.TemporaryDirectory() as directory:
+        adapters: list[LoRARequest] | None = None
+        for name in ("base", "lora"):
+            lora_args = dict(enable_lora=True, max_loras=max(engine_args.max_loras, args.num_loras),
+                             max_cpu_loras=None, max_lora_rank=max(engine_args.max_lora_rank, args.lora_rank))
+            llm = LLM(**vars(replace(engine_args, **(lora_args if name == "lora" else {"enable_lora": False}))))
+            if name == "lora":
+                config = llm.engine.model_config
+                adapters = [LoRARequest(f"random-{i}", i + 1,
+                                        write_random_adapter(f"{directory}/{i}", config, args.lora_rank, i))
+                            for i in range(args.num_loras)]
+            run_latency(llm, 1, min(16, args.input_len), 4, bandwidth, loras=adapters)  # warm-up
+            runs[name] = [run_latency(llm, b, args.input_len, args.output_len, bandwidth, args.workload_seed,
+                                      loras=adapters) for b in batch_sizes]
+            del llm
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    print(f"\n{args.num_loras} random LoRA adapters of rank {args.lora_rank}, each batch's requests spread over them")
+    print(f"{'batch':>5s} {'base TPOT ms':>13s} {'LoRA TPOT ms':>13s} {'LoRA / base':>12s} "
+          f"{'base TTFT ms':>13s} {'LoRA TTFT ms':>13s}")
+    for base, lora in zip(runs["base"], runs["lora"]):
+        print(f"{base.batch_size:5d} {base.tpot_ms_median:13.2f} {lora.tpot_ms_median:13.2f} "
+              f"{lora.tpot_ms_median / base.tpot_ms_median:11.2f}x {base.ttft_ms_median:13.1f} "
+              f"{lora.ttft_ms_median:13.1f}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"num_loras": args.num_loras, "lora_rank": args.lora_rank,
+                       "base": [asdict(r) for r in runs["base"]], "lora": [asdict(r) for r in runs["lora"]]},
+                      f, indent=2)
+    return 0

@@ -15,16 +15,41 @@ import torch
 from torch import nn
 
 from kvserve.ops import cpu as cpu_kernels
-from kvserve.ops.lora import lora_expand, lora_shrink
+from kvserve.ops.lora import SlotGroups, group_by_slot, lora_expand, lora_shrink, sgmv_expand, sgmv_shrink
+
+# From this many tokens in a forward pass, the CUDA kernels take the tokens grouped by slot
+# (SGMV); below it one program per token (BGMV), which needs no grouping.
+SGMV_MIN_TOKENS = 64
+
+
+class StepSlotGroups:
+    """A forward pass's tokens grouped by slot (ops.lora.group_by_slot), computed on the
+    device by the first LoRA layer that needs them and shared by the others. Forgotten at
+    the start of each forward of the model (a pre-hook), so a captured CUDA graph records
+    the grouping of its own slots and an eager step never reuses another's."""
+
+    def __init__(self, model: nn.Module, token_slots: torch.Tensor, num_slots: int) -> None:
+        self.token_slots, self.num_slots = token_slots, num_slots
+        self._groups: dict[int, SlotGroups] = {}
+        model.register_forward_pre_hook(lambda *_: self._groups.clear())
+
+    def get(self, num_tokens: int) -> SlotGroups:
+        groups = self._groups.get(num_tokens)
+        if groups is None:
+            groups = self._groups[num_tokens] = group_by_slot(self.token_slots, num_tokens, self.num_slots)
+        return groups
 
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, in_features: int, slice_sizes: tuple[int, ...], max_loras: int,
-                 max_rank: int, token_slots: torch.Tensor, dtype: torch.dtype) -> None:
+                 max_rank: int, token_slots: torch.Tensor, dtype: torch.dtype,
+                 slot_groups: StepSlotGroups | None = None) -> None:
         """`token_slots`, int32 [max tokens] shared by every LoRA layer of the model: the slot
         each token of the step runs with, -1 for the base model. `dtype`: the run dtype, the
-        matrices' (QLoRA-style on quantized bases)."""
+        matrices' (QLoRA-style on quantized bases). `slot_groups` (CUDA): the step's tokens
+        grouped by slot, for many-token forwards (None: always per token)."""
         super().__init__()
+        self.slot_groups = slot_groups
         self.base = base
         self.in_features = in_features
         self.out_features = sum(slice_sizes)
@@ -94,6 +119,15 @@ class LoRALinear(nn.Module):
         return y
 
     def _forward_kernels(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.slot_groups is not None and x.shape[0] >= SGMV_MIN_TOKENS:
+            groups = self.slot_groups.get(x.shape[0])
+            h = sgmv_shrink(x.contiguous(), self.lora_a, groups)
+            offset = 0
+            for index, size in enumerate(self.slice_sizes):
+                sgmv_expand(h, index * self.max_rank, self.lora_b(index), self.max_rank, self.max_loras, groups, y,
+                            offset)
+                offset += size
+            return y
         slots = self.token_slots
         h = lora_shrink(x.contiguous(), self.lora_a, slots)
         offset = 0

@@ -139,6 +139,36 @@ def test_bench_latency_cli_writes_the_step_columns(tmp_path, capsys):
         assert 0 < r["step_ms_median"] <= r["step_ms_max"]
 
 
+def test_bench_latency_with_loras_runs_the_base_then_the_adapters(tmp_path, capsys, monkeypatch):
+    """`kvserve bench latency --num-loras 2`: the base engine without LoRA, then one serving
+    two random adapters (written in the model's shapes and loaded) on the same batches,
+    side by side in the table and the JSON."""
+    import json
+
+    from kvserve.benchmarks import latency
+    from kvserve.entrypoints.cli import main
+    from tests.lora.tiny_model import save_tiny_llama
+
+    served = []
+    run_latency = latency.run_latency
+
+    def recording(llm, *args, loras=None, **kwargs):
+        served.append((llm.engine.args.enable_lora, [lora.lora_name for lora in loras or []]))
+        return run_latency(llm, *args, loras=loras, **kwargs)
+
+    monkeypatch.setattr(latency, "run_latency", recording)
+    save_tiny_llama(str(tmp_path / "model"))
+    out = tmp_path / "w2-lora.json"
+    assert main(["bench", "latency", "--model", str(tmp_path / "model"), "--skip-tokenizer-init",
+                 "--kv-cache-memory", "4MiB", "--max-model-len", "256", "--input-len", "8", "--output-len", "4",
+                 "--batch-sizes", "1,2", "--num-loras", "2", "--lora-rank", "4", "--output-json", str(out)]) == 0
+    assert served == [(False, [])] * 3 + [(True, ["random-0", "random-1"])] * 3  # warm-up, batch 1, batch 2
+    result = json.loads(out.read_text())
+    assert [r["batch_size"] for r in result["base"]] == [r["batch_size"] for r in result["lora"]] == [1, 2]
+    assert all(r["decode_steps"] == 3 for r in result["base"] + result["lora"])
+    assert "LoRA / base" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("shape", ["mixtral-8x7b", "qwen3-30b-a3b"])
 def test_mixture_floors_count_the_experts_a_step_reads(shape):
     """A batch-1 step reads top_k of each layer's experts (Mixtral-8x7B: ~25.5 GB of its
