@@ -305,7 +305,7 @@ def test_gpu_triton_tree_greedy_is_exact(enforce_eager, tmp_path, monkeypatch) -
         return run
 
     monkeypatch.setattr(speculator_module, "greedy_tree_run", recording)
-    kwargs = dict(device="cuda", dtype="float32", attention_backend="triton", gpu_memory_utilization=0.3,
+    kwargs = dict(device="cuda", dtype="float32", attention_backend="triton", kv_cache_memory="16MiB",
                   enforce_eager=enforce_eager)
     plain, _ = _tiny_run(tiny_llama, None, **kwargs)
     config = {"method": "medusa", "model": tiny_medusa, "num_speculative_tokens": 6, "speculative_token_tree": TREE}
