@@ -34,31 +34,37 @@ SGMV_EXPAND_BLOCK_OUT = 64
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, in_features, num_rows, stride_x, stride_a_slot,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, in_features, num_rows, num_tokens, k_per_split, stride_x,
+                   stride_a_slot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     if slot >= 0:
-        for start in range(0, in_features, BLOCK_K):
+        k_start = split * k_per_split
+        for start in range(k_start, tl.minimum(k_start + k_per_split, in_features), BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + token * stride_x + cols, mask=cols < in_features, other=0.0).to(tl.float32)
             a = tl.load(a_ptr + slot * stride_a_slot + rows[:, None] * in_features + cols[None, :],
                         mask=(rows[:, None] < num_rows) & (cols[None, :] < in_features), other=0.0).to(tl.float32)
             acc += tl.sum(a * x[None, :], axis=1)
-    tl.store(h_ptr + token * num_rows + rows, acc, mask=rows < num_rows)
+    tl.store(h_ptr + (split * num_tokens + token) * num_rows + rows, acc, mask=rows < num_rows)
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, rank, num_slot_cols, out_features, stride_h, h_offset,
-                   stride_y, y_offset, BLOCK_OUT: tl.constexpr, BLOCK_R: tl.constexpr):
+def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, rank, num_slot_cols, out_features, num_splits, stride_h_split,
+                   stride_h, h_offset, stride_y, y_offset, BLOCK_OUT: tl.constexpr, BLOCK_R: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     if slot >= 0:
         outs = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
         ranks = tl.arange(0, BLOCK_R)
-        h = tl.load(h_ptr + token * stride_h + h_offset + ranks, mask=ranks < rank, other=0.0)
+        # The shrink's split-K partials, summed in a fixed order (deterministic).
+        h = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for split in range(num_splits):
+            h += tl.load(h_ptr + split * stride_h_split + token * stride_h + h_offset + ranks, mask=ranks < rank,
+                         other=0.0)
         b = tl.load(b_ptr + outs[:, None] * num_slot_cols + slot * rank + ranks[None, :],
                     mask=(outs[:, None] < out_features) & (ranks[None, :] < rank), other=0.0).to(tl.float32)
         delta = tl.sum(b * h[None, :], axis=1)
@@ -67,26 +73,39 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, rank, num_slot_cols, out_feat
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=outs < out_features)
 
 
+# Split-K of the per-token shrink: few tokens give few programs (a token's rows / 16), each
+# looping over all input columns; splitting the columns gives about this many programs.
+SHRINK_TARGET_PROGRAMS = 256
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """x [T, in], lora_a [slots, rows, in] (contiguous), slots int [>= T] -> h [T, rows] fp32."""
+    """x [T, in], lora_a [slots, rows, in] (contiguous), slots int [>= T] -> h [splits, T,
+    rows] fp32: partial sums over column ranges (split-K), which lora_expand adds up."""
     num_tokens, in_features = x.shape
     num_rows = lora_a.shape[1]
-    h = torch.empty(num_tokens, num_rows, dtype=torch.float32, device=x.device)
-    grid = (num_tokens, triton.cdiv(num_rows, SHRINK_BLOCK_N))
-    _shrink_kernel[grid](x, lora_a, slots, h, in_features, num_rows, x.stride(0), lora_a.stride(0),
-                         BLOCK_N=SHRINK_BLOCK_N, BLOCK_K=SHRINK_BLOCK_K)
+    row_blocks = triton.cdiv(num_rows, SHRINK_BLOCK_N)
+    max_splits = triton.cdiv(in_features, SHRINK_BLOCK_K)
+    splits = max(1, min(max_splits, triton.cdiv(SHRINK_TARGET_PROGRAMS, max(1, num_tokens * row_blocks))))
+    k_per_split = triton.cdiv(triton.cdiv(in_features, splits), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
+    splits = triton.cdiv(in_features, k_per_split)
+    h = torch.empty(splits, num_tokens, num_rows, dtype=torch.float32, device=x.device)
+    grid = (num_tokens, row_blocks, splits)
+    _shrink_kernel[grid](x, lora_a, slots, h, in_features, num_rows, num_tokens, k_per_split, x.stride(0),
+                         lora_a.stride(0), BLOCK_N=SHRINK_BLOCK_N, BLOCK_K=SHRINK_BLOCK_K)
     return h
 
 
 def lora_expand(h: torch.Tensor, h_offset: int, lora_b: torch.Tensor, rank: int, slots: torch.Tensor,
                 y: torch.Tensor, y_offset: int) -> None:
-    """y[:, y_offset : y_offset + out] += each token's h[:, h_offset : h_offset + rank] @ its
-    slot's B^T, in place; lora_b [out, slots x rank] (contiguous)."""
-    num_tokens = h.shape[0]
+    """y[:, y_offset : y_offset + out] += each token's h[:, :, h_offset : h_offset + rank]
+    (summed over the splits) @ its slot's B^T, in place; lora_b [out, slots x rank]
+    (contiguous)."""
+    num_splits, num_tokens = h.shape[:2]
     out_features = lora_b.shape[0]
     grid = (num_tokens, triton.cdiv(out_features, EXPAND_BLOCK_OUT))
-    _expand_kernel[grid](h, lora_b, slots, y, rank, lora_b.shape[1], out_features, h.stride(0), h_offset,
-                         y.stride(0), y_offset, BLOCK_OUT=EXPAND_BLOCK_OUT, BLOCK_R=triton.next_power_of_2(rank))
+    _expand_kernel[grid](h, lora_b, slots, y, rank, lora_b.shape[1], out_features, num_splits, h.stride(0),
+                         h.stride(1), h_offset, y.stride(0), y_offset, BLOCK_OUT=EXPAND_BLOCK_OUT,
+                         BLOCK_R=triton.next_power_of_2(rank))
 
 
 class SlotGroups(NamedTuple):

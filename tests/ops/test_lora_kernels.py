@@ -52,7 +52,8 @@ def case(device: str, num_tokens: int, in_features: int, slice_sizes: tuple[int,
     return float(((y_out.double().cpu() - expected).abs().max() / scale))
 
 
-SMALL_CASES = [(5, 37, (13, 7, 7), 3, 5), (1, 130, (129,), 2, 16), (9, 64, (40, 40), 4, 3)]
+# The last: one token over 700 input columns, its shrink split 6 ways (split-K partials).
+SMALL_CASES = [(5, 37, (13, 7, 7), 3, 5), (1, 130, (129,), 2, 16), (9, 64, (40, 40), 4, 3), (1, 700, (48,), 2, 16)]
 # SGMV: more tokens than a tile, slots' runs cut across tiles; rank 5 pads to the dot's 16.
 SMALL_SGMV_CASES = [(70, 37, (13, 7, 7), 3, 5), (7, 130, (129,), 2, 16), (33, 64, (40, 40), 4, 3)]
 
