@@ -21,6 +21,7 @@ from kvserve.benchmarks.roofline import (
     decode_step_floor_s,
     kv_bytes_per_token,
 )
+from kvserve.benchmarks.lora_throughput import add_lora_comparison_args
 from kvserve.benchmarks.throughput import make_requests
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
@@ -130,12 +131,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-json", default=None, help="Write the results to this file.")
     group.add_argument("--profile-host", action="store_true",
                        help="Also print where the host spends a batch-1 run's time (cProfile).")
-    group.add_argument("--num-loras", type=int, default=0,
-                       help="Compare the base model with the same model serving this many random LoRA adapters "
-                       "(PEFT format, the model's real shapes, all seven projections), each batch's requests "
-                       "spread over them (batch 1: one adapter): two engines, one after the other. 0: the base "
-                       "model only.")
-    group.add_argument("--lora-rank", type=int, default=16, help="Rank of the random adapters of --num-loras.")
+    add_lora_comparison_args(group, "each batch's requests spread over them (batch 1: one adapter)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:

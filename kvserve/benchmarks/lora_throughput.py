@@ -4,6 +4,7 @@ requests: the cost of multi-LoRA as a ratio of throughputs."""
 
 from __future__ import annotations
 
+import argparse
 import gc
 import tempfile
 import time
@@ -60,3 +61,14 @@ def run_lora_comparison(engine_args: EngineArgs, make_requests: Callable[[int], 
           f"{lora_s:.1f} s = {result['lora_output_tok_s']:.1f} tok/s")
     print(f"LoRA vs base: {result['lora_vs_base']:.2f}x")
     return result
+
+
+def add_lora_comparison_args(group: argparse._ArgumentGroup, how: str) -> None:
+    """--num-loras and --lora-rank of `kvserve bench throughput` and `bench latency`; `how`:
+    how the requests are spread over the adapters."""
+    group.add_argument("--num-loras", type=int, default=0,
+                       help="Compare the base model with the same model serving this many random LoRA adapters "
+                       f"(PEFT format, the model's real shapes, all seven projections), {how}: two engines, one "
+                       "after the other, on the same requests (the LoRA one with at least this many --max-loras "
+                       "slots). 0: the base model only.")
+    group.add_argument("--lora-rank", type=int, default=16, help="Rank of the random adapters of --num-loras.")

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvserve.benchmarks.lora_throughput import add_lora_comparison_args
 from kvserve.benchmarks.roofline import (
     copy_bandwidth,
     matmul_peak_flops,
@@ -127,12 +128,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
                        help="Also run transformers generate one at a time (real models only).")
     group.add_argument("--output-json", default=None, help="Write the results to this file.")
-    group.add_argument("--num-loras", type=int, default=0,
-                       help="Compare the base model with the same model serving this many random LoRA adapters "
-                       "(PEFT format, the model's real shapes, all seven projections), the requests spread "
-                       "evenly over them: two engines, one after the other, on the same requests (the LoRA one "
-                       "with at least this many --max-loras slots). 0: the usual runs.")
-    group.add_argument("--lora-rank", type=int, default=16, help="Rank of the random adapters of --num-loras.")
+    add_lora_comparison_args(group, "the requests spread evenly over them")
 
 
 def run_from_args(args: argparse.Namespace) -> int:

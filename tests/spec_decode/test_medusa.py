@@ -160,12 +160,11 @@ def _tiny_config(path: str):
     return load_model(path, skip_tokenizer_init=True).config
 
 
-def test_tree_branches_are_accepted(tiny_llama, tiny_medusa, monkeypatch) -> None:
-    """The tiny model's runs accept nodes off the top-1 chain (whose KV is then recomputed),
-    not only chains: the tree is really exercised."""
+def _record_accepted_paths(monkeypatch) -> list[list[int]]:
+    """The accepted path of every greedy tree verification from now on (filled as they run)."""
     from kvserve.spec_decode import speculator as speculator_module
 
-    paths = []
+    paths: list[list[int]] = []
     greedy_tree_run = speculator_module.greedy_tree_run
 
     def recording(*args):
@@ -174,6 +173,13 @@ def test_tree_branches_are_accepted(tiny_llama, tiny_medusa, monkeypatch) -> Non
         return run
 
     monkeypatch.setattr(speculator_module, "greedy_tree_run", recording)
+    return paths
+
+
+def test_tree_branches_are_accepted(tiny_llama, tiny_medusa, monkeypatch) -> None:
+    """The tiny model's runs accept nodes off the top-1 chain (whose KV is then recomputed),
+    not only chains: the tree is really exercised."""
+    paths = _record_accepted_paths(monkeypatch)
     config = {"method": "medusa", "model": tiny_medusa, "num_speculative_tokens": 6, "speculative_token_tree": TREE}
     _tiny_run(tiny_llama, config, kv_cache_memory="4MiB")
     assert any(path and path[0] != 0 for path in paths)  # a second- or third-ranked root child
@@ -285,7 +291,6 @@ def test_gpu_triton_tree_greedy_is_exact(enforce_eager, tmp_path, monkeypatch) -
     eagerly: greedy output equals no speculation, with branches off the top-1 chain accepted.
     The model is tiny_llama's but with heads of 16 dimensions (the kernels' dot needs 16)."""
     from tests.conftest import randomize
-    from kvserve.spec_decode import speculator as speculator_module
 
     config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -296,15 +301,7 @@ def test_gpu_triton_tree_greedy_is_exact(enforce_eager, tmp_path, monkeypatch) -
     model.save_pretrained(tiny_llama)
     tiny_medusa = save_medusa(str(tmp_path / "medusa"), reference_heads(64, TINY_VOCAB, 3, 1, seed=1), 1)
 
-    paths = []
-    greedy_tree_run = speculator_module.greedy_tree_run
-
-    def recording(*args):
-        run = greedy_tree_run(*args)
-        paths.append(run.path)
-        return run
-
-    monkeypatch.setattr(speculator_module, "greedy_tree_run", recording)
+    paths = _record_accepted_paths(monkeypatch)
     kwargs = dict(device="cuda", dtype="float32", attention_backend="triton", kv_cache_memory="16MiB",
                   enforce_eager=enforce_eager)
     plain, _ = _tiny_run(tiny_llama, None, **kwargs)
