@@ -168,11 +168,25 @@ class SparseMoE(nn.Module):
             self.w13, self.w2 = w13, w2
         return self.w13 is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(chosen [T, top_k] expert ids, their weights [T, top_k] fp32, the shared expert's
+        gate [T, 1] or None). On CUDA one kernel (ops/moe_routing.py) after the router's
+        matmuls, exactly equal logits going to the lower expert index (as torch.topk on CUDA
+        picks them); elsewhere torch's softmax and top-k (CPU's breaks such ties otherwise)."""
+        logits = self.gate(x)
+        shared_logits = self.shared_expert_gate(x) if hasattr(self, "shared_expert") else None
+        if x.is_cuda:
+            from kvserve.ops.moe_routing import route
+
+            return route(logits, self.top_k, self.renormalize, shared_logits)
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights, None if shared_logits is None else torch.sigmoid(shared_logits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen, weights, shared_gate = self.route(x)
         if self.w13 is not None and x.is_cuda:
             from kvserve.ops.fused_moe import fused_experts
 
@@ -182,7 +196,7 @@ class SparseMoE(nn.Module):
         else:
             out = _grouped(x, chosen, weights, len(self.experts), self._run_unpacked)
         if hasattr(self, "shared_expert"):
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.output(x)
+            out += shared_gate * self.shared_expert.output(x)
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
     def _run_unpacked(self, expert: int, rows: torch.Tensor) -> torch.Tensor | None:
