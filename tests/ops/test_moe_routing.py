@@ -138,3 +138,43 @@ def test_gpu_routing_replays_in_a_cuda_graph() -> None:
             assert torch.equal(ids.cpu().long(), expected_ids)
             torch.testing.assert_close(weights.cpu(), expected_weights, rtol=2e-6, atol=1e-7)
             torch.testing.assert_close(gate.cpu().float(), torch.sigmoid(shared.cpu().float()), rtol=2**-8, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_routing_is_one_kernel() -> None:
+    """The routing after the router's matmul, shared-expert gate included, is one launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    logits = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
+    shared = torch.randn(1, 1, device="cuda", dtype=torch.bfloat16)
+    route(logits, 8, True, shared)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        route(logits, 8, True, shared)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shared", [0, 96])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_gpu_sparse_moe_layer_equals_its_cpu_run(shared: int, renormalize: bool) -> None:
+    """A packed SparseMoE (Qwen2-MoE's shape with a shared expert, Qwen3's without) in fp32
+    on CUDA, routed by the kernel, against the same layer on CPU, routed by torch."""
+    from kvserve.model_executor.layers.moe import SparseMoE
+
+    torch.manual_seed(0)
+    layer = SparseMoE(64, 48, 60, 4, renormalize, shared_intermediate_size=shared)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.normal_(0, 64**-0.5)
+    x = torch.randn(33, 64)
+    with torch.no_grad():
+        expected = layer(x)
+        layer = layer.cuda()
+        assert layer.pack_experts()
+        got = layer(x.cuda()).cpu()
+    torch.testing.assert_close(got, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
