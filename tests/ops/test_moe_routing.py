@@ -16,7 +16,8 @@ import json
 import pytest
 import torch
 
-from kvserve.ops.moe_routing import route
+from kvserve.ops.moe_routing import route, route_hidden
+from kvserve.ops.quant.weight_only.matmul import split_counters
 from tests.triton_interpreter import run_interpreted
 
 
@@ -46,9 +47,12 @@ ALL_CASES = [(t, e, k, dtype, renorm, ties)
                  (1, 7, 33), itertools.product((8, 60, 128), (1, 2, 8)), (torch.bfloat16, torch.float32),
                  (False, True))
              for ties in ((False, True) if dtype == torch.bfloat16 else (False,))]
-# Every (tokens, experts, top_k) once, dtype and renormalisation alternating, plus ties.
-SMALL_CASES = [(t, e, k, (torch.bfloat16, torch.float32)[i % 2], i % 3 != 0, i % 4 == 0)
-               for i, (t, e, k) in enumerate(itertools.product((1, 7, 33), (8, 60, 128), (1, 2, 8)))]
+bf16, fp32 = torch.bfloat16, torch.float32
+# The default run's: every (experts, top_k) once, each with every token count once over the
+# experts and over the top-k; bf16 and fp32, renormalised or not, ties with and without.
+SMALL_CASES = [(1, 8, 1, bf16, True, False), (7, 8, 2, fp32, True, False), (33, 8, 8, bf16, False, True),
+               (7, 60, 1, fp32, False, False), (33, 60, 2, bf16, True, True), (1, 60, 8, fp32, True, False),
+               (33, 128, 1, bf16, False, True), (1, 128, 2, fp32, False, False), (7, 128, 8, bf16, True, True)]
 
 
 def errors(device: str, cases: list[tuple]) -> list[str]:
@@ -75,8 +79,41 @@ def errors(device: str, cases: list[tuple]) -> list[str]:
     return wrong
 
 
+def hidden_errors(device: str, cases: list[tuple], hidden: int) -> list[str]:
+    """route_hidden against the reference on the logits x @ W^T summed in fp32 and rounded to
+    the dtype (what the router's linear leaves), the shared gate likewise."""
+    generator = torch.Generator().manual_seed(1)
+    wrong = []
+    for tokens, experts, top_k, dtype, renormalize, _ in cases:
+        case = f"T={tokens} E={experts} k={top_k} H={hidden} {dtype} renormalize={renormalize}"
+        x = torch.randn(tokens, hidden, generator=generator).to(dtype)
+        w = (torch.randn(experts, hidden, generator=generator) * 2 / hidden**0.5).to(dtype)
+        shared_w = (torch.randn(1, hidden, generator=generator) / hidden**0.5).to(dtype)
+        logits = (x.double() @ w.double().T).to(dtype)
+        shared = (x.double() @ shared_w.double().T).to(dtype)
+        expected_ids, expected_weights = reference(logits, top_k, renormalize)
+        ids, weights, gate = route_hidden(x.to(device), w.to(device), top_k, renormalize, shared_w.to(device))
+        if not torch.equal(ids.cpu().long(), expected_ids):
+            wrong.append(f"{case}: ids {ids.cpu().tolist()} != {expected_ids.tolist()}")
+        elif not torch.allclose(weights.cpu(), expected_weights, rtol=2e-6, atol=1e-7):
+            error = (weights.cpu() - expected_weights).abs().max().item()
+            wrong.append(f"{case}: weights off by {error:.2e}")
+        if split_counters(ids.device).any():
+            wrong.append(f"{case}: arrival counters not re-armed")
+        tol = 1e-6 if dtype == torch.float32 else 2**-8
+        if gate.dtype != dtype or not torch.allclose(gate.cpu().float(), torch.sigmoid(shared.float()), rtol=tol,
+                                                     atol=0):
+            wrong.append(f"{case}: shared gate off")
+    return wrong
+
+
+# route_hidden's: at most 8 tokens (FUSED_GATE_MAX_TOKENS).
+HIDDEN_CASES = [(1, 8, 2, torch.float32, True, False), (3, 60, 8, torch.bfloat16, False, False),
+                (2, 128, 8, torch.bfloat16, True, False), (1, 8, 1, torch.bfloat16, False, False)]
+
+
 def run_small_cases() -> None:
-    print(json.dumps(errors("cpu", SMALL_CASES)))
+    print(json.dumps(errors("cpu", SMALL_CASES) + hidden_errors("cpu", HIDDEN_CASES, hidden=300)))
 
 
 def run_all_cases() -> None:
@@ -104,6 +141,9 @@ def test_reference_breaks_ties_by_lower_index() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_routing_equals_softmax_topk_renormalise() -> None:
     assert errors("cuda", ALL_CASES + [(257, 256, 8, torch.float16, True, True)]) == []
+    small = [c for c in ALL_CASES if c[0] <= 7] + [(8, 256, 8, torch.float16, True, False)]
+    assert hidden_errors("cuda", small, hidden=2048) == []
+    assert hidden_errors("cuda", small, hidden=4000) == []
 
 
 @pytest.mark.gpu
@@ -140,6 +180,32 @@ def test_gpu_routing_replays_in_a_cuda_graph() -> None:
             torch.testing.assert_close(gate.cpu().float(), torch.sigmoid(shared.cpu().float()), rtol=2**-8, atol=0)
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_router_matmul_and_routing_replay_in_a_cuda_graph() -> None:
+    """route_hidden captured, replayed on new activations: the arrival counters re-arm."""
+    generator = torch.Generator().manual_seed(3)
+    for tokens, experts, top_k, hidden in ((1, 128, 8, 2048), (8, 60, 4, 1000), (3, 8, 2, 4096)):
+        x = torch.zeros(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+        w = (torch.randn(experts, hidden, generator=generator) * 2 / hidden**0.5).cuda().bfloat16()
+        shared_w = (torch.randn(1, hidden, generator=generator) / hidden**0.5).cuda().bfloat16()
+        route_hidden(x, w, top_k, True, shared_w)  # compile first
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ids, weights, gate = route_hidden(x, w, top_k, True, shared_w)
+        for _ in range(3):
+            x.copy_(torch.randn(tokens, hidden, generator=generator))
+            graph.replay()
+            logits = (x.double() @ w.double().T).bfloat16().cpu()
+            expected_ids, expected_weights = reference(logits, top_k, True)
+            assert torch.equal(ids.cpu().long(), expected_ids)
+            torch.testing.assert_close(weights.cpu(), expected_weights, rtol=2e-6, atol=1e-7)
+            shared = (x.double() @ shared_w.double().T).bfloat16().cpu()
+            torch.testing.assert_close(gate.cpu().float(), torch.sigmoid(shared.float()), rtol=2**-8, atol=0)
+        assert not split_counters(x.device).any()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_routing_is_one_kernel() -> None:
@@ -155,6 +221,16 @@ def test_gpu_routing_is_one_kernel() -> None:
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 1, kernels
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    gate = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16)
+    shared_gate = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    route_hidden(x, gate, 8, True, shared_gate)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        route_hidden(x, gate, 8, True, shared_gate)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
 
 
 @pytest.mark.gpu
@@ -163,7 +239,7 @@ def test_gpu_routing_is_one_kernel() -> None:
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_gpu_sparse_moe_layer_equals_its_cpu_run(shared: int, renormalize: bool) -> None:
     """A packed SparseMoE (Qwen2-MoE's shape with a shared expert, Qwen3's without) in fp32
-    on CUDA, routed by the kernel, against the same layer on CPU, routed by torch."""
+    on CUDA, routed by the kernels, against the same layer on CPU, routed by torch."""
     from kvserve.model_executor.layers.moe import SparseMoE
 
     torch.manual_seed(0)
@@ -177,4 +253,7 @@ def test_gpu_sparse_moe_layer_equals_its_cpu_run(shared: int, renormalize: bool)
         layer = layer.cuda()
         assert layer.pack_experts()
         got = layer(x.cuda()).cpu()
+        # 5 tokens: the router's matmul inside the routing kernel (route_hidden).
+        got_few = layer(x[:5].cuda()).cpu()
     torch.testing.assert_close(got, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
+    torch.testing.assert_close(got_few, expected[:5], atol=1e-4 * expected.abs().max().item(), rtol=0)

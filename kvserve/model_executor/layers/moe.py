@@ -170,14 +170,22 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(chosen [T, top_k] expert ids, their weights [T, top_k] fp32, the shared expert's
-        gate [T, 1] or None). On CUDA one kernel (ops/moe_routing.py) after the router's
-        matmuls, exactly equal logits going to the lower expert index (as torch.topk on CUDA
-        picks them); elsewhere torch's softmax and top-k (CPU's breaks such ties otherwise)."""
-        logits = self.gate(x)
-        shared_logits = self.shared_expert_gate(x) if hasattr(self, "shared_expert") else None
+        gate [T, 1] or None). On CUDA one kernel (ops/moe_routing.py), exactly equal logits
+        going to the lower expert index (as torch.topk on CUDA picks them), which at decode
+        batch sizes computes the router's logits too; elsewhere torch's softmax and top-k
+        (CPU's breaks such ties otherwise)."""
+        shared = hasattr(self, "shared_expert")
         if x.is_cuda:
-            from kvserve.ops.moe_routing import route
+            from kvserve.ops.moe_routing import FUSED_GATE_MAX_TOKENS, route, route_hidden
 
+            gates = [self.gate.weight] + ([self.shared_expert_gate.weight] if shared else [])
+            if (x.dim() == 2 and x.shape[0] <= FUSED_GATE_MAX_TOKENS and x.stride(1) == 1
+                    and all(w.dtype == x.dtype and w.stride(1) == 1 for w in gates)):
+                return route_hidden(x, self.gate.weight, self.top_k, self.renormalize,
+                                    self.shared_expert_gate.weight if shared else None)
+        logits = self.gate(x)
+        shared_logits = self.shared_expert_gate(x) if shared else None
+        if x.is_cuda:
             return route(logits, self.top_k, self.renormalize, shared_logits)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
