@@ -1,15 +1,17 @@
 """A mixture of experts' routing in one launch: router logits [T, E] -> each token's top_k
 expert ids and routing weights, as SparseMoE defines them (a softmax over all E experts in
 fp32, the top_k kept, and with `renormalize` scaled to sum to one), where torch takes a
-cast, a softmax, a top-k, a sum and a division (five launches a layer, which at batch 1 cost
-more than the arithmetic). Qwen2-MoE's shared-expert gate, sigmoid(its logit), rides along.
+cast, a softmax, a top-k (a gather and a sort), a sum and a division: six launches a layer,
+which at batch 1 cost more than the arithmetic. Qwen2-MoE's shared-expert gate, sigmoid(its
+logit), rides along. `route_hidden` computes the router's logits in the same launch too,
+for the few tokens of a decode step.
 
 One program per token holds the token's E logits (E up to a few hundred) in registers and
 picks the top_k by repeated arg-max. The choice is made on the logits, which the softmax
 orders the same way, so it does not depend on how exp rounds: exactly equal logits go to the
 lower expert index, and the choices come out by weight descending, ties by index ascending
-(torch.topk on CUDA picks the same set; it leaves the order among equal weights
-unspecified). No host reads: CUDA graphs capture it.
+(torch.topk on CUDA gathers the same set, tests/ops/test_moe_routing.py checks; it leaves
+the order among equal weights unspecified). No host reads: CUDA graphs capture it.
 """
 
 from __future__ import annotations
