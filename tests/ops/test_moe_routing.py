@@ -255,7 +255,11 @@ def test_gpu_sparse_moe_layer_equals_its_cpu_run(shared: int, renormalize: bool)
         layer = layer.cuda()
         assert layer.pack_experts()
         got = layer(x.cuda()).cpu()
-        # 5 tokens: the router's matmul inside the routing kernel (route_hidden).
+        # 5 tokens and 1: the router's matmul inside the routing kernel (route_hidden); the
+        # one token's 4 pairs take the pair GEMVs, the others the grouped GEMMs.
         got_few = layer(x[:5].cuda()).cpu()
-    torch.testing.assert_close(got, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
-    torch.testing.assert_close(got_few, expected[:5], atol=1e-4 * expected.abs().max().item(), rtol=0)
+        got_one = layer(x[:1].cuda()).cpu()
+    tol = 1e-4 * expected.abs().max().item()
+    torch.testing.assert_close(got, expected, atol=tol, rtol=0)
+    torch.testing.assert_close(got_few, expected[:5], atol=tol, rtol=0)
+    torch.testing.assert_close(got_one, expected[:1], atol=tol, rtol=0)
