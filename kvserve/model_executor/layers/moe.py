@@ -180,11 +180,33 @@ class SparseMoE(nn.Module):
             self.w13, self.w2 = w13, w2
         return self.w13 is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(chosen [T, top_k] expert ids, their weights [T, top_k] fp32, the shared expert's
+        gate [T, 1] or None). On CUDA one kernel (ops/moe_routing.py), exactly equal logits
+        going to the lower expert index (as torch.topk on CUDA picks them), which at decode
+        batch sizes computes the router's logits too; elsewhere torch's softmax and top-k
+        (CPU's breaks such ties otherwise)."""
+        shared = hasattr(self, "shared_expert")
+        if x.is_cuda:
+            from kvserve.ops.moe_routing import FUSED_GATE_MAX_TOKENS, route, route_hidden
+
+            gates = [self.gate.weight] + ([self.shared_expert_gate.weight] if shared else [])
+            if (x.dim() == 2 and x.shape[0] <= FUSED_GATE_MAX_TOKENS and x.stride(1) == 1
+                    and all(w.dtype == x.dtype and w.stride(1) == 1 for w in gates)):
+                return route_hidden(x, self.gate.weight, self.top_k, self.renormalize,
+                                    self.shared_expert_gate.weight if shared else None)
+        logits = self.gate(x)
+        shared_logits = self.shared_expert_gate(x) if shared else None
+        if x.is_cuda:
+            return route(logits, self.top_k, self.renormalize, shared_logits)
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights, None if shared_logits is None else torch.sigmoid(shared_logits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen, weights, shared_gate = self.route(x)
         if self.expert_parallel and use_all_to_all(self.tp_group.world_size, self.top_k,
                                                    hasattr(self, "shared_expert"), x.shape[0]):
             return self._exchange(x, chosen, weights)
@@ -197,7 +219,7 @@ class SparseMoE(nn.Module):
         else:
             out = _grouped(x, chosen, weights, len(self.experts), self._run_unpacked)
         if hasattr(self, "shared_expert"):
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.output(x)
+            out += shared_gate * self.shared_expert.output(x)
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
     def _run_unpacked(self, expert: int, rows: torch.Tensor) -> torch.Tensor | None:
@@ -217,7 +239,7 @@ class SparseMoE(nn.Module):
         per_rank, tokens = num_experts // ranks, x.shape[0]
         chunk = -(-tokens // ranks)
         start, stop = min(rank * chunk, tokens), min((rank + 1) * chunk, tokens)
-        ours = chosen[start:stop].flatten()
+        ours = chosen[start:stop].flatten().long()  # the CUDA routing kernel's ids are int32
         order = torch.argsort(ours, stable=True)  # pairs by expert, tokens ascending within each
         counts = torch.bincount(ours, minlength=num_experts)
         arriving = group.all_to_all_single(counts).view(ranks, per_rank)  # [source rank, our expert]
