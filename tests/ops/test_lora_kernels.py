@@ -135,3 +135,24 @@ def test_gpu_grouped_kernels_replay_in_a_cuda_graph_with_new_slots() -> None:
                 expected[t] = lora_b.view(out_features, num_slots, rank)[:, s].double().cpu() @ (
                     lora_a[s].double().cpu() @ x[t].double().cpu())
         torch.testing.assert_close(y.double().cpu(), expected, rtol=1e-4, atol=1e-3)
+
+
+def test_kernels_compile_for_sm90() -> None:
+    """The split-K per-token shrink, its expand and the grouped (SGMV) kernels compile for
+    sm_90 at bf16 (what the interpreter cannot check), without spilling."""
+    from kvserve.ops import lora
+    from kvserve.ops.triton_offline import compile_kernel, resource_usage
+
+    bf16 = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "h_ptr": "*fp32",
+            "slots_ptr": "*i32", "sorted_ptr": "*i64", "block_slots_ptr": "*i64"}
+    kernels = [
+        (lora._shrink_kernel, dict(BLOCK_N=lora.SHRINK_BLOCK_N, BLOCK_K=lora.SHRINK_BLOCK_K)),
+        (lora._expand_kernel, dict(BLOCK_OUT=lora.EXPAND_BLOCK_OUT, BLOCK_R=16)),
+        (lora._sgmv_shrink_kernel, dict(BLOCK_M=lora.SGMV_BLOCK_M, BLOCK_N=lora.SGMV_SHRINK_BLOCK_N,
+                                        BLOCK_K=lora.SGMV_SHRINK_BLOCK_K, DOT_PRECISION="tf32")),
+        (lora._sgmv_expand_kernel, dict(BLOCK_M=lora.SGMV_BLOCK_M, BLOCK_OUT=lora.SGMV_EXPAND_BLOCK_OUT, BLOCK_R=16,
+                                        DOT_PRECISION="tf32")),
+    ]
+    for kernel, constexprs in kernels:
+        registers, stack = resource_usage(compile_kernel(kernel, constexprs, types=bf16, divisible=()))
+        assert stack == 0, f"{kernel.fn.__name__}: {registers} registers and {stack} bytes of stack (spilled)"

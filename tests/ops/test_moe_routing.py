@@ -263,3 +263,32 @@ def test_gpu_sparse_moe_layer_equals_its_cpu_run(shared: int, renormalize: bool)
     torch.testing.assert_close(got, expected, atol=tol, rtol=0)
     torch.testing.assert_close(got_few, expected[:5], atol=tol, rtol=0)
     torch.testing.assert_close(got_one, expected[:1], atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize(("experts", "top_k", "shared"), [(128, 8, False), (8, 2, False), (60, 4, True)],
+                         ids=["qwen3", "mixtral", "qwen2-moe"])
+def test_routing_kernels_compile_for_sm90(experts, top_k, shared) -> None:
+    """What the interpreter cannot check: both kernels compile for sm_90 (Triton's GPU
+    pipeline, as the device runs them) at bf16 routers, with the launch's constants, and
+    nothing spills."""
+    import triton
+
+    from kvserve.ops import moe_routing
+    from kvserve.ops.triton_offline import compile_kernel, resource_usage
+
+    block_e, block_k = triton.next_power_of_2(experts), triton.next_power_of_2(top_k)
+    common = dict(TOP_K=top_k, RENORMALIZE=True, HAS_SHARED=shared, BLOCK_E=block_e, BLOCK_K=block_k)
+    route = compile_kernel(moe_routing._routing_kernel, common, num_warps=1 if block_e <= 256 else 4,
+                           types={"logits_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32",
+                                  "shared_logits_ptr": "*bf16", "shared_gate_ptr": "*bf16"}, divisible=())
+    rows = max(1, min(16, block_e // 64))
+    gate = compile_kernel(moe_routing._gate_and_route_kernel,
+                          {**common, "ROWS": rows, "BLOCK_H": max(256, 2048 // rows)}, num_warps=4,
+                          types={"x_ptr": "*bf16", "w_ptr": "*bf16", "shared_w_ptr": "*bf16", "logits_ptr": "*bf16",
+                                 "count_ptr": "*i32", "ids_ptr": "*i32", "weights_ptr": "*fp32",
+                                 "shared_gate_ptr": "*bf16"}, divisible=("hidden", "stride_x", "stride_w"))
+    for compiled in (route, gate):
+        registers, stack = resource_usage(compiled)
+        assert stack == 0, f"{registers} registers and {stack} bytes of stack (spilled)"
+    # The last program of a token learns it from an acquire-release count, re-armed after.
+    assert "atom.global.gpu.acq_rel.add" in gate.asm["ptx"] and "atom.global.gpu.relaxed.exch" in gate.asm["ptx"]
