@@ -56,6 +56,7 @@ class LoRASlots:
         self._slot_ids: list[int] = [0] * lora_config.max_loras  # adapter id per slot (0: empty)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recently used first
         self.num_disk_loads = 0
+        self._num_set = 0  # token_slots rows the last set_tokens wrote
 
     @property
     def slot_bytes(self) -> int:
@@ -123,4 +124,9 @@ class LoRASlots:
         slots = np.repeat(np.array([self.slot_of(lora_id) for lora_id in lora_ids], dtype=np.int32),
                           np.asarray(num_tokens, dtype=np.int64))
         self.token_slots[: len(slots)].copy_(torch.from_numpy(slots))
+        # Rows a longer earlier step set go back to the base model: a CUDA graph's padding
+        # rows read them, and would otherwise run (and the grouping count) a stale adapter.
+        if self._num_set > len(slots):
+            self.token_slots[len(slots) : self._num_set].fill_(-1)
+        self._num_set = len(slots)
 

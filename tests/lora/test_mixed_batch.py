@@ -134,3 +134,17 @@ def test_decode_logprobs_do_not_depend_on_the_batch(tiny_with_adapters) -> None:
     for one, batched in zip(alone, together):
         assert batched.token_ids == one.token_ids
         assert batched.logprobs == one.logprobs
+
+
+def test_rows_past_the_step_go_back_to_the_base_model(tiny_with_adapters) -> None:
+    """After a step of many tokens on an adapter, a shorter step leaves no adapter on the
+    rows past it (a CUDA graph's padding rows read them)."""
+    model_dir, adapters = tiny_with_adapters
+    llm = LLM(loaded=load_model(model_dir, dtype=torch.float32), enable_lora=True, kv_cache_memory="16MiB")
+    llm.generate({"prompt_token_ids": random_prompt(5, seed=1)}, greedy(2), lora_request=adapters[0])
+    slots = llm.engine.core.runner.lora
+    slot = slots.slot_of(adapters[0].lora_int_id)
+    slots.set_tokens([adapters[0].lora_int_id, 0], [6, 2])
+    assert slots.token_slots[:8].tolist() == [slot] * 6 + [-1] * 2
+    slots.set_tokens([adapters[0].lora_int_id], [3])
+    assert slots.token_slots[:10].tolist() == [slot] * 3 + [-1] * 7
