@@ -26,8 +26,10 @@ Held-out acceptance per draft position j is measured as served: after the true p
 a position s, the head chains on its own estimates and drafted tokens; position j counts as
 accepted when drafts 1..j all equal the target's greedy continuation. Only the text gives
 that continuation without running the target, so position j is measured at the positions s
-where the text itself follows the target's greedy choice for j - 1 tokens (all positions on
-text the model generated greedily).
+where the text itself follows the target's greedy choice for j - 1 tokens, and token s is
+the greedy one too: the measure covers text the model generated greedily (all its
+positions) and leaves out prompts, whose shared parts (a chat template's system prompt) a
+head learns by heart and whose acceptance would overstate what serving sees.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from tqdm import tqdm
 from kvserve.llm import LLM
 from kvserve.spec_decode.eagle import EagleCache, EagleHead, draft_layer
 from kvserve.spec_decode.train_drafter import most_predicted_tokens, to_draft_labels
+
+GRAD_CLIP = 0.5  # the EAGLE repository's gradient norm clip
 
 # (token ids [n], target features [n, H], target greedy predictions [n]) of one chunk.
 ScoredChunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -151,6 +155,8 @@ def chained_acceptance(head: EagleHead, target: FrozenTarget, chunks: list[Score
         first = head(target.embed(token_ids[1:]), features[:-1], torch.arange(n - 1), cache)
         follows_greedy = (token_ids[1:] == predictions[:-1]).tolist()  # token s + 1 is the greedy one
         for s in range(1, n):  # tokens 0..s known, pairs 0..s-1 verified
+            if not follows_greedy[s - 1]:  # prompt text, not generated
+                continue
             # Positions j whose greedy continuation the text gives: s + j < n, tokens s+1..s+j-1 greedy.
             known = 0
             while known < num_tokens and s + known < n and (known == 0 or follows_greedy[s + known - 1]):
@@ -191,6 +197,9 @@ def train_eagle(llm: LLM, chunks: list[ScoredChunk], num_held_out: int, num_toke
                 loss = eagle_loss(head, target, chunk, cls_weight, feature_noise, num_steps)
                 optimizer.zero_grad()
                 loss.backward()
+                # EAGLE's clip: a few outlier feature channels (|f| ~50 on SmolLM2) fed back through
+                # unrolled steps can otherwise blow a step up.
+                torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
                 optimizer.step()
                 progress.set_postfix(loss=f"{loss.item():.3f}")
                 progress.update()
