@@ -262,12 +262,14 @@ class EngineCore:
             heads = load_medusa_heads(config.model, self.model_config, self.model_config.dtype, self.device)
             proposer = MedusaProposer(heads, config.token_tree(heads.num_heads))
         elif config.method == "eagle":
-            from kvserve.spec_decode.eagle import EagleProposer, load_eagle_head
+            from kvserve.spec_decode.eagle import EagleProposer, load_eagle_head, target_lm_head_drafter
 
             target = self.runner.model
             head = load_eagle_head(config.model, self.model_config, self.model_config.dtype, self.device)
+            lm_head = target.model.embed_tokens if self.model_config.tie_word_embeddings else target.lm_head
             proposer = EagleProposer(head, target.model.embed_tokens,
-                                     lambda estimate: target.compute_logits(estimate).argmax(dim=-1))
+                                     target_lm_head_drafter(head, lm_head.weight if target.tp_group is None else None,
+                                                            target.compute_logits))
         elif config.method == "eagle3":
             from kvserve.spec_decode.eagle import EagleProposer
             from kvserve.spec_decode.eagle3 import load_eagle3_head

@@ -9,7 +9,10 @@ with a Llama `config.json` and `pytorch_model.bin` or `model.safetensors` holdin
 [H, 2H] (and `fc.bias`), `layers.0.self_attn.{q,k,v,o}_proj.weight`,
 `layers.0.mlp.{gate,up,down}_proj.weight` and `layers.0.post_attention_layernorm.weight`
 (an optional `model.` prefix and `embed_tokens.weight` are accepted; the target's embedding
-is used).
+is used). An optional `d2t` [N] (EAGLE-3's mapping: target id = draft id + d2t[draft id])
+restricts drafting to those N rows of the target's LM head: a fraction of the cost of the
+full head for each drafted token, the lever on a small model whose LM head is a large share
+of a step.
 
 Each sequence keeps the draft layer's keys and values of its pairs (one layer: a few KB a
 token) and the target's features not consumed yet; drafted pairs past the verified tokens
@@ -60,6 +63,8 @@ class EagleHead(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.post_attention_layernorm = nn.Parameter(torch.ones(hidden_size))
+        # Target token ids of the draft vocabulary (sorted), or None: the whole vocabulary.
+        self.draft_vocab: torch.Tensor | None = None
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 cache: EagleCache) -> torch.Tensor:
@@ -80,10 +85,12 @@ def _matmul() -> Callable[..., torch.Tensor]:
 
 
 def draft_layer(head: nn.Module, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
-                cache: EagleCache) -> torch.Tensor:
+                cache: EagleCache, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The draft decoder layer of an EAGLE head (its q/k/v/o projections, post-attention
     norm and gated MLP): causal attention of x's m rows over the cached ones (their keys
-    and values appended to `cache`) added to `residual`, then the MLP's residual add."""
+    and values appended to `cache`) added to `residual`, then the MLP's residual add.
+    `mask` ([m, cached + m], True where a row attends) replaces the causal one (training's
+    unrolled draft steps attend their own chain only)."""
     m = x.shape[0]
     matmul = _matmul()
     inv_freq = 1.0 / head.rope_theta ** (torch.arange(0, head.head_dim, 2, dtype=torch.float32) / head.head_dim)
@@ -94,7 +101,8 @@ def draft_layer(head: nn.Module, x: torch.Tensor, residual: torch.Tensor, positi
     v = matmul(x, head.v_proj.weight).view(m, head.num_kv_heads, head.head_dim)
     keys, values = cache.append(k, v)
     length = keys.shape[0]
-    mask = torch.arange(length)[None, :] <= torch.arange(length - m, length)[:, None]
+    if mask is None:
+        mask = torch.arange(length)[None, :] <= torch.arange(length - m, length)[:, None]
     attended = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
         attn_mask=mask, enable_gqa=True)[0].transpose(0, 1).reshape(m, -1)
@@ -170,7 +178,30 @@ def load_eagle_head(path: str, target: ModelConfig, dtype: torch.dtype, device: 
         head.load_state_dict(ours)
     except RuntimeError as error:
         raise ValueError(f"speculative_config: model={path!r}: its tensors do not fit its config.json: {error}") from None
+    d2t = state.get("d2t")
+    if d2t is not None:
+        draft_vocab = torch.arange(d2t.shape[0]) + d2t.long()
+        if d2t.dim() != 1 or int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= target.vocab_size:
+            raise ValueError(f"speculative_config: model={path!r}: d2t maps its {d2t.shape[0]} draft tokens to ids in "
+                             f"[{int(draft_vocab.min())}, {int(draft_vocab.max())}]; allowed: the target's "
+                             f"vocabulary [0, {target.vocab_size})")
+        head.draft_vocab = draft_vocab.to(device)
     return head.to(device=device, dtype=dtype).eval()
+
+
+def target_lm_head_drafter(head: EagleHead, lm_head_weight: torch.Tensor | None,
+                           full_vocab: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """EAGLE-1's draft token of each estimated feature: the argmax of the target's LM head
+    (`full_vocab`: the target's logits) or, with a draft vocabulary, of its rows of
+    `lm_head_weight` [V, H] (None, a sharded head: of full_vocab's columns), mapped back to
+    target ids."""
+    if head.draft_vocab is None:
+        return lambda estimate: full_vocab(estimate).argmax(dim=-1)
+    vocab = head.draft_vocab
+    if lm_head_weight is None:
+        return lambda estimate: vocab[full_vocab(estimate)[:, vocab].argmax(dim=-1)]
+    rows = lm_head_weight.detach()[vocab].contiguous()
+    return lambda estimate: vocab[linear(estimate.to(rows.dtype), rows).argmax(dim=-1)]
 
 
 @dataclass

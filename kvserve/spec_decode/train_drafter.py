@@ -201,15 +201,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="EAGLE: weight of the cross entropy of the target's LM head over the estimated "
                             "feature (against the target's greedy token) beside the feature regression "
                             "(SmoothL1, weight 1); EAGLE's is 0.1.")
+    group.add_argument("--feature-noise", type=float, default=0.0,
+                       help="EAGLE: width a of the uniform noise U(-a/2, a/2) added to the target's features the "
+                            "head reads in training (never in serving), so it tolerates its own estimates' errors.")
+    group.add_argument("--unroll-steps", type=int, default=1,
+                       help="EAGLE: draft steps trained per pair: step k > 1 reads step k - 1's estimate, as "
+                            "drafting does (EAGLE-3's training-time test); its loss is weighted 0.8 ** (k - 1).")
     group.add_argument("--chunk-tokens", type=int, default=256, help="Tokens the target scores per chunk.")
     group.add_argument("--epochs", type=int, default=3, help="Passes over the training chunks.")
     group.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate.")
     group.add_argument("--train-lm-head", action="store_true",
                        help="Medusa: train each head's copy of the LM head too (better heads, much slower on a CPU).")
     group.add_argument("--draft-vocab-size", type=int, default=0,
-                       help="Medusa: give the heads an LM head over only the N tokens the model predicts most often in "
-                            "the training text (0: the whole vocabulary). Drafting then projects onto N rows, the "
-                            "lever on a small model whose LM head is a large share of a step.")
+                       help="Give the heads (Medusa) or the head (EAGLE: the target's LM head's rows, saved as d2t) an "
+                            "LM head over only the N tokens the model predicts most often in the training text (0: the "
+                            "whole vocabulary). Drafting then projects onto N rows, the lever on a small model whose "
+                            "LM head is a large share of a step.")
     group.add_argument("--held-out", type=float, default=0.1,
                        help="Fraction of chunks held out to measure acceptance.")
 
@@ -246,8 +253,9 @@ def _train_eagle(llm: LLM, texts: list[str], args: argparse.Namespace, seed: int
         hidden, predictions = score(llm, ids)
         # Copies outside inference mode: autograd may save them for the backward pass.
         scored.append((torch.tensor(ids), hidden.clone(), predictions.clone()))
-    head, trained, random_head = train_eagle(llm, scored, num_held_out, args.num_speculative_tokens, args.epochs,
-                                             args.lr, args.cls_weight, seed)
-    save_eagle_head(head, llm, args.out)
+    head, draft_vocab, trained, random_head = train_eagle(
+        llm, scored, num_held_out, args.num_speculative_tokens, args.epochs, args.lr, args.cls_weight, seed,
+        args.feature_noise, args.unroll_steps, args.draft_vocab_size)
+    save_eagle_head(head, llm, args.out, draft_vocab)
     print(f"wrote an EAGLE head to {args.out}")
     return trained, random_head
