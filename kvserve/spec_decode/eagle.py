@@ -178,15 +178,20 @@ def load_eagle_head(path: str, target: ModelConfig, dtype: torch.dtype, device: 
         head.load_state_dict(ours)
     except RuntimeError as error:
         raise ValueError(f"speculative_config: model={path!r}: its tensors do not fit its config.json: {error}") from None
-    d2t = state.get("d2t")
-    if d2t is not None:
-        draft_vocab = torch.arange(d2t.shape[0]) + d2t.long()
-        if d2t.dim() != 1 or int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= target.vocab_size:
-            raise ValueError(f"speculative_config: model={path!r}: d2t maps its {d2t.shape[0]} draft tokens to ids in "
-                             f"[{int(draft_vocab.min())}, {int(draft_vocab.max())}]; allowed: the target's "
-                             f"vocabulary [0, {target.vocab_size})")
-        head.draft_vocab = draft_vocab.to(device)
+    if state.get("d2t") is not None:
+        head.draft_vocab = draft_vocab_of(state["d2t"], state["d2t"].shape[0], path, target).to(device)
     return head.to(device=device, dtype=dtype).eval()
+
+
+def draft_vocab_of(d2t: torch.Tensor, draft_vocab_size: int, path: str, target: ModelConfig) -> torch.Tensor:
+    """The target ids of a draft vocabulary from EAGLE-3's d2t (target id = draft id +
+    d2t[draft id]); a clear error where they fall outside the target's vocabulary."""
+    mapped = torch.arange(draft_vocab_size) + d2t.long()
+    if d2t.shape != (draft_vocab_size,) or int(mapped.min()) < 0 or int(mapped.max()) >= target.vocab_size:
+        raise ValueError(f"speculative_config: model={path!r}: d2t maps its {draft_vocab_size} draft tokens to ids in "
+                         f"[{int(mapped.min())}, {int(mapped.max())}]; allowed: the target's vocabulary "
+                         f"[0, {target.vocab_size})")
+    return mapped
 
 
 def target_lm_head_drafter(head: EagleHead, lm_head_weight: torch.Tensor | None,

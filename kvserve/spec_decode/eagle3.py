@@ -21,7 +21,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.linear import linear
-from kvserve.spec_decode.eagle import EagleCache, _rms_norm, draft_layer, read_eagle_checkpoint
+from kvserve.spec_decode.eagle import EagleCache, _rms_norm, draft_layer, draft_vocab_of, read_eagle_checkpoint
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -84,12 +84,8 @@ def load_eagle3_head(path: str, target: ModelConfig, dtype: torch.dtype, device:
     if len(layers) != 3 or not all(0 <= layer < target.num_hidden_layers for layer in layers):
         raise ValueError(f"speculative_config: model={path!r} reads target layers {list(layers)}; allowed: three "
                          f"layers in [0, {target.num_hidden_layers}) (the target has {target.num_hidden_layers})")
-    draft_vocab, d2t = state["lm_head.weight"].shape[0], state["d2t"]
-    mapped = torch.arange(draft_vocab) + d2t
-    if d2t.shape != (draft_vocab,) or int(mapped.min()) < 0 or int(mapped.max()) >= target.vocab_size:
-        raise ValueError(f"speculative_config: model={path!r}: d2t maps its {draft_vocab} draft tokens to ids in "
-                         f"[{int(mapped.min())}, {int(mapped.max())}]; allowed: the target's vocabulary "
-                         f"[0, {target.vocab_size})")
+    draft_vocab = state["lm_head.weight"].shape[0]
+    draft_vocab_of(state["d2t"], draft_vocab, path, target)
     num_heads = config.get("num_attention_heads", target.num_attention_heads)
     head = Eagle3Head(
         hidden_size, num_heads, config.get("num_key_value_heads", num_heads),
