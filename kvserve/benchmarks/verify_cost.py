@@ -23,7 +23,7 @@ from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
 from kvserve.sample.sampler import Sampler, SamplingRow
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.tree import TokenTree, mask_row_bits, tree_attention_mask, tree_depths
+from kvserve.spec_decode.tree import TokenTree, tree_step_inputs
 
 
 @torch.inference_mode()
@@ -36,10 +36,7 @@ def step_time_ms(llm: LLM, num_query_tokens: int, context_len: int, repeats: int
         raise SystemExit("verify_cost on a GPU needs CUDA graphs: the Triton backend, no --enforce-eager")
     table = list(range(-(-(context_len + num_query_tokens) // runner.block_size)))
     tokens = torch.randint(1000, llm.engine.model_config.vocab_size, (num_query_tokens,))
-    trees = None
-    if tree is not None:
-        positions = [context_len, *(context_len + 1 + depth for depth in tree_depths(tree.parents))]
-        trees = [(positions, mask_row_bits(tree_attention_mask(1, tree.parents, torch.device("cpu"))))]
+    trees = None if tree is None else [tree_step_inputs(context_len, tree.parents)]
     graphs.run([tokens.tolist()], [context_len], [table], trees=trees)  # captures this shape's graph
     return statistics.median(graphs.replay_last_ms(repeats) for _ in range(5))
 

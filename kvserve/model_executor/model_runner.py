@@ -45,7 +45,7 @@ from kvserve.ops.cpu import float_matmul_op
 from kvserve.quantization.base import QuantizedLinear
 from kvserve.quantization.batch_invariance import routed_rows, row_runs
 from kvserve.spec_decode.speculator import Speculator
-from kvserve.spec_decode.tree import mask_row_bits, tree_attention_mask, tree_depths
+from kvserve.spec_decode.tree import tree_attention_mask, tree_depths, tree_step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -538,10 +538,7 @@ class ModelRunner:
         newest token then its drafts, which rotate by depth; None for a chain."""
         if parents is None or num_rows == 1:
             return None
-        parents = parents[: num_rows - 1]
-        start = seq.num_computed_tokens
-        positions = [start, *(seq.num_tokens + depth for depth in tree_depths(parents))]
-        return positions, mask_row_bits(tree_attention_mask(1, parents, torch.device("cpu")))
+        return tree_step_inputs(seq.num_computed_tokens, parents[: num_rows - 1])
 
     def _apply(self, sched: SchedulerOutput) -> None:
         """Bring the held sequences up to date; forget the sampling and drafting state of

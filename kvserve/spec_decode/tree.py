@@ -33,6 +33,18 @@ def tree_attention_mask(num_prefix_queries: int, parents: list[int], device: tor
     return mask.to(device)
 
 
+def tree_step_inputs(newest_position: int, parents: list[int]) -> tuple[list[int], list[int]]:
+    """A tree verify row group as the CUDA graphs take it: the newest token at
+    newest_position then its draft nodes, (rotary positions, each row's visibility bits):
+    nodes rotate by depth, and each sees itself, its ancestors and the newest token (the
+    rows of tree_attention_mask(1, parents) as bits, built without the mask)."""
+    positions = [newest_position, *(newest_position + 1 + depth for depth in tree_depths(parents))]
+    bits = [1]
+    for node, parent in enumerate(parents):
+        bits.append(bits[parent + 1] | 1 << (node + 1))
+    return positions, bits
+
+
 def mask_row_bits(mask: torch.Tensor) -> list[int]:
     """Each row of a [q, q] bool mask as int64 bits (bit j: the row sees query token j), the
     Triton attention's form of it; at most 64 columns."""

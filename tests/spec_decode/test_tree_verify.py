@@ -7,7 +7,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.core.sched.output import SchedulerOutput
-from kvserve.spec_decode.tree import tree_attention_mask, tree_depths
+from kvserve.spec_decode.tree import tree_attention_mask, tree_depths, tree_step_inputs
 
 
 def _verify_logits(llm: LLM, seq, drafts: list[int], parents: list[int] | None) -> torch.Tensor:
@@ -38,6 +38,17 @@ def test_tree_mask_and_depths():
         [1, 0, 0, 1, 1, 0],
         [1, 0, 0, 1, 1, 1],
     ]
+
+
+def test_graph_inputs_of_a_tree():
+    """What the CUDA graphs take: positions by depth after the newest token's, and each row's
+    bits the hand-written mask row above (bit j: sees query token j)."""
+    parents = [-1, 0, -1, 2, 3]
+    rows = [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 0, 0, 1, 0, 0], [1, 0, 0, 1, 1, 0],
+            [1, 0, 0, 1, 1, 1]]
+    positions, bits = tree_step_inputs(40, parents)
+    assert positions == [40, 41, 42, 41, 42, 43]
+    assert bits == [sum(seen << j for j, seen in enumerate(row)) for row in rows]
 
 
 def test_tree_matches_chains(smollm2_loaded):
