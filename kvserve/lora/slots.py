@@ -50,6 +50,11 @@ class LoRASlots:
         self.config = lora_config
         # Each token's slot as LoRALinear reads it (-1: base).
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        # Host staging of token_slots, two used in turn (as the CUDA graphs' inputs): a copy
+        # from pageable memory would wait for the step in flight, undoing overlapped scheduling.
+        self._stagings = [torch.full((max_tokens,), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+                          for _ in range(2)]
+        self._num_steps = 0
         slot_groups = (StepSlotGroups(model, self.token_slots, lora_config.max_loras)
                        if device.type == "cuda" else None)
         self.layers = add_lora_layers(model, model_config, lora_config, self.token_slots, slot_groups)
@@ -123,10 +128,13 @@ class LoRASlots:
         batch order."""
         slots = np.repeat(np.array([self.slot_of(lora_id) for lora_id in lora_ids], dtype=np.int32),
                           np.asarray(num_tokens, dtype=np.int64))
-        self.token_slots[: len(slots)].copy_(torch.from_numpy(slots))
+        staging = self._stagings[self._num_steps % 2]
+        self._num_steps += 1
+        staging[: len(slots)] = torch.from_numpy(slots)
         # Rows a longer earlier step set go back to the base model: a CUDA graph's padding
         # rows read them, and would otherwise run (and the grouping count) a stale adapter.
-        if self._num_set > len(slots):
-            self.token_slots[len(slots) : self._num_set].fill_(-1)
+        rows = max(len(slots), self._num_set)
+        staging[len(slots) : rows] = -1
+        self.token_slots[:rows].copy_(staging[:rows], non_blocking=True)
         self._num_set = len(slots)
 

@@ -69,7 +69,11 @@ def errors(device: str, cases: list[tuple]) -> list[str]:
             continue
         if not torch.equal(ids.cpu().long(), expected_ids):
             wrong.append(f"{case}: ids {ids.cpu().tolist()} != {expected_ids.tolist()}")
-        elif not torch.allclose(weights.cpu(), expected_weights, rtol=2e-6, atol=1e-7):
+        # Half-precision logits: where the fp32 sum lies next to a rounding boundary, the
+        # kernel's and the fp64 reference's can round one ulp apart, moving the weights by
+        # about p_i x p_j x that ulp (seen on the H200: 1.3e-6 at hidden 4000).
+        elif not torch.allclose(weights.cpu(), expected_weights, rtol=2e-6,
+                                atol=1e-7 if dtype == torch.float32 else 1e-4):
             error = (weights.cpu() - expected_weights).abs().max().item()
             wrong.append(f"{case}: weights off by {error:.2e}")
         # One rounding of sigmoid's fp32 value to the logits' dtype either way.
@@ -95,7 +99,11 @@ def hidden_errors(device: str, cases: list[tuple], hidden: int) -> list[str]:
         ids, weights, gate = route_hidden(x.to(device), w.to(device), top_k, renormalize, shared_w.to(device))
         if not torch.equal(ids.cpu().long(), expected_ids):
             wrong.append(f"{case}: ids {ids.cpu().tolist()} != {expected_ids.tolist()}")
-        elif not torch.allclose(weights.cpu(), expected_weights, rtol=2e-6, atol=1e-7):
+        # Half-precision logits: where the fp32 sum lies next to a rounding boundary, the
+        # kernel's and the fp64 reference's can round one ulp apart, moving the weights by
+        # about p_i x p_j x that ulp (seen on the H200: 1.3e-6 at hidden 4000).
+        elif not torch.allclose(weights.cpu(), expected_weights, rtol=2e-6,
+                                atol=1e-7 if dtype == torch.float32 else 1e-4):
             error = (weights.cpu() - expected_weights).abs().max().item()
             wrong.append(f"{case}: weights off by {error:.2e}")
         if split_counters(ids.device).any():
