@@ -4,7 +4,9 @@ token by its slot: one batch mixes adapters and the base model.
 Each token carries its slot index (-1: the base model) in `token_slots`, a buffer updated in
 place every step, so the compiled CPU decode graph and CUDA graphs take it as an input and
 never branch on which adapters run. On CUDA, Triton kernels (ops/lora.py) read it on the
-device. On CPU, kvserve's `lora_add_` kernel (ops/cpu/csrc/lora.cpp) groups the step's tokens
+device: per token for a few tokens (decode), grouped by slot on the device for many (prefill:
+each slot's matrices read once a tile of its tokens, on the tensor cores); the grouping is
+made once a forward pass and shared by every layer (SlotGroupsCache). On CPU, kvserve's `lora_add_` kernel (ops/cpu/csrc/lora.cpp) groups the step's tokens
 by slot and runs each token through its own slot's A and B only, each slot's matrices read
 once for all of its tokens; where the kernel cannot be built, torch computes every token
 against every slot and masks the result (slots x the work)."""
@@ -15,15 +17,47 @@ import torch
 from torch import nn
 
 from kvserve.ops import cpu as cpu_kernels
-from kvserve.ops.lora import lora_expand, lora_shrink
+from kvserve.ops.lora import (SGMV_MAX_SLICES, SlotGroups, align_by_slot, lora_expand, lora_shrink, sgmv_expand,
+                              sgmv_shrink, uses_sgmv)
+
+
+class SlotGroupsCache:
+    """The step's tokens grouped by slot, made by the first layer of a forward pass that
+    needs them and reused by the others. Only between `begin()` and `end()` (hooks around the
+    model's forward, LoRASlots.watch): a layer called on its own groups its tokens itself, as
+    token_slots may have changed since. Inside a CUDA graph capture the grouping is captured
+    once, before the first LoRA layer, and replays with the slots of each replay."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.groups: dict[tuple[int, int], SlotGroups] = {}
+
+    def begin(self) -> None:
+        self.groups.clear()
+        self.active = True
+
+    def end(self) -> None:
+        self.groups.clear()
+        self.active = False
+
+    def get(self, token_slots: torch.Tensor, num_tokens: int, num_slots: int) -> SlotGroups:
+        if not self.active:
+            return align_by_slot(token_slots, num_tokens, num_slots)
+        key = (num_tokens, num_slots)
+        groups = self.groups.get(key)
+        if groups is None:
+            groups = self.groups[key] = align_by_slot(token_slots, num_tokens, num_slots)
+        return groups
 
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, in_features: int, slice_sizes: tuple[int, ...], max_loras: int,
-                 max_rank: int, token_slots: torch.Tensor, dtype: torch.dtype) -> None:
+                 max_rank: int, token_slots: torch.Tensor, dtype: torch.dtype,
+                 groups_cache: SlotGroupsCache | None = None) -> None:
         """`token_slots`, int32 [max tokens] shared by every LoRA layer of the model: the slot
         each token of the step runs with, -1 for the base model. `dtype`: the run dtype, the
-        matrices' (QLoRA-style on quantized bases)."""
+        matrices' (QLoRA-style on quantized bases). `groups_cache`: shared by the model's
+        layers, so that a forward pass groups its tokens by slot once."""
         super().__init__()
         self.base = base
         self.in_features = in_features
@@ -44,6 +78,7 @@ class LoRALinear(nn.Module):
             self.register_buffer(f"lora_b_{index}", torch.zeros(*shape, dtype=dtype, device=device),
                                  persistent=False)
         self.b_names = tuple(f"lora_b_{index}" for index in range(len(slice_sizes)))
+        self.groups_cache = groups_cache if groups_cache is not None else SlotGroupsCache()
         self.register_buffer("token_slots", token_slots, persistent=False)
         self.register_buffer("slot_indices", torch.arange(max_loras, dtype=torch.int32, device=device),
                              persistent=False)
@@ -95,6 +130,17 @@ class LoRALinear(nn.Module):
 
     def _forward_kernels(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         slots = self.token_slots
+        num_tokens = x.shape[0]
+        if uses_sgmv(num_tokens):  # shape-static: the same kernels on every replay of a graph
+            groups = self.groups_cache.get(slots, num_tokens, self.max_loras)
+            h = sgmv_shrink(x.contiguous(), self.lora_a, groups)
+            bs = [self.lora_b(index) for index in range(len(self.slice_sizes))]
+            offset = 0
+            for first in range(0, len(bs), SGMV_MAX_SLICES):
+                chunk = bs[first:first + SGMV_MAX_SLICES]
+                sgmv_expand(h, chunk, self.max_rank, groups, y, first * self.max_rank, offset)
+                offset += sum(self.slice_sizes[first:first + SGMV_MAX_SLICES])
+            return y
         h = lora_shrink(x.contiguous(), self.lora_a, slots)
         offset = 0
         for index, size in enumerate(self.slice_sizes):

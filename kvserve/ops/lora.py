@@ -9,9 +9,15 @@ tokens of slot -1 (the base model) are left as they are. h is fp32."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+from kvserve.ops.fused_moe import align_by_expert
 
 SHRINK_BLOCK_N = 16
 SHRINK_BLOCK_K = 128
@@ -72,3 +78,174 @@ def lora_expand(h: torch.Tensor, h_offset: int, lora_b: torch.Tensor, rank: int,
     grid = (num_tokens, triton.cdiv(out_features, EXPAND_BLOCK_OUT))
     _expand_kernel[grid](h, lora_b, slots, y, rank, lora_b.shape[1], out_features, h.stride(0), h_offset,
                          y.stride(0), y_offset, BLOCK_OUT=EXPAND_BLOCK_OUT, BLOCK_R=triton.next_power_of_2(rank))
+
+
+# ---- SGMV: many tokens, grouped by slot ------------------------------------------------------
+# A step of many tokens (prefill chunks) takes grouped GEMMs instead: the tokens are sorted by
+# slot on the device and each slot's run padded to BLOCK_M (align_by_slot), so every BLOCK_M
+# tile of the sorted list belongs to one slot and one program multiplies the tile's rows by
+# that slot's matrices on the tensor cores, each slot's A and B read once a tile rather than
+# once a token. Base tokens sort into a run of their own whose tiles exit at once.
+
+# From this many tokens a step takes the grouped kernels (fewer: the per-token ones above).
+SGMV_MIN_TOKENS = 64
+SGMV_EXPAND_BLOCK_N = 128
+SGMV_SHRINK_BLOCK_K = 64
+# Slices of a fused projection expanded by one launch (q/k/v: 3).
+SGMV_MAX_SLICES = 3
+
+
+def uses_sgmv(num_tokens: int) -> bool:
+    return num_tokens >= SGMV_MIN_TOKENS
+
+
+def sgmv_block_m(num_tokens: int) -> int:
+    """Rows of a tile: small steps keep more programs (fewer tokens a slot)."""
+    return 16 if num_tokens < 512 else 32
+
+
+class SlotGroups(NamedTuple):
+    """A step's tokens grouped by slot (align_by_slot)."""
+
+    sorted_tokens: torch.Tensor  # token indices grouped by slot, each run padded with num_tokens
+    block_slots: torch.Tensor  # each BLOCK_M tile's slot (num_slots: base tokens; past the end: more)
+    num_padded: torch.Tensor  # 1 element: the padded length
+    block_m: int
+
+
+def align_by_slot(slots: torch.Tensor, num_tokens: int, num_slots: int) -> SlotGroups:
+    """The first num_tokens of `slots` (-1: base) grouped by slot on the device (fused MoE's
+    align_by_expert with the slots as experts and the base model as one more): two launches,
+    shapes from num_tokens alone, no host reads, so a CUDA graph replays it for any slots."""
+    block_m = sgmv_block_m(num_tokens)
+    # -1 -> num_slots (remainder takes the divisor's sign).
+    chosen = slots[:num_tokens].remainder(num_slots + 1).view(num_tokens, 1)
+    sorted_tokens, block_slots, num_padded = align_by_expert(chosen, num_slots + 1, block_m)
+    return SlotGroups(sorted_tokens, block_slots, num_padded, block_m)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _sgmv_shrink_kernel(x_ptr, a_ptr, sorted_ptr, block_slots_ptr, num_padded_ptr, h_ptr, num_tokens, num_slots,
+                        in_features, num_rows, stride_x, stride_a_slot, stride_h, PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[tokens of one tile, rows of one BLOCK_N slice] = x[tokens] @ A[slot]^T."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    slot = tl.load(block_slots_ptr + pid_m)
+    if slot >= num_slots:
+        return
+    tokens = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = tokens < num_tokens
+    tokens = tl.where(valid, tokens, 0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_x + ks[None, :]
+    a_ptrs = a_ptr + slot * stride_a_slot + rows[None, :] * in_features + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, in_features, BLOCK_K):
+        k_mask = start + ks < in_features
+        x = tl.load(x_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=(rows[None, :] < num_rows) & k_mask[:, None], other=0.0)
+        acc = tl.dot(x, a, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    tl.store(h_ptr + tokens[:, None] * stride_h + rows[None, :], acc,
+             mask=valid[:, None] & (rows[None, :] < num_rows))
+
+
+@triton.jit
+def _slice_of(pid_n, b0, b1, b2, size0, size1, size2, y_offset1, y_offset2, BLOCK_N: tl.constexpr):
+    """The slice a column tile lies in (tiles numbered slice after slice; absent slices have
+    size 0): its B, its size, its index and y offset, and the tile within it."""
+    tiles0 = tl.cdiv(size0, BLOCK_N)
+    tiles01 = tiles0 + tl.cdiv(size1, BLOCK_N)
+    in1 = (pid_n >= tiles0) & (pid_n < tiles01)
+    in2 = pid_n >= tiles01
+    size = tl.where(in2, size2, tl.where(in1, size1, size0))
+    index = in1.to(tl.int32) + 2 * in2.to(tl.int32)
+    y_offset = tl.where(in2, y_offset2, tl.where(in1, y_offset1, 0))
+    tile = pid_n - tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
+    b_ptr = b0
+    if in1:
+        b_ptr = b1
+    if in2:
+        b_ptr = b2
+    return b_ptr, size, index, y_offset, tile
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _sgmv_expand_kernel(h_ptr, b0, b1, b2, sorted_ptr, block_slots_ptr, num_padded_ptr, y_ptr, num_tokens,
+                        num_slots, rank, size0, size1, size2, y_offset0, y_offset1, y_offset2, h_offset0, stride_h,
+                        stride_y, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[tokens of one tile, one BLOCK_N column tile of one slice] += h[tokens, that slice's
+    rank columns] @ B[slice][:, slot's columns]^T, for up to three slices in one launch."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    slot = tl.load(block_slots_ptr + pid_m)
+    if slot >= num_slots:
+        return
+    b_ptr, size, index, y_offset, tile = _slice_of(tl.program_id(1), b0, b1, b2, size0, size1, size2, y_offset1,
+                                                   y_offset2, BLOCK_N)
+    y_offset += y_offset0
+    tokens = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = tokens < num_tokens
+    tokens = tl.where(valid, tokens, 0)
+    outs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    ranks = tl.arange(0, BLOCK_R)
+    h = tl.load(h_ptr + tokens[:, None] * stride_h + h_offset0 + index * rank + ranks[None, :],
+                mask=valid[:, None] & (ranks[None, :] < rank), other=0.0)
+    b = tl.load(b_ptr + outs[None, :] * (num_slots * rank) + slot * rank + ranks[:, None],
+                mask=(outs[None, :] < size) & (ranks[:, None] < rank), other=0.0).to(tl.float32)
+    delta = tl.dot(h, b, input_precision=PRECISION)
+    mask = valid[:, None] & (outs[None, :] < size)
+    y_ptrs = y_ptr + tokens[:, None] * stride_y + y_offset + outs[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 models get fp32 products (tl.dot would round them to tf32).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, groups: SlotGroups) -> torch.Tensor:
+    """x [T, in], lora_a [slots, rows, in] (contiguous) -> h [T, rows] fp32, over the tokens
+    `groups` sorted; the rows of base tokens are left unwritten."""
+    num_tokens, in_features = x.shape
+    num_slots, num_rows = lora_a.shape[:2]
+    assert x.stride(1) == 1 and lora_a.is_contiguous()
+    h = torch.empty(num_tokens, num_rows, dtype=torch.float32, device=x.device)
+    block_m = groups.block_m
+    block_n = max(16, min(64, triton.next_power_of_2(num_rows))) if num_tokens >= 512 else 16
+    grid = (groups.sorted_tokens.shape[0] // block_m, triton.cdiv(num_rows, block_n))
+    _sgmv_shrink_kernel[grid](x, lora_a, groups.sorted_tokens, groups.block_slots, groups.num_padded, h, num_tokens,
+                              num_slots, in_features, num_rows, x.stride(0), lora_a.stride(0), h.stride(0),
+                              PRECISION=_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
+                              BLOCK_K=SGMV_SHRINK_BLOCK_K, num_warps=4, num_stages=3)
+    return h
+
+
+def sgmv_expand(h: torch.Tensor, lora_bs: Sequence[torch.Tensor], rank: int, groups: SlotGroups, y: torch.Tensor,
+                h_offset: int = 0, y_offset: int = 0) -> None:
+    """y[:, y_offset:] += per slice i (up to three, one launch): each token's
+    h[:, h_offset + i x rank : + rank] @ its slot's B_i^T into the columns after slice i - 1's;
+    lora_bs[i] [out_i, slots x rank] (contiguous); base tokens left as they are."""
+    assert 1 <= len(lora_bs) <= SGMV_MAX_SLICES and all(b.is_contiguous() for b in lora_bs)
+    assert h.stride(1) == 1 and y.stride(1) == 1
+    num_tokens = h.shape[0]
+    num_slots = lora_bs[0].shape[1] // rank
+    sizes = [b.shape[0] for b in lora_bs]
+    y_offsets = [0, *itertools.accumulate(sizes)][:len(sizes)]
+    padded = lambda values, fill: [*values, *[fill] * (SGMV_MAX_SLICES - len(values))]  # noqa: E731
+    b = padded(lora_bs, lora_bs[0])
+    size = padded(sizes, 0)
+    offset = padded(y_offsets, 0)
+    block_m, block_n = groups.block_m, SGMV_EXPAND_BLOCK_N
+    grid = (groups.sorted_tokens.shape[0] // block_m, sum(triton.cdiv(s, block_n) for s in sizes))
+    _sgmv_expand_kernel[grid](h, *b, groups.sorted_tokens, groups.block_slots, groups.num_padded, y, num_tokens,
+                              num_slots, rank, *size, y_offset, offset[1], offset[2], h_offset, h.stride(0),
+                              y.stride(0), PRECISION=_precision(y.dtype), BLOCK_M=block_m,
+                              BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)), num_warps=4)

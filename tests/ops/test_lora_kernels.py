@@ -91,3 +91,189 @@ def test_gpu_lora_layer_equals_cpu_layer() -> None:
         gpu.set_slot(slot, [(i, a.cuda(), b.cuda()) for i, a, b in slices])
     x = torch.randn(len(slots), 96)
     assert torch.allclose(gpu(x.cuda()).cpu(), cpu(x), atol=1e-3, rtol=1e-4)
+
+
+# ---- the grouped (SGMV) kernels and the layer's choice between them and the per-token ones ----
+
+def sgmv_case(device: str, num_tokens: int, in_features: int, slice_sizes: tuple[int, ...], num_slots: int,
+              rank: int, dtype: torch.dtype, seed: int) -> float:
+    """Largest error of y after the grouped shrink and one fused expand of every slice,
+    against a per-token fp32 torch reference (x @ A[slot]^T @ B[slot]^T added to the rows of
+    adapter tokens, base rows exactly unchanged), relative to the delta's size."""
+    from kvserve.ops.lora import align_by_slot, sgmv_expand, sgmv_shrink
+
+    generator = torch.Generator().manual_seed(seed)
+    num_slices = len(slice_sizes)
+    # The inputs as the kernels see them (rounded to dtype), in fp32 for the reference.
+    rounded = lambda t: t.to(dtype).float()  # noqa: E731
+    x = rounded(torch.randn(num_tokens, in_features, generator=generator))
+    lora_a = rounded(torch.randn(num_slots, num_slices * rank, in_features, generator=generator) / in_features**0.5)
+    lora_bs = [rounded(torch.randn(size, num_slots * rank, generator=generator)) for size in slice_sizes]
+    # Slots mixed with base tokens, in no order; stale entries past num_tokens must be ignored.
+    slots = torch.randint(-1, num_slots, (num_tokens + 5,), generator=generator, dtype=torch.int32)
+    slots[num_tokens:] = 0
+    y = rounded(torch.randn(num_tokens, 3 + sum(slice_sizes), generator=generator))
+    y_offset = 3
+
+    expected = y.clone()
+    offsets = [y_offset, *(y_offset + torch.tensor(slice_sizes).cumsum(0)).tolist()]
+    for t in range(num_tokens):
+        s = int(slots[t])
+        if s < 0:
+            continue
+        h = lora_a[s] @ x[t]
+        for i in range(num_slices):
+            b = lora_bs[i].view(-1, num_slots, rank)[:, s]
+            expected[t, offsets[i]:offsets[i + 1]] += b @ h[i * rank:(i + 1) * rank]
+
+    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    y_out = cast(y)
+    device_slots = slots.to(device)
+    groups = align_by_slot(device_slots, num_tokens, num_slots)
+    h = sgmv_shrink(cast(x), cast(lora_a), groups)
+    sgmv_expand(h, [cast(b) for b in lora_bs], rank, groups, y_out, 0, y_offset)
+    result = y_out.float().cpu()
+    base = slots[:num_tokens] < 0
+    assert torch.equal(result[base], y.to(dtype).float()[base]), "base rows changed"
+    assert torch.equal(result[:, :y_offset], y[:, :y_offset]), "columns before the slices changed"
+    scale = (expected - y).abs().max().clamp_min(1.0)
+    return float((result - expected).abs().max() / scale)
+
+
+# (tokens, in, slice sizes, slots, rank): token counts 1, 7, 33, 130, odd feature sizes.
+SGMV_CASES = [(1, 37, (13, 7, 7), 3, 8), (7, 70, (40, 24), 4, 16), (33, 37, (45,), 2, 8),
+              (130, 53, (13, 7, 7), 4, 16)]
+
+
+def layer_case(device: str, num_tokens: int, cached: bool, seed: int) -> float:
+    """A q/k/v LoRA layer's kernel path (grouped for many tokens, per token for few) against
+    an fp32 torch reference; `cached`: the grouping shared as in a model's forward pass."""
+    from kvserve.lora.layers import LoRALinear, SlotGroupsCache
+
+    torch.manual_seed(seed)
+    in_features, sizes, num_slots, rank = 45, (24, 8, 8), 3, 8
+    slots = torch.full((num_tokens + 4,), 2, dtype=torch.int32)
+    slots[:num_tokens] = torch.randint(-1, num_slots, (num_tokens,), dtype=torch.int32)
+    cache = SlotGroupsCache()
+    base = torch.nn.Linear(in_features, sum(sizes), bias=False).to(device)
+    layer = LoRALinear(base, in_features, sizes, num_slots, rank, slots.to(device), torch.float32, cache)
+    if layer.transposed:  # on CPU tensors (the interpreter): B stored as on CUDA, [out, slots x rank]
+        layer.transposed = False
+        for i, size in enumerate(sizes):
+            setattr(layer, f"lora_b_{i}", torch.zeros(size, num_slots * rank))
+    adapters = []
+    for slot in range(num_slots):
+        slices = [(i, torch.randn(rank - slot, in_features), torch.randn(size, rank - slot))
+                  for i, size in enumerate(sizes) if i != slot]  # each adapter skips one slice
+        layer.set_slot(slot, [(i, a.to(device), b.to(device)) for i, a, b in slices])
+        adapters.append(slices)
+    x = torch.randn(num_tokens, in_features)
+    expected = x @ base.weight.detach().cpu().t()
+    offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    for t in range(num_tokens):
+        s = int(slots[t])
+        for i, a, b in adapters[s] if s >= 0 else []:
+            expected[t, offsets[i]:offsets[i + 1]] += b @ (a @ x[t])
+    with torch.no_grad():
+        if cached:
+            cache.begin()
+        y = layer._forward_kernels(x.to(device), base(x.to(device)))
+        if cached:  # a second layer's call reuses the grouping
+            assert len(cache.groups) == (1 if num_tokens >= 64 else 0)
+            y = layer._forward_kernels(x.to(device), base(x.to(device)))
+            cache.end()
+    return float((y.cpu() - expected).abs().max() / (expected.abs().max()))
+
+
+def run_sgmv_cases() -> None:
+    """Under the interpreter (one subprocess for both tests' cases): the grouped kernels in
+    fp32 and bf16, and the layer with few and many tokens; errors as JSON."""
+    kernels = {str(dtype): [sgmv_case("cpu", *shape, dtype, seed) for seed, shape in enumerate(SGMV_CASES)]
+               for dtype in (torch.float32, torch.bfloat16)}
+    layers = [layer_case("cpu", num_tokens, cached, seed)
+              for seed, (num_tokens, cached) in enumerate([(7, False), (70, True)])]
+    print(json.dumps({"kernels": kernels, "layers": layers}))
+
+
+def test_interpreted_sgmv_kernels_and_layer_equal_torch() -> None:
+    errors = json.loads(run_interpreted("tests.ops.test_lora_kernels", "run_sgmv_cases"))
+    assert max(errors["kernels"]["torch.float32"]) < 1e-5, errors
+    assert max(errors["kernels"]["torch.bfloat16"]) < 2e-2, errors
+    assert max(errors["layers"]) < 1e-5, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_gpu_sgmv_kernels_equal_torch(dtype, tolerance) -> None:
+    shapes = [*SGMV_CASES, (300, 4096, (4096, 1024, 1024), 8, 16), (2100, 14336, (4096,), 8, 16),
+              (700, 4096, (14336, 14336), 8, 16)]
+    for seed, shape in enumerate(shapes):
+        assert sgmv_case("cuda", *shape, dtype, seed) < tolerance, shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("num_tokens", [8, 256])
+def test_gpu_lora_layer_graph_replays_changed_slots(num_tokens) -> None:
+    """Two q/k/v layers sharing one grouping, captured in a CUDA graph (per-token kernels for
+    8 tokens, grouped for 256), replayed after the slots and inputs changed in place, against
+    an fp32 torch reference."""
+    from kvserve.lora.layers import LoRALinear, SlotGroupsCache
+
+    torch.manual_seed(0)
+    in_features, sizes, num_slots, rank = 256, (256, 64, 64), 4, 16
+    slots = torch.full((512,), -1, dtype=torch.int32, device="cuda")
+    cache = SlotGroupsCache()
+    layers, adapters = [], []
+    for _ in range(2):
+        base = torch.nn.Linear(in_features, sum(sizes), bias=False).cuda()
+        layer = LoRALinear(base, in_features, sizes, num_slots, rank, slots, torch.float32, cache)
+        per_slot = []
+        for slot in range(num_slots):
+            slices = [(i, torch.randn(rank, in_features, device="cuda") / 16, torch.randn(size, rank, device="cuda"))
+                      for i, size in enumerate(sizes)]
+            layer.set_slot(slot, slices)
+            per_slot.append(slices)
+        layers.append(layer)
+        adapters.append(per_slot)
+
+    def forward(x: torch.Tensor) -> list[torch.Tensor]:
+        cache.begin()
+        out = [layer(x) for layer in layers]
+        cache.end()
+        return out
+
+    def reference(x: torch.Tensor, token_slots: torch.Tensor) -> list[torch.Tensor]:
+        offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+        out = []
+        for layer, per_slot in zip(layers, adapters):
+            y = x @ layer.base.weight.t()
+            for t in range(num_tokens):
+                s = int(token_slots[t])
+                for i, a, b in per_slot[s] if s >= 0 else []:
+                    y[t, offsets[i]:offsets[i + 1]] += b @ (a @ x[t])
+            out.append(y)
+        return out
+
+    static_x = torch.randn(num_tokens, in_features, device="cuda")
+    with torch.no_grad():
+        slots[:num_tokens] = torch.randint(-1, num_slots, (num_tokens,), device="cuda", dtype=torch.int32)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward(static_x)  # compiles the kernels outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = forward(static_x)
+        for replay in range(3):
+            new_slots = torch.randint(-1, num_slots, (num_tokens,), device="cuda", dtype=torch.int32)
+            if replay == 2:
+                new_slots[:] = -1  # the base model alone: the outputs are the base linears'
+            slots[:num_tokens].copy_(new_slots)
+            static_x.copy_(torch.randn(num_tokens, in_features, device="cuda"))
+            graph.replay()
+            torch.cuda.synchronize()
+            for got, want in zip(static_out, reference(static_x, new_slots.cpu())):
+                assert torch.allclose(got, want, atol=1e-3, rtol=1e-4), (replay, (got - want).abs().max())
