@@ -5,13 +5,19 @@ bandwidth measured on the same device in the same run, and the decode steps' med
 slowest wall times (a mean TPOT above the median step is a few slow steps; at the median,
 every step slower). With CUDA graphs, also their device time: the graph the run replayed
 most (the whole batch's) replayed back to back (GPU ms) and the median of the graphs as the
-run replayed them (graph p50)."""
+run replayed them (graph p50).
+
+With `--num-loras N --lora-rank R`, the same batches twice in one process: on the base model,
+then on the model serving N random adapters (rank R, all seven projections), the requests of
+a batch spread evenly over them, with the LoRA/base ratio of TPOT (e.g. batch 1 with one
+adapter against the base model in ms per token)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -24,6 +30,7 @@ from kvserve.benchmarks.roofline import (
 from kvserve.benchmarks.throughput import make_requests
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
+from kvserve.lora.request import LoRARequest
 from kvserve.model_executor.model_bytes import decode_step_weight_bytes
 from kvserve.sampling_params import SamplingParams
 
@@ -61,7 +68,9 @@ class LatencyResult:
 
 
 def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
-                bandwidth: float, seed: int = 0) -> LatencyResult:
+                bandwidth: float, seed: int = 0, adapters: list[LoRARequest] | None = None) -> LatencyResult:
+    """`adapters`: LoRA adapters the batch's requests are spread over evenly (request i on
+    adapter i mod N); none: the base model."""
     engine = llm.engine
     requests = make_requests(batch_size, (input_len, input_len), (output_len, output_len),
                              engine.model_config.vocab_size, seed)
@@ -74,7 +83,9 @@ def run_latency(llm: LLM, batch_size: int, input_len: int, output_len: int,
         replays_before = graphs.replays.copy()
     try:
         outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params,
-                               on_step=lambda: step_ends.append(time.time()))
+                               on_step=lambda: step_ends.append(time.time()),
+                               lora_request=[adapters[i % len(adapters)] for i in range(batch_size)]
+                               if adapters else None)
         served = graphs.served_replay_ms() if graphs is not None else []
         gpu_step_ms = _most_replayed_ms(graphs, replays_before) if graphs is not None else None
     finally:
@@ -127,6 +138,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-json", default=None, help="Write the results to this file.")
     group.add_argument("--profile-host", action="store_true",
                        help="Also print where the host spends a batch-1 run's time (cProfile).")
+    group.add_argument("--num-loras", type=int, default=0,
+                       help="Also run the batches on the model serving this many random LoRA adapters (PEFT "
+                       "format, the model's real shapes, all seven projections), each batch's requests spread "
+                       "evenly over them, after the base model's runs in the same process (the LoRA engine "
+                       "with at least this many --max-loras slots), and print the LoRA/base TPOT ratio. "
+                       "0: the base model only.")
+    group.add_argument("--lora-rank", type=int, default=16, help="Rank of the random adapters of --num-loras.")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -135,12 +153,52 @@ def run_from_args(args: argparse.Namespace) -> int:
     # Before the engine: on a GPU its KV cache takes the memory a large copy needs.
     bandwidth = copy_bandwidth(engine_args.resolved_device())
     llm = LLM(**vars(engine_args))
-    run_latency(llm, 1, min(16, args.input_len), 4, bandwidth)  # warm-up
-    results = [run_latency(llm, b, args.input_len, args.output_len, bandwidth, args.workload_seed)
-               for b in batch_sizes]
+    results = _run_batches(llm, args, batch_sizes, bandwidth)
     if args.profile_host:
         _profile_host(llm, args.input_len, args.output_len)
     print(f"\nmeasured copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
+    if args.num_loras:
+        print("\nbase model:")
+    _print_table(results)
+    stats = llm.engine.spec_decode_stats
+    if stats is not None:
+        print(f"speculative decoding: {stats.num_drafts} verify runs, acceptance "
+              f"{stats.acceptance_rate:.1%}, mean accepted length {stats.mean_accepted_length:.2f} "
+              "(random prompts: acceptance depends on the weights)")
+    report = {"copy_bandwidth_bytes_per_s": bandwidth, "results": [asdict(r) for r in results]}
+    if args.num_loras:
+        from kvserve.benchmarks.lora_throughput import free_engine_memory, lora_engine_args, random_adapters
+
+        config = llm.engine.model_config
+        del llm  # freed first: the LoRA engine sizes its KV cache from the memory left
+        free_engine_memory()
+        with tempfile.TemporaryDirectory() as directory:
+            adapters = random_adapters(directory, config, args.num_loras, args.lora_rank)
+            llm = LLM(**vars(lora_engine_args(engine_args, args.num_loras, args.lora_rank)))
+            lora_results = _run_batches(llm, args, batch_sizes, bandwidth, adapters)
+        print(f"\n{args.num_loras} random LoRA adapter(s) of rank {args.lora_rank}, each batch's requests "
+              "spread evenly over them:")
+        _print_table(lora_results)
+        ratios = [r.tpot_ms_median / b.tpot_ms_median for r, b in zip(lora_results, results)]
+        print("LoRA / base TPOT: " + ", ".join(f"batch {r.batch_size} {ratio:.2f}x"
+                                               for r, ratio in zip(results, ratios)))
+        report.update(num_loras=args.num_loras, lora_rank=args.lora_rank,
+                      lora_results=[asdict(r) for r in lora_results], lora_vs_base_tpot=ratios)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def _run_batches(llm: LLM, args: argparse.Namespace, batch_sizes: list[int], bandwidth: float,
+                 adapters: list[LoRARequest] | None = None) -> list[LatencyResult]:
+    # Warm-up; one request an adapter, so that each is in its slot before the measured runs.
+    run_latency(llm, len(adapters) if adapters else 1, min(16, args.input_len), 4, bandwidth, adapters=adapters)
+    return [run_latency(llm, b, args.input_len, args.output_len, bandwidth, args.workload_seed, adapters)
+            for b in batch_sizes]
+
+
+def _print_table(results: list[LatencyResult]) -> None:
     print(f"{'batch':>5s} {'TTFT ms':>9s} {'TPOT ms':>9s} {'out tok/s':>10s} {'floor ms':>9s} "
           f"{'of floor':>9s} {'GPU ms':>7s} {'graph p50':>9s} {'step p50':>8s} {'step max':>8s}")
     for r in results:
@@ -150,16 +208,6 @@ def run_from_args(args: argparse.Namespace) -> int:
                  else f"{'-':>8s} {'-':>8s}")
         print(f"{r.batch_size:5d} {r.ttft_ms_median:9.1f} {r.tpot_ms_median:9.2f} "
               f"{r.output_tok_s:10.1f} {r.floor_ms:9.2f} {r.fraction_of_floor:9.0%} {gpu} {steps}")
-    stats = llm.engine.spec_decode_stats
-    if stats is not None:
-        print(f"speculative decoding: {stats.num_drafts} verify runs, acceptance "
-              f"{stats.acceptance_rate:.1%}, mean accepted length {stats.mean_accepted_length:.2f} "
-              "(random prompts: acceptance depends on the weights)")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"copy_bandwidth_bytes_per_s": bandwidth,
-                       "results": [asdict(r) for r in results]}, f, indent=2)
-    return 0
 
 
 def _profile_host(llm: LLM, input_len: int, output_len: int) -> None:

@@ -139,6 +139,44 @@ def test_bench_latency_cli_writes_the_step_columns(tmp_path, capsys):
         assert 0 < r["step_ms_median"] <= r["step_ms_max"]
 
 
+def test_bench_latency_cli_with_loras_runs_base_then_adapters(tmp_path, capsys, monkeypatch):
+    """`--num-loras 2 --lora-rank 4`: every batch on the base model (no adapters), then on a
+    LoRA engine with each batch's requests spread over the two random adapters, the tables of
+    both and the TPOT ratios printed and written."""
+    import json
+
+    from kvserve.entrypoints.cli import main
+    from kvserve.llm import LLM as LLMClass
+    from tests.lora.tiny_model import save_tiny_llama
+
+    save_tiny_llama(str(tmp_path / "model"))
+    requested = []  # (LoRA enabled, the adapter ids of each request) of every generate call
+    generate = LLMClass.generate
+
+    def recording_generate(self, prompts, params=None, *args, lora_request=None, **kwargs):
+        ids = [None if lora is None else lora.lora_int_id
+               for lora in (lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts))]
+        requested.append((self.engine.core.runner.lora is not None, ids))
+        return generate(self, prompts, params, *args, lora_request=lora_request, **kwargs)
+
+    monkeypatch.setattr(LLMClass, "generate", recording_generate)
+    out = tmp_path / "w2.json"
+    assert main(["bench", "latency", "--model", str(tmp_path / "model"), "--dtype", "float32",
+                 "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--input-len", "8", "--output-len", "3",
+                 "--batch-sizes", "1,2", "--num-loras", "2", "--lora-rank", "4", "--output-json", str(out)]) == 0
+    # Warm-up (on the LoRA engine one request an adapter), batch 1, batch 2 on each engine.
+    assert requested == [(False, [None]), (False, [None]), (False, [None, None]),
+                         (True, [1, 2]), (True, [1]), (True, [1, 2])]
+    printed = capsys.readouterr().out
+    assert "base model:" in printed and "2 random LoRA adapter(s) of rank 4" in printed
+    report = json.loads(out.read_text())
+    assert report["num_loras"] == 2 and report["lora_rank"] == 4
+    assert [r["batch_size"] for r in report["lora_results"]] == [1, 2]
+    assert report["lora_vs_base_tpot"] == pytest.approx(
+        [lora["tpot_ms_median"] / base["tpot_ms_median"] for lora, base in zip(report["lora_results"],
+                                                                                report["results"])])
+
+
 @pytest.mark.parametrize("shape", ["mixtral-8x7b", "qwen3-30b-a3b"])
 def test_mixture_floors_count_the_experts_a_step_reads(shape):
     """A batch-1 step reads top_k of each layer's experts (Mixtral-8x7B: ~25.5 GB of its
