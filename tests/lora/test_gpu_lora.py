@@ -1,5 +1,7 @@
 """On a GPU: a mixed batch of three adapters and the base model, decode steps replaying CUDA
-graphs and prefills running the Triton LoRA kernels eagerly, against PEFT on the CPU."""
+graphs and prefills running the Triton LoRA kernels eagerly, against PEFT on the CPU. With 72
+sequences the decode graphs run the grouped (SGMV) kernels, the tokens grouped by slot inside
+the graph; with 8, the per-token ones."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from tests.lora.tiny_model import random_prompt, save_tiny_llama
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def test_mixed_adapters_with_cuda_graphs_match_peft(tmp_path) -> None:
+@pytest.mark.parametrize("num_prompts", [8, 72])
+def test_mixed_adapters_with_cuda_graphs_match_peft(tmp_path, num_prompts) -> None:
     from kvserve.lora import LoRARequest
 
     base = save_tiny_llama(str(tmp_path / "model"))
@@ -22,12 +25,12 @@ def test_mixed_adapters_with_cuda_graphs_match_peft(tmp_path) -> None:
     for index, rank in enumerate([4, 8, 16], start=1):
         peft_models.append(make_adapter(base, str(tmp_path / f"a{index}"), rank, seed=index))
         adapters.append(LoRARequest(f"a{index}", index, str(tmp_path / f"a{index}")))
-    prompts = [random_prompt(7 + 2 * i, seed=i) for i in range(8)]
-    loras = [None if i % 4 == 3 else adapters[i % 3] for i in range(8)]
+    prompts = [random_prompt(7 + 2 * (i % 8), seed=i) for i in range(num_prompts)]
+    loras = [None if i % 4 == 3 else adapters[i % 3] for i in range(num_prompts)]
     references = [greedy_with_logprobs(base if lora is None else peft_models[lora.lora_int_id - 1], prompt, 10)[0]
                   for prompt, lora in zip(prompts, loras)]
     llm = LLM(loaded=load_model(str(tmp_path / "model"), dtype=torch.float32, device="cuda"), device="cuda",
-              dtype="float32", enable_lora=True, block_size=16, max_num_seqs=8, gpu_memory_utilization=0.3)
+              dtype="float32", enable_lora=True, block_size=16, max_num_seqs=num_prompts, gpu_memory_utilization=0.3)
     assert llm.engine.core.runner.cuda_graphs is not None
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), lora_request=loras)
