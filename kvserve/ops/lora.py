@@ -9,6 +9,7 @@ tokens of slot -1 (the base model) are left as they are. h is fp32."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -91,6 +92,10 @@ def lora_expand(h: torch.Tensor, h_offset: int, lora_b: torch.Tensor, rank: int,
 SGMV_MIN_TOKENS = 64
 SGMV_EXPAND_BLOCK_N = 128
 SGMV_SHRINK_BLOCK_K = 64
+# Split k over more programs when a step has few tiles (at most this many splits, each at
+# least this many BLOCK_K blocks long).
+SGMV_MAX_SPLITS = 16
+SGMV_MIN_K_BLOCKS_A_SPLIT = 4
 # Slices of a fused projection expanded by one launch (q/k/v: 3).
 SGMV_MAX_SLICES = 3
 
@@ -126,9 +131,11 @@ def align_by_slot(slots: torch.Tensor, num_tokens: int, num_slots: int) -> SlotG
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _sgmv_shrink_kernel(x_ptr, a_ptr, sorted_ptr, block_slots_ptr, num_padded_ptr, h_ptr, num_tokens, num_slots,
-                        in_features, num_rows, stride_x, stride_a_slot, stride_h, PRECISION: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """h[tokens of one tile, rows of one BLOCK_N slice] = x[tokens] @ A[slot]^T."""
+                        in_features, num_rows, k_per_split, stride_x, stride_a_slot, stride_h, stride_split,
+                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """h[split][tokens of one tile, rows of one BLOCK_N slice] = x[tokens, the split's k] @
+    A[slot][rows, the split's k]^T (split: the third grid axis; the expand sums them)."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -139,18 +146,22 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, sorted_ptr, block_slots_ptr, num_padded_pt
     valid = tokens < num_tokens
     tokens = tl.where(valid, tokens, 0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    split = tl.program_id(2)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, in_features)
+    ks = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tokens[:, None] * stride_x + ks[None, :]
     a_ptrs = a_ptr + slot * stride_a_slot + rows[None, :] * in_features + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, in_features, BLOCK_K):
-        k_mask = start + ks < in_features
+    for start in range(k_start, k_end, BLOCK_K):
+        k_mask = ks < k_end
         x = tl.load(x_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         a = tl.load(a_ptrs, mask=(rows[None, :] < num_rows) & k_mask[:, None], other=0.0)
         acc = tl.dot(x, a, acc, input_precision=PRECISION)
+        ks += BLOCK_K
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
-    tl.store(h_ptr + tokens[:, None] * stride_h + rows[None, :], acc,
+    tl.store(h_ptr + split * stride_split + tokens[:, None] * stride_h + rows[None, :], acc,
              mask=valid[:, None] & (rows[None, :] < num_rows))
 
 
@@ -177,10 +188,11 @@ def _slice_of(pid_n, b0, b1, b2, size0, size1, size2, y_offset1, y_offset2, BLOC
 @triton.jit(do_not_specialize=["num_tokens"])
 def _sgmv_expand_kernel(h_ptr, b0, b1, b2, sorted_ptr, block_slots_ptr, num_padded_ptr, y_ptr, num_tokens,
                         num_slots, rank, size0, size1, size2, y_offset0, y_offset1, y_offset2, h_offset0, stride_h,
-                        stride_y, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        stride_split, num_splits, stride_y, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """y[tokens of one tile, one BLOCK_N column tile of one slice] += h[tokens, that slice's
-    rank columns] @ B[slice][:, slot's columns]^T, for up to three slices in one launch."""
+    rank columns] @ B[slice][:, slot's columns]^T, for up to three slices in one launch; h
+    the sum of the shrink's splits."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -195,8 +207,11 @@ def _sgmv_expand_kernel(h_ptr, b0, b1, b2, sorted_ptr, block_slots_ptr, num_padd
     tokens = tl.where(valid, tokens, 0)
     outs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
-    h = tl.load(h_ptr + tokens[:, None] * stride_h + h_offset0 + index * rank + ranks[None, :],
-                mask=valid[:, None] & (ranks[None, :] < rank), other=0.0)
+    h_ptrs = h_ptr + tokens[:, None] * stride_h + h_offset0 + index * rank + ranks[None, :]
+    h_mask = valid[:, None] & (ranks[None, :] < rank)
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for split in range(num_splits):  # the shrink's partial sums over k, in a fixed order
+        h += tl.load(h_ptrs + split * stride_split, mask=h_mask, other=0.0)
     b = tl.load(b_ptr + outs[None, :] * (num_slots * rank) + slot * rank + ranks[:, None],
                 mask=(outs[None, :] < size) & (ranks[:, None] < rank), other=0.0).to(tl.float32)
     delta = tl.dot(h, b, input_precision=PRECISION)
@@ -211,20 +226,38 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, groups: SlotGroups) -> torch.Tensor:
-    """x [T, in], lora_a [slots, rows, in] (contiguous) -> h [T, rows] fp32, over the tokens
-    `groups` sorted; the rows of base tokens are left unwritten."""
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: as on an H100/H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, groups: SlotGroups, num_splits: int | None = None
+                ) -> torch.Tensor:
+    """x [T, in], lora_a [slots, rows, in] (contiguous) -> h [splits, T, rows] fp32 partial
+    sums over k (sgmv_expand adds them up), over the tokens `groups` sorted; the rows of base
+    tokens are left unwritten. `num_splits` of k: by default enough for about two programs
+    an SM (a step of few tokens or a long k, as down_proj's, would run few long programs)."""
     num_tokens, in_features = x.shape
     num_slots, num_rows = lora_a.shape[:2]
     assert x.stride(1) == 1 and lora_a.is_contiguous()
-    h = torch.empty(num_tokens, num_rows, dtype=torch.float32, device=x.device)
-    block_m = groups.block_m
+    block_m, block_k = groups.block_m, SGMV_SHRINK_BLOCK_K
     block_n = max(16, min(64, triton.next_power_of_2(num_rows))) if num_tokens >= 512 else 16
-    grid = (groups.sorted_tokens.shape[0] // block_m, triton.cdiv(num_rows, block_n))
+    num_tiles = groups.sorted_tokens.shape[0] // block_m
+    n_tiles = triton.cdiv(num_rows, block_n)
+    k_blocks = triton.cdiv(in_features, block_k)
+    if num_splits is None:  # shape-static: the same on every replay of a graph
+        wanted = triton.cdiv(2 * _num_sms(x.device), num_tiles * n_tiles)
+        num_splits = max(1, min(wanted, k_blocks // SGMV_MIN_K_BLOCKS_A_SPLIT, SGMV_MAX_SPLITS))
+    k_per_split = triton.cdiv(k_blocks, num_splits) * block_k
+    num_splits = triton.cdiv(in_features, k_per_split)  # none empty
+    h = torch.empty(num_splits, num_tokens, num_rows, dtype=torch.float32, device=x.device)
+    grid = (num_tiles, n_tiles, num_splits)
     _sgmv_shrink_kernel[grid](x, lora_a, groups.sorted_tokens, groups.block_slots, groups.num_padded, h, num_tokens,
-                              num_slots, in_features, num_rows, x.stride(0), lora_a.stride(0), h.stride(0),
-                              PRECISION=_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-                              BLOCK_K=SGMV_SHRINK_BLOCK_K, num_warps=4, num_stages=3)
+                              num_slots, in_features, num_rows, k_per_split, x.stride(0), lora_a.stride(0),
+                              h.stride(1), h.stride(0), PRECISION=_precision(x.dtype), BLOCK_M=block_m,
+                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
     return h
 
 
@@ -232,10 +265,11 @@ def sgmv_expand(h: torch.Tensor, lora_bs: Sequence[torch.Tensor], rank: int, gro
                 h_offset: int = 0, y_offset: int = 0) -> None:
     """y[:, y_offset:] += per slice i (up to three, one launch): each token's
     h[:, h_offset + i x rank : + rank] @ its slot's B_i^T into the columns after slice i - 1's;
-    lora_bs[i] [out_i, slots x rank] (contiguous); base tokens left as they are."""
+    h [splits, T, rows] (sgmv_shrink's partial sums); lora_bs[i] [out_i, slots x rank]
+    (contiguous); base tokens left as they are."""
     assert 1 <= len(lora_bs) <= SGMV_MAX_SLICES and all(b.is_contiguous() for b in lora_bs)
-    assert h.stride(1) == 1 and y.stride(1) == 1
-    num_tokens = h.shape[0]
+    assert h.stride(2) == 1 and y.stride(1) == 1
+    num_splits, num_tokens = h.shape[:2]
     num_slots = lora_bs[0].shape[1] // rank
     sizes = [b.shape[0] for b in lora_bs]
     y_offsets = [0, *itertools.accumulate(sizes)][:len(sizes)]
@@ -246,6 +280,6 @@ def sgmv_expand(h: torch.Tensor, lora_bs: Sequence[torch.Tensor], rank: int, gro
     block_m, block_n = groups.block_m, SGMV_EXPAND_BLOCK_N
     grid = (groups.sorted_tokens.shape[0] // block_m, sum(triton.cdiv(s, block_n) for s in sizes))
     _sgmv_expand_kernel[grid](h, *b, groups.sorted_tokens, groups.block_slots, groups.num_padded, y, num_tokens,
-                              num_slots, rank, *size, y_offset, offset[1], offset[2], h_offset, h.stride(0),
-                              y.stride(0), PRECISION=_precision(y.dtype), BLOCK_M=block_m,
+                              num_slots, rank, *size, y_offset, offset[1], offset[2], h_offset, h.stride(1),
+                              h.stride(0), num_splits, y.stride(0), PRECISION=_precision(y.dtype), BLOCK_M=block_m,
                               BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)), num_warps=4)

@@ -96,10 +96,11 @@ def test_gpu_lora_layer_equals_cpu_layer() -> None:
 # ---- the grouped (SGMV) kernels and the layer's choice between them and the per-token ones ----
 
 def sgmv_case(device: str, num_tokens: int, in_features: int, slice_sizes: tuple[int, ...], num_slots: int,
-              rank: int, dtype: torch.dtype, seed: int) -> float:
-    """Largest error of y after the grouped shrink and one fused expand of every slice,
-    against a per-token fp32 torch reference (x @ A[slot]^T @ B[slot]^T added to the rows of
-    adapter tokens, base rows exactly unchanged), relative to the delta's size."""
+              rank: int, dtype: torch.dtype, seed: int, num_splits: int | None = None) -> float:
+    """Largest error of y after the grouped shrink (k split `num_splits` ways, if given) and
+    one fused expand of every slice, against a per-token fp32 torch reference
+    (x @ A[slot]^T @ B[slot]^T added to the rows of adapter tokens, base rows exactly
+    unchanged), relative to the delta's size."""
     from kvserve.ops.lora import align_by_slot, sgmv_expand, sgmv_shrink
 
     generator = torch.Generator().manual_seed(seed)
@@ -130,7 +131,9 @@ def sgmv_case(device: str, num_tokens: int, in_features: int, slice_sizes: tuple
     y_out = cast(y)
     device_slots = slots.to(device)
     groups = align_by_slot(device_slots, num_tokens, num_slots)
-    h = sgmv_shrink(cast(x), cast(lora_a), groups)
+    h = sgmv_shrink(cast(x), cast(lora_a), groups, num_splits)
+    if num_splits is not None:
+        assert h.shape[0] == num_splits
     sgmv_expand(h, [cast(b) for b in lora_bs], rank, groups, y_out, 0, y_offset)
     result = y_out.float().cpu()
     base = slots[:num_tokens] < 0
@@ -140,9 +143,10 @@ def sgmv_case(device: str, num_tokens: int, in_features: int, slice_sizes: tuple
     return float((result - expected).abs().max() / scale)
 
 
-# (tokens, in, slice sizes, slots, rank): token counts 1, 7, 33, 130, odd feature sizes.
+# (tokens, in, slice sizes, slots, rank[, k splits]): token counts 1, 7, 33, 130, odd feature
+# sizes; k split in three (64-wide blocks: 128, 128 and 44 of 300).
 SGMV_CASES = [(1, 37, (13, 7, 7), 3, 8), (7, 70, (40, 24), 4, 16), (33, 37, (45,), 2, 8),
-              (130, 53, (13, 7, 7), 4, 16)]
+              (130, 53, (13, 7, 7), 4, 16), (33, 300, (21, 11), 3, 16, 3)]
 
 
 def layer_case(device: str, num_tokens: int, cached: bool, seed: int) -> float:
@@ -188,7 +192,8 @@ def layer_case(device: str, num_tokens: int, cached: bool, seed: int) -> float:
 def run_sgmv_cases() -> None:
     """Under the interpreter (one subprocess for both tests' cases): the grouped kernels in
     fp32 and bf16, and the layer with few and many tokens; errors as JSON."""
-    kernels = {str(dtype): [sgmv_case("cpu", *shape, dtype, seed) for seed, shape in enumerate(SGMV_CASES)]
+    kernels = {str(dtype): [sgmv_case("cpu", *shape[:5], dtype, seed, *shape[5:])
+                            for seed, shape in enumerate(SGMV_CASES)]
                for dtype in (torch.float32, torch.bfloat16)}
     layers = [layer_case("cpu", num_tokens, cached, seed)
               for seed, (num_tokens, cached) in enumerate([(7, False), (70, True)])]
@@ -207,9 +212,9 @@ def test_interpreted_sgmv_kernels_and_layer_equal_torch() -> None:
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_gpu_sgmv_kernels_equal_torch(dtype, tolerance) -> None:
     shapes = [*SGMV_CASES, (300, 4096, (4096, 1024, 1024), 8, 16), (2100, 14336, (4096,), 8, 16),
-              (700, 4096, (14336, 14336), 8, 16)]
+              (700, 4096, (14336, 14336), 8, 16), (64, 14336, (4096,), 8, 16)]
     for seed, shape in enumerate(shapes):
-        assert sgmv_case("cuda", *shape, dtype, seed) < tolerance, shape
+        assert sgmv_case("cuda", *shape[:5], dtype, seed, *shape[5:]) < tolerance, shape
 
 
 @pytest.mark.gpu
