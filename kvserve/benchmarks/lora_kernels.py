@@ -1,7 +1,7 @@
 """Device time of the LoRA kernels on llama3-8b's four LoRA linears (q/k/v, o, gate/up, down)
 per step size: the per-token (BGMV-style) kernels against the grouped (SGMV-style) ones with
-their grouping of the tokens by slot, each replayed in a CUDA graph, to place
-ops/lora.py's SGMV_MIN_TOKENS. GPU only:
+their grouping of the tokens by slot, each replayed in a CUDA graph, to place the step size
+from which LoRA layers take the grouped ones (KVSERVE_LORA_SGMV_MIN_TOKENS). GPU only:
 
     python -m kvserve.benchmarks.lora_kernels [--num-slots 8] [--rank 16] [--tokens 1,16,...]
 """

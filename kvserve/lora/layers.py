@@ -5,7 +5,8 @@ Each token carries its slot index (-1: the base model) in `token_slots`, a buffe
 place every step, so the compiled CPU decode graph and CUDA graphs take it as an input and
 never branch on which adapters run. On CUDA, Triton kernels (ops/lora.py) read it on the
 device: per token for a few tokens (decode), grouped by slot on the device for many (prefill:
-each slot's matrices read once a tile of its tokens, on the tensor cores); the grouping is
+each slot's matrices read once a tile of its tokens, on the tensor cores; from
+KVSERVE_LORA_SGMV_MIN_TOKENS tokens, default 64); the grouping is
 made once a forward pass and shared by every layer (SlotGroupsCache). On CPU, kvserve's `lora_add_` kernel (ops/cpu/csrc/lora.cpp) groups the step's tokens
 by slot and runs each token through its own slot's A and B only, each slot's matrices read
 once for all of its tokens; where the kernel cannot be built, torch computes every token
@@ -16,9 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve import envs
 from kvserve.ops import cpu as cpu_kernels
 from kvserve.ops.lora import (SGMV_MAX_SLICES, SlotGroups, align_by_slot, lora_expand, lora_shrink, sgmv_expand,
-                              sgmv_shrink, uses_sgmv)
+                              sgmv_shrink)
 
 
 class SlotGroupsCache:
@@ -79,6 +81,8 @@ class LoRALinear(nn.Module):
                                  persistent=False)
         self.b_names = tuple(f"lora_b_{index}" for index in range(len(slice_sizes)))
         self.groups_cache = groups_cache if groups_cache is not None else SlotGroupsCache()
+        # On CUDA, steps of this many tokens or more take the grouped kernels.
+        self.sgmv_min_tokens = envs.KVSERVE_LORA_SGMV_MIN_TOKENS
         self.register_buffer("token_slots", token_slots, persistent=False)
         self.register_buffer("slot_indices", torch.arange(max_loras, dtype=torch.int32, device=device),
                              persistent=False)
@@ -131,7 +135,7 @@ class LoRALinear(nn.Module):
     def _forward_kernels(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         slots = self.token_slots
         num_tokens = x.shape[0]
-        if uses_sgmv(num_tokens):  # shape-static: the same kernels on every replay of a graph
+        if num_tokens >= self.sgmv_min_tokens:  # shape-static: the same kernels on every replay of a graph
             groups = self.groups_cache.get(slots, num_tokens, self.max_loras)
             h = sgmv_shrink(x.contiguous(), self.lora_a, groups)
             bs = [self.lora_b(index) for index in range(len(self.slice_sizes))]

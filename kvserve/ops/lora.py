@@ -88,8 +88,6 @@ def lora_expand(h: torch.Tensor, h_offset: int, lora_b: torch.Tensor, rank: int,
 # that slot's matrices on the tensor cores, each slot's A and B read once a tile rather than
 # once a token. Base tokens sort into a run of their own whose tiles exit at once.
 
-# From this many tokens a step takes the grouped kernels (fewer: the per-token ones above).
-SGMV_MIN_TOKENS = 64
 SGMV_EXPAND_BLOCK_N = 128
 SGMV_SHRINK_BLOCK_K = 64
 # Split k over more programs when a step has few tiles (at most this many splits, each at
@@ -98,10 +96,6 @@ SGMV_MAX_SPLITS = 16
 SGMV_MIN_K_BLOCKS_A_SPLIT = 4
 # Slices of a fused projection expanded by one launch (q/k/v: 3).
 SGMV_MAX_SLICES = 3
-
-
-def uses_sgmv(num_tokens: int) -> bool:
-    return num_tokens >= SGMV_MIN_TOKENS
 
 
 def sgmv_block_m(num_tokens: int) -> int:
