@@ -1,5 +1,6 @@
-"""LoRA shrink and expand on CUDA (BGMV-style: each token reads its own slot's matrices, chosen
-by a per-token slot index read on the device, so a CUDA graph replays any mix of adapters).
+"""LoRA shrink and expand on CUDA, chosen by a per-token slot index read on the device, so a
+CUDA graph replays any mix of adapters: per token for a few tokens (BGMV-style: each token
+reads its own slot's matrices), grouped by slot for many (SGMV-style, below).
 
 shrink: h[t, j] = sum_k x[t, k] * A[slot[t], j, k]                  (j over slices x rank)
 expand: y[t, offset + o] += sum_r h[t, slice x rank + r] * B[o, slot[t] x rank + r]
