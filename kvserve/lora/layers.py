@@ -19,7 +19,7 @@ from torch import nn
 
 from kvserve import envs
 from kvserve.ops import cpu as cpu_kernels
-from kvserve.ops.lora import (SGMV_MAX_SLICES, SlotGroups, align_by_slot, lora_expand, lora_shrink, sgmv_expand,
+from kvserve.ops.lora import (MAX_SLICES, SlotGroups, align_by_slot, lora_expand_slices, lora_shrink, sgmv_expand,
                               sgmv_shrink)
 
 
@@ -133,22 +133,23 @@ class LoRALinear(nn.Module):
         return y
 
     def _forward_kernels(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One shrink of every slice, then one expand a group of up to three slices (a fused
+        projection's in one launch)."""
         slots = self.token_slots
         num_tokens = x.shape[0]
-        if num_tokens >= self.sgmv_min_tokens:  # shape-static: the same kernels on every replay of a graph
+        grouped = num_tokens >= self.sgmv_min_tokens  # shape-static: the same kernels on every graph replay
+        if grouped:
             groups = self.groups_cache.get(slots, num_tokens, self.max_loras)
             h = sgmv_shrink(x.contiguous(), self.lora_a, groups)
-            bs = [self.lora_b(index) for index in range(len(self.slice_sizes))]
-            offset = 0
-            for first in range(0, len(bs), SGMV_MAX_SLICES):
-                chunk = bs[first:first + SGMV_MAX_SLICES]
-                sgmv_expand(h, chunk, self.max_rank, groups, y, first * self.max_rank, offset)
-                offset += sum(self.slice_sizes[first:first + SGMV_MAX_SLICES])
-            return y
-        h = lora_shrink(x.contiguous(), self.lora_a, slots)
+        else:
+            h = lora_shrink(x.contiguous(), self.lora_a, slots)
+        buffers = self._buffers
         offset = 0
-        for index, size in enumerate(self.slice_sizes):
-            lora_expand(h, index * self.max_rank, self.lora_b(index), self.max_rank, slots, y, offset)
-            offset += size
+        for first in range(0, len(self.slice_sizes), MAX_SLICES):
+            bs = [buffers[name] for name in self.b_names[first:first + MAX_SLICES]]
+            if grouped:
+                sgmv_expand(h, bs, self.max_rank, groups, y, first * self.max_rank, offset)
+            else:
+                lora_expand_slices(h, bs, self.max_rank, slots, y, first * self.max_rank, offset)
+            offset += sum(self.slice_sizes[first:first + MAX_SLICES])
         return y
-

@@ -24,6 +24,8 @@ from kvserve.ops.fused_moe import align_by_expert
 SHRINK_BLOCK_N = 16
 SHRINK_BLOCK_K = 128
 EXPAND_BLOCK_OUT = 128
+# Slices of a fused projection expanded by one launch (q/k/v: 3).
+MAX_SLICES = 3
 
 
 @triton.jit
@@ -44,20 +46,44 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, in_features, num_rows, stride
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, rank, num_slot_cols, out_features, stride_h, h_offset,
-                   stride_y, y_offset, BLOCK_OUT: tl.constexpr, BLOCK_R: tl.constexpr):
+def _slice_of(pid_n, b0, b1, b2, size0, size1, size2, y_offset1, y_offset2, BLOCK_N: tl.constexpr):
+    """The slice a column tile lies in (tiles numbered slice after slice; absent slices have
+    size 0): its B, its size, its index and y offset, and the tile within it."""
+    tiles0 = tl.cdiv(size0, BLOCK_N)
+    tiles01 = tiles0 + tl.cdiv(size1, BLOCK_N)
+    in1 = (pid_n >= tiles0) & (pid_n < tiles01)
+    in2 = pid_n >= tiles01
+    size = tl.where(in2, size2, tl.where(in1, size1, size0))
+    index = in1.to(tl.int32) + 2 * in2.to(tl.int32)
+    y_offset = tl.where(in2, y_offset2, tl.where(in1, y_offset1, 0))
+    tile = pid_n - tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
+    b_ptr = b0
+    if in1:
+        b_ptr = b1
+    if in2:
+        b_ptr = b2
+    return b_ptr, size, index, y_offset, tile
+
+
+@triton.jit
+def _expand_kernel(h_ptr, b0, b1, b2, slots_ptr, y_ptr, rank, num_slots, size0, size1, size2, y_offset0, y_offset1,
+                   y_offset2, h_offset0, stride_h, stride_y, BLOCK_OUT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One token's y[one BLOCK_OUT column tile of one slice] += h[that slice's rank columns]
+    @ B[slice][:, slot's columns]^T, for up to three slices in one launch."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     if slot >= 0:
-        outs = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+        b_ptr, size, index, y_offset, tile = _slice_of(tl.program_id(1), b0, b1, b2, size0, size1, size2,
+                                                       y_offset1, y_offset2, BLOCK_OUT)
+        outs = tile * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
         ranks = tl.arange(0, BLOCK_R)
-        h = tl.load(h_ptr + token * stride_h + h_offset + ranks, mask=ranks < rank, other=0.0)
-        b = tl.load(b_ptr + outs[:, None] * num_slot_cols + slot * rank + ranks[None, :],
-                    mask=(outs[:, None] < out_features) & (ranks[None, :] < rank), other=0.0).to(tl.float32)
+        h = tl.load(h_ptr + token * stride_h + h_offset0 + index * rank + ranks, mask=ranks < rank, other=0.0)
+        b = tl.load(b_ptr + outs[:, None] * (num_slots * rank) + slot * rank + ranks[None, :],
+                    mask=(outs[:, None] < size) & (ranks[None, :] < rank), other=0.0).to(tl.float32)
         delta = tl.sum(b * h[None, :], axis=1)
-        y_ptrs = y_ptr + token * stride_y + y_offset + outs
-        y = tl.load(y_ptrs, mask=outs < out_features, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=outs < out_features)
+        y_ptrs = y_ptr + token * stride_y + y_offset0 + y_offset + outs
+        y = tl.load(y_ptrs, mask=outs < size, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=outs < size)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -75,11 +101,28 @@ def lora_expand(h: torch.Tensor, h_offset: int, lora_b: torch.Tensor, rank: int,
                 y: torch.Tensor, y_offset: int) -> None:
     """y[:, y_offset : y_offset + out] += each token's h[:, h_offset : h_offset + rank] @ its
     slot's B^T, in place; lora_b [out, slots x rank] (contiguous)."""
-    num_tokens = h.shape[0]
-    out_features = lora_b.shape[0]
-    grid = (num_tokens, triton.cdiv(out_features, EXPAND_BLOCK_OUT))
-    _expand_kernel[grid](h, lora_b, slots, y, rank, lora_b.shape[1], out_features, h.stride(0), h_offset,
-                         y.stride(0), y_offset, BLOCK_OUT=EXPAND_BLOCK_OUT, BLOCK_R=triton.next_power_of_2(rank))
+    lora_expand_slices(h, [lora_b], rank, slots, y, h_offset, y_offset)
+
+
+def lora_expand_slices(h: torch.Tensor, lora_bs: Sequence[torch.Tensor], rank: int, slots: torch.Tensor,
+                       y: torch.Tensor, h_offset: int = 0, y_offset: int = 0) -> None:
+    """lora_expand of up to three slices in one launch: slice i's rank columns of h from
+    h_offset + i x rank, its columns of y after slice i - 1's from y_offset."""
+    num_tokens, num_slots = h.shape[0], lora_bs[0].shape[1] // rank
+    b, size, offset = _padded_slices(lora_bs)
+    grid = (num_tokens, sum(triton.cdiv(s, EXPAND_BLOCK_OUT) for s in size))
+    _expand_kernel[grid](h, *b, slots, y, rank, num_slots, *size, y_offset, offset[1], offset[2], h_offset,
+                         h.stride(0), y.stride(0), BLOCK_OUT=EXPAND_BLOCK_OUT, BLOCK_R=triton.next_power_of_2(rank))
+
+
+def _padded_slices(lora_bs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """Up to three slices' B, sizes and y offsets (from the first's), as the expand kernels
+    take them: absent slices of size 0."""
+    assert 1 <= len(lora_bs) <= MAX_SLICES and all(b.is_contiguous() for b in lora_bs)
+    sizes = [b.shape[0] for b in lora_bs]
+    offsets = [0, *itertools.accumulate(sizes)][:len(sizes)]
+    missing = MAX_SLICES - len(lora_bs)
+    return [*lora_bs, *[lora_bs[0]] * missing], sizes + [0] * missing, offsets + [0] * missing
 
 
 # ---- SGMV: many tokens, grouped by slot ------------------------------------------------------
@@ -95,8 +138,6 @@ SGMV_SHRINK_BLOCK_K = 64
 # least this many BLOCK_K blocks long).
 SGMV_MAX_SPLITS = 16
 SGMV_MIN_K_BLOCKS_A_SPLIT = 4
-# Slices of a fused projection expanded by one launch (q/k/v: 3).
-SGMV_MAX_SLICES = 3
 
 
 def sgmv_block_m(num_tokens: int) -> int:
@@ -158,26 +199,6 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, sorted_ptr, block_slots_ptr, num_padded_pt
         a_ptrs += BLOCK_K
     tl.store(h_ptr + split * stride_split + tokens[:, None] * stride_h + rows[None, :], acc,
              mask=valid[:, None] & (rows[None, :] < num_rows))
-
-
-@triton.jit
-def _slice_of(pid_n, b0, b1, b2, size0, size1, size2, y_offset1, y_offset2, BLOCK_N: tl.constexpr):
-    """The slice a column tile lies in (tiles numbered slice after slice; absent slices have
-    size 0): its B, its size, its index and y offset, and the tile within it."""
-    tiles0 = tl.cdiv(size0, BLOCK_N)
-    tiles01 = tiles0 + tl.cdiv(size1, BLOCK_N)
-    in1 = (pid_n >= tiles0) & (pid_n < tiles01)
-    in2 = pid_n >= tiles01
-    size = tl.where(in2, size2, tl.where(in1, size1, size0))
-    index = in1.to(tl.int32) + 2 * in2.to(tl.int32)
-    y_offset = tl.where(in2, y_offset2, tl.where(in1, y_offset1, 0))
-    tile = pid_n - tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
-    b_ptr = b0
-    if in1:
-        b_ptr = b1
-    if in2:
-        b_ptr = b2
-    return b_ptr, size, index, y_offset, tile
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -262,18 +283,12 @@ def sgmv_expand(h: torch.Tensor, lora_bs: Sequence[torch.Tensor], rank: int, gro
     h[:, h_offset + i x rank : + rank] @ its slot's B_i^T into the columns after slice i - 1's;
     h [splits, T, rows] (sgmv_shrink's partial sums); lora_bs[i] [out_i, slots x rank]
     (contiguous); base tokens left as they are."""
-    assert 1 <= len(lora_bs) <= SGMV_MAX_SLICES and all(b.is_contiguous() for b in lora_bs)
     assert h.stride(2) == 1 and y.stride(1) == 1
     num_splits, num_tokens = h.shape[:2]
     num_slots = lora_bs[0].shape[1] // rank
-    sizes = [b.shape[0] for b in lora_bs]
-    y_offsets = [0, *itertools.accumulate(sizes)][:len(sizes)]
-    padded = lambda values, fill: [*values, *[fill] * (SGMV_MAX_SLICES - len(values))]  # noqa: E731
-    b = padded(lora_bs, lora_bs[0])
-    size = padded(sizes, 0)
-    offset = padded(y_offsets, 0)
+    b, size, offset = _padded_slices(lora_bs)
     block_m, block_n = groups.block_m, SGMV_EXPAND_BLOCK_N
-    grid = (groups.sorted_tokens.shape[0] // block_m, sum(triton.cdiv(s, block_n) for s in sizes))
+    grid = (groups.sorted_tokens.shape[0] // block_m, sum(triton.cdiv(s, block_n) for s in size))
     _sgmv_expand_kernel[grid](h, *b, groups.sorted_tokens, groups.block_slots, groups.num_padded, y, num_tokens,
                               num_slots, rank, *size, y_offset, offset[1], offset[2], h_offset, h.stride(1),
                               h.stride(0), num_splits, y.stride(0), PRECISION=_precision(y.dtype), BLOCK_M=block_m,

@@ -1,7 +1,8 @@
-"""The LoRA shrink/expand kernels against a per-token torch fp64 reference, on shapes that
-are not multiples of the blocks (ranks below the padded rank, a slot that is empty, base
-tokens among adapter ones): under Triton's interpreter on CPU, at real sizes on a GPU, and
-a LoRA layer on CUDA against the same layer's CPU path."""
+"""The LoRA shrink/expand kernels (per token, and grouped by slot) against per-token torch
+references, on shapes that are not multiples of the blocks (ranks below the padded rank, a
+slot that is empty, base tokens among adapter ones): under Triton's interpreter on CPU, at
+real sizes on a GPU, a LoRA layer on CUDA against the same layer's CPU path, and LoRA layers
+in a CUDA graph replayed with other slots."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import json
 import pytest
 import torch
 
-from kvserve.ops.lora import lora_expand, lora_shrink
+from kvserve.ops.lora import lora_expand, lora_expand_slices, lora_shrink
 from tests.triton_interpreter import run_interpreted
 
 
 def case(device: str, num_tokens: int, in_features: int, slice_sizes: tuple[int, ...], num_slots: int, rank: int,
-         dtype: torch.dtype, seed: int) -> float:
-    """Largest error of the kernels' y against the reference, relative to the delta's size."""
+         dtype: torch.dtype, seed: int, fused: bool = False) -> float:
+    """Largest error of the kernels' y against the reference, relative to the delta's size;
+    `fused`: every slice expanded by one launch."""
     generator = torch.Generator().manual_seed(seed)
     num_slices = len(slice_sizes)
     x = torch.randn(num_tokens, in_features, generator=generator)
@@ -39,7 +41,9 @@ def case(device: str, num_tokens: int, in_features: int, slice_sizes: tuple[int,
     cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
     y_out = cast(y)
     h = lora_shrink(cast(x), cast(lora_a), slots.to(device))
-    for i in range(num_slices):
+    if fused:
+        lora_expand_slices(h, [cast(b) for b in lora_bs], rank, slots.to(device), y_out)
+    for i in range(0 if fused else num_slices):
         lora_expand(h, i * rank, cast(lora_bs[i]), rank, slots.to(device), y_out, offsets[i])
     scale = (expected - y.double()).abs().max().clamp_min(1.0)
     return float(((y_out.double().cpu() - expected).abs().max() / scale))
@@ -50,7 +54,8 @@ SMALL_CASES = [(5, 37, (13, 7, 7), 3, 5), (1, 130, (129,), 2, 16), (9, 64, (40, 
 
 def run_small_cases() -> None:
     """Under the interpreter (a subprocess): prints each case's error as JSON."""
-    print(json.dumps([case("cpu", *shape, torch.float32, seed) for seed, shape in enumerate(SMALL_CASES)]))
+    print(json.dumps([case("cpu", *shape, torch.float32, seed, fused) for seed, shape in enumerate(SMALL_CASES)
+                      for fused in (False, True)]))
 
 
 def test_interpreted_kernels_equal_torch() -> None:
@@ -63,7 +68,8 @@ def test_interpreted_kernels_equal_torch() -> None:
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_gpu_kernels_equal_torch(dtype, tolerance) -> None:
     for seed, shape in enumerate([*SMALL_CASES, (300, 4096, (4096, 1024, 1024), 8, 16), (64, 14336, (4096,), 8, 16)]):
-        assert case("cuda", *shape, dtype, seed) < tolerance, shape
+        for fused in (False, True):
+            assert case("cuda", *shape, dtype, seed, fused) < tolerance, (shape, fused)
 
 
 @pytest.mark.gpu
