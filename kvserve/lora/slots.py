@@ -56,7 +56,7 @@ class LoRASlots:
         if torch.device(device).type == "cuda":
             # One grouping of the tokens by slot a forward pass, shared by every layer.
             model.register_forward_pre_hook(lambda *_: self.groups_cache.begin())
-            model.register_forward_hook(lambda *_: self.groups_cache.end())
+            model.register_forward_hook(lambda *_: self.groups_cache.end(), always_call=True)
         self._slot_ids: list[int] = [0] * lora_config.max_loras  # adapter id per slot (0: empty)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recently used first
         self.num_disk_loads = 0
