@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.ops.lora import align_by_slot, lora_expand, lora_shrink, sgmv_expand, sgmv_shrink
+from kvserve.ops.lora import align_by_slot, lora_expand_slices, lora_shrink, sgmv_expand, sgmv_shrink
 
 # llama3-8b: (in_features, slice sizes) of qkv_proj, o_proj, gate_up_proj, down_proj.
 LLAMA3_8B_LINEARS = [(4096, (4096, 1024, 1024)), (4096, (4096,)), (4096, (14336, 14336)), (14336, (4096,))]
@@ -31,11 +31,7 @@ def per_token_step(xs: list[torch.Tensor], ys: list[torch.Tensor], layers, slots
                    rank: int) -> Callable[[], None]:
     def run() -> None:
         for x, y, (lora_a, lora_bs) in zip(xs, ys, layers):
-            h = lora_shrink(x, lora_a, slots)
-            offset = 0
-            for index, lora_b in enumerate(lora_bs):
-                lora_expand(h, index * rank, lora_b, rank, slots, y, offset)
-                offset += lora_b.shape[0]
+            lora_expand_slices(lora_shrink(x, lora_a, slots), lora_bs, rank, slots, y)
     return run
 
 

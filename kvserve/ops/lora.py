@@ -26,23 +26,32 @@ SHRINK_BLOCK_K = 128
 EXPAND_BLOCK_OUT = 128
 # Slices of a fused projection expanded by one launch (q/k/v: 3).
 MAX_SLICES = 3
+# The shrinks split k over more programs when a step has few (at most this many splits, each
+# at least this many BLOCK_K blocks long).
+MAX_SPLITS = 16
+MIN_K_BLOCKS_A_SPLIT = 4
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, in_features, num_rows, stride_x, stride_a_slot,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, in_features, num_rows, k_per_split, stride_x, stride_a_slot,
+                   stride_split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's h[split][rows of one BLOCK_N slice] = x[the split's k] @ A[slot][rows, the
+    split's k]^T (split: the third grid axis; the expand sums them)."""
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     if slot >= 0:
-        for start in range(0, in_features, BLOCK_K):
+        k_start = split * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, in_features)
+        for start in range(k_start, k_end, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + token * stride_x + cols, mask=cols < in_features, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + token * stride_x + cols, mask=cols < k_end, other=0.0).to(tl.float32)
             a = tl.load(a_ptr + slot * stride_a_slot + rows[:, None] * in_features + cols[None, :],
-                        mask=(rows[:, None] < num_rows) & (cols[None, :] < in_features), other=0.0).to(tl.float32)
+                        mask=(rows[:, None] < num_rows) & (cols[None, :] < k_end), other=0.0).to(tl.float32)
             acc += tl.sum(a * x[None, :], axis=1)
-    tl.store(h_ptr + token * num_rows + rows, acc, mask=rows < num_rows)
+    tl.store(h_ptr + split * stride_split + token * num_rows + rows, acc, mask=rows < num_rows)
 
 
 @triton.jit
@@ -67,9 +76,11 @@ def _slice_of(pid_n, b0, b1, b2, size0, size1, size2, y_offset1, y_offset2, BLOC
 
 @triton.jit
 def _expand_kernel(h_ptr, b0, b1, b2, slots_ptr, y_ptr, rank, num_slots, size0, size1, size2, y_offset0, y_offset1,
-                   y_offset2, h_offset0, stride_h, stride_y, BLOCK_OUT: tl.constexpr, BLOCK_R: tl.constexpr):
+                   y_offset2, h_offset0, stride_h, stride_split, num_splits, stride_y, BLOCK_OUT: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
     """One token's y[one BLOCK_OUT column tile of one slice] += h[that slice's rank columns]
-    @ B[slice][:, slot's columns]^T, for up to three slices in one launch."""
+    @ B[slice][:, slot's columns]^T, for up to three slices in one launch; h the sum of the
+    shrink's splits."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -77,7 +88,10 @@ def _expand_kernel(h_ptr, b0, b1, b2, slots_ptr, y_ptr, rank, num_slots, size0, 
                                                        y_offset1, y_offset2, BLOCK_OUT)
         outs = tile * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
         ranks = tl.arange(0, BLOCK_R)
-        h = tl.load(h_ptr + token * stride_h + h_offset0 + index * rank + ranks, mask=ranks < rank, other=0.0)
+        h = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for split in range(num_splits):  # the shrink's partial sums over k, in a fixed order
+            h += tl.load(h_ptr + split * stride_split + token * stride_h + h_offset0 + index * rank + ranks,
+                         mask=ranks < rank, other=0.0)
         b = tl.load(b_ptr + outs[:, None] * (num_slots * rank) + slot * rank + ranks[None, :],
                     mask=(outs[:, None] < size) & (ranks[None, :] < rank), other=0.0).to(tl.float32)
         delta = tl.sum(b * h[None, :], axis=1)
@@ -86,33 +100,64 @@ def _expand_kernel(h_ptr, b0, b1, b2, slots_ptr, y_ptr, rank, num_slots, size0, 
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=outs < size)
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """x [T, in], lora_a [slots, rows, in] (contiguous), slots int [>= T] -> h [T, rows] fp32."""
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, num_splits: int | None = None
+                ) -> torch.Tensor:
+    """x [T, in], lora_a [slots, rows, in] (contiguous), slots int [>= T] -> h [splits, T, rows]
+    fp32 partial sums over k (the expand adds them up). `num_splits` of k: by default enough
+    for about two programs an SM (a few tokens of a long k, as down_proj's, would otherwise
+    run few long programs)."""
     num_tokens, in_features = x.shape
     num_rows = lora_a.shape[1]
-    h = torch.empty(num_tokens, num_rows, dtype=torch.float32, device=x.device)
-    grid = (num_tokens, triton.cdiv(num_rows, SHRINK_BLOCK_N))
-    _shrink_kernel[grid](x, lora_a, slots, h, in_features, num_rows, x.stride(0), lora_a.stride(0),
-                         BLOCK_N=SHRINK_BLOCK_N, BLOCK_K=SHRINK_BLOCK_K)
+    n_tiles = triton.cdiv(num_rows, SHRINK_BLOCK_N)
+    num_splits, k_per_split = _k_splits(in_features, SHRINK_BLOCK_K, num_tokens * n_tiles, x.device, num_splits)
+    h = torch.empty(num_splits, num_tokens, num_rows, dtype=torch.float32, device=x.device)
+    grid = (num_tokens, n_tiles, num_splits)
+    _shrink_kernel[grid](x, lora_a, slots, h, in_features, num_rows, k_per_split, x.stride(0), lora_a.stride(0),
+                         h.stride(0), BLOCK_N=SHRINK_BLOCK_N, BLOCK_K=SHRINK_BLOCK_K)
     return h
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: as on an H100/H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _k_splits(in_features: int, block_k: int, num_programs: int, device: torch.device,
+              num_splits: int | None) -> tuple[int, int]:
+    """(splits, k a split) for a shrink of `num_programs` programs a split: `num_splits` if
+    given, else enough for about two programs an SM, each split MIN_K_BLOCKS_A_SPLIT blocks
+    long at least, MAX_SPLITS at most; shape-static (the same on every graph replay)."""
+    k_blocks = triton.cdiv(in_features, block_k)
+    if num_splits is None:
+        wanted = triton.cdiv(2 * _num_sms(device), num_programs)
+        num_splits = max(1, min(wanted, k_blocks // MIN_K_BLOCKS_A_SPLIT, MAX_SPLITS))
+    k_per_split = triton.cdiv(k_blocks, num_splits) * block_k
+    return triton.cdiv(in_features, k_per_split), k_per_split  # no split empty
 
 
 def lora_expand(h: torch.Tensor, h_offset: int, lora_b: torch.Tensor, rank: int, slots: torch.Tensor,
                 y: torch.Tensor, y_offset: int) -> None:
     """y[:, y_offset : y_offset + out] += each token's h[:, h_offset : h_offset + rank] @ its
-    slot's B^T, in place; lora_b [out, slots x rank] (contiguous)."""
+    slot's B^T, in place (h summed over lora_shrink's splits); lora_b [out, slots x rank]
+    (contiguous)."""
     lora_expand_slices(h, [lora_b], rank, slots, y, h_offset, y_offset)
 
 
 def lora_expand_slices(h: torch.Tensor, lora_bs: Sequence[torch.Tensor], rank: int, slots: torch.Tensor,
                        y: torch.Tensor, h_offset: int = 0, y_offset: int = 0) -> None:
     """lora_expand of up to three slices in one launch: slice i's rank columns of h from
-    h_offset + i x rank, its columns of y after slice i - 1's from y_offset."""
-    num_tokens, num_slots = h.shape[0], lora_bs[0].shape[1] // rank
+    h_offset + i x rank, its columns of y after slice i - 1's from y_offset. h [splits, T,
+    rows] (lora_shrink's partial sums)."""
+    assert h.stride(2) == 1 and y.stride(1) == 1
+    num_splits, num_tokens = h.shape[:2]
+    num_slots = lora_bs[0].shape[1] // rank
     b, size, offset = _padded_slices(lora_bs)
     grid = (num_tokens, sum(triton.cdiv(s, EXPAND_BLOCK_OUT) for s in size))
     _expand_kernel[grid](h, *b, slots, y, rank, num_slots, *size, y_offset, offset[1], offset[2], h_offset,
-                         h.stride(0), y.stride(0), BLOCK_OUT=EXPAND_BLOCK_OUT, BLOCK_R=triton.next_power_of_2(rank))
+                         h.stride(1), h.stride(0), num_splits, y.stride(0), BLOCK_OUT=EXPAND_BLOCK_OUT,
+                         BLOCK_R=triton.next_power_of_2(rank))
 
 
 def _padded_slices(lora_bs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[int]]:
@@ -134,10 +179,6 @@ def _padded_slices(lora_bs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor],
 
 SGMV_EXPAND_BLOCK_N = 128
 SGMV_SHRINK_BLOCK_K = 64
-# Split k over more programs when a step has few tiles (at most this many splits, each at
-# least this many BLOCK_K blocks long).
-SGMV_MAX_SPLITS = 16
-SGMV_MIN_K_BLOCKS_A_SPLIT = 4
 
 
 def sgmv_block_m(num_tokens: int) -> int:
@@ -242,13 +283,6 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: as on an H100/H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, groups: SlotGroups, num_splits: int | None = None
                 ) -> torch.Tensor:
     """x [T, in], lora_a [slots, rows, in] (contiguous) -> h [splits, T, rows] fp32 partial
@@ -262,12 +296,7 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, groups: SlotGroups, num_s
     block_n = max(16, min(64, triton.next_power_of_2(num_rows))) if num_tokens >= 512 else 16
     num_tiles = groups.sorted_tokens.shape[0] // block_m
     n_tiles = triton.cdiv(num_rows, block_n)
-    k_blocks = triton.cdiv(in_features, block_k)
-    if num_splits is None:  # shape-static: the same on every replay of a graph
-        wanted = triton.cdiv(2 * _num_sms(x.device), num_tiles * n_tiles)
-        num_splits = max(1, min(wanted, k_blocks // SGMV_MIN_K_BLOCKS_A_SPLIT, SGMV_MAX_SPLITS))
-    k_per_split = triton.cdiv(k_blocks, num_splits) * block_k
-    num_splits = triton.cdiv(in_features, k_per_split)  # none empty
+    num_splits, k_per_split = _k_splits(in_features, block_k, num_tiles * n_tiles, x.device, num_splits)
     h = torch.empty(num_splits, num_tokens, num_rows, dtype=torch.float32, device=x.device)
     grid = (num_tiles, n_tiles, num_splits)
     _sgmv_shrink_kernel[grid](x, lora_a, groups.sorted_tokens, groups.block_slots, groups.num_padded, h, num_tokens,
