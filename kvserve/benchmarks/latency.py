@@ -185,32 +185,23 @@ def _compare_with_loras(args: argparse.Namespace, engine_args: EngineArgs, batch
                         bandwidth: float) -> int:
     """TPOT of the base model, then of an engine serving --num-loras random adapters on the
     same requests (the base engine freed first, so the LoRA one sizes its own KV cache)."""
-    import gc
     import tempfile
 
-    import torch
-
-    from kvserve.lora.random_adapters import write_random_adapter
+    from kvserve.benchmarks.lora_throughput import free_engine_memory, lora_engine_args, random_adapters
 
     runs: dict[str, list[LatencyResult]] = {}
     with tempfile.TemporaryDirectory() as directory:
         adapters: list[LoRARequest] | None = None
         for name in ("base", "lora"):
-            lora_args = dict(enable_lora=True, max_loras=max(engine_args.max_loras, args.num_loras),
-                             max_cpu_loras=None, max_lora_rank=max(engine_args.max_lora_rank, args.lora_rank))
-            llm = LLM(**vars(replace(engine_args, **(lora_args if name == "lora" else {"enable_lora": False}))))
+            llm = LLM(**vars(lora_engine_args(engine_args, args.num_loras, args.lora_rank) if name == "lora"
+                             else replace(engine_args, enable_lora=False)))
             if name == "lora":
-                config = llm.engine.model_config
-                adapters = [LoRARequest(f"random-{i}", i + 1,
-                                        write_random_adapter(f"{directory}/{i}", config, args.lora_rank, i))
-                            for i in range(args.num_loras)]
+                adapters = random_adapters(directory, llm.engine.model_config, args.num_loras, args.lora_rank)
             run_latency(llm, 1, min(16, args.input_len), 4, bandwidth, loras=adapters)  # warm-up
             runs[name] = [run_latency(llm, b, args.input_len, args.output_len, bandwidth, args.workload_seed,
                                       loras=adapters) for b in batch_sizes]
             del llm
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_engine_memory()
     print(f"\n{args.num_loras} random LoRA adapters of rank {args.lora_rank}, each batch's requests spread over them")
     print(f"{'batch':>5s} {'base TPOT ms':>13s} {'LoRA TPOT ms':>13s} {'LoRA / base':>12s} "
           f"{'base TTFT ms':>13s} {'LoRA TTFT ms':>13s}")

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from kvserve.config import ModelConfig
 from kvserve.engine.engine_args import EngineArgs
 from kvserve.llm import LLM
 from kvserve.lora.random_adapters import write_random_adapter
@@ -31,6 +32,25 @@ def _run(llm: LLM, prompts: list[dict], params: list[SamplingParams], loras: lis
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
+def lora_engine_args(engine_args: EngineArgs, num_loras: int, lora_rank: int) -> EngineArgs:
+    """The engine arguments with LoRA on: at least `num_loras` slots of `lora_rank`."""
+    return replace(engine_args, enable_lora=True, max_loras=max(engine_args.max_loras, num_loras),
+                   max_cpu_loras=None, max_lora_rank=max(engine_args.max_lora_rank, lora_rank))
+
+
+def random_adapters(directory: str, config: ModelConfig, num_loras: int, lora_rank: int) -> list[LoRARequest]:
+    """`num_loras` random adapters written under `directory` (ids 1..num_loras)."""
+    return [LoRARequest(f"random-{i}", i + 1, write_random_adapter(f"{directory}/{i}", config, lora_rank, i))
+            for i in range(num_loras)]
+
+
+def free_engine_memory() -> None:
+    """After the last reference to an engine is dropped: its device memory back to the next."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_lora_comparison(engine_args: EngineArgs, make_requests: Callable[[int], list], num_loras: int,
                         lora_rank: int) -> dict:
     """Base first, its engine freed before the LoRA engine sizes its own KV cache.
@@ -42,14 +62,10 @@ def run_lora_comparison(engine_args: EngineArgs, make_requests: Callable[[int], 
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     base_s, base_tokens = _run(llm, prompts, params, None)
     del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_engine_memory()
     with tempfile.TemporaryDirectory() as directory:
-        adapters = [LoRARequest(f"random-{i}", i + 1, write_random_adapter(f"{directory}/{i}", config, lora_rank, i))
-                    for i in range(num_loras)]
-        llm = LLM(**vars(replace(engine_args, enable_lora=True, max_loras=max(engine_args.max_loras, num_loras),
-                                 max_cpu_loras=None, max_lora_rank=max(engine_args.max_lora_rank, lora_rank))))
+        adapters = random_adapters(directory, config, num_loras, lora_rank)
+        llm = LLM(**vars(lora_engine_args(engine_args, num_loras, lora_rank)))
         loras = [adapters[i % num_loras] for i in range(len(requests))]
         lora_s, lora_tokens = _run(llm, prompts, params, loras)
     result = {"num_loras": num_loras, "lora_rank": lora_rank, "num_requests": len(requests),

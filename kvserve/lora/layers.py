@@ -4,52 +4,64 @@ token by its slot: one batch mixes adapters and the base model.
 Each token carries its slot index (-1: the base model) in `token_slots`, a buffer updated in
 place every step, so the compiled CPU decode graph and CUDA graphs take it as an input and
 never branch on which adapters run. On CUDA, Triton kernels (ops/lora.py) read it on the
-device. On CPU, kvserve's `lora_add_` kernel (ops/cpu/csrc/lora.cpp) groups the step's tokens
-by slot and runs each token through its own slot's A and B only, each slot's matrices read
-once for all of its tokens; where the kernel cannot be built, torch computes every token
-against every slot and masks the result (slots x the work)."""
+device: per token for a few tokens (decode), grouped by slot on the device for many (prefill:
+each slot's matrices read once a tile of its tokens, on the tensor cores; from
+KVSERVE_LORA_SGMV_MIN_TOKENS tokens, default 64), the grouping made once a forward pass and
+shared by every layer (SlotGroupsCache). On CPU, kvserve's `lora_add_` kernel
+(ops/cpu/csrc/lora.cpp) groups the step's tokens by slot and runs each token through its own
+slot's A and B only, each slot's matrices read once for all of its tokens; where the kernel
+cannot be built, torch computes every token against every slot and masks the result (slots x
+the work)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kvserve import envs
 from kvserve.ops import cpu as cpu_kernels
-from kvserve.ops.lora import SlotGroups, group_by_slot, lora_expand, lora_shrink, sgmv_expand, sgmv_shrink
-
-# From this many tokens in a forward pass, the CUDA kernels take the tokens grouped by slot
-# (SGMV); below it one program per token (BGMV), which needs no grouping.
-SGMV_MIN_TOKENS = 64
+from kvserve.ops.lora import (MAX_SLICES, SlotGroups, align_by_slot, lora_expand_slices, lora_shrink, sgmv_expand,
+                              sgmv_shrink)
 
 
-class StepSlotGroups:
-    """A forward pass's tokens grouped by slot (ops.lora.group_by_slot), computed on the
-    device by the first LoRA layer that needs them and shared by the others. Forgotten at
-    the start of each forward of the model (a pre-hook), so a captured CUDA graph records
-    the grouping of its own slots and an eager step never reuses another's."""
+class SlotGroupsCache:
+    """The step's tokens grouped by slot, made by the first layer of a forward pass that
+    needs them and reused by the others. Only between `begin()` and `end()` (hooks around the
+    model's forward, LoRASlots.watch): a layer called on its own groups its tokens itself, as
+    token_slots may have changed since. Inside a CUDA graph capture the grouping is captured
+    once, before the first LoRA layer, and replays with the slots of each replay."""
 
-    def __init__(self, model: nn.Module, token_slots: torch.Tensor, num_slots: int) -> None:
-        self.token_slots, self.num_slots = token_slots, num_slots
-        self._groups: dict[int, SlotGroups] = {}
-        model.register_forward_pre_hook(lambda *_: self._groups.clear())
+    def __init__(self) -> None:
+        self.active = False
+        self.groups: dict[tuple[int, int], SlotGroups] = {}
 
-    def get(self, num_tokens: int) -> SlotGroups:
-        groups = self._groups.get(num_tokens)
+    def begin(self) -> None:
+        self.groups.clear()
+        self.active = True
+
+    def end(self) -> None:
+        self.groups.clear()
+        self.active = False
+
+    def get(self, token_slots: torch.Tensor, num_tokens: int, num_slots: int) -> SlotGroups:
+        if not self.active:
+            return align_by_slot(token_slots, num_tokens, num_slots)
+        key = (num_tokens, num_slots)
+        groups = self.groups.get(key)
         if groups is None:
-            groups = self._groups[num_tokens] = group_by_slot(self.token_slots, num_tokens, self.num_slots)
+            groups = self.groups[key] = align_by_slot(token_slots, num_tokens, num_slots)
         return groups
 
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, in_features: int, slice_sizes: tuple[int, ...], max_loras: int,
                  max_rank: int, token_slots: torch.Tensor, dtype: torch.dtype,
-                 slot_groups: StepSlotGroups | None = None) -> None:
+                 groups_cache: SlotGroupsCache | None = None) -> None:
         """`token_slots`, int32 [max tokens] shared by every LoRA layer of the model: the slot
         each token of the step runs with, -1 for the base model. `dtype`: the run dtype, the
-        matrices' (QLoRA-style on quantized bases). `slot_groups` (CUDA): the step's tokens
-        grouped by slot, for many-token forwards (None: always per token)."""
+        matrices' (QLoRA-style on quantized bases). `groups_cache`: shared by the model's
+        layers, so that a forward pass groups its tokens by slot once."""
         super().__init__()
-        self.slot_groups = slot_groups
         self.base = base
         self.in_features = in_features
         self.out_features = sum(slice_sizes)
@@ -69,6 +81,9 @@ class LoRALinear(nn.Module):
             self.register_buffer(f"lora_b_{index}", torch.zeros(*shape, dtype=dtype, device=device),
                                  persistent=False)
         self.b_names = tuple(f"lora_b_{index}" for index in range(len(slice_sizes)))
+        self.groups_cache = groups_cache if groups_cache is not None else SlotGroupsCache()
+        # On CUDA, steps of this many tokens or more take the grouped kernels.
+        self.sgmv_min_tokens = envs.KVSERVE_LORA_SGMV_MIN_TOKENS
         self.register_buffer("token_slots", token_slots, persistent=False)
         self.register_buffer("slot_indices", torch.arange(max_loras, dtype=torch.int32, device=device),
                              persistent=False)
@@ -119,20 +134,23 @@ class LoRALinear(nn.Module):
         return y
 
     def _forward_kernels(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.slot_groups is not None and x.shape[0] >= SGMV_MIN_TOKENS:
-            groups = self.slot_groups.get(x.shape[0])
-            h = sgmv_shrink(x.contiguous(), self.lora_a, groups)
-            offset = 0
-            for index, size in enumerate(self.slice_sizes):
-                sgmv_expand(h, index * self.max_rank, self.lora_b(index), self.max_rank, self.max_loras, groups, y,
-                            offset)
-                offset += size
-            return y
+        """One shrink of every slice, then one expand a group of up to three slices (a fused
+        projection's in one launch)."""
         slots = self.token_slots
-        h = lora_shrink(x.contiguous(), self.lora_a, slots)
+        num_tokens = x.shape[0]
+        grouped = num_tokens >= self.sgmv_min_tokens  # shape-static: the same kernels on every graph replay
+        if grouped:
+            groups = self.groups_cache.get(slots, num_tokens, self.max_loras)
+            h = sgmv_shrink(x.contiguous(), self.lora_a, groups)
+        else:
+            h = lora_shrink(x.contiguous(), self.lora_a, slots)
+        buffers = self._buffers
         offset = 0
-        for index, size in enumerate(self.slice_sizes):
-            lora_expand(h, index * self.max_rank, self.lora_b(index), self.max_rank, slots, y, offset)
-            offset += size
+        for first in range(0, len(self.slice_sizes), MAX_SLICES):
+            bs = [buffers[name] for name in self.b_names[first:first + MAX_SLICES]]
+            if grouped:
+                sgmv_expand(h, bs, self.max_rank, groups, y, first * self.max_rank, offset)
+            else:
+                lora_expand_slices(h, bs, self.max_rank, slots, y, first * self.max_rank, offset)
+            offset += sum(self.slice_sizes[first:first + MAX_SLICES])
         return y
-

@@ -15,7 +15,7 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from kvserve.lora.config import LoRAConfig
-from kvserve.lora.layers import LoRALinear, StepSlotGroups
+from kvserve.lora.layers import LoRALinear, SlotGroupsCache
 from kvserve.lora.request import LoRARequest
 from kvserve.lora.targets import lora_linears
 
@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 def add_lora_layers(model: nn.Module, model_config: ModelConfig, lora_config: LoRAConfig,
-                    token_slots: torch.Tensor, slot_groups: StepSlotGroups | None = None) -> dict[str, LoRALinear]:
+                    token_slots: torch.Tensor, groups_cache: SlotGroupsCache | None = None
+                    ) -> dict[str, LoRALinear]:
     """Wrap every linear an adapter may target (after loading and quantization: the base
     stays as it is, the adapters in the run dtype)."""
     layers = {}
@@ -35,7 +36,7 @@ def add_lora_layers(model: nn.Module, model_config: ModelConfig, lora_config: Lo
             raise ValueError("these weights already serve LoRA adapters for another engine (its slots are "
                              "wrapped around their linears): load the model again for this one")
         layer = LoRALinear(base, target.in_features, target.slice_sizes, lora_config.max_loras,
-                           lora_config.max_lora_rank, token_slots, model_config.dtype, slot_groups)
+                           lora_config.max_lora_rank, token_slots, model_config.dtype, groups_cache)
         setattr(parent, leaf, layer)
         layers[target.module_name] = layer
     return layers
@@ -55,13 +56,16 @@ class LoRASlots:
         self._stagings = [torch.full((max_tokens,), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
                           for _ in range(2)]
         self._num_steps = 0
-        slot_groups = (StepSlotGroups(model, self.token_slots, lora_config.max_loras)
-                       if device.type == "cuda" else None)
-        self.layers = add_lora_layers(model, model_config, lora_config, self.token_slots, slot_groups)
+        self._num_set = 0  # token_slots rows the last set_tokens wrote
+        self.groups_cache = SlotGroupsCache()
+        self.layers = add_lora_layers(model, model_config, lora_config, self.token_slots, self.groups_cache)
+        if torch.device(device).type == "cuda":
+            # One grouping of the tokens by slot a forward pass, shared by every layer.
+            model.register_forward_pre_hook(lambda *_: self.groups_cache.begin())
+            model.register_forward_hook(lambda *_: self.groups_cache.end(), always_call=True)
         self._slot_ids: list[int] = [0] * lora_config.max_loras  # adapter id per slot (0: empty)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recently used first
         self.num_disk_loads = 0
-        self._num_set = 0  # token_slots rows the last set_tokens wrote
 
     @property
     def slot_bytes(self) -> int:

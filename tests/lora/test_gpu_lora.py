@@ -19,6 +19,7 @@ def test_mixed_adapters_with_cuda_graphs_match_peft(num_seqs, tmp_path, monkeypa
     """8 sequences: prefills grouped by slot (SGMV, over 64 tokens), decodes per token in
     graphs; 72: decode graphs of 72 tokens replay the grouping and the grouped kernels."""
     from kvserve.lora import LoRARequest
+    from kvserve import envs
     from kvserve.lora import layers
 
     base = save_tiny_llama(str(tmp_path / "model"))
@@ -40,6 +41,6 @@ def test_mixed_adapters_with_cuda_graphs_match_peft(num_seqs, tmp_path, monkeypa
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), lora_request=loras)
     assert [list(o.outputs[0].token_ids) for o in outputs] == references
-    assert any(tokens >= layers.SGMV_MIN_TOKENS for tokens in grouped)
-    if num_seqs > layers.SGMV_MIN_TOKENS:
+    assert any(tokens >= envs.KVSERVE_LORA_SGMV_MIN_TOKENS for tokens in grouped)
+    if num_seqs > envs.KVSERVE_LORA_SGMV_MIN_TOKENS:
         assert any(bucket >= num_seqs for bucket, _, _ in graphs.replays)
