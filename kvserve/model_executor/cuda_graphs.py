@@ -90,12 +90,16 @@ def graphs_at_start(buckets: list[int], max_width: int, max_verify_batch: int, n
 
 
 class DecodeGraph:
-    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, hidden: torch.Tensor) -> None:
         self.graph = graph
         # [bucket * width, vocab] fp32: a view of the runner's one logits buffer, which every
         # replay of every graph rewrites. (One output per graph would keep each graph's
         # logits allocated in the pool: 4 GiB for llama3-8b's 78 decode graphs.)
         self.logits = logits
+        # [bucket * width, hidden]: the last layer's hidden states, where the capture left
+        # them (held, so the pool never gives the memory to another graph; each replay
+        # rewrites it): what draft heads read, without a copy in the graph.
+        self.hidden = hidden
 
 
 class CudaGraphRunner:
@@ -186,12 +190,14 @@ class CudaGraphRunner:
             tree_bits=self.token_inputs[3, : bucket * width] if width > 1 else None,
         )
 
-    def _forward(self, bucket: int, width: int, plan: DecodePlan, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, bucket: int, width: int, plan: DecodePlan,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, the last layer's hidden states) of the padded step."""
         num_tokens = bucket * width
         ids, positions = self.token_inputs[0, :num_tokens], self.token_inputs[1, :num_tokens]
         metadata = self._metadata(bucket, width, width, plan)
         hidden = self.model(ids, positions, self.kv_caches, metadata)
-        return self.model.compute_logits(hidden, out)
+        return self.model.compute_logits(hidden, out), hidden
 
     def _capture(self, bucket: int, width: int, plan: DecodePlan) -> DecodeGraph:
         # Padding sequences, as replays will see them: no KV write, `width` visible keys.
@@ -202,20 +208,20 @@ class CudaGraphRunner:
         start = time.perf_counter()
         # One eager run first: compiles the Triton kernels and settles lazy state
         # (e.g. RoPE tables moved to the device), neither of which may happen in capture.
-        vocab_size = self._forward(bucket, width, plan).shape[1]
+        vocab_size = self._forward(bucket, width, plan)[0].shape[1]
         if self.logits is None:
             self.logits = torch.empty(self.logits_rows, vocab_size, dtype=torch.float32, device=self.device)
         logits = self.logits[:num_tokens]
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self._forward(bucket, width, plan, out=logits)
+            _, hidden = self._forward(bucket, width, plan, out=logits)
         torch.cuda.synchronize(self.device)
         logger.debug(
             "captured graph: batch %d, %d query tokens each, %s, %.0f ms",
             bucket, width, plan, (time.perf_counter() - start) * 1e3,
         )
-        return DecodeGraph(graph, logits)
+        return DecodeGraph(graph, logits, hidden)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -306,9 +312,16 @@ class CudaGraphRunner:
         self.replays[key] += 1
         self.last_key = key
         if all(length == width for length in lengths):
-            return graph.logits[: batch * width]
-        rows = [i * width + j for i, length in enumerate(lengths) for j in range(length)]
-        return graph.logits[torch.tensor(rows, device=self.device)]
+            self._last_rows: slice | torch.Tensor = slice(0, batch * width)
+        else:
+            rows = [i * width + j for i, length in enumerate(lengths) for j in range(length)]
+            self._last_rows = torch.tensor(rows, device=self.device)
+        return graph.logits[self._last_rows]
+
+    def last_hidden(self) -> torch.Tensor:
+        """The last run's hidden states of the last layer, [rows of its logits, hidden], in
+        the same order; valid until the next run."""
+        return self.graphs[self.last_key].hidden[self._last_rows]
 
     @property
     def num_replays(self) -> int:

@@ -91,7 +91,7 @@ class StepLogits:
     # positions of this chunk, for requests that asked for prompt logprobs.
     prompt_logits: list[tuple[str, torch.Tensor, int]]
     # [R, H] the last layer's hidden states at sample_logits' rows, for draft heads that read
-    # them (None where the step did not keep them: CUDA graph replays).
+    # them (None unless the speculator needs them).
     sample_hidden: torch.Tensor | None = None
     # [T, H] every row's (the step's order), for drafters that read them all (EAGLE); with
     # aux_hidden_layers, [T, 3H]: the residual streams entering those layers (EAGLE-3).
@@ -529,6 +529,10 @@ class ModelRunner:
             trees=[self._graph_tree(seq, sched.spec_tree_parents.get(seq_id), n)
                    for seq_id, seq, n in zip(seq_ids, seqs, num_rows)] if sched.spec_tree_parents else None,
         )
+        if self.speculator is not None and self.speculator.needs_hidden_states:
+            # Every row of a graph step samples: the sampled rows are all of the step's.
+            hidden = self.cuda_graphs.last_hidden()
+            return StepLogits(logits, seq_ids, num_rows, [], hidden, hidden)
         return StepLogits(logits, seq_ids, num_rows, [])
 
     @staticmethod
@@ -636,8 +640,7 @@ class ModelRunner:
     def forward(self, sched: SchedulerOutput) -> StepLogits:
         """The step's forward pass: logits of the positions that sample or score."""
         self._apply(sched)
-        if (self.cuda_graphs is not None and self._graph_can_run(sched)
-                and not (self.speculator is not None and self.speculator.needs_hidden_states)):
+        if self.cuda_graphs is not None and self._graph_can_run(sched) and not self.aux_hidden_layers:
             return self._execute_graph(sched)
         input_ids: list[int] = []
         positions: list[int] = []
