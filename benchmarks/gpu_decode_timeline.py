@@ -6,7 +6,7 @@ minus the graph's own time is in those gaps and activities), and each kernel's c
 the PDL chain (kvserve/benchmarks/decode_timeline.py computes them).
 
     python benchmarks/gpu_decode_timeline.py [--quantization int4|fp8] [--batch 1] [--output-len 64]
-        [--dump-steps 2 --skip-steps 20]
+        [--dump-steps 2 --skip-steps 20] [--num-loras 1 --lora-rank 16]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from kvserve.benchmarks.decode_timeline import (
     idle_report,
     step_timeline,
 )
+from kvserve.benchmarks.lora_throughput import random_adapters
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
 
@@ -46,16 +47,24 @@ def main() -> None:
     parser.add_argument("--dump-steps", type=int, default=0,
                         help="Also print this many steps' host calls and non-graph device work in order.")
     parser.add_argument("--trace", default=None, help="Also keep the Chrome trace at this path.")
+    parser.add_argument("--num-loras", type=int, default=0,
+                        help="Serve this many random LoRA adapters, the requests spread over them.")
+    parser.add_argument("--lora-rank", type=int, default=16, help="Rank of the random adapters.")
     args = parser.parse_args()
+    lora = dict(enable_lora=True, max_loras=args.num_loras, max_lora_rank=args.lora_rank) if args.num_loras else {}
     llm = LLM(load_format="dummy", model_shape=args.model_shape, quantization=args.quantization,
-              max_num_seqs=max(args.batch, 1))
+              max_num_seqs=max(args.batch, 1), **lora)
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(args.input_len)]}
                for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, params)  # warm-up: graphs captured, kernels compiled
+    adapters_dir = tempfile.mkdtemp()
+    adapters = (random_adapters(adapters_dir, llm.engine.model_config, args.num_loras, args.lora_rank)
+                if args.num_loras else [None])
+    lora_requests = [adapters[i % len(adapters)] for i in range(args.batch)]
+    llm.generate(prompts, params, lora_request=lora_requests)  # warm-up: graphs captured, kernels compiled
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params)
+        llm.generate(prompts, params, lora_request=lora_requests)
         torch.cuda.synchronize()
     path = args.trace or os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)

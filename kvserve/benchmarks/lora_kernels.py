@@ -1,8 +1,8 @@
-"""Device time of the LoRA kernels on one layer of a named model shape's LoRA linears
-(q/k/v, o, gate/up, down), per step size, beside the base linears' own GEMMs: the
-per-token (BGMV-style) kernels and the grouped (SGMV-style) ones with the step's grouping
-of tokens by slot, each replayed in a CUDA graph. Says what a LoRA step costs over the base
-model and from which step size the grouped kernels win (KVSERVE_LORA_SGMV_MIN_TOKENS). GPU only:
+"""Device time of the LoRA kernels on a named model shape's LoRA linears (q/k/v, o, gate/up,
+down), per step size: a few layers' base GEMMs alone, then each followed by the per-token
+(BGMV-style) or the grouped (SGMV-style, with the step's grouping of tokens by slot) LoRA
+kernels, replayed in a CUDA graph. Says what LoRA adds to the linears' time and from which
+step size the grouped kernels win (KVSERVE_LORA_SGMV_MIN_TOKENS). GPU only:
 
     python -m kvserve.benchmarks.lora_kernels [--model-shape llama3-8b] [--num-slots 8]
         [--rank 16] [--tokens 1,16,...]
@@ -65,21 +65,33 @@ def cuda_graph_time_us(fn: Callable[[], None]) -> float:
     return triton.testing.do_bench_cudagraph(fn) * 1e3
 
 
-def measure(linears: list[Linear], num_tokens: int, num_slots: int, rank: int,
-            dtype: torch.dtype) -> dict[str, float]:
-    """Microseconds of one layer's base GEMMs, per-token and grouped LoRA kernels, for
-    num_tokens tokens spread evenly over the slots and the base model."""
-    layers = [LoRALayerBuffers(linear, num_tokens, num_slots, rank, dtype) for linear in linears]
+def measure(linears: list[Linear], num_tokens: int, num_slots: int, rank: int, dtype: torch.dtype,
+            num_layers: int) -> dict[str, float]:
+    """Microseconds of `num_layers` layers' base GEMMs alone, then each followed by its
+    per-token or grouped LoRA kernels, for num_tokens tokens spread evenly over the slots
+    and the base model. Every layer has its own weights and matrices, so that (as in a
+    model's step) the LoRA kernels read theirs from HBM, not from L2."""
+    layers = [LoRALayerBuffers(linear, num_tokens, num_slots, rank, dtype)
+              for _ in range(num_layers) for linear in linears]
     slots = (torch.arange(num_tokens, device="cuda") % (num_slots + 1) - 1).to(torch.int32)
     slots = slots[torch.randperm(num_tokens, device="cuda")].contiguous()
+
+    def base() -> None:
+        for layer in layers:
+            layer.base()
+
+    def per_token() -> None:
+        for layer in layers:
+            layer.base()
+            layer.per_token(slots)
 
     def grouped() -> None:
         groups = align_by_slot(slots, num_tokens, num_slots)  # once a forward pass
         for layer in layers:
+            layer.base()
             layer.grouped(groups)
 
-    return {"base": cuda_graph_time_us(lambda: [layer.base() for layer in layers]),
-            "per_token": cuda_graph_time_us(lambda: [layer.per_token(slots) for layer in layers]),
+    return {"base": cuda_graph_time_us(base), "per_token": cuda_graph_time_us(per_token),
             "grouped": cuda_graph_time_us(grouped)}
 
 
@@ -90,17 +102,18 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank of every slot")
     parser.add_argument("--tokens", default="1,8,16,32,64,128,256,512,2048", help="comma-separated step sizes")
     parser.add_argument("--dtype", default="bfloat16", help="torch dtype of activations and matrices")
+    parser.add_argument("--layers", type=int, default=8, help="layers a step, each with its own weights")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     linears = shape_linears(args.model_shape)
-    print(f"{args.model_shape} LoRA linears (one layer: {linears}), {args.num_slots} slots of rank {args.rank}, "
-          f"{args.dtype}; CUDA-graph device time")
-    print(f"{'tokens':>7s} {'base us':>9s} {'per-token us':>13s} {'grouped us':>11s} {'best/base':>10s}")
+    print(f"{args.model_shape} LoRA linears ({linears}) x {args.layers} layers, {args.num_slots} slots of rank "
+          f"{args.rank}, {args.dtype}; CUDA-graph device time of the base GEMMs alone and followed by LoRA kernels")
+    print(f"{'tokens':>7s} {'base us':>9s} {'+per-token us':>14s} {'+grouped us':>12s} {'per-token x':>12s} "
+          f"{'grouped x':>10s}")
     for num_tokens in (int(t) for t in args.tokens.split(",")):
-        times = measure(linears, num_tokens, args.num_slots, args.rank, dtype)
-        best = min(times["per_token"], times["grouped"])
-        print(f"{num_tokens:7d} {times['base']:9.1f} {times['per_token']:13.1f} {times['grouped']:11.1f} "
-              f"{best / times['base']:10.2f}")
+        times = measure(linears, num_tokens, args.num_slots, args.rank, dtype, args.layers)
+        print(f"{num_tokens:7d} {times['base']:9.1f} {times['per_token']:14.1f} {times['grouped']:12.1f} "
+              f"{times['per_token'] / times['base']:12.3f} {times['grouped'] / times['base']:10.3f}")
 
 
 if __name__ == "__main__":

@@ -27,9 +27,14 @@ EXPAND_BLOCK_OUT = 128
 # Slices of a fused projection expanded by one launch (q/k/v: 3).
 MAX_SLICES = 3
 # The shrinks split k over more programs when a step has few (at most this many splits, each
-# at least this many BLOCK_K blocks long).
+# at least this many BLOCK_K blocks long). The per-token shrink of a decode step reads A
+# cold from HBM: a program looping over blocks waits out each load's latency in turn (H200,
+# llama3-8b batch 1: down_proj's shrink took 9.3 us in 16 splits of 7 blocks), so it splits
+# down to one block a program.
 MAX_SPLITS = 16
 MIN_K_BLOCKS_A_SPLIT = 4
+PER_TOKEN_MAX_SPLITS = 128
+PER_TOKEN_MIN_K_BLOCKS = 1
 
 
 @triton.jit
@@ -77,7 +82,7 @@ def _slice_of(pid_n, b0, b1, b2, size0, size1, size2, y_offset1, y_offset2, BLOC
 @triton.jit
 def _expand_kernel(h_ptr, b0, b1, b2, slots_ptr, y_ptr, rank, num_slots, size0, size1, size2, y_offset0, y_offset1,
                    y_offset2, h_offset0, stride_h, stride_split, num_splits, stride_y, BLOCK_OUT: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """One token's y[one BLOCK_OUT column tile of one slice] += h[that slice's rank columns]
     @ B[slice][:, slot's columns]^T, for up to three slices in one launch; h the sum of the
     shrink's splits."""
@@ -88,10 +93,12 @@ def _expand_kernel(h_ptr, b0, b1, b2, slots_ptr, y_ptr, rank, num_slots, size0, 
                                                        y_offset1, y_offset2, BLOCK_OUT)
         outs = tile * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
         ranks = tl.arange(0, BLOCK_R)
-        h = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for split in range(num_splits):  # the shrink's partial sums over k, in a fixed order
-            h += tl.load(h_ptr + split * stride_split + token * stride_h + h_offset0 + index * rank + ranks,
-                         mask=ranks < rank, other=0.0)
+        # The shrink's partial sums over k, loaded at once and summed in a fixed order.
+        splits = tl.arange(0, BLOCK_S)
+        partials = tl.load(h_ptr + splits[:, None] * stride_split + token * stride_h + h_offset0 + index * rank
+                           + ranks[None, :], mask=(splits[:, None] < num_splits) & (ranks[None, :] < rank),
+                           other=0.0)
+        h = tl.sum(partials, axis=0)
         b = tl.load(b_ptr + outs[:, None] * (num_slots * rank) + slot * rank + ranks[None, :],
                     mask=(outs[:, None] < size) & (ranks[None, :] < rank), other=0.0).to(tl.float32)
         delta = tl.sum(b * h[None, :], axis=1)
@@ -109,7 +116,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, num_
     num_tokens, in_features = x.shape
     num_rows = lora_a.shape[1]
     n_tiles = triton.cdiv(num_rows, SHRINK_BLOCK_N)
-    num_splits, k_per_split = _k_splits(in_features, SHRINK_BLOCK_K, num_tokens * n_tiles, x.device, num_splits)
+    num_splits, k_per_split = _k_splits(in_features, SHRINK_BLOCK_K, num_tokens * n_tiles, x.device, num_splits,
+                                        PER_TOKEN_MAX_SPLITS, PER_TOKEN_MIN_K_BLOCKS)
     h = torch.empty(num_splits, num_tokens, num_rows, dtype=torch.float32, device=x.device)
     grid = (num_tokens, n_tiles, num_splits)
     _shrink_kernel[grid](x, lora_a, slots, h, in_features, num_rows, k_per_split, x.stride(0), lora_a.stride(0),
@@ -124,15 +132,15 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _k_splits(in_features: int, block_k: int, num_programs: int, device: torch.device,
-              num_splits: int | None) -> tuple[int, int]:
+def _k_splits(in_features: int, block_k: int, num_programs: int, device: torch.device, num_splits: int | None,
+              max_splits: int = MAX_SPLITS, min_blocks: int = MIN_K_BLOCKS_A_SPLIT) -> tuple[int, int]:
     """(splits, k a split) for a shrink of `num_programs` programs a split: `num_splits` if
-    given, else enough for about two programs an SM, each split MIN_K_BLOCKS_A_SPLIT blocks
-    long at least, MAX_SPLITS at most; shape-static (the same on every graph replay)."""
+    given, else enough for about two programs an SM, each split `min_blocks` blocks long at
+    least, `max_splits` at most; shape-static (the same on every graph replay)."""
     k_blocks = triton.cdiv(in_features, block_k)
     if num_splits is None:
         wanted = triton.cdiv(2 * _num_sms(device), num_programs)
-        num_splits = max(1, min(wanted, k_blocks // MIN_K_BLOCKS_A_SPLIT, MAX_SPLITS))
+        num_splits = max(1, min(wanted, k_blocks // min_blocks, max_splits))
     k_per_split = triton.cdiv(k_blocks, num_splits) * block_k
     return triton.cdiv(in_features, k_per_split), k_per_split  # no split empty
 
@@ -157,7 +165,7 @@ def lora_expand_slices(h: torch.Tensor, lora_bs: Sequence[torch.Tensor], rank: i
     grid = (num_tokens, sum(triton.cdiv(s, EXPAND_BLOCK_OUT) for s in size))
     _expand_kernel[grid](h, *b, slots, y, rank, num_slots, *size, y_offset, offset[1], offset[2], h_offset,
                          h.stride(1), h.stride(0), num_splits, y.stride(0), BLOCK_OUT=EXPAND_BLOCK_OUT,
-                         BLOCK_R=triton.next_power_of_2(rank))
+                         BLOCK_R=triton.next_power_of_2(rank), BLOCK_S=triton.next_power_of_2(num_splits))
 
 
 def _padded_slices(lora_bs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[int]]:

@@ -89,13 +89,9 @@ def test_gpu_lora_layer_equals_cpu_layer() -> None:
     torch.manual_seed(0)
     base = Linear(96, 80, bias=False)
     slots = [1, -1, 0, 2, 2, 1, -1]
-    mask = torch.zeros(16, 3)
-    for t, s in enumerate(slots):
-        if s >= 0:
-            mask[t, s] = 1.0
     indices = torch.full((16,), -1, dtype=torch.int32)
     indices[: len(slots)] = torch.tensor(slots, dtype=torch.int32)
-    cpu = LoRALinear(base, 96, (48, 32), 3, 8, mask, torch.float32)
+    cpu = LoRALinear(base, 96, (48, 32), 3, 8, indices.clone(), torch.float32)
     gpu = LoRALinear(Linear(96, 80, bias=False).cuda(), 96, (48, 32), 3, 8, indices.cuda(), torch.float32)
     gpu.base.weight.data.copy_(base.weight.data)
     for slot in range(3):
@@ -319,7 +315,7 @@ def test_kernels_compile_for_sm90() -> None:
                 "num_padded_ptr": "*i64"}
     kernels = [
         (lora._shrink_kernel, dict(BLOCK_N=lora.SHRINK_BLOCK_N, BLOCK_K=lora.SHRINK_BLOCK_K)),
-        (lora._expand_kernel, dict(BLOCK_OUT=lora.EXPAND_BLOCK_OUT, BLOCK_R=16)),
+        (lora._expand_kernel, dict(BLOCK_OUT=lora.EXPAND_BLOCK_OUT, BLOCK_R=16, BLOCK_S=64)),
         (lora._sgmv_shrink_kernel, dict(PRECISION="tf32", BLOCK_M=16, BLOCK_N=16, BLOCK_K=lora.SGMV_SHRINK_BLOCK_K)),
         (lora._sgmv_shrink_kernel, dict(PRECISION="tf32", BLOCK_M=32, BLOCK_N=64, BLOCK_K=lora.SGMV_SHRINK_BLOCK_K)),
         (lora._sgmv_expand_kernel, dict(PRECISION="tf32", BLOCK_M=32, BLOCK_N=lora.SGMV_EXPAND_BLOCK_N, BLOCK_R=16)),
