@@ -15,6 +15,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 # per core) share them.
 torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)
                           // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+# The servers, engine cores and ranks the tests start as processes likewise: each would take
+# every core, its OpenMP threads spinning on the cores the other worker computes on.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 @pytest.fixture(autouse=True)

@@ -4,9 +4,12 @@ with fixes for bugs of Triton 3.6's interpreter applied first."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,14 +78,20 @@ def patch_interpreter() -> None:
     interpreter.InterpreterBuilder.create_ui_to_fp = patched_int_to_fp
 
 
-def run_interpreted(module: str, function: str) -> str:
-    """Call `module.function()` (a dotted name from the repository root) in an interpreter
-    subprocess; returns the last line it printed."""
-    command = (f"import tests.triton_interpreter as i; i.patch_interpreter(); "
-               f"import {module} as m; m.{function}()")
+def run_interpreted(module: str, function: str, *args: object) -> str:
+    """Call `module.function(*args)` (a dotted name from the repository root; args JSON
+    values) in an interpreter subprocess; returns the last line it printed."""
+    command = (f"import json, sys; import tests.triton_interpreter as i; i.patch_interpreter(); "
+               f"import {module} as m; m.{function}(*json.loads(sys.argv[1]))")
     proc = subprocess.run(
-        [sys.executable, "-c", command], check=False, cwd=REPO_ROOT,
+        [sys.executable, "-c", command, json.dumps(args)], check=False, cwd=REPO_ROOT,
         env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     return proc.stdout.strip().splitlines()[-1]
+
+
+def slow_tests_selected(request: pytest.FixtureRequest) -> bool:
+    """Whether this run selected a slow-marked test of the module asking: its interpreter
+    subprocess then runs the slow cases too, else the default run's only."""
+    return any(item.module is request.module and item.get_closest_marker("slow") for item in request.session.items)

@@ -308,6 +308,7 @@ def test_random_completions_all_at_once(server_url, tmp_path, capsys):
     assert "KV cache: peak" in stdout
 
 
+@pytest.mark.slow  # ~25 s on 2 cores; test_random_completions_all_at_once covers the run itself
 def test_sweep_poisson_and_capped_concurrency_writes_json_and_plot(server_url, tmp_path, capsys):
     plot = tmp_path / "sweep.png"
     result, _ = _bench(

@@ -27,7 +27,7 @@ from kvserve.quantization.fp8 import Fp8Linear, quantize_fp8
 from kvserve.quantization.int4 import Int4Linear, dequantize_int4, quantize_int4
 from kvserve.quantization.int8 import GroupInt8Linear, Int8Linear
 from tests.fp8_reference import per_token_reference
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import run_interpreted, slow_tests_selected
 
 # Worst relative error ||y - ref|| / ||ref|| per row against fp64 on the same weights.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -163,6 +163,13 @@ WORDS_CASES = [
     WordsCase(None, 40, 37, 256, 128),
 ]
 WORDS_DTYPES = (torch.bfloat16, torch.float16)
+# The word kernels' float16 cases take the bfloat16 ones' code path: slow-marked (half this
+# module's interpreter time), run with -m slow.
+SLOW_DTYPES = (torch.float16,)
+
+
+def dtype_params(dtypes: tuple[torch.dtype, ...]) -> list:
+    return [pytest.param(dtype, marks=pytest.mark.slow) if dtype in SLOW_DTYPES else dtype for dtype in dtypes]
 
 
 class Fp8WordsCase(WordsCase):
@@ -266,10 +273,12 @@ def fp8_codes_exact(kernel: str, block_m: int, split: int | None, dtype: torch.d
     return torch.equal(y, weight.reshape(n, k)[:, picked].T.to(dtype))
 
 
-def run_small_cases() -> None:
-    """Subprocess entry: print {case id: relative error} as JSON."""
+def run_small_cases(with_slow: bool = True) -> None:
+    """Subprocess entry: print {case id: relative error} as JSON (without SLOW_DTYPES'
+    cases unless `with_slow`)."""
     results = {}
-    for dtype in WORDS_DTYPES:
+    words_dtypes = [dtype for dtype in WORDS_DTYPES if with_slow or dtype not in SLOW_DTYPES]
+    for dtype in words_dtypes:
         dtype_name = str(dtype).removeprefix("torch.")
         for case in FP8_WORDS_CASES:
             results[f"{case.id}-{dtype_name}"] = fp8_words_case_error(case, dtype)
@@ -278,7 +287,7 @@ def run_small_cases() -> None:
                 results[f"fp8-codes-{kernel}-{block_m}-{split}-{grouped}-{dtype_name}"] = fp8_codes_exact(
                     kernel, block_m, split, dtype, grouped)
     for case in WORDS_CASES:
-        for dtype in WORDS_DTYPES:
+        for dtype in words_dtypes:
             results[f"{case.id}-{str(dtype).removeprefix('torch.')}"] = words_case_error(case, dtype)
     for case in SMALL_CASES:
         kind, m, n, k, split, gemv = case
@@ -364,9 +373,10 @@ def split_tile_ranges(num_tiles: int, splits: int, even: bool) -> list[list[int]
 
 
 @pytest.fixture(scope="module")
-def interpreted_errors() -> dict[str, float | bool]:
+def interpreted_errors(request) -> dict[str, float | bool]:
     pytest.importorskip("triton")
-    return json.loads(run_interpreted("tests.ops.quant.test_weight_only", "run_small_cases"))
+    return json.loads(run_interpreted("tests.ops.quant.test_weight_only", "run_small_cases",
+                                      slow_tests_selected(request)))
 
 
 @pytest.mark.parametrize("dtype", SMALL_DTYPES, ids=str)
@@ -375,19 +385,19 @@ def test_interpreted_matches_reference(case, dtype, interpreted_errors) -> None:
     assert interpreted_errors[_case_id(case, dtype)] <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", WORDS_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", dtype_params(WORDS_DTYPES), ids=str)
 @pytest.mark.parametrize("case", WORDS_CASES, ids=lambda c: c.id)
 def test_interpreted_int4_word_kernels_match_reference(case, dtype, interpreted_errors) -> None:
     assert interpreted_errors[f"{case.id}-{str(dtype).removeprefix('torch.')}"] <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", WORDS_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", dtype_params(WORDS_DTYPES), ids=str)
 @pytest.mark.parametrize("case", FP8_WORDS_CASES, ids=lambda c: c.id)
 def test_interpreted_fp8_word_kernels_match_reference(case, dtype, interpreted_errors) -> None:
     assert interpreted_errors[f"{case.id}-{str(dtype).removeprefix('torch.')}"] <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", WORDS_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", dtype_params(WORDS_DTYPES), ids=str)
 @pytest.mark.parametrize("grouped", (False, True), ids=("per_channel", "grouped"))
 @pytest.mark.parametrize("case", FP8_EXACT_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_interpreted_fp8_word_kernels_read_every_e4m3_code_exactly(case, grouped, dtype, interpreted_errors) -> None:
