@@ -46,8 +46,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "KVSERVE_QUANTIZED_GPU_KERNELS": lambda: os.environ.get("KVSERVE_QUANTIZED_GPU_KERNELS", "1") != "0",
     # LoRA layers built while it is set run steps of at least this many tokens on the CUDA
     # grouped (SGMV) kernels and smaller ones on the per-token (BGMV) kernels (ops/lora.py);
-    # default 64. "1": always grouped; a number above any step: always per token.
-    "KVSERVE_LORA_SGMV_MIN_TOKENS": lambda: int(os.environ.get("KVSERVE_LORA_SGMV_MIN_TOKENS") or 64),
+    # default 32. "1": always grouped; a number above any step: always per token.
+    "KVSERVE_LORA_SGMV_MIN_TOKENS": lambda: int(os.environ.get("KVSERVE_LORA_SGMV_MIN_TOKENS") or 32),
     # Layers per pipeline stage, comma-separated ("12,10,10"), instead of an even split.
     "KVSERVE_PP_LAYER_PARTITION": lambda: os.environ.get("KVSERVE_PP_LAYER_PARTITION"),
     # How an expert-parallel mixture of experts combines its ranks' work: "all_to_all" (tokens

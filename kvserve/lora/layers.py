@@ -6,7 +6,7 @@ place every step, so the compiled CPU decode graph and CUDA graphs take it as an
 never branch on which adapters run. On CUDA, Triton kernels (ops/lora.py) read it on the
 device: per token for a few tokens (decode), grouped by slot on the device for many (prefill:
 each slot's matrices read once a tile of its tokens, on the tensor cores; from
-KVSERVE_LORA_SGMV_MIN_TOKENS tokens, default 64), the grouping made once a forward pass and
+KVSERVE_LORA_SGMV_MIN_TOKENS tokens, default 32), the grouping made once a forward pass and
 shared by every layer (SlotGroupsCache). On CPU, kvserve's `lora_add_` kernel
 (ops/cpu/csrc/lora.cpp) groups the step's tokens by slot and runs each token through its own
 slot's A and B only, each slot's matrices read once for all of its tokens; where the kernel
