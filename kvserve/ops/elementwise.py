@@ -80,6 +80,42 @@ def add_rms_norm(
     return Fp8Rows(out.view(torch.float8_e4m3fn), scales, x.dtype) if fp8 else out
 
 
+@triton.jit
+def _qk_rms_norm_kernel(heads_ptr, q_weight_ptr, k_weight_ptr, num_q_heads, head_dim, stride_t, stride_h, eps,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One head of one token normalized in place, with q's weight for the first num_q_heads
+    heads and k's for the rest."""
+    pdl.chained(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < head_dim
+    ptrs = heads_ptr + token * stride_t + head * stride_h + cols
+    xf = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    variance = tl.sum(xf * xf, axis=0) / head_dim
+    normed = (xf * tl.math.rsqrt(variance + eps)).to(heads_ptr.dtype.element_ty)
+    if head < num_q_heads:
+        weight = tl.load(q_weight_ptr + cols, mask=mask, other=0.0)
+    else:
+        weight = tl.load(k_weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(ptrs, (weight.to(tl.float32) * normed.to(tl.float32)).to(heads_ptr.dtype.element_ty), mask=mask)
+
+
+def qk_rms_norm_(heads: torch.Tensor, num_q_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """Qwen3's per-head RMSNorms of queries and keys in one launch, in place: heads [T, q heads
+    + kv heads, head_dim] (a view of the fused projection: unit stride along head_dim, q's
+    heads first), each head normalized as RMSNorm does (fp32 sums, rounded to the run dtype,
+    times its weight: q_weight for the first num_q_heads heads, k_weight after)."""
+    num_tokens, num_heads, head_dim = heads.shape
+    assert heads.stride(2) == 1 and q_weight.dtype == k_weight.dtype == heads.dtype
+    if num_tokens:
+        _qk_rms_norm_kernel[(num_tokens, num_heads)](
+            heads, q_weight, k_weight, num_q_heads, head_dim, heads.stride(0), heads.stride(1), eps,
+            BLOCK=triton.next_power_of_2(head_dim), num_warps=1, **pdl.chained_options(heads.device))
+    return heads
+
+
 def _check_fp8_rows(dtype: torch.dtype, out_dtype: torch.dtype) -> None:
     # fp32 rows differed from the unfused kernel's in a few values on an H100 (only the
     # 16-bit forms were checked to match bit for bit), and the fp8 linears take 16-bit rows.

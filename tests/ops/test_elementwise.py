@@ -102,6 +102,22 @@ def check_shape(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict
             errors["rotary_queries_and_keys_leaves_v"] = rel(layout[:, (heads + kv_heads) * head_dim :],
                                                              pristine[:, (heads + kv_heads) * head_dim :])
 
+    # Qwen3's q/k norms in one launch, in place on the projection's view, against RMSNorm
+    # on each (fp32 reference: the torch path, upcast where CPU lacks the half kernels).
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+    q_norm.weight.data = torch.rand(head_dim, generator=gen) + 0.5
+    k_norm.weight.data = torch.rand(head_dim, generator=gen) + 0.5
+    q_norm, k_norm = q_norm.to(dtype), k_norm.to(dtype)
+    layout = pristine.clone().to(device)
+    heads_view = layout[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    elementwise.qk_rms_norm_(heads_view, heads, q_norm.weight.to(device), k_norm.weight.to(device), 1e-6)
+    q_pristine = pristine[:, : heads * head_dim].reshape(tokens, heads, head_dim)
+    k_pristine = pristine[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
+    errors["qk_rms_norm"] = max(rel(heads_view[:, :heads], q_norm(q_pristine)),
+                                rel(heads_view[:, heads:], k_norm(k_pristine)))
+    errors["qk_rms_norm_leaves_v"] = rel(layout[:, (heads + kv_heads) * head_dim :],
+                                         pristine[:, (heads + kv_heads) * head_dim :])
+
     gate_up = (torch.randn(tokens, 2 * inter, generator=gen) * 3).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     activation = elementwise.silu_and_mul(gate_up.to(device))
@@ -120,6 +136,7 @@ MAX_EPS = {torch.float32: 64, torch.float16: 2, torch.bfloat16: 2}
 
 def assert_kernels_match(errors: dict[str, float], dtype: torch.dtype) -> None:
     assert errors["rotary_leaves_v"] == errors["rotary_queries_and_keys_leaves_v"] == 0
+    assert errors["qk_rms_norm_leaves_v"] == 0
     assert all(error == 0 for name, error in errors.items() if name.endswith("_mismatches")), errors
     assert all(error <= MAX_EPS[dtype] for error in errors.values()), errors
 

@@ -62,12 +62,18 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         float8 = kv_cache.dtype in FLOAT8_DTYPES
         q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
-        if self.qk_norm:
+        adjacent = True  # q's and k's heads still one view of the projection
+        if self.qk_norm and heads.is_cuda and self.q_norm.weight.dtype == heads.dtype:
+            from kvserve.ops.elementwise import qk_rms_norm_
+
+            qk_rms_norm_(heads, self.num_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        elif self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+            adjacent = False
         # The backend applies RoPE where it saves launches (at decode, inside its attention
         # kernel); a float8 cache's keys change basis after RoPE, so those rotate here.
         rotary = (cos, sin) if self.attn_backend.fuses_rotary and not float8 else None
-        if rotary is None and self.qk_norm:
+        if rotary is None and not adjacent:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if float8:
                 q, k = self.attn_backend.to_key_basis(q), self.attn_backend.to_key_basis(k)
