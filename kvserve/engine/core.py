@@ -269,14 +269,15 @@ class EngineCore:
             lm_head = target.model.embed_tokens if self.model_config.tie_word_embeddings else target.lm_head
             proposer = EagleProposer(head, target.model.embed_tokens,
                                      target_lm_head_drafter(head, lm_head.weight if target.tp_group is None else None,
-                                                            target.compute_logits))
+                                                            target.compute_logits), config.eagle_tree())
         elif config.method == "eagle3":
             from kvserve.spec_decode.eagle import EagleProposer
             from kvserve.spec_decode.eagle3 import load_eagle3_head
 
             head, layers = load_eagle3_head(config.model, self.model_config, self.model_config.dtype, self.device)
             self.runner.aux_hidden_layers = layers
-            proposer = EagleProposer(head, self.runner.model.model.embed_tokens, head.draft_token_ids)
+            proposer = EagleProposer(head, self.runner.model.model.embed_tokens, head.draft_token_ids,
+                                     config.eagle_tree())
         elif config.method == "jump_forward":
             from kvserve.spec_decode.jump_forward_proposer import JumpForwardProposer
 

@@ -133,6 +133,7 @@ class StepSampler:
             row += num_rows
 
         hidden_rows: dict[str, int] = dict(zip(plain_ids, plain_rows))
+        verified_rows: dict[str, tuple[int, list[int]]] = {}
         rows, row_seq_ids, logit_rows = [], [], []
         for logit_row, seq_id in enumerate(plain_ids):
             seq = seqs[seq_id]
@@ -163,9 +164,10 @@ class StepSampler:
                     run.num_in_place,
                 ))
                 hidden_rows[seq_id] = spec_rows[first_row + run.rows[-1]]
+                verified_rows[seq_id] = (len(seq_drafts), run.rows)
                 first_row += len(seq_drafts) + 1
         if speculator is not None and speculator.reads_step_features and step_hidden is not None:
-            self._observe_features(sched, seqs, out, step_hidden, speculator)
+            self._observe_features(sched, seqs, verified_rows, step_hidden, speculator)
         if speculator is not None:
             hidden = sample_hidden if speculator.needs_hidden_states else None
             proposed = speculator.propose(self._drafting(out.sampled, seqs, hidden, hidden_rows), len(out.sampled))
@@ -177,15 +179,23 @@ class StepSampler:
         return out
 
     @staticmethod
-    def _observe_features(sched: SchedulerOutput, seqs: SequenceStates, out: ModelRunnerOutput,
-                          step_hidden: torch.Tensor, speculator: Speculator) -> None:
-        """Each sequence's verified rows: all it ran but the rejected drafts."""
-        verified = {item.seq_id: item for item in out.sampled if item.num_drafts}
+    def _observe_features(sched: SchedulerOutput, seqs: SequenceStates,
+                          verified_rows: dict[str, tuple[int, list[int]]], step_hidden: torch.Tensor,
+                          speculator: Speculator) -> None:
+        """Each sequence's verified rows: all it ran but the rejected drafts (`verified_rows`:
+        a verifying sequence's draft count and the rows of its emitted tokens among its last
+        1 + drafts: the newest token's, then the accepted path's, which in a tree skip the
+        other branches)."""
         flat = 0
         for seq_id, num in sched.num_scheduled_tokens.items():
-            item = verified.get(seq_id)
-            valid = num if item is None else num - item.num_drafts + item.num_accepted
-            speculator.observe_features(seq_id, seqs[seq_id].num_computed_tokens, step_hidden[flat : flat + valid])
+            rows = list(range(num))
+            if seq_id in verified_rows:
+                num_drafts, path_rows = verified_rows[seq_id]
+                offset = num - num_drafts - 1
+                rows = rows[:offset] + [offset + row for row in path_rows]
+            features = (step_hidden[flat : flat + len(rows)] if rows == list(range(len(rows)))
+                        else step_hidden[[flat + row for row in rows]])
+            speculator.observe_features(seq_id, seqs[seq_id].num_computed_tokens, features)
             flat += num
 
     def _sample_rows(

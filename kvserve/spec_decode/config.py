@@ -38,8 +38,10 @@ class SpeculativeConfig:
     model: str | None = None
     quantization: str | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
-    # medusa: the token tree as candidate-rank paths, e.g. "[(0,), (0, 0), (1,)]" (vLLM's key;
-    # a list works too); its node count is num_speculative_tokens. None: TokenTree.default.
+    # medusa, eagle, eagle3: the token tree as candidate-rank paths, e.g. "[(0,), (0, 0),
+    # (1,)]" (vLLM's key; a list works too); its node count is num_speculative_tokens. None:
+    # TokenTree.default for medusa, a chain for EAGLE (whose trees extend the top-1 chain
+    # only: the other candidates at each depth are leaves).
     speculative_token_tree: str | list | None = None
 
     @classmethod
@@ -74,6 +76,10 @@ class SpeculativeConfig:
         elif self.method in ("eagle", "eagle3"):
             if not self.model:
                 raise _error("model", self.model, f"a directory of an EAGLE head for method {self.method}")
+            tree = self.eagle_tree()
+            if tree is not None and tree.num_nodes != k:
+                raise _error("num_speculative_tokens", k,
+                             f"the token tree's node count ({tree.num_nodes}) when speculative_token_tree is given")
         elif self.method == "jump_forward":
             pass  # drafts come from the request's own grammar
         elif self.method == "medusa":
@@ -88,6 +94,17 @@ class SpeculativeConfig:
                 raise _error("model", self.model, "a model path or 'same' for method draft_model")
             if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
                 raise _error("quantization", self.quantization, f"one of {list(QUANTIZATION_METHODS)}")
+
+    def eagle_tree(self) -> TokenTree | None:
+        """EAGLE's tree: speculative_token_tree (checked: only the top-1 chain branches), or
+        None for a chain of num_speculative_tokens."""
+        if self.speculative_token_tree is None:
+            return None
+        from kvserve.spec_decode.eagle import check_eagle_tree
+
+        tree = self.token_tree(num_heads=MAX_SPECULATIVE_TOKENS)
+        check_eagle_tree(tree)
+        return tree
 
     def token_tree(self, num_heads: int) -> TokenTree:
         """The tree a draft-head method verifies: speculative_token_tree, or the default of

@@ -32,6 +32,7 @@ from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.linear import linear
 from kvserve.spec_decode.head_checkpoint import read_head_checkpoint
 from kvserve.spec_decode.proposer import Draft, DraftContext
+from kvserve.spec_decode.tree import TokenTree
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _LAYER = "layers.0."
@@ -194,19 +195,38 @@ def draft_vocab_of(d2t: torch.Tensor, draft_vocab_size: int, path: str, target: 
     return mapped
 
 
+# A drafter's candidates: (estimated features [m, H], n) -> the top n target token ids of
+# each row, best first, [m, n].
+TopTokens = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def top_ids(logits: torch.Tensor, n: int) -> torch.Tensor:
+    """The n best columns of each row, best first (n = 1: the argmax, ties to the lower id)."""
+    return logits.argmax(dim=-1, keepdim=True) if n == 1 else logits.topk(n, dim=-1).indices
+
+
 def target_lm_head_drafter(head: EagleHead, lm_head_weight: torch.Tensor | None,
-                           full_vocab: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """EAGLE-1's draft token of each estimated feature: the argmax of the target's LM head
+                           full_vocab: Callable[[torch.Tensor], torch.Tensor]) -> TopTokens:
+    """EAGLE-1's draft candidates of each estimated feature: the best of the target's LM head
     (`full_vocab`: the target's logits) or, with a draft vocabulary, of its rows of
     `lm_head_weight` [V, H] (None, a sharded head: of full_vocab's columns), mapped back to
     target ids."""
     if head.draft_vocab is None:
-        return lambda estimate: full_vocab(estimate).argmax(dim=-1)
+        return lambda estimate, n: top_ids(full_vocab(estimate), n)
     vocab = head.draft_vocab
     if lm_head_weight is None:
-        return lambda estimate: vocab[full_vocab(estimate)[:, vocab].argmax(dim=-1)]
+        return lambda estimate, n: vocab[top_ids(full_vocab(estimate)[:, vocab], n)]
     rows = lm_head_weight.detach()[vocab].contiguous()
-    return lambda estimate: vocab[linear(estimate.to(rows.dtype), rows).argmax(dim=-1)]
+    return lambda estimate, n: vocab[top_ids(linear(estimate.to(rows.dtype), rows), n)]
+
+
+def check_eagle_tree(tree: TokenTree) -> None:
+    """EAGLE drafts one chain of features: only the top-1 chain's nodes can have children
+    (the other candidates at each depth are leaves)."""
+    for path in tree.paths:
+        if any(rank != 0 for rank in path[:-1]):
+            raise ValueError(f"speculative_token_tree: node {path!r} descends from a candidate that is not the "
+                             f"top one; EAGLE extends the top-1 chain only: paths like (0, 0, r)")
 
 
 @dataclass
@@ -220,29 +240,40 @@ class _SequenceState:
 
 
 class EagleProposer:
-    """Chain drafting (EAGLE-1 and EAGLE-3), one sequence at a time: catch the sequence's
-    pairs up on the target features its steps produced, then extrapolate k features and take
-    the LM head's argmax of each (one-hot drafts: lossless with any sampling parameters)."""
+    """EAGLE-1 and EAGLE-3 drafting, one sequence at a time: catch the sequence's pairs up on
+    the target features its steps produced, then extrapolate features along the top-1 chain
+    and take the LM head's best candidates of each (one-hot drafts: lossless with any
+    sampling parameters): the chain of argmaxes, or with a token tree the top candidates at
+    each depth as siblings (more chances that one is accepted, for no more head steps)."""
 
     needs_hidden_states = True
     reads_step_features = True
 
-    def __init__(self, head: nn.Module, embed_tokens: nn.Embedding,
-                 to_token_ids: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """`head`: EAGLE-1's or EAGLE-3's; `to_token_ids`: the draft token of each estimated
-        feature (EAGLE-1: the target LM head's argmax; EAGLE-3: the head's own)."""
+    def __init__(self, head: nn.Module, embed_tokens: nn.Embedding, top_tokens: TopTokens,
+                 tree: TokenTree | None = None) -> None:
+        """`head`: EAGLE-1's or EAGLE-3's; `top_tokens`: the draft candidates of each
+        estimated feature (EAGLE-1: the target LM head's best; EAGLE-3: the head's own);
+        `tree`: whose non-top-1 nodes are leaves (check_eagle_tree); None: a chain."""
         self.head = head
         self.embed_tokens = embed_tokens
-        self.to_token_ids = to_token_ids
+        self.top_tokens = top_tokens
+        if tree is not None:
+            check_eagle_tree(tree)
+        self.tree = tree
         self._states: dict[str, _SequenceState] = {}
 
     def observe(self, seq_id: str, first_position: int, features: torch.Tensor) -> None:
         """Target features [m, H] of positions first_position.. (a step's verified rows)."""
         state = self._states.get(seq_id)
-        if state is None or first_position < state.start + state.cache.length + len(state.features):
-            # New, or recomputed after a preemption: start over.
+        if state is None or first_position < state.start:
             state = self._states[seq_id] = _SequenceState(start=first_position)
-        if first_position == state.start + state.cache.length + len(state.features):
+        expected = state.start + state.cache.length + len(state.features)
+        if first_position < expected:
+            # Positions seen already: a tree path through a lower-ranked branch has its KV
+            # recomputed in the next step. Verified tokens never change, nor their features.
+            features = features[expected - first_position :]
+            first_position = expected
+        if first_position == expected:
             state.features.extend(features.unbind(0))
 
     @torch.inference_mode()
@@ -264,15 +295,22 @@ class EagleProposer:
         positions = torch.arange(start, start + count)
         estimate = self.head(self.embed_tokens(next_tokens).to(dtype), features.to(dtype), positions, state.cache)[-1:]
         verified_length = state.cache.length
-        drafts = []
-        for step in range(k):
-            token = int(self.to_token_ids(estimate)[0])
-            drafts.append(token)
-            if step + 1 < k:
-                position = torch.tensor([state.start + verified_length + step])
-                estimate = self.head(self.embed_tokens(torch.tensor([token])).to(dtype), estimate, position, state.cache)
+        # Candidates wanted at each depth of the chain: k deep (a chain), or the tree's first k
+        # nodes (a prefix of its depth-first order is a subtree).
+        paths = [(0,) * (d + 1) for d in range(k)] if self.tree is None else self.tree.paths[:k]
+        wanted = [0] * max(len(path) for path in paths)
+        for path in paths:
+            wanted[len(path) - 1] = max(wanted[len(path) - 1], path[-1] + 1)
+        candidates = []
+        for depth, n in enumerate(wanted):
+            candidates.append(self.top_tokens(estimate, n)[0].tolist())
+            if depth + 1 < len(wanted):
+                position = torch.tensor([state.start + verified_length + depth])
+                token = torch.tensor(candidates[-1][:1])
+                estimate = self.head(self.embed_tokens(token).to(dtype), estimate, position, state.cache)
         state.cache.truncate(verified_length)
-        return Draft(drafts)
+        drafts = [candidates[len(path) - 1][path[-1]] for path in paths]
+        return Draft(drafts, parents=None if self.tree is None else self.tree.parents[:k])
 
     def retain(self, seq_ids: Iterable[str]) -> None:
         keep = set(seq_ids)

@@ -21,7 +21,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.linear import linear
-from kvserve.spec_decode.eagle import EagleCache, _rms_norm, draft_layer, draft_vocab_of, read_eagle_checkpoint
+from kvserve.spec_decode.eagle import EagleCache, _rms_norm, draft_layer, draft_vocab_of, read_eagle_checkpoint, top_ids
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -59,9 +59,10 @@ class Eagle3Head(nn.Module):
                        _rms_norm(features, self.hidden_norm, self.eps)], dim=-1)
         return draft_layer(self, x, features, positions, cache)
 
-    def draft_token_ids(self, outputs: torch.Tensor) -> torch.Tensor:
-        """Target token ids of the draft LM head's argmax (draft vocabulary mapped by d2t)."""
-        draft_ids = linear(_rms_norm(outputs, self.norm, self.eps), self.lm_head.weight).argmax(dim=-1)
+    def draft_token_ids(self, outputs: torch.Tensor, n: int = 1) -> torch.Tensor:
+        """Target token ids [m, n] of the draft LM head's best n, best first (draft vocabulary
+        mapped by d2t)."""
+        draft_ids = top_ids(linear(_rms_norm(outputs, self.norm, self.eps), self.lm_head.weight), n)
         return draft_ids + self.d2t[draft_ids]
 
 

@@ -91,6 +91,33 @@ def test_cached_steps_match_the_paper_head(fmt, tmp_path) -> None:
     torch.testing.assert_close(torch.cat(outputs), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_features_seen_again_keep_the_heads_context(tmp_path) -> None:
+    """A tree path through a lower-ranked branch has its KV recomputed in the next step, so
+    the proposer sees that position's feature twice: it keeps the pairs and cache it has
+    (drafting exactly as if each feature came once) rather than starting over."""
+    from kvserve.spec_decode.eagle import EagleProposer, top_ids
+    from kvserve.spec_decode.proposer import DraftContext
+
+    config = _head_config()
+    path = save_eagle(str(tmp_path / "head"), _random_reference(config, seed=3), config)
+    head = load_eagle_head(path, SimpleNamespace(hidden_size=HIDDEN, vocab_size=TINY_VOCAB, num_attention_heads=4),
+                           torch.float32, torch.device("cpu"))
+    embed, lm_head = nn.Embedding(TINY_VOCAB, HIDDEN), torch.randn(TINY_VOCAB, HIDDEN)
+    tokens, features = torch.randint(0, TINY_VOCAB, (12,)).tolist(), torch.randn(12, HIDDEN)
+
+    def drafts(feeds: list[tuple[int, int]]) -> list[list[int]]:
+        proposer = EagleProposer(head, embed, lambda estimate, n: top_ids(estimate @ lm_head.T, n))
+        out = []
+        for start, end in feeds:  # observe features [start, end), then draft after token end
+            proposer.observe("s", start, features[start:end])
+            context = DraftContext("s", tokens[: end + 1], 3, SamplingParams(), 64, None)
+            out.append(proposer.propose([context], [3])[0].token_ids)
+        return out
+
+    once = drafts([(0, 5), (5, 7), (7, 9)])
+    assert once[0] and drafts([(0, 5), (4, 7), (6, 9)]) == once
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
     from tests.conftest import randomize
@@ -163,10 +190,48 @@ def test_tiny_llama_greedy_is_exact(case, tiny_llama, tiny_eagle) -> None:
         assert llm.engine.core.scheduler.num_preemptions > 0
 
 
-def test_observed_features_are_the_targets_hidden_states(tiny_llama, tiny_eagle, monkeypatch) -> None:
+# Depth 1: the top three candidates; the chain of top-1 candidates three deep.
+EAGLE_TREE = "[(0,), (0, 0), (0, 0, 0), (1,), (2,)]"
+
+
+def _record_tree_paths(monkeypatch) -> list[list[int]]:
+    """The accepted path of every greedy tree verification from now on."""
+    from kvserve.spec_decode import speculator as speculator_module
+
+    paths: list[list[int]] = []
+    greedy_tree_run = speculator_module.greedy_tree_run
+    monkeypatch.setattr(speculator_module, "greedy_tree_run",
+                        lambda *args: paths.append((run := greedy_tree_run(*args)).path) or run)
+    return paths
+
+
+def test_a_token_tree_is_greedy_exact_and_its_branches_are_accepted(tiny_llama, tiny_eagle, monkeypatch) -> None:
+    """EAGLE with a token tree: the top candidates at each depth of the chain as siblings,
+    verified in one pass; greedy output identical to no speculation, in mixed batches with
+    small prefill chunks, and accepted paths that leave the top-1 chain."""
+    paths = _record_tree_paths(monkeypatch)
+    kwargs = dict(block_size=4, kv_cache_memory="4MiB", max_num_batched_tokens=9)
+    plain, _ = _tiny_run(tiny_llama, None, **kwargs)
+    config = {"method": "eagle", "model": tiny_eagle, "num_speculative_tokens": 5, "speculative_token_tree": EAGLE_TREE}
+    spec, llm = _tiny_run(tiny_llama, config, **kwargs)
+    assert spec == plain
+    assert any(path and path[0] in (3, 4) for path in paths), "no sibling of the top candidate was accepted"
+    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.runner.num_blocks
+
+
+def test_a_tree_that_branches_off_the_top_chain_is_refused(tiny_llama, tiny_eagle) -> None:
+    with pytest.raises(ValueError, match=r"node \(1, 0\) descends from a candidate that is not the top one"):
+        LLM(model=tiny_llama, skip_tokenizer_init=True, kv_cache_memory="4MiB",
+            speculative_config={"method": "eagle", "model": tiny_eagle, "num_speculative_tokens": 3,
+                                "speculative_token_tree": "[(0,), (1,), (1, 0)]"})
+
+
+@pytest.mark.parametrize("tree", [None, EAGLE_TREE], ids=["chain", "tree"])
+def test_observed_features_are_the_targets_hidden_states(tree, tiny_llama, tiny_eagle, monkeypatch) -> None:
     """What the head is fed: for every position of every sequence, prefill chunks and
-    verified drafts included, the target's last hidden state (after its final norm) as
-    transformers computes it over the whole final sequence."""
+    verified drafts included (with a tree, the accepted path's rows, not the first rows),
+    the target's last hidden state (after its final norm) as transformers computes it over
+    the whole final sequence."""
     from kvserve.spec_decode.eagle import EagleProposer
 
     observed: dict[str, dict[int, torch.Tensor]] = {}
@@ -178,12 +243,18 @@ def test_observed_features_are_the_targets_hidden_states(tiny_llama, tiny_eagle,
         observe(self, seq_id, first_position, features)
 
     monkeypatch.setattr(EagleProposer, "observe", recording)
+    paths = _record_tree_paths(monkeypatch)
+    config = {"method": "eagle", "model": tiny_eagle, "num_speculative_tokens": 3}
+    if tree is not None:
+        config.update(num_speculative_tokens=5, speculative_token_tree=tree)
     llm = LLM(model=tiny_llama, skip_tokenizer_init=True, kv_cache_memory="4MiB", max_num_batched_tokens=9,
-              speculative_config={"method": "eagle", "model": tiny_eagle, "num_speculative_tokens": 3})
+              speculative_config=config)
     prompt = list(range(1, 20))
     output = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     tokens = prompt + list(output[0].outputs[0].token_ids)
     assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
+    if tree is not None:  # paths through a sibling: the rows to observe are not the first ones
+        assert any(path and path[0] in (3, 4) for path in paths)
     [features] = observed.values()
     hf = LlamaForCausalLM.from_pretrained(tiny_llama)
     with torch.no_grad():

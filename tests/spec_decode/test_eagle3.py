@@ -119,7 +119,9 @@ def test_cached_steps_and_vocabulary_match_the_paper_head(tmp_path) -> None:
         expected = reference(embeds, torch.cat([reference.fc(target_layers), caught_up[-1:]]))
         torch.testing.assert_close(torch.cat([caught_up, drafted]), expected, rtol=1e-4, atol=1e-4)
         draft_ids = reference.lm_head(reference.norm(expected)).argmax(-1)
-        assert head.draft_token_ids(expected).tolist() == (draft_ids + D2T[draft_ids]).tolist()
+        assert head.draft_token_ids(expected)[:, 0].tolist() == (draft_ids + D2T[draft_ids]).tolist()
+        top3 = reference.lm_head(reference.norm(expected)).argsort(dim=-1, descending=True)[:, :3]
+        assert head.draft_token_ids(expected, 3).tolist() == (top3 + D2T[top3]).tolist()
 
 
 def test_bad_heads_are_clear_errors_at_load(tmp_path) -> None:

@@ -5,12 +5,14 @@ alike. Besides tok/s and acceptance it splits each speculative engine's time int
 (the proposer: the head's catch-up and draft steps, the LM head's projections) and the rest
 (verify steps, sampling, engine overhead).
 
-    python benchmarks/results/cpu-w5-eagle/measure.py --eagle EAGLE_DIR --k 2 3 --output-len 64
+    python benchmarks/results/cpu-w5-eagle/measure.py --eagle EAGLE_DIR --k 2 3 --output-len 64 \
+        [--trees "[(0,), (1,), (2,)]"]
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import time
@@ -53,6 +55,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--eagle", required=True, help="an EAGLE head from train-drafter --method eagle")
     parser.add_argument("--k", type=int, nargs="+", default=[2, 3], help="draft lengths to run")
+    parser.add_argument("--trees", nargs="*", default=[],
+                        help="token trees to run as well (speculative_token_tree), e.g. \"[(0,), (1,), (2,)]\"")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=len(LOW_REPETITION_PROMPTS))
     parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
@@ -62,6 +66,10 @@ def main() -> None:
     chosen = {"plain": None}
     chosen.update({f"eagle k={k}": {"method": "eagle", "model": args.eagle, "num_speculative_tokens": k}
                    for k in args.k})
+    for tree in args.trees:
+        nodes = len(ast.literal_eval(tree))
+        chosen[f"eagle tree {nodes}"] = {"method": "eagle", "model": args.eagle, "num_speculative_tokens": nodes,
+                                         "speculative_token_tree": tree}
     engines = {name: LLM(loaded=loaded, speculative_config=c) for name, c in chosen.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     for llm in engines.values():
@@ -99,10 +107,10 @@ def main() -> None:
         }
     load = {"start": load_start, "end": os.getloadavg()}
     print(f"load average at start {load['start']}, end {load['end']}")
-    print(f"{'config':>10s} {'tokens':>7s} {'tok/s':>7s} {'speedup':>8s} {'accept':>7s} {'mean len':>9s} "
+    print(f"{'config':>13s} {'tokens':>7s} {'tok/s':>7s} {'speedup':>8s} {'accept':>7s} {'mean len':>9s} "
           f"{'drafting':>9s} identical  per-position")
     for name, r in results.items():
-        print(f"{name:>10s} {r['tokens']:7d} {r['tok_s']:7.1f} {r['speedup']:7.2f}x {r['acceptance']:7.1%} "
+        print(f"{name:>13s} {r['tokens']:7d} {r['tok_s']:7.1f} {r['speedup']:7.2f}x {r['acceptance']:7.1%} "
               f"{r['mean_accepted_length']:9.2f} {r['drafting_share']:9.1%} {str(r['identical']):>9s}  "
               + " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]))
     if args.output_json:
