@@ -21,6 +21,7 @@ are dropped after each proposal, so the next one continues from verified pairs o
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -68,9 +69,10 @@ class EagleHead(nn.Module):
         self.draft_vocab: torch.Tensor | None = None
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                cache: EagleCache) -> torch.Tensor:
+                cache: EagleCache | EagleCaches) -> torch.Tensor:
         """Estimated next features [m, H] of m pairs (embedding of token t + 1, feature f_t)
-        at positions t = cache.length .. + m - 1; their keys/values are appended to `cache`."""
+        at positions t = cache.length .. + m - 1; their keys/values are appended to `cache`
+        (EagleCaches: several sequences' pairs, batched)."""
         x = _matmul()(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias)
         return draft_layer(self, x, x, positions, cache)
 
@@ -86,31 +88,46 @@ def _matmul() -> Callable[..., torch.Tensor]:
 
 
 def draft_layer(head: nn.Module, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
-                cache: EagleCache, mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache: EagleCache | EagleCaches, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The draft decoder layer of an EAGLE head (its q/k/v/o projections, post-attention
     norm and gated MLP): causal attention of x's m rows over the cached ones (their keys
     and values appended to `cache`) added to `residual`, then the MLP's residual add.
-    `mask` ([m, cached + m], True where a row attends) replaces the causal one (training's
-    unrolled draft steps attend their own chain only)."""
+    With EagleCaches, x holds several sequences' rows one after another: the projections
+    run on all of them at once, each sequence's rows attend its own cache. `mask` ([m,
+    cached + m], True where a row attends; one cache only) replaces the causal one
+    (training's unrolled draft steps attend their own chain only)."""
     m = x.shape[0]
     matmul = _matmul()
-    inv_freq = 1.0 / head.rope_theta ** (torch.arange(0, head.head_dim, 2, dtype=torch.float32) / head.head_dim)
-    angles = positions.float()[:, None] * inv_freq[None]
+    exponents = torch.arange(0, head.head_dim, 2, dtype=torch.float32, device=x.device) / head.head_dim
+    angles = positions.to(x.device).float()[:, None] * (1.0 / head.rope_theta**exponents)[None]
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     q = _rotate(matmul(x, head.q_proj.weight).view(m, head.num_heads, head.head_dim), cos, sin)
     k = _rotate(matmul(x, head.k_proj.weight).view(m, head.num_kv_heads, head.head_dim), cos, sin)
     v = matmul(x, head.v_proj.weight).view(m, head.num_kv_heads, head.head_dim)
-    keys, values = cache.append(k, v)
-    length = keys.shape[0]
-    if mask is None:
-        mask = torch.arange(length)[None, :] <= torch.arange(length - m, length)[:, None]
-    attended = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        attn_mask=mask, enable_gqa=True)[0].transpose(0, 1).reshape(m, -1)
+    if isinstance(cache, EagleCache):
+        attended = _attend(q, k, v, cache, mask)
+    else:
+        bounds = [0, *itertools.accumulate(cache.counts)]
+        attended = torch.cat([_attend(q[a:b], k[a:b], v[a:b], one) for one, a, b in
+                              zip(cache.caches, bounds, bounds[1:])])
     hidden = residual + matmul(attended, head.o_proj.weight)
     h = _rms_norm(hidden, head.post_attention_layernorm, head.eps)
     return hidden + matmul(F.silu(matmul(h, head.gate_proj.weight)) * matmul(h, head.up_proj.weight),
                            head.down_proj.weight)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: EagleCache,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's m query rows over its cache with k, v appended: [m, heads x dim]."""
+    m = q.shape[0]
+    keys, values = cache.append(k, v)
+    length = keys.shape[0]
+    if mask is None:
+        arange = torch.arange(length, device=q.device)
+        mask = arange[None, :] <= arange[length - m :, None]
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, enable_gqa=True)[0].transpose(0, 1).reshape(m, -1)
 
 
 @dataclass
@@ -132,6 +149,15 @@ class EagleCache:
     def truncate(self, length: int) -> None:
         if self.keys is not None:
             self.keys, self.values = self.keys[:length], self.values[:length]
+
+
+@dataclass
+class EagleCaches:
+    """Several sequences' caches for one batched head call: counts[i] rows of its input
+    belong to caches[i], in order."""
+
+    caches: list[EagleCache]
+    counts: list[int]
 
 
 def read_eagle_checkpoint(path: str, described: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -278,39 +304,64 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[DraftContext], num_tokens: list[int]) -> list[Draft]:
-        return [self._propose_one(seq, k) for seq, k in zip(seqs, num_tokens)]
+        """All sequences' drafts in one batch: a head call for every sequence's catch-up pairs,
+        then one a depth for all of them (each sequence's rows attend its own cache)."""
+        drafts = [Draft([]) for _ in seqs]
+        batch = [(index, self._states[seq.seq_id], self._paths(k)) for index, (seq, k) in enumerate(zip(seqs, num_tokens))
+                 if k > 0 and self._can_draft(seq)]
+        if not batch:
+            return drafts
+        dtype, device = self.head.fc.weight.dtype, self.head.fc.weight.device
+        embeds, features, positions, counts = [], [], [], []
+        for index, state, _ in batch:
+            tokens = seqs[index].all_token_ids
+            # Pairs (f_t, token t + 1) for every t from the cache's end up to the newest
+            # token's predecessor.
+            start = state.start + state.cache.length
+            count = len(tokens) - 1 - start
+            features.append(torch.stack(state.features[:count]))
+            del state.features[:count]
+            embeds.append(torch.tensor(tokens[start + 1 :], device=device))
+            positions.append(torch.arange(start, start + count, device=device))
+            counts.append(count)
+        caches = [state.cache for _, state, _ in batch]
+        outputs = self.head(self.embed_tokens(torch.cat(embeds)).to(dtype), torch.cat(features).to(dtype),
+                            torch.cat(positions), EagleCaches(caches, counts))
+        verified = [cache.length for cache in caches]  # the draft steps' keys are dropped after
+        estimates = outputs[torch.tensor(list(itertools.accumulate(counts)), device=device) - 1]
+        # Candidates wanted at each depth, per sequence (the most any sequence wants).
+        wanted = [[0] * max(len(path) for path in paths) for _, _, paths in batch]
+        for rows, (_, _, paths) in zip(wanted, batch):
+            for path in paths:
+                rows[len(path) - 1] = max(rows[len(path) - 1], path[-1] + 1)
+        depth_count = max(len(rows) for rows in wanted)
+        candidates = []  # per depth: [batch, n] target ids
+        for depth in range(depth_count):
+            n = max(rows[depth] if depth < len(rows) else 1 for rows in wanted)
+            candidates.append(self.top_tokens(estimates, n).tolist())
+            if depth + 1 < depth_count:  # one more head step, every sequence along its top-1 chain
+                tokens = torch.tensor([row[0] for row in candidates[-1]], device=device)
+                step_positions = torch.tensor([state.start + length + depth
+                                               for (_, state, _), length in zip(batch, verified)])
+                estimates = self.head(self.embed_tokens(tokens).to(dtype), estimates, step_positions,
+                                      EagleCaches(caches, [1] * len(batch)))
+        for row, ((index, state, paths), length) in enumerate(zip(batch, verified)):
+            state.cache.truncate(length)
+            drafts[index] = Draft([candidates[len(path) - 1][row][path[-1]] for path in paths],
+                                  parents=None if self.tree is None else self.tree.parents[: len(paths)])
+        return drafts
 
-    def _propose_one(self, seq: DraftContext, k: int) -> Draft:
+    def _paths(self, k: int) -> list[tuple[int, ...]]:
+        """The draft nodes as candidate-rank paths: a chain k deep, or the tree's first k
+        nodes (a prefix of its depth-first order is a subtree)."""
+        return [(0,) * (d + 1) for d in range(k)] if self.tree is None else self.tree.paths[:k]
+
+    def _can_draft(self, seq: DraftContext) -> bool:
+        """Whether the sequence has pairs to catch up on and they reach its newest token's
+        predecessor (a feature for every position since the pairs started)."""
         state = self._states.get(seq.seq_id)
-        tokens = seq.all_token_ids
-        # Pairs (f_t, token t + 1) for every t up to the newest token's predecessor.
-        if state is None or state.start + state.cache.length + len(state.features) < len(tokens) - 1:
-            return Draft([])
-        start = state.start + state.cache.length
-        count = len(tokens) - 1 - start
-        features = torch.stack(state.features[:count])
-        del state.features[:count]
-        dtype = self.head.fc.weight.dtype
-        next_tokens = torch.tensor(tokens[start + 1 :])
-        positions = torch.arange(start, start + count)
-        estimate = self.head(self.embed_tokens(next_tokens).to(dtype), features.to(dtype), positions, state.cache)[-1:]
-        verified_length = state.cache.length
-        # Candidates wanted at each depth of the chain: k deep (a chain), or the tree's first k
-        # nodes (a prefix of its depth-first order is a subtree).
-        paths = [(0,) * (d + 1) for d in range(k)] if self.tree is None else self.tree.paths[:k]
-        wanted = [0] * max(len(path) for path in paths)
-        for path in paths:
-            wanted[len(path) - 1] = max(wanted[len(path) - 1], path[-1] + 1)
-        candidates = []
-        for depth, n in enumerate(wanted):
-            candidates.append(self.top_tokens(estimate, n)[0].tolist())
-            if depth + 1 < len(wanted):
-                position = torch.tensor([state.start + verified_length + depth])
-                token = torch.tensor(candidates[-1][:1])
-                estimate = self.head(self.embed_tokens(token).to(dtype), estimate, position, state.cache)
-        state.cache.truncate(verified_length)
-        drafts = [candidates[len(path) - 1][path[-1]] for path in paths]
-        return Draft(drafts, parents=None if self.tree is None else self.tree.parents[:k])
+        return (state is not None and state.start + state.cache.length < seq.num_tokens - 1
+                <= state.start + state.cache.length + len(state.features))
 
     def retain(self, seq_ids: Iterable[str]) -> None:
         keep = set(seq_ids)

@@ -118,6 +118,43 @@ def test_features_seen_again_keep_the_heads_context(tmp_path) -> None:
     assert once[0] and drafts([(0, 5), (4, 7), (6, 9)]) == once
 
 
+@pytest.mark.parametrize("tree", [None, "[(0,), (0, 0), (1,), (2,)]"], ids=["chain", "tree"])
+def test_sequences_draft_in_one_batch_as_they_would_alone(tree, tmp_path) -> None:
+    """Three sequences of different lengths, catch-ups and draft lengths (one drafting none)
+    proposed in one batch draft exactly what each proposes on its own."""
+    from kvserve.spec_decode.config import SpeculativeConfig
+    from kvserve.spec_decode.eagle import EagleProposer, top_ids
+    from kvserve.spec_decode.proposer import DraftContext
+
+    config = _head_config()
+    path = save_eagle(str(tmp_path / "head"), _random_reference(config, seed=4), config)
+    head = load_eagle_head(path, SimpleNamespace(hidden_size=HIDDEN, vocab_size=TINY_VOCAB, num_attention_heads=4),
+                           torch.float32, torch.device("cpu"))
+    embed, lm_head = nn.Embedding(TINY_VOCAB, HIDDEN), torch.randn(TINY_VOCAB, HIDDEN)
+    token_tree = None if tree is None else SpeculativeConfig.from_dict(
+        {"method": "eagle", "model": path, "num_speculative_tokens": 4, "speculative_token_tree": tree}).eagle_tree()
+    lengths, ks = [9, 4, 15], [3, 0, 4] if tree is None else [4, 0, 2]
+    tokens = [torch.randint(0, TINY_VOCAB, (n,)).tolist() for n in lengths]
+    features = [torch.randn(n, HIDDEN) for n in lengths]
+
+    def proposer() -> EagleProposer:
+        return EagleProposer(head, embed, lambda estimate, n: top_ids(estimate @ lm_head.T, n), token_tree)
+
+    def contexts(rounds: int, ids: list[int]) -> list[DraftContext]:
+        return [DraftContext(f"s{i}", tokens[i][: lengths[i] - 2 + rounds], 2, SamplingParams(), 64, None) for i in ids]
+
+    batched, alone = proposer(), [proposer() for _ in lengths]
+    for rounds in (1, 2):  # a first catch-up over the whole prefix, then one more pair each
+        for i, n in enumerate(lengths):
+            first = 0 if rounds == 1 else n - 2
+            batched.observe(f"s{i}", first, features[i][first : n - 2 + rounds])
+            alone[i].observe(f"s{i}", first, features[i][first : n - 2 + rounds])
+        together = batched.propose(contexts(rounds, [0, 1, 2]), ks)
+        separately = [alone[i].propose(contexts(rounds, [i]), [ks[i]])[0] for i in range(3)]
+        assert [(d.token_ids, d.parents) for d in together] == [(d.token_ids, d.parents) for d in separately]
+        assert [len(d.token_ids) for d in together] == ks
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
     from tests.conftest import randomize
@@ -280,3 +317,31 @@ def test_a_prefix_cache_hit_still_drafts_and_stays_exact(tiny_llama, tiny_eagle)
     second = list(llm.generate(prompts[1], params)[0].outputs[0].token_ids)
     assert [first, second] == expected
     assert llm.engine.spec_decode_stats.num_drafts > drafts_before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tree", [None, EAGLE_TREE], ids=["chain", "tree"])
+def test_gpu_greedy_is_exact_with_cuda_graphs(tree, tmp_path, monkeypatch) -> None:
+    """EAGLE on the GPU: verify steps replay CUDA graphs (the graphs keep the hidden states
+    the head reads), the head drafts on the device, batched; greedy output equals no
+    speculation. Heads of 16 dimensions (the Triton kernels' dot needs 16)."""
+    from tests.conftest import randomize
+
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    randomize(model, seed=0)
+    model.save_pretrained(str(tmp_path / "llama"))
+    head_config = _head_config(hidden=64)
+    head = save_eagle(str(tmp_path / "eagle"), _random_reference(head_config, seed=2), head_config)
+    kwargs = dict(device="cuda", dtype="float32", attention_backend="triton", kv_cache_memory="16MiB")
+    plain, _ = _tiny_run(str(tmp_path / "llama"), None, **kwargs)
+    spec_config = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    if tree is not None:
+        spec_config.update(num_speculative_tokens=5, speculative_token_tree=tree)
+    spec, llm = _tiny_run(str(tmp_path / "llama"), spec_config, **kwargs)
+    assert spec == plain
+    assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
+    assert any(width > 1 for _, width, _ in llm.engine.core.runner.cuda_graphs.replays), "no verify step replayed"
