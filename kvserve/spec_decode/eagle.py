@@ -130,25 +130,42 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: EagleCache
         attn_mask=mask, enable_gqa=True)[0].transpose(0, 1).reshape(m, -1)
 
 
-@dataclass
 class EagleCache:
-    """One sequence's draft-layer keys and values, [length, kv_heads, head_dim] each."""
+    """One sequence's draft-layer keys and values, [length, kv_heads, head_dim] each. Appends
+    write into spare room (doubled when full), so a long sequence's cache is not copied at
+    every step; under autograd (training) they concatenate instead."""
 
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+        # Given tensors are never written: the first append moves to a buffer of its own.
+        self._keys, self._values = keys, values
+        self.length = 0 if keys is None else keys.shape[0]
 
     @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[0]
+    def keys(self) -> torch.Tensor | None:
+        return None if self._keys is None else self._keys[: self.length]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._values is None else self._values[: self.length]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys = k if self.keys is None else torch.cat([self.keys, k])
-        self.values = v if self.values is None else torch.cat([self.values, v])
+        end = self.length + k.shape[0]
+        if k.requires_grad or v.requires_grad:
+            self._keys = k if self._keys is None else torch.cat([self.keys, k])
+            self._values = v if self._values is None else torch.cat([self.values, v])
+        else:
+            if self._keys is None or end > self._keys.shape[0] or self._keys.requires_grad:
+                capacity = max(end, 2 * self.length, 64)
+                keys, values = k.new_empty(capacity, *k.shape[1:]), v.new_empty(capacity, *v.shape[1:])
+                if self.length:
+                    keys[: self.length], values[: self.length] = self.keys, self.values
+                self._keys, self._values = keys, values
+            self._keys[self.length : end], self._values[self.length : end] = k, v
+        self.length = end
         return self.keys, self.values
 
     def truncate(self, length: int) -> None:
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:length], self.values[:length]
+        self.length = min(self.length, length)
 
 
 @dataclass

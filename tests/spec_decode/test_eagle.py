@@ -155,6 +155,19 @@ def test_sequences_draft_in_one_batch_as_they_would_alone(tree, tmp_path) -> Non
         assert [len(d.token_ids) for d in together] == ks
 
 
+def test_cache_appends_in_place_after_a_truncation_and_never_writes_given_tensors() -> None:
+    keys, values = torch.randn(70, 2, 4), torch.randn(70, 2, 4)
+    cache = EagleCache()
+    cache.append(keys[:3], values[:3])
+    cache.truncate(1)  # the drafts' keys dropped
+    assert torch.equal(cache.append(keys[3:70], values[3:70])[0], torch.cat([keys[:1], keys[3:70]]))
+    assert cache.length == 68 and torch.equal(cache.values, torch.cat([values[:1], values[3:70]]))
+    given = keys[:5].clone()
+    branch = EagleCache(given, values[:5].clone())  # e.g. a prefix of another cache's keys
+    branch.append(keys[5:6], values[5:6])
+    assert torch.equal(given, keys[:5]) and torch.equal(branch.keys, keys[:6])
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
     from tests.conftest import randomize
