@@ -90,7 +90,7 @@ def graphs_at_start(buckets: list[int], max_width: int, max_verify_batch: int, n
 
 
 class DecodeGraph:
-    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
         self.graph = graph
         # [bucket * width, vocab] fp32: a view of the runner's one logits buffer, which every
         # replay of every graph rewrites. (One output per graph would keep each graph's
@@ -98,7 +98,8 @@ class DecodeGraph:
         self.logits = logits
         # [bucket * width, hidden]: the last layer's hidden states, where the capture left
         # them (held, so the pool never gives the memory to another graph; each replay
-        # rewrites it): what draft heads read, without a copy in the graph.
+        # rewrites it): what draft heads read, without a copy in the graph. None where the
+        # engine does not speculate.
         self.hidden = hidden
 
 
@@ -221,7 +222,7 @@ class CudaGraphRunner:
             "captured graph: batch %d, %d query tokens each, %s, %.0f ms",
             bucket, width, plan, (time.perf_counter() - start) * 1e3,
         )
-        return DecodeGraph(graph, logits, hidden)
+        return DecodeGraph(graph, logits, hidden if self.max_width > 1 else None)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -320,8 +321,11 @@ class CudaGraphRunner:
 
     def last_hidden(self) -> torch.Tensor:
         """The last run's hidden states of the last layer, [rows of its logits, hidden], in
-        the same order; valid until the next run."""
-        return self.graphs[self.last_key].hidden[self._last_rows]
+        the same order; valid until the next run. Kept by engines that speculate only."""
+        hidden = self.graphs[self.last_key].hidden
+        if hidden is None:
+            raise RuntimeError("these CUDA graphs keep no hidden states: the engine does not speculate")
+        return hidden[self._last_rows]
 
     @property
     def num_replays(self) -> int:
