@@ -156,9 +156,24 @@ def tiny_llama(tmp_path_factory) -> str:
     return directory
 
 
-def test_greedy_is_exact_and_the_head_reads_the_targets_layers(tiny_llama, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("norms", ["as on cpu", "in place"])
+def test_greedy_is_exact_and_the_head_reads_the_targets_layers(norms, tiny_llama, tmp_path, monkeypatch) -> None:
+    """"in place": the residual adds update the stream in place, as the CUDA kernels do; the
+    streams handed to the head must still be each layer's own."""
     observed: dict[str, dict[int, torch.Tensor]] = {}
     observe = EagleProposer.observe
+    if norms == "in place":
+        from kvserve.model_executor.layers.layernorm import RMSNorm
+
+        forward = RMSNorm.forward
+
+        def in_place(self, x, residual=None):
+            if residual is None:
+                return forward(self, x)
+            out, updated = forward(self, x, residual)
+            return out, residual.copy_(updated)
+
+        monkeypatch.setattr(RMSNorm, "forward", in_place)
 
     def recording(self, seq_id, first_position, features):
         for i, feature in enumerate(features):

@@ -187,7 +187,8 @@ class LlamaModel(nn.Module):
             self.layers, next_norms, next_linears, kv_caches, strict=True
         )):
             if residual_streams is not None and index in residual_streams:
-                residual_streams[index] = residual
+                # A copy: on CUDA the fused norms add into the residual stream in place.
+                residual_streams[index] = residual.clone()
             hidden_states, residual = layer(
                 hidden_states, residual, next_norm, next_linear, cos, sin, kv_cache, attn_metadata
             )
