@@ -275,7 +275,7 @@ class EngineCore:
             from kvserve.spec_decode.eagle3 import load_eagle3_head
 
             head, layers = load_eagle3_head(config.model, self.model_config, self.model_config.dtype, self.device)
-            self.runner.aux_hidden_layers = layers
+            self.runner.keep_layer_streams(layers)
             proposer = EagleProposer(head, self.runner.model.model.embed_tokens, head.draft_token_ids,
                                      config.eagle_tree())
         elif config.method == "jump_forward":

@@ -56,13 +56,16 @@ MIN_CONTEXT = 2
 def _decode_forward(
     model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
     kv_caches: list[torch.Tensor], slots: torch.Tensor, valid: torch.Tensor, new_valid: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden states, every layer's new keys and values as one [layers, 2, T, ...] tensor)."""
+    stream_layers: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(hidden states, every layer's new keys and values as one [layers, 2, T, ...] tensor,
+    the residual streams entering `stream_layers` side by side [T, layers x H] or None)."""
     context = DecodeContext(slots, valid, new_valid)
-    hidden = model(input_ids, positions, kv_caches, context)
+    streams = dict.fromkeys(stream_layers) if stream_layers else None
+    hidden = model(input_ids, positions, kv_caches, context, residual_streams=streams)
     # [layers, 2, T, kv_heads, head_dim]: written to the cache in one copy after the graph.
     new_kv = torch.stack([torch.stack(key_value) for key_value in context.new_kv]).to(kv_caches[0].dtype)
-    return hidden, new_kv
+    return hidden, new_kv, torch.cat([streams[i] for i in stream_layers], dim=-1) if streams else None
 
 
 def layer_stack(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
@@ -88,6 +91,8 @@ class CompiledDecode:
         # [layers, 2, slots, kv_heads, head_dim]: where a step's new keys and values go.
         self._slots_view = None if stack is None else stack.flatten(2, 3)
         self.sliding_window = sliding_window
+        # Layers whose entering residual streams every step also returns (EAGLE-3's).
+        self.stream_layers: tuple[int, ...] = ()
         # The smallest batch of each graph's band, and of those not compiled yet.
         self._band_starts = self.graph_batch_sizes()
         self._pending = list(self._band_starts)
@@ -138,13 +143,25 @@ class CompiledDecode:
         """Graphs not compiled yet."""
         return len(self._pending)
 
+    def keep_streams(self, layers: tuple[int, ...]) -> None:
+        """From now on return the residual streams entering `layers` too (forward_with_streams);
+        every graph is compiled again, before a step uses it (applies)."""
+        if layers != self.stream_layers:
+            self.stream_layers = layers
+            self._pending = list(self._band_starts)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
+        return self.forward_with_streams(input_ids, positions, metadata)[0]
+
+    def forward_with_streams(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states, the streams of keep_streams' layers side by side or None)."""
         # A context of one position is padded to MIN_CONTEXT (masked), which the graphs take.
         context = decode_context(metadata, self.sliding_window, min_cached=MIN_CONTEXT)
-        hidden, new_kv = self._run(input_ids, positions, context)
+        hidden, new_kv, streams = self._run(input_ids, positions, context)
         self._slots_view.index_copy_(2, metadata.slot_mapping, new_kv)
-        return hidden
+        return hidden, streams
 
     def graph_batch_sizes(self) -> list[int]:
         """The smallest row count of each graph: 1, 2, and one past each row threshold at
@@ -191,11 +208,11 @@ class CompiledDecode:
         return True
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: DecodeContext
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         for tensor, dims in ((input_ids, (0,)), (positions, (0,)), (context.slots, (0, 1)),
                              (context.valid, (0, 1)), (context.new_valid, (0, 1))):
             for dim in dims:
                 if tensor.shape[dim] > 1:  # size 1 is specialized whatever is marked
                     torch._dynamo.mark_dynamic(tensor, dim)
         return self._forward(self.model.model, input_ids, positions, self.kv_caches,
-                             context.slots, context.valid, context.new_valid)
+                             context.slots, context.valid, context.new_valid, self.stream_layers)

@@ -173,8 +173,8 @@ class ModelRunner:
         self.step_sampler = StepSampler(device, model_config.eos_token_ids, max_model_len,
                                         tokenizer, model_config.vocab_size)
         self.speculator: Speculator | None = None  # set by the engine when it speculates
-        # Layers whose entering residual stream every step keeps for the drafter (EAGLE-3):
-        # those steps run eager (the compiled graph does not return them).
+        # Layers whose entering residual stream every step keeps for the drafter (EAGLE-3;
+        # keep_layer_streams): CUDA-graph steps run eager, the compiled CPU step returns them.
         self.aux_hidden_layers: tuple[int, ...] = ()
         self._inflight: deque[InflightStep] = deque()
         # The scales belong to this runner's cache (weights may be shared with other engines).
@@ -202,6 +202,16 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(
             max(MIN_ENCODER_CACHE_TOKENS, scheduler_config.max_num_batched_tokens))
         self.sliced_encoder = SlicedEncoder(self.encoder_cache)
+
+    def keep_layer_streams(self, layers: tuple[int, ...]) -> None:
+        """Every step keeps the residual streams entering `layers` for the drafter (EAGLE-3):
+        StepLogits.step_hidden holds them side by side."""
+        self.aux_hidden_layers = layers
+        if self.compiled_decode is not None:
+            compiled_now = not self.compiled_decode.pending  # compile_decode=True: compiled before serving
+            self.compiled_decode.keep_streams(layers)
+            if compiled_now:
+                self.compiled_decode.warm_up()
 
     def _compiled_decode(self, compile_decode: bool | None) -> CompiledDecode | None:
         """The compiled CPU decode step: compiled now for an explicit True (which raises if
@@ -720,15 +730,21 @@ class ModelRunner:
                 rope_positions_t = rope_positions_t[0].contiguous()
         inputs_embeds = self._merge_images(input_ids_t, image_spans) if image_spans else None
         streams = dict.fromkeys(self.aux_hidden_layers) if self.aux_hidden_layers else None
+        joined_streams = None  # the streams side by side, where the compiled step returned them
         runs = row_runs(row_kinds) if self.batch_invariant else ()
         prompt_rows = any(not run.decode for run in runs)
         if (self.batch_invariant and self.compiled_decode is not None and inputs_embeds is None
                 and streams is None and self.lora is None and rope_positions_t.dim() == 1):
             hidden = self._forward_decodes_compiled(input_ids_t, rope_positions_t, positions_t, metadata,
                                                     query_start_loc, seq_lens, tables, tree_masks, row_kinds)
-        elif (inputs_embeds is None and streams is None and self.compiled_decode is not None
+        elif (inputs_embeds is None and self.compiled_decode is not None
+                and self.compiled_decode.stream_layers == self.aux_hidden_layers
                 and not prompt_rows and self.compiled_decode.applies(metadata)):
-            hidden = self.compiled_decode.forward(input_ids_t, rope_positions_t, metadata)
+            if streams is None:
+                hidden = self.compiled_decode.forward(input_ids_t, rope_positions_t, metadata)
+            else:
+                hidden, joined_streams = self.compiled_decode.forward_with_streams(input_ids_t, rope_positions_t,
+                                                                                   metadata)
         else:
             with routed_rows(runs) if prompt_rows else contextlib.nullcontext():
                 hidden = self.model(input_ids_t, rope_positions_t, self.kv_caches, metadata,
@@ -742,7 +758,8 @@ class ModelRunner:
             (seq_id, self.model.compute_logits(hidden[flat : flat + count]), pos + 1)
             for seq_id, flat, count, pos in prompt_spans
         ]
-        step_hidden = hidden if streams is None else torch.cat([streams[i] for i in self.aux_hidden_layers], dim=-1)
+        step_hidden = (hidden if streams is None else joined_streams if joined_streams is not None
+                       else torch.cat([streams[i] for i in self.aux_hidden_layers], dim=-1))
         return StepLogits(sample_logits, sampling_seq_ids, num_sample_rows, prompt_logits, sample_hidden, step_hidden)
 
     def _forward_decodes_compiled(

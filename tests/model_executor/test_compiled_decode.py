@@ -126,7 +126,7 @@ def test_serve_defaults_with_compiled_decode_match_eager(smollm2_path) -> None:
     linears, int8 LM head): greedy outputs as with the same engine's eager steps up to
     near-ties, at batch 1 and batch 6, and the compiled graph really ran."""
     llm = LLM(model=smollm2_path, quantization="auto", compile_decode=True,
-              kv_cache_memory="256MiB", enable_prefix_caching=False)
+              kv_cache_memory="256MiB", max_model_len=2048, enable_prefix_caching=False)
     runner = llm.engine.core.runner
     compiled, calls = runner.compiled_decode, []
     forward = compiled.forward

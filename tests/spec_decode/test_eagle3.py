@@ -156,10 +156,12 @@ def tiny_llama(tmp_path_factory) -> str:
     return directory
 
 
-@pytest.mark.parametrize("norms", ["as on cpu", "in place"])
+@pytest.mark.parametrize("norms", ["as on cpu", "in place",
+                                   pytest.param("compiled", marks=pytest.mark.slow)])  # ~20 s of compiling
 def test_greedy_is_exact_and_the_head_reads_the_targets_layers(norms, tiny_llama, tmp_path, monkeypatch) -> None:
     """"in place": the residual adds update the stream in place, as the CUDA kernels do; the
-    streams handed to the head must still be each layer's own."""
+    streams handed to the head must still be each layer's own. "compiled": decode and
+    verify steps run the compiled CPU graph, which returns the streams too."""
     observed: dict[str, dict[int, torch.Tensor]] = {}
     observe = EagleProposer.observe
     if norms == "in place":
@@ -186,9 +188,22 @@ def test_greedy_is_exact_and_the_head_reads_the_targets_layers(norms, tiny_llama
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     kwargs = dict(skip_tokenizer_init=True, kv_cache_memory="4MiB", block_size=4, max_num_batched_tokens=9)
     plain = LLM(model=tiny_llama, **kwargs).generate(prompts, params)
-    spec = LLM(model=tiny_llama, **kwargs, speculative_config={
+    spec = LLM(model=tiny_llama, **kwargs, compile_decode=norms == "compiled", speculative_config={
         "method": "eagle3", "model": save_eagle3(str(tmp_path / "h"), seed=2), "num_speculative_tokens": 3})
+    compiled_steps = []
+    if norms == "compiled":
+        compiled = spec.engine.core.runner.compiled_decode
+        forward = compiled.forward_with_streams
+
+        def recording_forward(*args):
+            hidden, streams = forward(*args)
+            compiled_steps.append(streams)
+            return hidden, streams
+
+        compiled.forward_with_streams = recording_forward
     outputs = spec.generate(prompts, params)
+    if norms == "compiled":  # the graph ran, and returned streams
+        assert compiled_steps and all(streams is not None for streams in compiled_steps)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
     assert spec.engine.spec_decode_stats.num_drafts > 0
     tokens = prompts[0]["prompt_token_ids"] + list(outputs[0].outputs[0].token_ids)
