@@ -7,8 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from kvserve import SamplingParams
 from kvserve.entrypoints.cli import build_parser
 
