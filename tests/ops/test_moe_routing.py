@@ -55,6 +55,17 @@ SMALL_CASES = [(1, 8, 1, bf16, True, False), (7, 8, 2, fp32, True, False), (33, 
                (33, 128, 1, bf16, False, True), (1, 128, 2, fp32, False, False), (7, 128, 8, bf16, True, True)]
 
 
+def choice_errors(case: str, ids: torch.Tensor, weights: torch.Tensor, expected_ids: torch.Tensor,
+                  expected_weights: torch.Tensor, atol: float) -> list[str]:
+    """What differs of the kernel's choices from the reference's: the ids exactly, then the
+    weights within rtol 2e-6 and `atol`."""
+    if not torch.equal(ids.cpu().long(), expected_ids):
+        return [f"{case}: ids {ids.cpu().tolist()} != {expected_ids.tolist()}"]
+    if not torch.allclose(weights.cpu(), expected_weights, rtol=2e-6, atol=atol):
+        return [f"{case}: weights off by {(weights.cpu() - expected_weights).abs().max().item():.2e}"]
+    return []
+
+
 def errors(device: str, cases: list[tuple]) -> list[str]:
     generator = torch.Generator().manual_seed(0)
     wrong = []
@@ -67,15 +78,7 @@ def errors(device: str, cases: list[tuple]) -> list[str]:
         if ids.dtype != torch.int32 or weights.dtype != torch.float32 or gate.dtype != dtype:
             wrong.append(f"{case}: dtypes {ids.dtype} {weights.dtype} {gate.dtype}")
             continue
-        if not torch.equal(ids.cpu().long(), expected_ids):
-            wrong.append(f"{case}: ids {ids.cpu().tolist()} != {expected_ids.tolist()}")
-        # Half-precision logits: where the fp32 sum lies next to a rounding boundary, the
-        # kernel's and the fp64 reference's can round one ulp apart, moving the weights by
-        # about p_i x p_j x that ulp (seen on the H200: 1.3e-6 at hidden 4000).
-        elif not torch.allclose(weights.cpu(), expected_weights, rtol=2e-6,
-                                atol=1e-7 if dtype == torch.float32 else 1e-4):
-            error = (weights.cpu() - expected_weights).abs().max().item()
-            wrong.append(f"{case}: weights off by {error:.2e}")
+        wrong += choice_errors(case, ids, weights, expected_ids, expected_weights, atol=1e-7)
         # One rounding of sigmoid's fp32 value to the logits' dtype either way.
         tol = 1e-6 if dtype == torch.float32 else 2**-8
         if not torch.allclose(gate.cpu().float(), torch.sigmoid(shared.float()), rtol=tol, atol=0):
@@ -97,15 +100,11 @@ def hidden_errors(device: str, cases: list[tuple], hidden: int) -> list[str]:
         shared = (x.double() @ shared_w.double().T).to(dtype)
         expected_ids, expected_weights = reference(logits, top_k, renormalize)
         ids, weights, gate = route_hidden(x.to(device), w.to(device), top_k, renormalize, shared_w.to(device))
-        if not torch.equal(ids.cpu().long(), expected_ids):
-            wrong.append(f"{case}: ids {ids.cpu().tolist()} != {expected_ids.tolist()}")
         # Half-precision logits: where the fp32 sum lies next to a rounding boundary, the
         # kernel's and the fp64 reference's can round one ulp apart, moving the weights by
         # about p_i x p_j x that ulp (seen on the H200: 1.3e-6 at hidden 4000).
-        elif not torch.allclose(weights.cpu(), expected_weights, rtol=2e-6,
-                                atol=1e-7 if dtype == torch.float32 else 1e-4):
-            error = (weights.cpu() - expected_weights).abs().max().item()
-            wrong.append(f"{case}: weights off by {error:.2e}")
+        wrong += choice_errors(case, ids, weights, expected_ids, expected_weights,
+                               atol=1e-7 if dtype == torch.float32 else 1e-4)
         if split_counters(ids.device).any():
             wrong.append(f"{case}: arrival counters not re-armed")
         tol = 1e-6 if dtype == torch.float32 else 2**-8
