@@ -27,7 +27,7 @@ from kvserve.ops.lora import (MAX_SLICES, SlotGroups, align_by_slot, lora_expand
 class SlotGroupsCache:
     """The step's tokens grouped by slot, made by the first layer of a forward pass that
     needs them and reused by the others. Only between `begin()` and `end()` (hooks around the
-    model's forward, LoRASlots.watch): a layer called on its own groups its tokens itself, as
+    model's forward that LoRASlots registers): a layer called on its own groups its tokens itself, as
     token_slots may have changed since. Inside a CUDA graph capture the grouping is captured
     once, before the first LoRA layer, and replays with the slots of each replay."""
 

@@ -137,6 +137,7 @@ class CudaGraphRunner:
         self.graphs: dict[GraphKey, DecodeGraph] = {}
         self.replays: Counter[GraphKey] = Counter()  # replays of each graph
         self.last_key: GraphKey | None = None  # the graph the last run replayed
+        self._last_rows: slice | torch.Tensor = slice(0, 0)  # its rows that are the batch's, in order
         # (start, end) CUDA events around each replay while a benchmark times the served
         # graphs (a list: served_replay_ms); None: replays are not timed.
         self.replay_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
@@ -313,7 +314,7 @@ class CudaGraphRunner:
         self.replays[key] += 1
         self.last_key = key
         if all(length == width for length in lengths):
-            self._last_rows: slice | torch.Tensor = slice(0, batch * width)
+            self._last_rows = slice(0, batch * width)
         else:
             rows = [i * width + j for i, length in enumerate(lengths) for j in range(length)]
             self._last_rows = torch.tensor(rows, device=self.device)

@@ -145,17 +145,10 @@ def _k_splits(in_features: int, block_k: int, num_programs: int, device: torch.d
     return triton.cdiv(in_features, k_per_split), k_per_split  # no split empty
 
 
-def lora_expand(h: torch.Tensor, h_offset: int, lora_b: torch.Tensor, rank: int, slots: torch.Tensor,
-                y: torch.Tensor, y_offset: int) -> None:
-    """y[:, y_offset : y_offset + out] += each token's h[:, h_offset : h_offset + rank] @ its
-    slot's B^T, in place (h summed over lora_shrink's splits); lora_b [out, slots x rank]
-    (contiguous)."""
-    lora_expand_slices(h, [lora_b], rank, slots, y, h_offset, y_offset)
-
-
 def lora_expand_slices(h: torch.Tensor, lora_bs: Sequence[torch.Tensor], rank: int, slots: torch.Tensor,
                        y: torch.Tensor, h_offset: int = 0, y_offset: int = 0) -> None:
-    """lora_expand of up to three slices in one launch: slice i's rank columns of h from
+    """y += each token's h @ its slot's B^T for up to three slices in one launch (in place;
+    each B [out, slots x rank], contiguous): slice i's rank columns of h from
     h_offset + i x rank, its columns of y after slice i - 1's from y_offset. h [splits, T,
     rows] (lora_shrink's partial sums)."""
     assert h.stride(2) == 1 and y.stride(1) == 1

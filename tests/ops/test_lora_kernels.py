@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from kvserve.ops.lora import lora_expand, lora_expand_slices, lora_shrink
+from kvserve.ops.lora import lora_expand_slices, lora_shrink
 from tests.triton_interpreter import run_interpreted
 
 
@@ -46,7 +46,7 @@ def case(device: str, num_tokens: int, in_features: int, slice_sizes: tuple[int,
     if fused:
         lora_expand_slices(h, [cast(b) for b in lora_bs], rank, slots.to(device), y_out)
     for i in range(0 if fused else num_slices):
-        lora_expand(h, i * rank, cast(lora_bs[i]), rank, slots.to(device), y_out, offsets[i])
+        lora_expand_slices(h, [cast(lora_bs[i])], rank, slots.to(device), y_out, i * rank, offsets[i])
     scale = (expected - y.double()).abs().max().clamp_min(1.0)
     return float(((y_out.double().cpu() - expected).abs().max() / scale))
 
