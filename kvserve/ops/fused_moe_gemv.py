@@ -42,11 +42,13 @@ def uses_gemv(num_pairs: int, num_experts: int, top_k: int, packed: bool) -> boo
 
 
 def default_tile(weights: ExpertWeights) -> GemvTile:
-    """From the H200 sweep (benchmarks/gpu_moe_gemv_sweep.py): narrow blocks of long k runs
-    for 4-bit rows (8 x 512: 256 bytes a row a tile), 16 x 256 for the rest."""
+    """From the H200 sweeps (benchmarks/gpu_moe_gemv_sweep.py, gpu_moe_decode_kernels.py):
+    narrow blocks of long k runs for 4-bit rows (8 x 512: 256 bytes a row a tile); 8-row
+    blocks for the rest, 512 wide along a long k (Mixtral's 4096 and 14336: gate/up 119 ->
+    112 us, down 65 -> 59 us), 256 along a short one (Qwen3-30B-A3B's 2048 and 768)."""
     if weights.four_bit:
         return GemvTile(8, 512, 4)
-    return GemvTile(16, 256, 4)
+    return GemvTile(8, 512 if weights.in_features >= 4096 else 256, 4)
 
 
 @triton.jit
@@ -142,6 +144,44 @@ def _pair_gemv_kernel(
 
 
 @triton.jit
+def _summed_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, offset_ptr, out_ptr, chosen_ptr, weights_ptr,
+    N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    TOP_K: tl.constexpr, QUANT: tl.constexpr, FOUR_BIT: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """For token t and one BLOCK_N block of the output columns: out[t, n] = sum over t's
+    choices c of weights[t, c] x W[chosen[t, c]][n] . x[t top_k + c], in choice order, in
+    out's dtype (the down GEMV with the combine in its epilogue: no partials, no third
+    launch)."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    STORED_K: tl.constexpr = BLOCK_K // 2 if FOUR_BIT else BLOCK_K
+    STEP: tl.constexpr = 2 if FOUR_BIT else 1
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE if BLOCK_K > GROUP_SIZE else 1
+    offs = tl.arange(0, STORED_K)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for choice in tl.static_range(TOP_K):
+        pair = token * TOP_K + choice
+        expert = tl.load(chosen_ptr + pair)
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        s_rows = scale_ptr + expert * stride_se + cols[:, None] * stride_sn
+        o_rows = offset_ptr + expert * stride_se + cols[:, None] * stride_sn
+        x_row = x_ptr + pair * stride_xm
+        acc = tl.zeros((BLOCK_N, STORED_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = STEP * offs < K - k0
+            groups = k0 // GROUP_SIZE + tl.arange(0, GROUPS)
+            acc = _row_dot(acc, w_rows + k0 // STEP + offs[None, :], x_row + k0 + STEP * offs,
+                           s_rows + groups[None, :], o_rows + groups[None, :], col_mask[:, None] & k_mask[None, :],
+                           k_mask, col_mask[:, None] & (groups * GROUP_SIZE < K)[None, :],
+                           QUANT, FOUR_BIT, HAS_OFFSET, GROUPS, BLOCK_N, STORED_K)
+        total += tl.load(weights_ptr + pair) * tl.sum(acc, axis=1)
+    tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
 def _combine_kernel(partials_ptr, weights_ptr, out_ptr, N, num_splits, stride_ps, stride_pm, stride_om,
                     TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[t, n] = sum over t's choices c of weights[t, c] x sum over splits of partials[s, t
@@ -198,12 +238,39 @@ def down_splits(num_pairs: int, hidden: int, intermediate: int, tile: GemvTile, 
     return max(1, min(tiles, triton.cdiv(4 * _num_sms(device), programs)))
 
 
+def _launch_summed(activation: torch.Tensor, w: ExpertWeights, out: torch.Tensor, chosen: torch.Tensor,
+                   weights: torch.Tensor, tile: GemvTile) -> None:
+    tokens, top_k = weights.shape
+    n = w.weight.shape[1]
+    quantized = w.scale is not None
+    scales = w.scale if quantized else w.weight
+    group_size = w.group_size if quantized and w.group_size < w.in_features else max(w.in_features, tile.block_k)
+    _summed_gemv_kernel[(tokens, triton.cdiv(n, tile.block_n))](
+        activation, w.weight, scales, w.offset if w.offset is not None else scales, out, chosen,
+        weights.reshape(-1).float().contiguous(), n, w.in_features, activation.stride(0), w.weight.stride(0),
+        w.weight.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
+        TOP_K=top_k, QUANT=quantized, FOUR_BIT=w.four_bit, HAS_OFFSET=w.offset is not None,
+        GROUP_SIZE=group_size, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+    )
+
+
+def summed_by_default(top_k: int, splits: int) -> bool:
+    """Whether the down GEMV sums each token's choices itself (no partials, no combine
+    launch): where it needs no split of k and a token has at most two choices. Each program
+    runs its choices one after another: two long k runs stream (H200, Mixtral, one token:
+    down and combine 65 -> 59 us), while Qwen3-30B-A3B's eight short ones (768 wide) leave
+    its loads waiting (9 + 2 -> 14 us)."""
+    return splits == 1 and top_k <= 2
+
+
 def experts_gemv(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w13: ExpertWeights,
                  w2: ExpertWeights, gate_up_tile: GemvTile | None = None,
-                 down_tile: GemvTile | None = None, num_splits: int | None = None) -> torch.Tensor:
+                 down_tile: GemvTile | None = None, num_splits: int | None = None,
+                 summed_down: bool | None = None) -> torch.Tensor:
     """fused_experts' result for a few tokens by the pair GEMVs: x [T, H]; chosen [T, top_k];
     weights [T, top_k]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. `num_splits`
-    of the down GEMV's k (default: down_splits')."""
+    of the down GEMV's k (default: down_splits'); `summed_down`: the down GEMV sums each
+    token's choices itself (_summed_gemv_kernel; default: when it needs no split)."""
     tokens, top_k = chosen.shape
     intermediate = w13.weight.shape[1] // 2
     hidden = w13.in_features
@@ -214,6 +281,10 @@ def experts_gemv(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w
     activation = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)
     _launch(x, w13, activation, flat_chosen, intermediate, top_k, True, 1, hidden, gate_up_tile)
     splits = num_splits or down_splits(num_pairs, hidden, intermediate, down_tile, x.device)
+    if summed_down if summed_down is not None else summed_by_default(top_k, splits):
+        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+        _launch_summed(activation, w2, out, flat_chosen, weights, down_tile)
+        return out
     k_per_split = triton.cdiv(triton.cdiv(intermediate, down_tile.block_k), splits) * down_tile.block_k
     splits = triton.cdiv(intermediate, k_per_split)
     partials = torch.empty(splits, num_pairs, hidden, dtype=torch.float32, device=x.device)

@@ -178,14 +178,17 @@ def route_hidden(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renorma
         return ids, weights, shared_gate
     block_e = triton.next_power_of_2(num_experts)
     # Loads in flight over the GPU, not a long loop in few programs: about 64 programs a
-    # token (2 rows each for 128 experts), each loading 2048-element tiles (for a bf16
-    # H=2048 router, two tiles a program). Not tuned on a device.
+    # token (2 rows each for 128 experts), each loading 2048-element tiles. Past a few
+    # experts, one warp a program: the last arriver's top-k over E lanes then reduces within
+    # a warp, without shared-memory round trips (H200, 128 x 2048 bf16: 5.3 -> 4.5 us; 8
+    # experts keep 4 warps, 3.3 us; benchmarks/gpu_moe_decode_kernels.py).
     rows = max(1, min(16, block_e // 64))
     block_h = max(256, 2048 // rows)
+    num_warps = 4 if num_experts <= 8 else 1
     _gate_and_route_kernel[(tokens, triton.cdiv(num_experts, rows))](
         x, gate_weight, shared_gate_weight if shared_gate_weight is not None else gate_weight, logits, counters,
         ids, weights, shared_gate if shared_gate is not None else logits, num_experts, hidden, x.stride(0),
         gate_weight.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, HAS_SHARED=shared_gate_weight is not None,
-        ROWS=rows, BLOCK_H=block_h, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+        ROWS=rows, BLOCK_H=block_h, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps,
     )
     return ids, weights, shared_gate

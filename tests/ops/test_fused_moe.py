@@ -88,7 +88,13 @@ def gemv(x, chosen, weights, w13, w2):
     """The pair GEMVs whatever the token count, with small tiles (masks, several groups a
     tile) and the down GEMV's k in 3 splits."""
     tile = GemvTile(16, 64, 4)
-    return experts_gemv(x, chosen, weights, w13, w2, tile, tile, num_splits=3)
+    return experts_gemv(x, chosen, weights, w13, w2, tile, tile, num_splits=3, summed_down=False)
+
+
+def gemv_summed(x, chosen, weights, w13, w2):
+    """The pair GEMVs with the down GEMV summing each token's choices (no split, no combine)."""
+    tile = GemvTile(16, 64, 4)
+    return experts_gemv(x, chosen, weights, w13, w2, tile, tile, summed_down=True)
 
 
 def errors(device: str, cases: list[tuple], hidden: int, intermediate: int, run=fused_experts) -> list[str]:
@@ -141,8 +147,10 @@ GEMV_CASES = [
 def run_gemv_cases() -> None:
     """The pair GEMVs under the interpreter: widths not multiples of the 16 x 64 tiles for
     dense weights (hidden 80, intermediate 96), 32-wide groups two a tile, k split in 3."""
-    wrong = errors("cpu", [c for c in GEMV_CASES if c[4] == "dense"], hidden=80, intermediate=96, run=gemv)
-    wrong += errors("cpu", [c for c in GEMV_CASES if c[4] != "dense"], hidden=64, intermediate=128, run=gemv)
+    wrong = []
+    for run in (gemv, gemv_summed):
+        wrong += errors("cpu", [c for c in GEMV_CASES if c[4] == "dense"], hidden=80, intermediate=96, run=run)
+        wrong += errors("cpu", [c for c in GEMV_CASES if c[4] != "dense"], hidden=64, intermediate=128, run=run)
     print(json.dumps(wrong))
 
 
@@ -221,6 +229,7 @@ def test_gpu_fused_experts_equal_the_loop() -> None:
     assert errors("cuda", cases, hidden=1024, intermediate=704) == []
     assert errors("cuda", cases, hidden=1024, intermediate=704, run=grouped) == []
     assert errors("cuda", [c for c in cases if c[0] <= 7], hidden=1024, intermediate=704, run=gemv) == []
+    assert errors("cuda", [c for c in cases if c[0] <= 7], hidden=1024, intermediate=704, run=gemv_summed) == []
 
 
 @pytest.mark.gpu
@@ -231,6 +240,7 @@ def test_gpu_quantized_experts_equal_the_loop_on_their_dequantized_weights() -> 
     assert errors("cuda", cases, hidden=1024, intermediate=768) == []
     assert errors("cuda", cases, hidden=1024, intermediate=768, run=grouped) == []
     assert errors("cuda", [c for c in cases if c[0] <= 7], hidden=1024, intermediate=768, run=gemv) == []
+    assert errors("cuda", [c for c in cases if c[0] <= 7], hidden=1024, intermediate=768, run=gemv_summed) == []
 
 
 @pytest.mark.gpu
