@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import re
 
+import numpy as np
 import torch
 
 _SIZE_UNITS = {
@@ -31,3 +33,10 @@ def to_device_async(values: list, dtype: torch.dtype, device: torch.device) -> t
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros on the host whose pages the OS maps on first write (numpy's calloc): a CPU KV
+    cache then costs resident memory only for the blocks in use, not its whole budget up front."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.core.sched.scheduler import Scheduler
@@ -50,6 +50,8 @@ from kvserve.spec_decode.stats import SpecDecodeStats
 if TYPE_CHECKING:
     from kvserve.executor.multiproc import MultiprocExecutor
     from kvserve.executor.ray_executor import RayExecutor
+    from kvserve.spec_decode.eagle import LoadedEagleHead
+    from kvserve.spec_decode.paged_draft_cache import PagedDraftCache
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +148,7 @@ class EngineCore:
             self.runner = ModelRunner(
                 loaded.model, self.model_config, self.cache_config, self.scheduler_config,
                 self.device, args.attention_backend, self.max_model_len, args.enforce_eager,
-                extra_kv_bytes_per_block=(
-                    0 if draft is None else kv_cache_bytes_per_block(draft.config, args.block_size)
-                ),
+                extra_kv_bytes_per_block=self._draft_kv_bytes_per_block(draft, args.block_size),
                 max_draft_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
                 max_verify_batch=None if spec_config is None else spec_config.disable_by_batch_size,
                 compile_decode=args.compile_decode, tokenizer=loaded.tokenizer,
@@ -195,22 +195,46 @@ class EngineCore:
 
     def _load(
         self, args: EngineArgs, loaded: LoadedModel | None, dtype: torch.dtype,
-    ) -> tuple[SpeculativeConfig | None, LoadedModel | None, LoadedModel]:
-        """(speculation config, draft model, target model) for an engine in one process."""
+    ) -> tuple[SpeculativeConfig | None, LoadedModel | LoadedEagleHead | None, LoadedModel]:
+        """(speculation config, draft model or EAGLE head, target model) for an engine in
+        one process."""
         if loaded is None:
             loaded = load_engine_model(args)
         if self.device.type == "cpu":  # after loading: its transients are not kept
             retain_freed_memory()
         spec_config = draft = None
         if args.speculative_config is not None:
-            # Validated and the draft loaded before the target's cache is sized, so a bad
-            # config fails fast and the draft's weights count against GPU memory.
+            # Validated and the drafter loaded before the target's cache is sized, so a bad
+            # config fails fast, and the drafter's weights and its own KV cache count against
+            # the memory budget.
             spec_config = SpeculativeConfig.from_dict(args.speculative_config)
             if spec_config.method == "draft_model":
                 from kvserve.spec_decode.draft_model_proposer import load_draft_model
 
                 draft = load_draft_model(spec_config, loaded, dtype, self.device)
+            elif spec_config.method in ("eagle", "eagle3"):
+                draft = self._load_eagle_head(spec_config, loaded.config)
         return spec_config, draft, loaded
+
+    def _load_eagle_head(self, config: SpeculativeConfig, target: ModelConfig) -> LoadedEagleHead:
+        from kvserve.spec_decode.eagle import LoadedEagleHead, load_eagle_head
+
+        if config.method == "eagle":
+            return LoadedEagleHead(load_eagle_head(config.model, target, target.dtype, self.device))
+        from kvserve.spec_decode.eagle3 import load_eagle3_head
+
+        return LoadedEagleHead(*load_eagle3_head(config.model, target, target.dtype, self.device))
+
+    @staticmethod
+    def _draft_kv_bytes_per_block(draft: LoadedModel | LoadedEagleHead | None, block_size: int) -> int:
+        """What a drafter's own KV cache (as many blocks as the target's) takes a block."""
+        if draft is None:
+            return 0
+        if isinstance(draft, LoadedModel):
+            return kv_cache_bytes_per_block(draft.config, block_size)
+        from kvserve.spec_decode.eagle import draft_cache_bytes_per_block
+
+        return draft_cache_bytes_per_block(draft.head, block_size)
 
     @staticmethod
     def _parallel_executor(args: EngineArgs, loaded: LoadedModel | None) -> MultiprocExecutor | RayExecutor:
@@ -255,29 +279,28 @@ class EngineCore:
             f"--kv-cache-dtype fp8), or lower --max-model-len to at most {num_blocks * block_size}."
         )
 
-    def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | None) -> Speculator:
+    def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | LoadedEagleHead | None) -> Speculator:
         if config.method == "medusa":
             from kvserve.spec_decode.medusa import MedusaProposer, load_medusa_heads
 
             heads = load_medusa_heads(config.model, self.model_config, self.model_config.dtype, self.device)
             proposer = MedusaProposer(heads, config.token_tree(heads.num_heads))
         elif config.method == "eagle":
-            from kvserve.spec_decode.eagle import EagleProposer, load_eagle_head, target_lm_head_drafter
+            from kvserve.spec_decode.eagle import EagleProposer, target_lm_head_drafter
 
-            target = self.runner.model
-            head = load_eagle_head(config.model, self.model_config, self.model_config.dtype, self.device)
+            target, head = self.runner.model, draft.head
             lm_head = target.model.embed_tokens if self.model_config.tie_word_embeddings else target.lm_head
             proposer = EagleProposer(head, target.model.embed_tokens,
                                      target_lm_head_drafter(head, lm_head.weight if target.tp_group is None else None,
-                                                            target.compute_logits), config.eagle_tree())
+                                                            target.compute_logits),
+                                     self._eagle_cache(head), config.eagle_tree())
         elif config.method == "eagle3":
             from kvserve.spec_decode.eagle import EagleProposer
-            from kvserve.spec_decode.eagle3 import load_eagle3_head
 
-            head, layers = load_eagle3_head(config.model, self.model_config, self.model_config.dtype, self.device)
-            self.runner.keep_layer_streams(layers)
+            head = draft.head
+            self.runner.keep_layer_streams(draft.aux_layers)
             proposer = EagleProposer(head, self.runner.model.model.embed_tokens, head.draft_token_ids,
-                                     config.eagle_tree())
+                                     self._eagle_cache(head), config.eagle_tree())
         elif config.method == "jump_forward":
             from kvserve.spec_decode.jump_forward_proposer import JumpForwardProposer
 
@@ -298,6 +321,13 @@ class EngineCore:
             )
         logger.info("speculative decoding: %s", config)
         return Speculator(config, proposer, self.max_model_len)
+
+    def _eagle_cache(self, head: torch.nn.Module) -> PagedDraftCache:
+        from kvserve.spec_decode.eagle import paged_draft_cache
+
+        # As many blocks as the target's (the KV budget holds both: _draft_kv_bytes_per_block):
+        # the head caches no more positions of a sequence than the target does.
+        return paged_draft_cache(head, self.runner.num_blocks, self.args.block_size, self.args.attention_backend)
 
     @property
     def info(self) -> EngineCoreInfo:

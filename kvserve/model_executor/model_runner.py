@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import sys
 import threading
 import time
@@ -13,7 +12,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
@@ -46,6 +44,7 @@ from kvserve.quantization.base import QuantizedLinear
 from kvserve.quantization.batch_invariance import routed_rows, row_runs
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.spec_decode.tree import tree_attention_mask, tree_depths, tree_step_inputs
+from kvserve.utils import lazy_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +95,6 @@ class StepLogits:
     # [T, H] every row's (the step's order), for drafters that read them all (EAGLE); with
     # aux_hidden_layers, [T, 3H]: the residual streams entering those layers (EAGLE-3).
     step_hidden: torch.Tensor | None = None
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros whose pages the OS maps on first write (numpy's calloc): a CPU KV cache then
-    costs resident memory only for the blocks in use, not its whole budget up front."""
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -393,7 +385,7 @@ class ModelRunner:
         config = self.model_config
         shape = (2, num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
         if self.device.type == "cpu":
-            return list(_lazy_zeros((config.num_hidden_layers, *shape), self.kv_cache_dtype).unbind(0))
+            return list(lazy_zeros((config.num_hidden_layers, *shape), self.kv_cache_dtype).unbind(0))
         return [
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(config.num_hidden_layers)

@@ -14,9 +14,12 @@ restricts drafting to those N rows of the target's LM head: a fraction of the co
 full head for each drafted token, the lever on a small model whose LM head is a large share
 of a step.
 
-Each sequence keeps the draft layer's keys and values of its pairs (one layer: a few KB a
-token) and the target's features not consumed yet; drafted pairs past the verified tokens
-are dropped after each proposal, so the next one continues from verified pairs only.
+The draft layer's keys and values of each sequence's pairs (one layer: a few KB a token)
+live in the drafter's own paged cache (PagedDraftCache: blocks of the engine's block size,
+as many as the target's cache has); each sequence also keeps the target's features not
+consumed yet. Drafted pairs past the verified tokens are dropped after each proposal, so
+the next one continues from verified pairs only. A sequence that finds no free block skips
+drafting that step.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.linear import linear
 from kvserve.spec_decode.head_checkpoint import read_head_checkpoint
+from kvserve.spec_decode.paged_draft_cache import DraftRows, PagedDraftCache, paged_cache_bytes_per_block
 from kvserve.spec_decode.proposer import Draft, DraftContext
 from kvserve.spec_decode.tree import TokenTree
 
@@ -69,10 +73,10 @@ class EagleHead(nn.Module):
         self.draft_vocab: torch.Tensor | None = None
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                cache: EagleCache | EagleCaches) -> torch.Tensor:
+                cache: EagleCache | DraftRows) -> torch.Tensor:
         """Estimated next features [m, H] of m pairs (embedding of token t + 1, feature f_t)
-        at positions t = cache.length .. + m - 1; their keys/values are appended to `cache`
-        (EagleCaches: several sequences' pairs, batched)."""
+        at positions t; their keys/values are appended to `cache` (DraftRows: several
+        sequences' pairs in a paged cache, batched)."""
         x = _matmul()(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias)
         return draft_layer(self, x, x, positions, cache)
 
@@ -88,14 +92,14 @@ def _matmul() -> Callable[..., torch.Tensor]:
 
 
 def draft_layer(head: nn.Module, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
-                cache: EagleCache | EagleCaches, mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache: EagleCache | DraftRows, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The draft decoder layer of an EAGLE head (its q/k/v/o projections, post-attention
     norm and gated MLP): causal attention of x's m rows over the cached ones (their keys
     and values appended to `cache`) added to `residual`, then the MLP's residual add.
-    With EagleCaches, x holds several sequences' rows one after another: the projections
-    run on all of them at once, each sequence's rows attend its own cache. `mask` ([m,
-    cached + m], True where a row attends; one cache only) replaces the causal one
-    (training's unrolled draft steps attend their own chain only)."""
+    With DraftRows, x holds several sequences' rows one after another: the projections
+    run on all of them at once, each sequence's rows attend its own cached positions.
+    `mask` ([m, cached + m], True where a row attends; an EagleCache only) replaces the
+    causal one (training's unrolled draft steps attend their own chain only)."""
     m = x.shape[0]
     matmul = _matmul()
     exponents = torch.arange(0, head.head_dim, 2, dtype=torch.float32, device=x.device) / head.head_dim
@@ -106,10 +110,10 @@ def draft_layer(head: nn.Module, x: torch.Tensor, residual: torch.Tensor, positi
     v = matmul(x, head.v_proj.weight).view(m, head.num_kv_heads, head.head_dim)
     if isinstance(cache, EagleCache):
         attended = _attend(q, k, v, cache, mask)
+    elif mask is None:
+        attended = cache.attend(q, k, v)
     else:
-        bounds = [0, *itertools.accumulate(cache.counts)]
-        attended = torch.cat([_attend(q[a:b], k[a:b], v[a:b], one) for one, a, b in
-                              zip(cache.caches, bounds, bounds[1:])])
+        raise ValueError("draft_layer: a custom mask needs an EagleCache (a paged cache attends causally)")
     hidden = residual + matmul(attended, head.o_proj.weight)
     h = _rms_norm(hidden, head.post_attention_layernorm, head.eps)
     return hidden + matmul(F.silu(matmul(h, head.gate_proj.weight)) * matmul(h, head.up_proj.weight),
@@ -131,50 +135,40 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: EagleCache
 
 
 class EagleCache:
-    """One sequence's draft-layer keys and values, [length, kv_heads, head_dim] each. Appends
-    write into spare room (doubled when full), so a long sequence's cache is not copied at
-    every step; under autograd (training) they concatenate instead."""
+    """One sequence's draft-layer keys and values, [length, kv_heads, head_dim] each, held
+    whole and grown by concatenation (differentiable): training's cache. Given tensors are
+    never written."""
 
     def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
-        # Given tensors are never written: the first append moves to a buffer of its own.
-        self._keys, self._values = keys, values
-        self.length = 0 if keys is None else keys.shape[0]
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return None if self._keys is None else self._keys[: self.length]
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return None if self._values is None else self._values[: self.length]
+        self.keys, self.values = keys, values
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + k.shape[0]
-        if k.requires_grad or v.requires_grad:
-            self._keys = k if self._keys is None else torch.cat([self.keys, k])
-            self._values = v if self._values is None else torch.cat([self.values, v])
-        else:
-            if self._keys is None or end > self._keys.shape[0] or self._keys.requires_grad:
-                capacity = max(end, 2 * self.length, 64)
-                keys, values = k.new_empty(capacity, *k.shape[1:]), v.new_empty(capacity, *v.shape[1:])
-                if self.length:
-                    keys[: self.length], values[: self.length] = self.keys, self.values
-                self._keys, self._values = keys, values
-            self._keys[self.length : end], self._values[self.length : end] = k, v
-        self.length = end
+        self.keys = k if self.keys is None else torch.cat([self.keys, k])
+        self.values = v if self.values is None else torch.cat([self.values, v])
         return self.keys, self.values
-
-    def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
 
 
 @dataclass
-class EagleCaches:
-    """Several sequences' caches for one batched head call: counts[i] rows of its input
-    belong to caches[i], in order."""
+class LoadedEagleHead:
+    """An EAGLE-1 or EAGLE-3 head, loaded before the target's KV cache is sized (its weights
+    and its paged cache's blocks count against the memory budget)."""
 
-    caches: list[EagleCache]
-    counts: list[int]
+    head: nn.Module
+    # EAGLE-3: the target layers whose entering residual streams the head reads.
+    aux_layers: tuple[int, ...] = ()
+
+
+def draft_cache_bytes_per_block(head: nn.Module, block_size: int) -> int:
+    """What a block of an EAGLE head's paged cache takes: its one layer's keys and values."""
+    return paged_cache_bytes_per_block(block_size, head.num_kv_heads, head.head_dim, head.fc.weight.dtype)
+
+
+def paged_draft_cache(head: nn.Module, num_blocks: int, block_size: int, attention_backend: str = "auto"
+                      ) -> PagedDraftCache:
+    """A paged cache for an EAGLE head's layer, in its dtype and on its device."""
+    weight = head.fc.weight
+    return PagedDraftCache(num_blocks, block_size, head.num_kv_heads, head.head_dim, weight.dtype, weight.device,
+                           attention_backend)
 
 
 def read_eagle_checkpoint(path: str, described: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -274,11 +268,10 @@ def check_eagle_tree(tree: TokenTree) -> None:
 
 @dataclass
 class _SequenceState:
-    cache: EagleCache = field(default_factory=EagleCache)
     # The first paired position: a prompt's prefix-cache hit is never recomputed, so its
     # features never come; the pairs start at the first computed position.
     start: int = 0
-    # Target features of positions start + cache.length, ... not paired yet.
+    # Target features of positions start + the cached pairs, ... not paired yet.
     features: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -292,14 +285,16 @@ class EagleProposer:
     needs_hidden_states = True
     reads_step_features = True
 
-    def __init__(self, head: nn.Module, embed_tokens: nn.Embedding, top_tokens: TopTokens,
+    def __init__(self, head: nn.Module, embed_tokens: nn.Embedding, top_tokens: TopTokens, cache: PagedDraftCache,
                  tree: TokenTree | None = None) -> None:
         """`head`: EAGLE-1's or EAGLE-3's; `top_tokens`: the draft candidates of each
         estimated feature (EAGLE-1: the target LM head's best; EAGLE-3: the head's own);
-        `tree`: whose non-top-1 nodes are leaves (check_eagle_tree); None: a chain."""
+        `cache`: the head layer's paged cache (paged_draft_cache); `tree`: whose non-top-1
+        nodes are leaves (check_eagle_tree); None: a chain."""
         self.head = head
         self.embed_tokens = embed_tokens
         self.top_tokens = top_tokens
+        self.cache = cache
         if tree is not None:
             check_eagle_tree(tree)
         self.tree = tree
@@ -310,7 +305,8 @@ class EagleProposer:
         state = self._states.get(seq_id)
         if state is None or first_position < state.start:
             state = self._states[seq_id] = _SequenceState(start=first_position)
-        expected = state.start + state.cache.length + len(state.features)
+            self.cache.truncate(seq_id, 0)
+        expected = self._next_pair(seq_id) + len(state.features)
         if first_position < expected:
             # Positions seen already: a tree path through a lower-ranked branch has its KV
             # recomputed in the next step. Verified tokens never change, nor their features.
@@ -324,27 +320,25 @@ class EagleProposer:
         """All sequences' drafts in one batch: a head call for every sequence's catch-up pairs,
         then one a depth for all of them (each sequence's rows attend its own cache)."""
         drafts = [Draft([]) for _ in seqs]
-        batch = [(index, self._states[seq.seq_id], self._paths(k)) for index, (seq, k) in enumerate(zip(seqs, num_tokens))
-                 if k > 0 and self._can_draft(seq)]
+        batch = self._batch(seqs, num_tokens)
         if not batch:
             return drafts
         dtype, device = self.head.fc.weight.dtype, self.head.fc.weight.device
+        seq_ids = [seqs[index].seq_id for index, _, _ in batch]
         embeds, features, positions, counts = [], [], [], []
         for index, state, _ in batch:
             tokens = seqs[index].all_token_ids
             # Pairs (f_t, token t + 1) for every t from the cache's end up to the newest
             # token's predecessor.
-            start = state.start + state.cache.length
-            count = len(tokens) - 1 - start
+            start, count = self._next_pair(seqs[index].seq_id), self._num_new_pairs(seqs[index])
             features.append(torch.stack(state.features[:count]))
             del state.features[:count]
             embeds.append(torch.tensor(tokens[start + 1 :], device=device))
             positions.append(torch.arange(start, start + count, device=device))
             counts.append(count)
-        caches = [state.cache for _, state, _ in batch]
         outputs = self.head(self.embed_tokens(torch.cat(embeds)).to(dtype), torch.cat(features).to(dtype),
-                            torch.cat(positions), EagleCaches(caches, counts))
-        verified = [cache.length for cache in caches]  # the draft steps' keys are dropped after
+                            torch.cat(positions), self.cache.extend(seq_ids, counts))
+        verified = [self.cache.length(seq_id) for seq_id in seq_ids]  # the draft steps' keys are dropped after
         estimates = outputs[torch.tensor(list(itertools.accumulate(counts)), device=device) - 1]
         # Candidates wanted at each depth, per sequence (the most any sequence wants).
         wanted = [[0] * max(len(path) for path in paths) for _, _, paths in batch]
@@ -361,26 +355,48 @@ class EagleProposer:
                 step_positions = torch.tensor([state.start + length + depth
                                                for (_, state, _), length in zip(batch, verified)])
                 estimates = self.head(self.embed_tokens(tokens).to(dtype), estimates, step_positions,
-                                      EagleCaches(caches, [1] * len(batch)))
-        for row, ((index, state, paths), length) in enumerate(zip(batch, verified)):
-            state.cache.truncate(length)
+                                      self.cache.extend(seq_ids, [1] * len(batch)))
+        for row, ((index, _, paths), seq_id, length) in enumerate(zip(batch, seq_ids, verified)):
+            self.cache.truncate(seq_id, length)
             drafts[index] = Draft([candidates[len(path) - 1][row][path[-1]] for path in paths],
                                   parents=None if self.tree is None else self.tree.parents[: len(paths)])
         return drafts
+
+    def _batch(self, seqs: list[DraftContext], num_tokens: list[int]
+               ) -> list[tuple[int, _SequenceState, list[tuple[int, ...]]]]:
+        """(index, state, draft paths) of the sequences that draft now: those asked for drafts
+        that can draft (_can_draft) and get cache blocks for their catch-up pairs and every
+        draft step. Where the pool runs out, a sequence skips drafting this step (drafts
+        are optional: its output is the same)."""
+        wanted = [(index, self._paths(k)) for index, (seq, k) in enumerate(zip(seqs, num_tokens))
+                  if k > 0 and self._can_draft(seq)]
+        if not wanted:
+            return []
+        num_steps = max(len(path) for _, paths in wanted for path in paths) - 1  # each sequence takes every step
+        return [(index, self._states[seqs[index].seq_id], paths) for index, paths in wanted
+                if self.cache.reserve(seqs[index].seq_id, self._num_new_pairs(seqs[index]) + num_steps)]
 
     def _paths(self, k: int) -> list[tuple[int, ...]]:
         """The draft nodes as candidate-rank paths: a chain k deep, or the tree's first k
         nodes (a prefix of its depth-first order is a subtree)."""
         return [(0,) * (d + 1) for d in range(k)] if self.tree is None else self.tree.paths[:k]
 
+    def _next_pair(self, seq_id: str) -> int:
+        """The position of the sequence's first pair not cached yet."""
+        return self._states[seq_id].start + self.cache.length(seq_id)
+
+    def _num_new_pairs(self, seq: DraftContext) -> int:
+        """Pairs to catch up on: up to the newest token's predecessor."""
+        return seq.num_tokens - 1 - self._next_pair(seq.seq_id)
+
     def _can_draft(self, seq: DraftContext) -> bool:
         """Whether the sequence has pairs to catch up on and they reach its newest token's
         predecessor (a feature for every position since the pairs started)."""
         state = self._states.get(seq.seq_id)
-        return (state is not None and state.start + state.cache.length < seq.num_tokens - 1
-                <= state.start + state.cache.length + len(state.features))
+        return state is not None and 0 < self._num_new_pairs(seq) <= len(state.features)
 
     def retain(self, seq_ids: Iterable[str]) -> None:
         keep = set(seq_ids)
         for seq_id in [s for s in self._states if s not in keep]:
             del self._states[seq_id]
+        self.cache.retain(keep)

@@ -21,8 +21,9 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.linear import linear
-from kvserve.spec_decode.eagle import (EagleCache, EagleCaches, _rms_norm, draft_layer, draft_vocab_of,
-                                      read_eagle_checkpoint, top_ids)
+from kvserve.spec_decode.eagle import (EagleCache, _rms_norm, draft_layer, draft_vocab_of, read_eagle_checkpoint,
+                                      top_ids)
+from kvserve.spec_decode.paged_draft_cache import DraftRows
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -51,10 +52,10 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                cache: EagleCache | EagleCaches) -> torch.Tensor:
-        """Outputs [m, H] of m pairs at positions cache.length..; `features` are the target's
-        fused layers [m, 3H] (fc applies) or earlier outputs [m, H] (EagleCaches: several
-        sequences' pairs, batched)."""
+                cache: EagleCache | DraftRows) -> torch.Tensor:
+        """Outputs [m, H] of m pairs at `positions`; `features` are the target's fused layers
+        [m, 3H] (fc applies) or earlier outputs [m, H] (DraftRows: several sequences' pairs
+        in a paged cache, batched)."""
         if features.shape[-1] != self.hidden_size:
             features = linear(features, self.fc.weight)
         x = torch.cat([_rms_norm(embeds, self.input_layernorm, self.eps),

@@ -18,7 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from kvserve import LLM, SamplingParams
 from kvserve.model_executor.model_runner import kv_cache_bytes_per_block
-from kvserve.spec_decode.eagle import EagleCache, load_eagle_head
+from kvserve.spec_decode.eagle import EagleCache, load_eagle_head, paged_draft_cache
 
 TINY_VOCAB = 24
 HIDDEN = 32
@@ -85,9 +85,11 @@ def test_cached_steps_match_the_paper_head(fmt, tmp_path) -> None:
     embeds, features = torch.randn(7, HIDDEN), torch.randn(7, HIDDEN)
     with torch.no_grad():
         expected = reference(embeds, features)
-        cache, outputs = EagleCache(), []
+        cache, outputs = paged_draft_cache(head, num_blocks=4, block_size=2), []
         for start, end in ((0, 3), (3, 5), (5, 6), (6, 7)):  # a catch-up, then single steps
-            outputs.append(head(embeds[start:end], features[start:end], torch.arange(start, end), cache))
+            assert cache.reserve("s", end - start)
+            rows = cache.extend(["s"], [end - start])
+            outputs.append(head(embeds[start:end], features[start:end], torch.arange(start, end), rows))
     torch.testing.assert_close(torch.cat(outputs), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -106,7 +108,8 @@ def test_features_seen_again_keep_the_heads_context(tmp_path) -> None:
     tokens, features = torch.randint(0, TINY_VOCAB, (12,)).tolist(), torch.randn(12, HIDDEN)
 
     def drafts(feeds: list[tuple[int, int]]) -> list[list[int]]:
-        proposer = EagleProposer(head, embed, lambda estimate, n: top_ids(estimate @ lm_head.T, n))
+        proposer = EagleProposer(head, embed, lambda estimate, n: top_ids(estimate @ lm_head.T, n),
+                                 paged_draft_cache(head, num_blocks=8, block_size=4))
         out = []
         for start, end in feeds:  # observe features [start, end), then draft after token end
             proposer.observe("s", start, features[start:end])
@@ -138,7 +141,8 @@ def test_sequences_draft_in_one_batch_as_they_would_alone(tree, tmp_path) -> Non
     features = [torch.randn(n, HIDDEN) for n in lengths]
 
     def proposer() -> EagleProposer:
-        return EagleProposer(head, embed, lambda estimate, n: top_ids(estimate @ lm_head.T, n), token_tree)
+        return EagleProposer(head, embed, lambda estimate, n: top_ids(estimate @ lm_head.T, n),
+                             paged_draft_cache(head, num_blocks=16, block_size=4), token_tree)
 
     def contexts(rounds: int, ids: list[int]) -> list[DraftContext]:
         return [DraftContext(f"s{i}", tokens[i][: lengths[i] - 2 + rounds], 2, SamplingParams(), 64, None) for i in ids]
@@ -155,13 +159,8 @@ def test_sequences_draft_in_one_batch_as_they_would_alone(tree, tmp_path) -> Non
         assert [len(d.token_ids) for d in together] == ks
 
 
-def test_cache_appends_in_place_after_a_truncation_and_never_writes_given_tensors() -> None:
-    keys, values = torch.randn(70, 2, 4), torch.randn(70, 2, 4)
-    cache = EagleCache()
-    cache.append(keys[:3], values[:3])
-    cache.truncate(1)  # the drafts' keys dropped
-    assert torch.equal(cache.append(keys[3:70], values[3:70])[0], torch.cat([keys[:1], keys[3:70]]))
-    assert cache.length == 68 and torch.equal(cache.values, torch.cat([values[:1], values[3:70]]))
+def test_training_cache_never_writes_given_tensors() -> None:
+    keys, values = torch.randn(6, 2, 4), torch.randn(6, 2, 4)
     given = keys[:5].clone()
     branch = EagleCache(given, values[:5].clone())  # e.g. a prefix of another cache's keys
     branch.append(keys[5:6], values[5:6])
@@ -218,6 +217,12 @@ def _tiny_run(path: str, speculative_config: dict | None, **kwargs) -> tuple[lis
     return [list(o.outputs[0].token_ids) for o in outputs[:4]], llm
 
 
+def _head_bytes_per_block(block_size: int) -> int:
+    """What a block of the head's paged cache takes: keys and values of its one layer, fp32."""
+    config = _head_config()
+    return 2 * block_size * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4
+
+
 @pytest.mark.parametrize("case", ["batched", "small-chunks", "preemption"])
 def test_tiny_llama_greedy_is_exact(case, tiny_llama, tiny_eagle) -> None:
     from kvserve.model_executor.loader import load_model
@@ -229,15 +234,43 @@ def test_tiny_llama_greedy_is_exact(case, tiny_llama, tiny_eagle) -> None:
     if case == "preemption":
         num_blocks = (40 + 30) // block_size + 6  # one request fits, all at once do not
         per_block = kv_cache_bytes_per_block(load_model(tiny_llama, skip_tokenizer_init=True).config, block_size)
-        kwargs.update(kv_cache_memory=str(num_blocks * per_block), max_model_len=num_blocks * block_size)
+        kwargs.update(kv_cache_memory=str(num_blocks * (per_block + _head_bytes_per_block(block_size))),
+                      max_model_len=num_blocks * block_size)
     plain, _ = _tiny_run(tiny_llama, None, **kwargs)
     spec, llm = _tiny_run(tiny_llama, {"method": "eagle", "model": tiny_eagle, "num_speculative_tokens": 3}, **kwargs)
     assert spec == plain
     stats = llm.engine.spec_decode_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
-    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.runner.num_blocks
+    core = llm.engine.core
+    draft_cache = core.runner.speculator.proposer.cache
+    assert core.kv_cache.num_free_blocks == core.runner.num_blocks
+    assert draft_cache.num_free_blocks == draft_cache.kv.shape[1] == core.runner.num_blocks
     if case == "preemption":
-        assert llm.engine.core.scheduler.num_preemptions > 0
+        assert core.scheduler.num_preemptions > 0
+        assert core.runner.num_blocks == num_blocks  # the budget held the head's blocks too
+
+
+def test_a_full_draft_cache_skips_drafting_and_stays_exact(tiny_llama, tiny_eagle, monkeypatch) -> None:
+    """A head's pool too small for every sequence at once: a sequence that finds too few free
+    blocks does not draft that step; greedy output stays identical to no speculation, and
+    every block is back in the pool at the end."""
+    from kvserve.spec_decode import eagle
+    from kvserve.spec_decode.paged_draft_cache import PagedDraftCache
+
+    num_blocks = 14  # the longest prompt and its drafts take 11 blocks of 4
+    small_cache = eagle.paged_draft_cache
+    monkeypatch.setattr(eagle, "paged_draft_cache",
+                        lambda head, _, block_size, backend: small_cache(head, num_blocks, block_size, backend))
+    refused = []
+    reserve = PagedDraftCache.reserve
+    monkeypatch.setattr(PagedDraftCache, "reserve",
+                        lambda self, seq_id, count: reserve(self, seq_id, count) or refused.append(seq_id))
+    kwargs = dict(block_size=4, kv_cache_memory="4MiB", enable_prefix_caching=False)
+    plain, _ = _tiny_run(tiny_llama, None, **kwargs)
+    spec, llm = _tiny_run(tiny_llama, {"method": "eagle", "model": tiny_eagle, "num_speculative_tokens": 3}, **kwargs)
+    assert spec == plain
+    assert refused and llm.engine.spec_decode_stats.num_accepted_tokens > 0
+    assert llm.engine.core.runner.speculator.proposer.cache.num_free_blocks == num_blocks
 
 
 # Depth 1: the top three candidates; the chain of top-1 candidates three deep.

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from kvserve import LLM, SamplingParams
-from kvserve.spec_decode.eagle import EagleCache, EagleProposer
+from kvserve.spec_decode.eagle import EagleProposer, paged_draft_cache
 from kvserve.spec_decode.eagle3 import load_eagle3_head
 
 VOCAB, DRAFT_VOCAB, HIDDEN, HEADS, KV_HEADS = 24, 10, 32, 4, 2
@@ -112,10 +112,11 @@ def test_cached_steps_and_vocabulary_match_the_paper_head(tmp_path) -> None:
     assert layers == tuple(AUX_LAYERS)
     embeds, target_layers = torch.randn(6, HIDDEN), torch.randn(5, 3 * HIDDEN)
     with torch.no_grad():
-        cache = EagleCache()
-        caught_up = torch.cat([head(embeds[:3], target_layers[:3], torch.arange(3), cache),
-                               head(embeds[3:5], target_layers[3:5], torch.arange(3, 5), cache)])
-        drafted = head(embeds[5:], caught_up[-1:], torch.arange(5, 6), cache)  # fed back: no fc
+        cache = paged_draft_cache(head, num_blocks=3, block_size=2)
+        assert cache.reserve("s", 6)
+        caught_up = torch.cat([head(embeds[:3], target_layers[:3], torch.arange(3), cache.extend(["s"], [3])),
+                               head(embeds[3:5], target_layers[3:5], torch.arange(3, 5), cache.extend(["s"], [2]))])
+        drafted = head(embeds[5:], caught_up[-1:], torch.arange(5, 6), cache.extend(["s"], [1]))  # fed back: no fc
         expected = reference(embeds, torch.cat([reference.fc(target_layers), caught_up[-1:]]))
         torch.testing.assert_close(torch.cat([caught_up, drafted]), expected, rtol=1e-4, atol=1e-4)
         draft_ids = reference.lm_head(reference.norm(expected)).argmax(-1)

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from kvserve import LLM, SamplingParams
 from kvserve.entrypoints.cli import main
-from kvserve.spec_decode.eagle import EagleCache, EagleHead, load_eagle_head, target_lm_head_drafter
+from kvserve.spec_decode.eagle import EagleHead, load_eagle_head, paged_draft_cache, target_lm_head_drafter
 from kvserve.spec_decode.train_eagle import FrozenTarget, chained_acceptance, eagle_loss, save_eagle_head
 
 from .test_train_drafter import SENTENCES
@@ -36,9 +36,11 @@ def test_training_forward_equals_the_served_cached_steps() -> None:
     trained_path = head.forward_sequence(embeds, features)
     assert trained_path.requires_grad  # differentiable: torch's matmuls, not the CPU kernel
     with torch.inference_mode():
-        cache, served = EagleCache(), []
+        cache, served = paged_draft_cache(head, num_blocks=3, block_size=4), []
         for start, end in ((0, 4), (4, 5), (5, 8), (8, 9)):  # a catch-up, single steps, a chunk
-            served.append(head(embeds[start:end], features[start:end], torch.arange(start, end), cache))
+            assert cache.reserve("s", end - start)
+            rows = cache.extend(["s"], [end - start])
+            served.append(head(embeds[start:end], features[start:end], torch.arange(start, end), rows))
     torch.testing.assert_close(trained_path.detach(), torch.cat(served), rtol=1e-5, atol=1e-5)
 
 
@@ -137,13 +139,16 @@ def test_unrolled_steps_loss_equals_the_served_chain() -> None:
     with torch.inference_mode():
         chains = [[] for _ in range(steps)]
         for t in range(n - 1):
-            cache = EagleCache()
-            estimate = head(target.embed(token_ids[1 : t + 2]), features[: t + 1], torch.arange(t + 1), cache)[-1:]
+            cache = paged_draft_cache(head, num_blocks=4, block_size=4)
+            assert cache.reserve("s", t + steps)
+            estimate = head(target.embed(token_ids[1 : t + 2]), features[: t + 1], torch.arange(t + 1),
+                            cache.extend(["s"], [t + 1]))[-1:]
             chains[0].append(estimate)
             for k in range(2, steps + 1):
                 if t + k >= n:
                     break
-                estimate = head(target.embed(predictions[t + k - 1 : t + k]), estimate, torch.tensor([t + k - 1]), cache)
+                estimate = head(target.embed(predictions[t + k - 1 : t + k]), estimate, torch.tensor([t + k - 1]),
+                                cache.extend(["s"], [1]))
                 chains[k - 1].append(estimate)
         reference = sum(0.5 ** (k - 1) * _step_loss(target, torch.cat(chains[k - 1]), features[k:], predictions[k:],
                                                     cls_weight, draft_vocab)
