@@ -51,7 +51,12 @@ if TYPE_CHECKING:
     from kvserve.executor.multiproc import MultiprocExecutor
     from kvserve.executor.ray_executor import RayExecutor
     from kvserve.spec_decode.eagle import LoadedEagleHead
+    from kvserve.spec_decode.medusa import MedusaHeads
     from kvserve.spec_decode.paged_draft_cache import PagedDraftCache
+
+    # What _load may load beside the target for speculation (before the KV cache is sized:
+    # their weights, and an EAGLE head's cache, count against its budget).
+    Drafter = LoadedModel | LoadedEagleHead | MedusaHeads
 
 logger = logging.getLogger(__name__)
 
@@ -195,9 +200,9 @@ class EngineCore:
 
     def _load(
         self, args: EngineArgs, loaded: LoadedModel | None, dtype: torch.dtype,
-    ) -> tuple[SpeculativeConfig | None, LoadedModel | LoadedEagleHead | None, LoadedModel]:
-        """(speculation config, draft model or EAGLE head, target model) for an engine in
-        one process."""
+    ) -> tuple[SpeculativeConfig | None, Drafter | None, LoadedModel]:
+        """(speculation config, draft model or head, target model) for an engine in one
+        process."""
         if loaded is None:
             loaded = load_engine_model(args)
         if self.device.type == "cpu":  # after loading: its transients are not kept
@@ -214,6 +219,10 @@ class EngineCore:
                 draft = load_draft_model(spec_config, loaded, dtype, self.device)
             elif spec_config.method in ("eagle", "eagle3"):
                 draft = self._load_eagle_head(spec_config, loaded.config)
+            elif spec_config.method == "medusa":
+                from kvserve.spec_decode.medusa import load_medusa_heads
+
+                draft = load_medusa_heads(spec_config.model, loaded.config, loaded.config.dtype, self.device)
         return spec_config, draft, loaded
 
     def _load_eagle_head(self, config: SpeculativeConfig, target: ModelConfig) -> LoadedEagleHead:
@@ -226,15 +235,14 @@ class EngineCore:
         return LoadedEagleHead(*load_eagle3_head(config.model, target, target.dtype, self.device))
 
     @staticmethod
-    def _draft_kv_bytes_per_block(draft: LoadedModel | LoadedEagleHead | None, block_size: int) -> int:
-        """What a drafter's own KV cache (as many blocks as the target's) takes a block."""
-        if draft is None:
-            return 0
+    def _draft_kv_bytes_per_block(draft: Drafter | None, block_size: int) -> int:
+        """What a drafter's own KV cache (as many blocks as the target's) takes a block;
+        Medusa heads keep none."""
         if isinstance(draft, LoadedModel):
             return kv_cache_bytes_per_block(draft.config, block_size)
-        from kvserve.spec_decode.eagle import draft_cache_bytes_per_block
+        from kvserve.spec_decode.eagle import LoadedEagleHead, draft_cache_bytes_per_block
 
-        return draft_cache_bytes_per_block(draft.head, block_size)
+        return draft_cache_bytes_per_block(draft.head, block_size) if isinstance(draft, LoadedEagleHead) else 0
 
     @staticmethod
     def _parallel_executor(args: EngineArgs, loaded: LoadedModel | None) -> MultiprocExecutor | RayExecutor:
@@ -279,12 +287,11 @@ class EngineCore:
             f"--kv-cache-dtype fp8), or lower --max-model-len to at most {num_blocks * block_size}."
         )
 
-    def _make_speculator(self, config: SpeculativeConfig, draft: LoadedModel | LoadedEagleHead | None) -> Speculator:
+    def _make_speculator(self, config: SpeculativeConfig, draft: Drafter | None) -> Speculator:
         if config.method == "medusa":
-            from kvserve.spec_decode.medusa import MedusaProposer, load_medusa_heads
+            from kvserve.spec_decode.medusa import MedusaProposer
 
-            heads = load_medusa_heads(config.model, self.model_config, self.model_config.dtype, self.device)
-            proposer = MedusaProposer(heads, config.token_tree(heads.num_heads))
+            proposer = MedusaProposer(draft, config.token_tree(draft.num_heads))
         elif config.method == "eagle":
             from kvserve.spec_decode.eagle import EagleProposer, target_lm_head_drafter
 
