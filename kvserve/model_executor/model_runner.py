@@ -534,7 +534,11 @@ class ModelRunner:
         if self.speculator is not None and self.speculator.needs_hidden_states:
             # Every row of a graph step samples: the sampled rows are all of the step's.
             hidden = self.cuda_graphs.last_hidden()
-            return StepLogits(logits, seq_ids, num_rows, [], hidden, hidden)
+            # A view of the graph's buffer, which the next replay overwrites: EAGLE keeps the
+            # features of a sequence that does not draft this step until it does (one copy a
+            # step, not one a sequence).
+            step_hidden = hidden.clone() if self.speculator.reads_step_features else hidden
+            return StepLogits(logits, seq_ids, num_rows, [], hidden, step_hidden)
         return StepLogits(logits, seq_ids, num_rows, [])
 
     @staticmethod

@@ -18,7 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from kvserve import LLM, SamplingParams
 from kvserve.model_executor.model_runner import kv_cache_bytes_per_block
-from kvserve.spec_decode.eagle import EagleCache, load_eagle_head, paged_draft_cache
+from kvserve.spec_decode.eagle import EagleCache, EagleProposer, load_eagle_head, paged_draft_cache
 
 TINY_VOCAB = 24
 HIDDEN = 32
@@ -387,7 +387,16 @@ def test_gpu_greedy_is_exact_with_cuda_graphs(tree, tmp_path, monkeypatch) -> No
     spec_config = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
     if tree is not None:
         spec_config.update(num_speculative_tokens=5, speculative_token_tree=tree)
+    observed = []  # the storage of every feature tensor the head was handed
+    observe = EagleProposer.observe
+    monkeypatch.setattr(EagleProposer, "observe", lambda self, seq_id, first, features: (
+        observed.append(features.untyped_storage().data_ptr()), observe(self, seq_id, first, features))[1])
     spec, llm = _tiny_run(str(tmp_path / "llama"), spec_config, **kwargs)
     assert spec == plain
     assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
-    assert any(width > 1 for _, width, _ in llm.engine.core.runner.cuda_graphs.replays), "no verify step replayed"
+    graphs = llm.engine.core.runner.cuda_graphs
+    assert any(width > 1 for _, width, _ in graphs.replays), "no verify step replayed"
+    # Features a sequence keeps until it drafts again must outlive the next replay: none
+    # may be a view of a graph's own hidden-state buffer, which that replay overwrites.
+    buffers = {graph.hidden.untyped_storage().data_ptr() for graph in graphs.graphs.values()}
+    assert observed and not buffers & set(observed)
