@@ -185,9 +185,13 @@ class StepSampler:
         """Each sequence's verified rows: all it ran but the rejected drafts (`verified_rows`:
         a verifying sequence's draft count and the rows of its emitted tokens among its last
         1 + drafts: the newest token's, then the accepted path's, which in a tree skip the
-        other branches)."""
+        other branches). Sequences that never draft are skipped: their features would be
+        kept for as long as they run."""
         flat = 0
         for seq_id, num in sched.num_scheduled_tokens.items():
+            if not speculator.drafts_for(seqs[seq_id].params):
+                flat += num
+                continue
             rows = list(range(num))
             if seq_id in verified_rows:
                 num_drafts, path_rows = verified_rows[seq_id]

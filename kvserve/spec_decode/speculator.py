@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.sample.sampler import Sampler, SamplingRow, final_probs, gather_logprobs
+from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.proposer import Draft, DraftContext, Proposer
 from kvserve.spec_decode.rejection_sampler import (
@@ -42,8 +43,14 @@ class Speculator:
         # The distributions each sequence's pending drafts were sampled from (None: one-hot).
         self._draft_probs: dict[str, torch.Tensor | None] = {}
 
+    @staticmethod
+    def drafts_for(params: SamplingParams) -> bool:
+        """Whether requests with these parameters ever draft: not those that fork into n
+        samples or score their prompt."""
+        return params.n == 1 and params.prompt_logprobs is None
+
     def _num_to_draft(self, seq: DraftContext) -> int:
-        if seq.params.n != 1 or seq.params.prompt_logprobs is not None:
+        if not self.drafts_for(seq.params):
             return 0
         # Room for the drafts plus the target's own token within both limits.
         room_output = seq.max_tokens - len(seq.output_token_ids) - 1

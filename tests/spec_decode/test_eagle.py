@@ -347,6 +347,26 @@ def test_observed_features_are_the_targets_hidden_states(tree, tiny_llama, tiny_
     torch.testing.assert_close(torch.stack([features[p] for p in positions]), expected[:-1], rtol=1e-4, atol=1e-4)
 
 
+def test_requests_that_never_draft_hand_the_head_no_features(tiny_llama, tiny_eagle, monkeypatch) -> None:
+    """A request with n = 2 beside one that drafts: its samples are never observed (their
+    features would be kept for as long as they run), and both outputs equal no speculation."""
+    observed = set()
+    observe = EagleProposer.observe
+    monkeypatch.setattr(EagleProposer, "observe", lambda self, seq_id, first, features: (
+        observed.add(seq_id), observe(self, seq_id, first, features))[1])
+    prompts = [{"prompt_token_ids": [3, 9, 4, 17, 5, 11]}, {"prompt_token_ids": [7, 2, 13, 8]}]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)]
+    kwargs = dict(model=tiny_llama, skip_tokenizer_init=True, kv_cache_memory="4MiB")
+    plain = LLM(**kwargs).generate(prompts, params)
+    llm = LLM(**kwargs, speculative_config={"method": "eagle", "model": tiny_eagle, "num_speculative_tokens": 2})
+    spec = llm.generate(prompts, params)
+    assert [[list(c.token_ids) for c in o.outputs] for o in spec] == [[list(c.token_ids) for c in o.outputs]
+                                                                      for o in plain]
+    assert llm.engine.spec_decode_stats.num_drafts > 0
+    assert len(observed) == 1  # the drafting request's one sequence only
+
+
 def test_a_prefix_cache_hit_still_drafts_and_stays_exact(tiny_llama, tiny_eagle) -> None:
     """A later request whose prompt starts with a cached prefix never gets the target's
     features there: the head pairs from the first computed position on, and still drafts."""
