@@ -1,4 +1,5 @@
-"""Fixtures for speculative decoding tests on the real SmolLM2."""
+"""Fixtures for speculative decoding tests: models for drafts on the real SmolLM2, and a tiny
+random Llama for draft heads."""
 
 from __future__ import annotations
 
@@ -27,4 +28,27 @@ def tiny_smollm2_draft(smollm2_loaded, tmp_path_factory) -> str:
     directory = os.path.join(tmp_path_factory.mktemp("draft"), "tiny-draft")
     model.save_pretrained(directory)
     smollm2_loaded.tokenizer.save_pretrained(directory)
+    return directory
+
+
+# The tiny Llama's vocabulary: random heads' top-3 candidates hit the target's argmax often,
+# so tree branches other than the first get accepted.
+TINY_VOCAB = 24
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """A tiny random Llama (hidden size 32) with a vocabulary of TINY_VOCAB."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import randomize
+
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    randomize(model, seed=0)
+    directory = str(tmp_path_factory.mktemp("tiny-llama"))
+    model.save_pretrained(directory)
     return directory

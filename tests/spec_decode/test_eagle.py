@@ -19,8 +19,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from kvserve import LLM, SamplingParams
 from kvserve.model_executor.model_runner import kv_cache_bytes_per_block
 from kvserve.spec_decode.eagle import EagleCache, EagleProposer, load_eagle_head, paged_draft_cache
+from tests.spec_decode.conftest import TINY_VOCAB
 
-TINY_VOCAB = 24
 HIDDEN = 32
 
 
@@ -165,20 +165,6 @@ def test_training_cache_never_writes_given_tensors() -> None:
     branch = EagleCache(given, values[:5].clone())  # e.g. a prefix of another cache's keys
     branch.append(keys[5:6], values[5:6])
     assert torch.equal(given, keys[:5]) and torch.equal(branch.keys, keys[:6])
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    from tests.conftest import randomize
-
-    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    randomize(model, seed=0)
-    directory = str(tmp_path_factory.mktemp("tiny-llama"))
-    model.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")

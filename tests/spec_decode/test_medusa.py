@@ -20,6 +20,7 @@ from kvserve.model_executor.model_runner import kv_cache_bytes_per_block
 from kvserve.spec_decode.medusa import MedusaProposer, load_medusa_heads
 from kvserve.spec_decode.rejection_sampler import tree_rejection_run
 from kvserve.spec_decode.tree import TokenTree
+from tests.spec_decode.conftest import TINY_VOCAB
 from tests.spec_decode.distribution import P_VALUE_THRESHOLD, chi_square_p_value
 
 
@@ -56,23 +57,6 @@ def save_medusa(directory: str, heads: nn.ModuleList, num_layers: int, fmt: str 
     return directory
 
 
-TINY_VOCAB = 24
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    """A tiny random Llama with a vocabulary of 24: random heads' top-3 candidates hit the
-    target's argmax often, so tree branches other than the first get accepted."""
-    from tests.conftest import randomize
-
-    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    randomize(model, seed=0)
-    directory = str(tmp_path_factory.mktemp("tiny-llama"))
-    model.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")
