@@ -184,6 +184,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         encoder_budget = EncoderBudget(budget)
         slicer = self.encoder_slicer
+        # A running prompt's canonical piece that did not fit the budget left: no new prompt
+        # takes that budget (or blocks the piece needs) ahead of it.
+        deferred = False
 
         # Running sequences first: decodes and prefills already under way.
         for seq in list(self.running):
@@ -200,6 +203,7 @@ class Scheduler:
             elif self.canonical is not None:
                 num_new = self.canonical.next_piece(seq.num_computed_tokens, num_new)
                 if num_new > budget:
+                    deferred = True
                     continue  # a later step runs the whole piece
             num_new = min(num_new, budget)
             if seq.mm_features:
@@ -234,7 +238,7 @@ class Scheduler:
         num_seq_slots = sum(num_seq_slots_held(seq) for seq in self.running)
         running_loras = {seq.lora_int_id for seq in self.running} - {0} if self.config.max_loras else set()
         index = 0
-        while index < len(self.waiting) and not preempted and budget > 0:
+        while index < len(self.waiting) and not preempted and not deferred and budget > 0:
             seq = self.waiting[index]
             # A prompt counts as all the samples it forks into, so the forks never take
             # the running count past max_num_seqs.
