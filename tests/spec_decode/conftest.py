@@ -36,19 +36,23 @@ def tiny_smollm2_draft(smollm2_loaded, tmp_path_factory) -> str:
 TINY_VOCAB = 24
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> str:
-    """A tiny random Llama (hidden size 32) with a vocabulary of TINY_VOCAB."""
+def save_tiny_llama(directory: str, **config) -> str:
+    """A random Llama of two layers, hidden size 32 and a vocabulary of TINY_VOCAB (`config`
+    overrides any of LlamaConfig's values), saved to `directory`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.conftest import randomize
 
-    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config = {"vocab_size": TINY_VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, **config}
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(LlamaConfig(**config))
     randomize(model, seed=0)
-    directory = str(tmp_path_factory.mktemp("tiny-llama"))
     model.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))

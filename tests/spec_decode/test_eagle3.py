@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from kvserve import LLM, SamplingParams
 from kvserve.spec_decode.eagle import EagleProposer, paged_draft_cache
 from kvserve.spec_decode.eagle3 import load_eagle3_head
+from tests.spec_decode.conftest import save_tiny_llama
 
 VOCAB, DRAFT_VOCAB, HIDDEN, HEADS, KV_HEADS = 24, 10, 32, 4, 2
 AUX_LAYERS = [0, 1, 2]
@@ -145,16 +146,8 @@ def test_bad_heads_are_clear_errors_at_load(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    from tests.conftest import randomize
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    randomize(model, seed=0)
-    directory = str(tmp_path_factory.mktemp("tiny-llama"))
-    model.save_pretrained(directory)
-    return directory
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), vocab_size=VOCAB, hidden_size=HIDDEN,
+                           num_hidden_layers=3, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
 
 
 @pytest.mark.parametrize("norms", ["as on cpu", "in place",
