@@ -166,7 +166,10 @@ class StepSampler:
                 hidden_rows[seq_id] = spec_rows[first_row + run.rows[-1]]
                 verified_rows[seq_id] = (len(seq_drafts), run.rows)
                 first_row += len(seq_drafts) + 1
-        if speculator is not None and speculator.reads_step_features and step_hidden is not None:
+        # Past disable_by_batch_size nobody drafts, so the head is handed nothing to keep
+        # (it restarts a sequence's pairs where the features resume).
+        if (speculator is not None and speculator.reads_step_features and step_hidden is not None
+                and speculator.speculates_at(len(sched.num_scheduled_tokens))):
             self._observe_features(sched, seqs, verified_rows, step_hidden, speculator)
         if speculator is not None:
             hidden = sample_hidden if speculator.needs_hidden_states else None

@@ -301,9 +301,13 @@ class EagleProposer:
         self._states: dict[str, _SequenceState] = {}
 
     def observe(self, seq_id: str, first_position: int, features: torch.Tensor) -> None:
-        """Target features [m, H] of positions first_position.. (a step's verified rows)."""
+        """Target features [m, H] of positions first_position.. (a step's verified rows).
+        After a gap (steps whose features were not handed over: speculation was off for
+        their batch size) the sequence's pairs start again at first_position, as after a
+        prefix-cache hit."""
         state = self._states.get(seq_id)
-        if state is None or first_position < state.start:
+        if (state is None or first_position < state.start
+                or first_position > self._next_pair(seq_id) + len(state.features)):
             state = self._states[seq_id] = _SequenceState(start=first_position)
             self.cache.truncate(seq_id, 0)
         expected = self._next_pair(seq_id) + len(state.features)

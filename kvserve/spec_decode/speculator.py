@@ -70,9 +70,14 @@ class Speculator:
     def observe_features(self, seq_id: str, first_position: int, features: torch.Tensor) -> None:
         self.proposer.observe(seq_id, first_position, features)
 
+    def speculates_at(self, batch_size: int) -> bool:
+        """Whether a step of `batch_size` sequences drafts (and, for EAGLE, hands the head
+        its features): not past disable_by_batch_size."""
+        return batch_size <= self.config.disable_by_batch_size
+
     def propose(self, candidates: list[DraftContext], batch_size: int) -> dict[str, Draft]:
         """The drafts of each candidate's next step (sequences with none are left out)."""
-        if batch_size > self.config.disable_by_batch_size:
+        if not self.speculates_at(batch_size):
             return {}
         seqs, budgets = [], []
         for seq in candidates:

@@ -353,6 +353,58 @@ def test_requests_that_never_draft_hand_the_head_no_features(tiny_llama, tiny_ea
     assert len(observed) == 1  # the drafting request's one sequence only
 
 
+def _staggered_run(llm: LLM, prompts: list[list[int]], max_tokens: list[int], arrival_steps: list[int]
+                   ) -> list[list[int]]:
+    """Each prompt added at its arrival step; the engine stepped until all finish: greedy ids."""
+    engine, results, step = llm.engine, {}, 0
+    while len(results) < len(prompts):
+        for index, arrival in enumerate(arrival_steps):
+            if arrival == step:
+                engine.add_request(str(index), {"prompt_token_ids": prompts[index]},
+                                   SamplingParams(temperature=0.0, max_tokens=max_tokens[index], ignore_eos=True))
+        for output in engine.step():
+            if output.finished:
+                results[int(output.request_id)] = list(output.outputs[0].token_ids)
+        step += 1
+    return [results[index] for index in range(len(prompts))]
+
+
+def test_past_the_batch_size_limit_the_head_keeps_nothing_and_drafts_again_after(tiny_llama, tiny_eagle,
+                                                                                  monkeypatch) -> None:
+    """disable_by_batch_size 2: two requests draft, a third joins and while three run nobody
+    drafts and the head is handed no features (they would pile up for as long as the batch
+    stays large); once the third ends, the two draft again, their pairs restarting where
+    their features resume. Greedy output equals no speculation."""
+    pending = []  # after each observation, the most features any sequence holds unpaired
+    observe = EagleProposer.observe
+
+    def observing(self, seq_id, first, features):
+        observe(self, seq_id, first, features)
+        pending.append(max(len(state.features) for state in self._states.values()))
+
+    monkeypatch.setattr(EagleProposer, "observe", observing)
+    prompts = [[3, 9, 4, 17, 5, 11, 2, 8], [7, 2, 13, 8, 1, 6], [5, 5, 9, 1, 3, 12, 4]]
+    max_tokens, arrivals = [40, 40, 12], [0, 0, 4]
+    kwargs = dict(model=tiny_llama, skip_tokenizer_init=True, kv_cache_memory="4MiB")
+    plain = _staggered_run(LLM(**kwargs), prompts, max_tokens, arrivals)
+    llm = LLM(**kwargs, speculative_config={"method": "eagle", "model": tiny_eagle, "num_speculative_tokens": 2,
+                                            "disable_by_batch_size": 2})
+    drafts = []  # each proposal's drafting sequences (none are asked while three run)
+    propose = EagleProposer.propose
+
+    def proposing(self, seqs, num_tokens):
+        result = propose(self, seqs, num_tokens)
+        drafts.append([seq.seq_id for seq, draft in zip(seqs, result) if draft.token_ids])
+        return result
+
+    monkeypatch.setattr(EagleProposer, "propose", proposing)
+    assert _staggered_run(llm, prompts, max_tokens, arrivals) == plain
+    # The two drafted before the third came, and again in the last steps, after the gap
+    # (the last proposal may ask one only: the other is at its length limit).
+    assert len(drafts[0]) == 2 and len(set().union(*drafts[-3:])) == 2
+    assert pending and max(pending) <= 8  # never more than a prompt's rows, not one a step more
+
+
 def test_a_prefix_cache_hit_still_drafts_and_stays_exact(tiny_llama, tiny_eagle) -> None:
     """A later request whose prompt starts with a cached prefix never gets the target's
     features there: the head pairs from the first computed position on, and still drafts."""
