@@ -536,8 +536,9 @@ class ModelRunner:
             hidden = self.cuda_graphs.last_hidden()
             # A view of the graph's buffer, which the next replay overwrites: EAGLE keeps the
             # features of a sequence that does not draft this step until it does (one copy a
-            # step, not one a sequence).
-            step_hidden = hidden.clone() if self.speculator.reads_step_features else hidden
+            # step, not one a sequence; none where the batch is too large to speculate).
+            keeps = self.speculator.reads_step_features and self.speculator.speculates_at(len(seq_ids))
+            step_hidden = hidden.clone() if keeps else hidden
             return StepLogits(logits, seq_ids, num_rows, [], hidden, step_hidden)
         return StepLogits(logits, seq_ids, num_rows, [])
 

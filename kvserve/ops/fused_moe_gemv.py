@@ -206,16 +206,21 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _group_size(w: ExpertWeights, block_k: int) -> int:
+    """The GROUP_SIZE the kernels take: the weights' scale groups, or for one group a row (and
+    dense weights) at least a tile, so that every tile's group is 0."""
+    if w.scale is not None and w.group_size < w.in_features:
+        assert block_k % w.group_size == 0 or w.group_size % block_k == 0, (block_k, w.group_size)
+        return w.group_size
+    return max(w.in_features, block_k)
+
+
 def _launch(x: torch.Tensor, w: ExpertWeights, out: torch.Tensor, chosen: torch.Tensor, n: int,
             rows_per_x: int, swiglu: bool, num_splits: int, k_per_split: int, tile: GemvTile) -> None:
     quantized = w.scale is not None
     scales = w.scale if quantized else w.weight
     block_k = tile.block_k
-    if quantized and w.group_size < w.in_features:
-        group_size = w.group_size
-        assert block_k % group_size == 0 or group_size % block_k == 0, (block_k, group_size)
-    else:  # one group a row: every tile's is group 0
-        group_size = max(w.in_features, block_k)
+    group_size = _group_size(w, block_k)
     num_pairs = chosen.numel()
     grid = (num_pairs, triton.cdiv(n, tile.block_n), num_splits)
     _pair_gemv_kernel[grid](
@@ -244,7 +249,7 @@ def _launch_summed(activation: torch.Tensor, w: ExpertWeights, out: torch.Tensor
     n = w.weight.shape[1]
     quantized = w.scale is not None
     scales = w.scale if quantized else w.weight
-    group_size = w.group_size if quantized and w.group_size < w.in_features else max(w.in_features, tile.block_k)
+    group_size = _group_size(w, tile.block_k)
     _summed_gemv_kernel[(tokens, triton.cdiv(n, tile.block_n))](
         activation, w.weight, scales, w.offset if w.offset is not None else scales, out, chosen,
         weights.reshape(-1).float().contiguous(), n, w.in_features, activation.stride(0), w.weight.stride(0),
