@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.ops import pdl
 from kvserve.ops.expert_weights import ExpertWeights
 
 
@@ -97,10 +98,13 @@ def _pair_gemv_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_om,
     ROWS_PER_X: tl.constexpr, SWIGLU: tl.constexpr, QUANT: tl.constexpr, FOUR_BIT: tl.constexpr,
     HAS_OFFSET: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """For pair p (x row p // ROWS_PER_X, expert chosen[p]) and one BLOCK_N block of the
     output columns, over split s's k range: SWIGLU: out[p, n] = silu(W[n] x) * (W[n +
-    second_rows] x) in out's dtype (one split); else fp32 partials out[s, p, n] = W[n] x."""
+    second_rows] x) in out's dtype (one split); else fp32 partials out[s, p, n] = W[n] x.
+    Chained (kvserve.ops.pdl): which expert to read is the previous kernel's output."""
+    pdl.chained(PDL)
     pair = tl.program_id(0)
     split = tl.program_id(2)
     expert = tl.load(chosen_ptr + pair)
@@ -148,12 +152,13 @@ def _summed_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, out_ptr, chosen_ptr, weights_ptr,
     N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     TOP_K: tl.constexpr, QUANT: tl.constexpr, FOUR_BIT: tl.constexpr, HAS_OFFSET: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """For token t and one BLOCK_N block of the output columns: out[t, n] = sum over t's
     choices c of weights[t, c] x W[chosen[t, c]][n] . x[t top_k + c], in choice order, in
     out's dtype (the down GEMV with the combine in its epilogue: no partials, no third
     launch)."""
+    pdl.chained(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -183,9 +188,10 @@ def _summed_gemv_kernel(
 
 @triton.jit
 def _combine_kernel(partials_ptr, weights_ptr, out_ptr, N, num_splits, stride_ps, stride_pm, stride_om,
-                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t, n] = sum over t's choices c of weights[t, c] x sum over splits of partials[s, t
     top_k + c, n], in this fixed order."""
+    pdl.chained(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -230,7 +236,7 @@ def _launch(x: torch.Tensor, w: ExpertWeights, out: torch.Tensor, chosen: torch.
         out.stride(0) if not swiglu else 0, out.stride(-2),
         ROWS_PER_X=rows_per_x, SWIGLU=swiglu, QUANT=quantized, FOUR_BIT=w.four_bit,
         HAS_OFFSET=w.offset is not None, GROUP_SIZE=group_size, BLOCK_N=tile.block_n, BLOCK_K=block_k,
-        num_warps=tile.num_warps,
+        num_warps=tile.num_warps, **pdl.chained_options(x.device),
     )
 
 
@@ -256,6 +262,7 @@ def _launch_summed(activation: torch.Tensor, w: ExpertWeights, out: torch.Tensor
         w.weight.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
         TOP_K=top_k, QUANT=quantized, FOUR_BIT=w.four_bit, HAS_OFFSET=w.offset is not None,
         GROUP_SIZE=group_size, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+        **pdl.chained_options(out.device),
     )
 
 
@@ -298,6 +305,6 @@ def experts_gemv(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w
     block = 512
     _combine_kernel[(tokens, triton.cdiv(hidden, block))](
         partials, weights.reshape(-1).float().contiguous(), out, hidden, splits, partials.stride(0),
-        partials.stride(1), out.stride(0), TOP_K=top_k, BLOCK=block,
+        partials.stride(1), out.stride(0), TOP_K=top_k, BLOCK=block, **pdl.chained_options(x.device),
     )
     return out

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.ops import pdl
+
 
 @triton.jit
 def _pick(x, real, token, ids_ptr, weights_ptr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -67,9 +69,10 @@ def _routing_kernel(logits_ptr, ids_ptr, weights_ptr, shared_logits_ptr, shared_
 
 
 @triton.jit
-def _gate_rows(acc, x_row, w_rows, row_mask, hidden, BLOCK_H: tl.constexpr):
-    """acc [ROWS, BLOCK_H] += the weight rows at w_rows times x lane-wise, over all of hidden."""
-    for h0 in range(0, hidden, BLOCK_H):
+def _gate_rows(acc, x_row, w_rows, row_mask, start, hidden, BLOCK_H: tl.constexpr):
+    """acc [ROWS, BLOCK_H] += the weight rows at w_rows times x lane-wise, over hidden from
+    `start` on."""
+    for h0 in range(start, hidden, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         col_mask = cols < hidden
         x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -83,35 +86,44 @@ def _gate_and_route_kernel(x_ptr, w_ptr, shared_w_ptr, logits_ptr, count_ptr, id
                            shared_gate_ptr, num_experts, hidden, stride_x, stride_w,
                            TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
                            ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (t, p): the router logits of experts p x ROWS.. for token t, x[t] . w[e] summed
     in fp32 and rounded to x's dtype (the router linear's output), left in logits[t]; the
     last of token t's programs to arrive (an acq_rel counter, re-armed to 0) picks from the
     row (_pick). HAS_SHARED: program (t, 0) also leaves sigmoid(x[t] . shared_w) in
-    shared_gate[t], the logit rounded to x's dtype first."""
+    shared_gate[t], the logit rounded to x's dtype first. With PDL the first weight tile
+    (which nothing in the step writes) loads before the wait for the previous kernel."""
+    if PDL:  # the next kernel may launch (it waits for this one)
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     part = tl.program_id(1)
     x_row = x_ptr + token * stride_x
     rows = part * ROWS + tl.arange(0, ROWS)
     row_mask = rows < num_experts
-    acc = _gate_rows(tl.zeros([ROWS, BLOCK_H], dtype=tl.float32), x_row, w_ptr + rows.to(tl.int64) * stride_w,
-                     row_mask, hidden, BLOCK_H)
+    w_rows = w_ptr + rows.to(tl.int64) * stride_w
+    first = tl.arange(0, BLOCK_H)
+    first_mask = first < hidden
+    w = tl.load(w_rows[:, None] + first[None, :], mask=row_mask[:, None] & first_mask[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+    x = tl.load(x_row + first, mask=first_mask, other=0.0).to(tl.float32)
+    acc = _gate_rows(w.to(tl.float32) * x[None, :], x_row, w_rows, row_mask, BLOCK_H, hidden, BLOCK_H)
     dtype = x_ptr.dtype.element_ty
     tl.store(logits_ptr + token * num_experts + rows, tl.sum(acc, 1).to(dtype), mask=row_mask)
     if HAS_SHARED:
         if part == 0:
-            first = tl.arange(0, ROWS) < 1  # one weight row, in a tile of the gate's shape
+            one = tl.arange(0, ROWS) < 1  # one weight row, in a tile of the gate's shape
             shared = _gate_rows(tl.zeros([ROWS, BLOCK_H], dtype=tl.float32), x_row,
-                                shared_w_ptr + tl.zeros([ROWS], dtype=tl.int64), first, hidden, BLOCK_H)
+                                shared_w_ptr + tl.zeros([ROWS], dtype=tl.int64), one, 0, hidden, BLOCK_H)
             g = tl.sum(tl.sum(shared, 1), 0).to(dtype).to(tl.float32)
             tl.store(shared_gate_ptr + token, (1.0 / (1.0 + tl.exp(-g))).to(dtype))
     tl.debug_barrier()  # every thread's logits are written before one thread releases them
     if tl.atomic_add(count_ptr + token, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
         experts = tl.arange(0, BLOCK_E)
         real = experts < num_experts
-        x = tl.load(logits_ptr + token * num_experts + experts, mask=real, other=float("-inf"),
-                    cache_modifier=".cg").to(tl.float32)
-        _pick(x, real, token, ids_ptr, weights_ptr, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+        logits = tl.load(logits_ptr + token * num_experts + experts, mask=real, other=float("-inf"),
+                         cache_modifier=".cg").to(tl.float32)
+        _pick(logits, real, token, ids_ptr, weights_ptr, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
         tl.atomic_xchg(count_ptr + token, 0, sem="relaxed", scope="gpu")
 
 
@@ -190,5 +202,6 @@ def route_hidden(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renorma
         ids, weights, shared_gate if shared_gate is not None else logits, num_experts, hidden, x.stride(0),
         gate_weight.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, HAS_SHARED=shared_gate_weight is not None,
         ROWS=rows, BLOCK_H=block_h, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps,
+        **pdl.chained_options(x.device),
     )
     return ids, weights, shared_gate

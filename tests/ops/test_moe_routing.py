@@ -290,7 +290,7 @@ def test_routing_kernels_compile_for_sm90(experts, top_k, shared) -> None:
                                   "shared_logits_ptr": "*bf16", "shared_gate_ptr": "*bf16"}, divisible=())
     rows = max(1, min(16, block_e // 64))
     gate = compile_kernel(moe_routing._gate_and_route_kernel,
-                          {**common, "ROWS": rows, "BLOCK_H": max(256, 2048 // rows)}, num_warps=4,
+                          {**common, "ROWS": rows, "BLOCK_H": max(256, 2048 // rows), "PDL": True}, num_warps=4,
                           types={"x_ptr": "*bf16", "w_ptr": "*bf16", "shared_w_ptr": "*bf16", "logits_ptr": "*bf16",
                                  "count_ptr": "*i32", "ids_ptr": "*i32", "weights_ptr": "*fp32",
                                  "shared_gate_ptr": "*bf16"}, divisible=("hidden", "stride_x", "stride_w"))
@@ -298,4 +298,12 @@ def test_routing_kernels_compile_for_sm90(experts, top_k, shared) -> None:
         registers, stack = resource_usage(compiled)
         assert stack == 0, f"{registers} registers and {stack} bytes of stack (spilled)"
     # The last program of a token learns it from an acquire-release count, re-armed after.
-    assert "atom.global.gpu.acq_rel.add" in gate.asm["ptx"] and "atom.global.gpu.relaxed.exch" in gate.asm["ptx"]
+    ptx = gate.asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx and "atom.global.gpu.relaxed.exch" in ptx
+    # A programmatic dependent (kvserve.ops.pdl): the next kernel may launch first thing; the
+    # first weight tile loads before the wait for the previous kernel, x (its output) and the
+    # counter only after it.
+    body = ptx[ptx.index(".entry"):]
+    launch, wait = body.index("griddepcontrol.launch_dependents"), body.index("griddepcontrol.wait")
+    assert launch < wait
+    assert "ld.global" in body[:wait] and "atom" not in body[:wait]

@@ -10,12 +10,13 @@ import re
 
 import pytest
 
-from kvserve.ops import elementwise
+from kvserve.ops import elementwise, fused_moe_gemv
 from kvserve.ops.attention import kv_cache_write, paged_attention
 from kvserve.ops.triton_offline import compile_kernel
 
 BF16 = "*bf16"
-# (name, kernel, argument types, constexprs) for llama3-8b's decode shapes.
+# (name, kernel, argument types, constexprs) for llama3-8b's decode shapes and
+# Qwen3-30B-A3B's experts.
 CHAINED_KERNELS = [
     ("add_rms_norm", elementwise._add_rms_norm_kernel,
      {"x_ptr": BF16, "residual_ptr": BF16, "weight_ptr": BF16, "out_ptr": BF16, "scale_ptr": BF16, "eps": "fp32"},
@@ -43,6 +44,21 @@ CHAINED_KERNELS = [
           NEW_KEYS=0, TREE=False)),
     ("merge_splits", paged_attention._merge_splits_kernel,
      {"out_ptr": BF16, "partial_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"}, dict(HEAD_DIM=128)),
+    ("expert_gate_up_gemv", fused_moe_gemv._pair_gemv_kernel,
+     {"x_ptr": BF16, "w_ptr": BF16, "scale_ptr": BF16, "offset_ptr": BF16, "out_ptr": BF16, "chosen_ptr": "*i32"},
+     dict(ROWS_PER_X=8, SWIGLU=True, QUANT=False, FOUR_BIT=False, HAS_OFFSET=False, GROUP_SIZE=2048,
+          BLOCK_N=8, BLOCK_K=256)),
+    ("expert_down_gemv_int4", fused_moe_gemv._pair_gemv_kernel,
+     {"x_ptr": BF16, "w_ptr": "*u8", "scale_ptr": BF16, "offset_ptr": BF16, "out_ptr": "*fp32",
+      "chosen_ptr": "*i32"},
+     dict(ROWS_PER_X=1, SWIGLU=False, QUANT=True, FOUR_BIT=True, HAS_OFFSET=True, GROUP_SIZE=128,
+          BLOCK_N=8, BLOCK_K=512)),
+    ("expert_summed_down_gemv", fused_moe_gemv._summed_gemv_kernel,
+     {"x_ptr": BF16, "w_ptr": BF16, "scale_ptr": BF16, "offset_ptr": BF16, "out_ptr": BF16, "chosen_ptr": "*i32",
+      "weights_ptr": "*fp32"},
+     dict(TOP_K=2, QUANT=False, FOUR_BIT=False, HAS_OFFSET=False, GROUP_SIZE=14336, BLOCK_N=8, BLOCK_K=512)),
+    ("expert_combine", fused_moe_gemv._combine_kernel,
+     {"partials_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": BF16}, dict(TOP_K=8, BLOCK=512)),
 ]
 
 
