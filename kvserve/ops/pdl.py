@@ -34,7 +34,8 @@ from kvserve import envs
 
 
 @functools.cache
-def _capable(device_index: int) -> bool:
+def hopper_or_newer(device_index: int) -> bool:
+    """Whether CUDA device `device_index` is sm_90 or newer (PDL needs it)."""
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
@@ -43,7 +44,7 @@ def enabled(device: torch.device) -> bool:
     not turned off by KVSERVE_PDL=0."""
     if device.type != "cuda" or envs.TRITON_INTERPRET:
         return False
-    return envs.KVSERVE_PDL and _capable(device.index or 0)
+    return envs.KVSERVE_PDL and hopper_or_newer(device.index or 0)
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:

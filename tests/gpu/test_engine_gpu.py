@@ -66,7 +66,8 @@ MIXTURES = {
 
 @pytest.mark.parametrize("architecture", sorted(MIXTURES))
 def test_mixture_of_experts_greedy_matches_transformers_on_gpu(save_hf_model, architecture):
-    """Sparse experts on the GPU: eager steps (no CUDA graphs), Triton attention."""
+    """Sparse experts on the GPU: the fused experts (pair GEMVs and grouped GEMMs) captured in
+    CUDA graphs, Triton attention."""
     reference = MIXTURES[architecture]()
     model_dir = save_hf_model(reference)
     reference = reference.cuda().eval()
@@ -76,7 +77,7 @@ def test_mixture_of_experts_greedy_matches_transformers_on_gpu(save_hf_model, ar
 
     llm = LLM(model=model_dir, dtype="float32", device="cuda", max_num_batched_tokens=64,
               gpu_memory_utilization=0.5)
-    assert llm.engine.core.runner.cuda_graphs is None
+    assert llm.engine.core.runner.cuda_graphs is not None
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.ops import cpu as cpu_kernels
+from kvserve.ops import dense_gemv
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
 
 # Rows up to this take the kernel: the quantized layers' threshold, which the compiled decode
@@ -31,9 +32,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear computed by `linear`: the model code's layers, which quantization methods
-    swap for their own (quantize_model) and loaders fill like any nn.Linear."""
+    """nn.Linear computed by `linear` (and a GPU decode step's one row by ops/dense_gemv.py):
+    the model code's layers, which quantization methods swap for their own (quantize_model)
+    and loaders fill like any nn.Linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dense_gemv.applies(x, self.weight):
+            return dense_gemv.gemv(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
 
