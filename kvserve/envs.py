@@ -42,11 +42,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Programmatic dependent launch of the decode step's kernels on sm_90 and newer
     # (ops/pdl.py); "0" turns it off, for side-by-side timing.
     "KVSERVE_PDL": lambda: os.environ.get("KVSERVE_PDL", "1") != "0",
-    # "0": quantized linears built while it is set run every CUDA call on the dequantize path
-    # instead of kvserve's kernels (the reference those are tested against).
     # "0": a decode step's one-row bf16/fp16 linears go to cuBLAS instead of kvserve's
     # dependent-launch GEMV (ops/dense_gemv.py), for side-by-side timing.
     "KVSERVE_DENSE_GEMV": lambda: os.environ.get("KVSERVE_DENSE_GEMV", "1") != "0",
+    # "0": quantized linears built while it is set run every CUDA call on the dequantize path
+    # instead of kvserve's kernels (the reference those are tested against).
     "KVSERVE_QUANTIZED_GPU_KERNELS": lambda: os.environ.get("KVSERVE_QUANTIZED_GPU_KERNELS", "1") != "0",
     # LoRA layers built while it is set run steps of at least this many tokens on the CUDA
     # grouped (SGMV) kernels and smaller ones on the per-token (BGMV) kernels (ops/lora.py);
