@@ -159,13 +159,13 @@ def test_sigterm_drains_in_flight_request_then_exits_0(small_server):
     assert "".join(c["choices"][0]["text"] for c in chunks)  # the whole stream arrived
 
 
-def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_done(tmp_path):
-    server = launch_server(tmp_path, "--max-model-len", "1024", "--shutdown-timeout", "1")
+def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_done(tmp_path, tiny_model):
+    server = launch_server(tmp_path, "--model", tiny_model, "--max-model-len", "4096", "--shutdown-timeout", "1")
     try:
         streams = [[] for _ in range(2)]
 
         def stream(events: list[str]) -> None:
-            body = {"prompt": "Tell me a story:", "max_tokens": 900, "stream": True, "ignore_eos": True}
+            body = {"prompt": "Tell me a story:", "max_tokens": 4000, "stream": True, "ignore_eos": True}
             with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
                 events.extend(line[6:] for line in response.iter_lines() if line.startswith("data: "))
 
@@ -177,7 +177,7 @@ def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_done(t
         for thread in threads:
             thread.join(60)
         assert server.process.wait(timeout=60) == 0
-        for events in streams:  # 900 tokens outlast the 1 s: each ends as an aborted stream
+        for events in streams:  # 4000 tokens outlast the 1 s: each ends as an aborted stream
             assert events[-1] == "[DONE]"
             assert json.loads(events[-2])["error"]["code"] == "server_shutdown"
     finally:
