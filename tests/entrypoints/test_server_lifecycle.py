@@ -1,4 +1,6 @@
-"""A server of its own (it gets SIGTERM): API keys, the waiting-queue limit, draining."""
+"""A server of its own (it gets SIGTERM): API keys, the waiting-queue limit, draining. None of
+this depends on the model, so the server runs the tiny one; its steps take milliseconds, so
+the requests that must outlast others ask for hundreds of tokens."""
 
 from __future__ import annotations
 
@@ -17,15 +19,16 @@ import pytest
 from dashboard_events import EventReader
 from server_process import launch_server
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "tiny"
 KEY = "test-secret"
 
 
 @pytest.fixture(scope="module")
-def small_server(tmp_path_factory):
+def small_server(tmp_path_factory, tiny_model):
     # One running sequence and one waiting slot make the queue limit reachable on demand;
     # the key comes from the environment to cover KVSERVE_API_KEY.
-    proc = launch_server(tmp_path_factory.mktemp("lifecycle"), "--max-model-len", "1024", "--max-num-seqs", "1",
+    proc = launch_server(tmp_path_factory.mktemp("lifecycle"), "--model", tiny_model, "--served-model-name", MODEL,
+                         "--max-model-len", "1024", "--max-num-seqs", "1",
                          "--max-waiting-requests", "1", "--shutdown-timeout", "60",
                          "--stream-interval", "4", env={"KVSERVE_API_KEY": KEY})
     yield proc
@@ -109,7 +112,7 @@ def test_dashboard_needs_the_key_as_a_header_or_its_cookie(small_server):
 
 def test_full_waiting_queue_answers_429_then_recovers(small_server):
     running, waiting = [], []
-    first = _stream_in_thread(small_server, 60, running)
+    first = _stream_in_thread(small_server, 600, running)
     _wait_for(lambda: len(running) > 2)  # streaming: it holds the only running slot
     second = _stream_in_thread(small_server, 4, waiting)
     _wait_for(lambda: _waiting(small_server) == 1)
@@ -143,7 +146,7 @@ def test_stream_interval_buffers_tokens_without_changing_the_text(small_server):
 
 def test_sigterm_drains_in_flight_request_then_exits_0(small_server):
     events: list = []
-    stream = _stream_in_thread(small_server, 40, events)
+    stream = _stream_in_thread(small_server, 600, events)
     _wait_for(lambda: len(events) > 2)
     small_server.process.send_signal(signal.SIGTERM)
     _wait_for(lambda: httpx.get(f"{small_server.base_url}/health").status_code == 503, 10)
