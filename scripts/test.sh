@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up, then runs the default test suite (slow and GPU tests excluded;
 # run them with: python3 -m pytest -m slow / -m gpu). Two pytest-xdist workers, whole files
-# each (module fixtures load once): on 2 cores 9.5 instead of 12-14 minutes, since much of a
-# test's time is single-threaded Python (servers, engine steps of tiny models).
+# each (module fixtures load once): they overlap well on 2 cores, since much of a test's time is
+# single-threaded Python (servers, engine steps of tiny models); about 10.5 minutes on a 2-core VM.
 # KVSERVE_TEST_WORKERS=0 runs in one process. The 20 slowest tests are listed at the end, so that
 # a run drifting towards its 10-minute budget says where the time went.
 set -euo pipefail

@@ -217,9 +217,11 @@ def test_models_tokenize_detokenize(server, reference_llm):
 # -- concurrency ---------------------------------------------------------------------------
 
 def test_8_concurrent_streams_each_equal_its_sequential_result(server):
+    # 5 tokens each: every stream still decodes in batches of up to 8 (at 250 ms a token on
+    # one thread, the 8 sequential references cost most of this test).
     prompts = [f"Fact number {i} about the ocean:" for i in range(8)]
     client = server.client()
-    sequential = [client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0)
+    sequential = [client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0)
                   .choices[0].text for p in prompts]
 
     async def main() -> list[str]:
@@ -228,7 +230,7 @@ def test_8_concurrent_streams_each_equal_its_sequential_result(server):
 
         async def one(prompt: str) -> str:
             stream = await async_client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True)
+                model=MODEL, prompt=prompt, max_tokens=5, temperature=0, stream=True)
             return "".join([c.choices[0].text async for c in stream])
 
         return await asyncio.gather(*(one(p) for p in prompts))

@@ -60,8 +60,8 @@ def test_gauges_settle_after_an_abandoned_stream(core_process_server):
     assert metric(server, "kvserve:kv_cache_usage_perc") == 0
 
 
-def test_the_core_process_exits_with_the_server(tmp_path):
-    server = launch_server(tmp_path, "--multiprocess-engine-core", "--max-model-len", "1024")
+def test_the_core_process_exits_with_the_server(tmp_path, tiny_model):
+    server = launch_server(tmp_path, "--model", tiny_model, "--multiprocess-engine-core")
     (core,) = _core_processes(server)
     server.stop()  # SIGKILL: the core sees its pipe close
     core.wait(timeout=30)

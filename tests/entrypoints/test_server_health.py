@@ -3,7 +3,8 @@ a request are admitted only when they all fit --max-num-seqs, and /health answer
 the engine, with requests in flight, makes no progress.
 
 The engine core runs in its own process here, so that stopping it (SIGSTOP) stalls the
-engine for real while the server stays up."""
+engine for real while the server stays up. The model is the tiny one: its steps take
+milliseconds, so requests are long enough (in tokens) for each state to last seconds."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ import pytest
 
 from server_process import launch_server
 
-STALL_TIMEOUT_S = 8.0  # above the longest step on a busy 2-core machine
+STALL_TIMEOUT_S = 3.0  # far above the tiny model's longest step on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
-def core_server(tmp_path_factory):
-    proc = launch_server(tmp_path_factory.mktemp("health"), "--multiprocess-engine-core",
-                         "--max-num-seqs", "4", "--max-model-len", "1024",
+def core_server(tmp_path_factory, tiny_model):
+    proc = launch_server(tmp_path_factory.mktemp("health"), "--model", tiny_model, "--multiprocess-engine-core",
+                         "--max-num-seqs", "4", "--max-model-len", "2048",
                          "--health-stall-timeout", str(STALL_TIMEOUT_S))
     yield proc
     proc.stop()
@@ -97,12 +98,12 @@ def test_gauges_count_requests_and_sequences_apart(core_server):
         return scrapes[-1]
 
     first, second, third = [], [], []
-    streams = [stream_in_thread(core_server, {"n": 3, "max_tokens": 100, "temperature": 0.8}, first)]
+    streams = [stream_in_thread(core_server, {"n": 3, "max_tokens": 600, "temperature": 0.8}, first)]
     assert wait_for(lambda: len(first) > 2)  # its prompt has forked into 3 running samples
     # 3 + 3 samples exceed --max-num-seqs 4: the second waits, and the third behind it.
-    streams.append(stream_in_thread(core_server, {"n": 3, "max_tokens": 10, "temperature": 0.8}, second))
+    streams.append(stream_in_thread(core_server, {"n": 3, "max_tokens": 200, "temperature": 0.8}, second))
     assert wait_for(lambda: scrape()["requests_waiting"] == 1)
-    streams.append(stream_in_thread(core_server, {"max_tokens": 10, "temperature": 0}, third))
+    streams.append(stream_in_thread(core_server, {"max_tokens": 200, "temperature": 0}, third))
     assert wait_for(lambda: scrape()["requests_waiting"] == 2)
     assert scrapes[-1] == {"requests_running": 1, "requests_waiting": 2,
                            "sequences_running": 3, "sequences_waiting": 2}
@@ -123,7 +124,7 @@ def test_health_is_503_while_the_engine_makes_no_progress(core_server):
     time.sleep(STALL_TIMEOUT_S + 0.5)  # idle for longer than the timeout: still healthy
     assert httpx.get(url).status_code == 200
     events: list[str] = []
-    stream = stream_in_thread(core_server, {"max_tokens": 50, "temperature": 0}, events)
+    stream = stream_in_thread(core_server, {"max_tokens": 600, "temperature": 0}, events)
     statuses, deadline = [], time.monotonic() + 180
     while len(events) < 10:  # working: healthy from the first request on
         assert time.monotonic() < deadline

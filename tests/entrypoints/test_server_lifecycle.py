@@ -1,4 +1,6 @@
-"""A server of its own (it gets SIGTERM): API keys, the waiting-queue limit, draining."""
+"""A server of its own (it gets SIGTERM): API keys, the waiting-queue limit, draining. None of
+this depends on the model, so the server runs the tiny one; its steps take milliseconds, so
+the requests that must outlast others ask for hundreds of tokens."""
 
 from __future__ import annotations
 
@@ -17,15 +19,16 @@ import pytest
 from dashboard_events import EventReader
 from server_process import launch_server
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "tiny"
 KEY = "test-secret"
 
 
 @pytest.fixture(scope="module")
-def small_server(tmp_path_factory):
+def small_server(tmp_path_factory, tiny_model):
     # One running sequence and one waiting slot make the queue limit reachable on demand;
     # the key comes from the environment to cover KVSERVE_API_KEY.
-    proc = launch_server(tmp_path_factory.mktemp("lifecycle"), "--max-model-len", "1024", "--max-num-seqs", "1",
+    proc = launch_server(tmp_path_factory.mktemp("lifecycle"), "--model", tiny_model, "--served-model-name", MODEL,
+                         "--max-model-len", "1024", "--max-num-seqs", "1",
                          "--max-waiting-requests", "1", "--shutdown-timeout", "60",
                          "--stream-interval", "4", env={"KVSERVE_API_KEY": KEY})
     yield proc
@@ -109,7 +112,7 @@ def test_dashboard_needs_the_key_as_a_header_or_its_cookie(small_server):
 
 def test_full_waiting_queue_answers_429_then_recovers(small_server):
     running, waiting = [], []
-    first = _stream_in_thread(small_server, 60, running)
+    first = _stream_in_thread(small_server, 600, running)
     _wait_for(lambda: len(running) > 2)  # streaming: it holds the only running slot
     second = _stream_in_thread(small_server, 4, waiting)
     _wait_for(lambda: _waiting(small_server) == 1)
@@ -143,7 +146,7 @@ def test_stream_interval_buffers_tokens_without_changing_the_text(small_server):
 
 def test_sigterm_drains_in_flight_request_then_exits_0(small_server):
     events: list = []
-    stream = _stream_in_thread(small_server, 40, events)
+    stream = _stream_in_thread(small_server, 600, events)
     _wait_for(lambda: len(events) > 2)
     small_server.process.send_signal(signal.SIGTERM)
     _wait_for(lambda: httpx.get(f"{small_server.base_url}/health").status_code == 503, 10)
@@ -159,13 +162,13 @@ def test_sigterm_drains_in_flight_request_then_exits_0(small_server):
     assert "".join(c["choices"][0]["text"] for c in chunks)  # the whole stream arrived
 
 
-def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_done(tmp_path):
-    server = launch_server(tmp_path, "--max-model-len", "1024", "--shutdown-timeout", "1")
+def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_done(tmp_path, tiny_model):
+    server = launch_server(tmp_path, "--model", tiny_model, "--max-model-len", "4096", "--shutdown-timeout", "1")
     try:
         streams = [[] for _ in range(2)]
 
         def stream(events: list[str]) -> None:
-            body = {"prompt": "Tell me a story:", "max_tokens": 900, "stream": True, "ignore_eos": True}
+            body = {"prompt": "Tell me a story:", "max_tokens": 4000, "stream": True, "ignore_eos": True}
             with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
                 events.extend(line[6:] for line in response.iter_lines() if line.startswith("data: "))
 
@@ -177,7 +180,7 @@ def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_done(t
         for thread in threads:
             thread.join(60)
         assert server.process.wait(timeout=60) == 0
-        for events in streams:  # 900 tokens outlast the 1 s: each ends as an aborted stream
+        for events in streams:  # 4000 tokens outlast the 1 s: each ends as an aborted stream
             assert events[-1] == "[DONE]"
             assert json.loads(events[-2])["error"]["code"] == "server_shutdown"
     finally:
