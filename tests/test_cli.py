@@ -54,10 +54,10 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 def test_generate_prints_the_greedy_completion(smollm2_llm):
     prompt = "The capital of France is"
-    expected = smollm2_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12))[0]
+    expected = smollm2_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5))[0]
     result = subprocess.run(
         [sys.executable, "-m", "kvserve.entrypoints.cli", "--log-level", "WARNING", "generate",
-         prompt, "--temperature", "0", "--max-tokens", "12", "--kv-cache-memory", "64MiB",
+         prompt, "--temperature", "0", "--max-tokens", "5", "--kv-cache-memory", "64MiB",
          "--max-model-len", "1024"],
         capture_output=True, text=True, timeout=300,
     )
@@ -86,11 +86,11 @@ def test_a_missing_file_is_a_clear_error_not_a_traceback(tmp_path):
 
 def test_chat_streams_the_same_reply_as_llm_chat_and_quits_on_exit(smollm2_llm):
     conversation = [{"role": "user", "content": "What is the capital of France?"}]
-    params = SamplingParams(temperature=0.0, max_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
     expected = smollm2_llm.chat(conversation, params)[0].outputs[0].text
     result = subprocess.run(
         [sys.executable, "-m", "kvserve.entrypoints.cli", "--log-level", "WARNING", "chat",
-         "--temperature", "0", "--max-tokens", "16", "--kv-cache-memory", "64MiB",
+         "--temperature", "0", "--max-tokens", "6", "--kv-cache-memory", "64MiB",
          "--max-model-len", "1024"],
         input="What is the capital of France?\n/exit\nAnd of Spain?\n", capture_output=True, text=True, timeout=300,
     )
