@@ -13,6 +13,7 @@ computed by the test from its own records, not read back from the scheduler.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -540,9 +541,11 @@ def expected_sample(prompt: list[int], index: int, max_tokens: int) -> list[int]
     return tokens[len(prompt):]
 
 
-def run_forking(sched: Scheduler, arrivals: list[tuple[int, Sequence]], max_num_seqs: int) -> list[dict]:
+def run_forking(sched: Scheduler, arrivals: list[tuple[int, Sequence]], max_num_seqs: int,
+                observe: Callable[[Scheduler], None] = lambda sched: None) -> list[dict]:
     """schedule -> advance -> update_from_output with a fake runner, asserting after every
-    schedule() that no more than max_num_seqs sequences run; returns each step's record."""
+    schedule() that no more than max_num_seqs sequences run (and handing the scheduler to
+    `observe`); returns each step's record."""
     pending, steps = list(arrivals), []
     while pending or sched.has_unfinished():
         assert len(steps) < 3000, "no progress"
@@ -552,6 +555,7 @@ def run_forking(sched: Scheduler, arrivals: list[tuple[int, Sequence]], max_num_
                 sched.add(seq)
         out = sched.schedule()
         assert len(sched.running) <= max_num_seqs, out
+        observe(sched)
         steps.append({"running": len(sched.running), "scheduled": out.scheduled_seq_ids,
                       "forks": dict(out.forks)})
         sched.advance(out)
@@ -585,6 +589,29 @@ def test_a_prompt_is_admitted_only_when_all_its_samples_fit_max_num_seqs():
         request = seq.request
         assert [s.output_token_ids for s in request.sequences] == [
             expected_sample(request.prompt_token_ids, i, request.max_tokens) for i in range(request.params.n)]
+
+
+def test_preempted_samples_wait_as_sequences_of_a_request_that_waits_only_with_none_running():
+    """What the gauges report (kvserve:num_sequences_waiting, num_requests_waiting): each
+    preempted sample is a waiting sequence; its request counts as running while any of its
+    samples runs, and as one waiting request once none does."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), KVCacheManager(14, 2))
+    first, second = make_request(0, [1, 2, 3], 3, 8), make_request(1, [4, 5, 6], 3, 8)
+    seen = []
+
+    def count(sched: Scheduler) -> None:
+        by_request = [([s for s in sched.running if s.request is r], [s for s in sched.waiting if s.request is r])
+                      for r in (first.request, second.request)]
+        running_requests = sum(bool(running) for running, _ in by_request)
+        waiting_requests = sum(bool(waiting) and not running for running, waiting in by_request)
+        assert sched.num_requests() == (running_requests, waiting_requests)
+        seen.append([(len(running), len(waiting)) for running, waiting in by_request])
+
+    run_forking(sched, [(0, first), (0, second)], 8, observe=count)
+    assert sched.num_preemptions > 0
+    samples = [pair for step in seen for pair in step]
+    assert (0, 3) in samples  # all three samples waiting: three sequences, one request
+    assert any(running and waiting for running, waiting in samples)  # some running: a running request
 
 
 @settings(max_examples=60, deadline=None)
