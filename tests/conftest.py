@@ -20,24 +20,6 @@ torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
-# Session fixtures too costly to build on every xdist worker: the files using one run on one
-# worker (scripts/test.sh: --dist loadgroup). Every other file is a group of its own, as
-# --dist loadfile would make it, so that module fixtures load once.
-SHARED_FIXTURE_GROUPS = {"server": "smollm2-server", "smollm2_hf": "smollm2-transformers"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    groups: dict[str, str] = {}
-    for item in items:
-        for fixture, group in SHARED_FIXTURE_GROUPS.items():
-            if fixture in item.fixturenames:
-                groups.setdefault(item.nodeid.split("::")[0], group)
-    for item in items:
-        file = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(groups.get(file, file)))
-
-
 @pytest.fixture(autouse=True)
 def seeded_global_rng():
     """Tests that draw from torch's global generator see the same numbers whatever ran before
