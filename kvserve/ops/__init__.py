@@ -1,7 +1,7 @@
 """kvserve's kernels (Triton and C++) and their launch configurations: paged attention and
 the KV-cache write (attention/), RMSNorm, RoPE and SwiGLU (elementwise), the weight-only and
-fp8 matmuls (quant/), argmax, programmatic dependent launch (pdl) and the C++ CPU kernels
-(cpu/).
+fp8 matmuls (quant/), argmax, programmatic dependent launch (pdl), what launches ask of the
+device (device) and the C++ CPU kernels (cpu/).
 
 A leaf: modules here import torch, triton, numpy, the standard library and each other, and
 of the rest of kvserve only kvserve.envs (plain data); layers, attention backends,

@@ -12,13 +12,13 @@ fp32 sum a row, no split of K: the same result every run.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from kvserve import envs
+from kvserve.ops import device as device_info
 from kvserve.ops import pdl
 
 
@@ -50,11 +50,6 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `gemv` takes x @ weight^T: one row of bf16/fp16 on a Hopper or newer GPU,
     weight contiguous in x's dtype. Whether PDL is on or not (KVSERVE_PDL=0), so that turning
@@ -62,7 +57,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     side-by-side timing)."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.numel() == weight.shape[1] and weight.is_contiguous() and envs.KVSERVE_DENSE_GEMV
-            and not envs.TRITON_INTERPRET and pdl.hopper_or_newer(x.device.index or 0))
+            and not envs.TRITON_INTERPRET and device_info.hopper_or_newer(x.device.index or 0))
 
 
 def tile(n: int, k: int, device: torch.device) -> tuple[int, int]:
@@ -70,8 +65,7 @@ def tile(n: int, k: int, device: torch.device) -> tuple[int, int]:
     where that still leaves 4 programs a multiprocessor, 4 otherwise (H200 sweep in
     decode-kernels-h200.txt: 5120 x 2048 best at 8 x 256, 2048 x 4096 at 4 x 512)."""
     block_k = 256 if k <= 2048 else 512
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
-    block_n = 8 if n // 8 >= 4 * sms else 4
+    block_n = 8 if n // 8 >= 4 * device_info.num_sms(device) else 4
     return block_n, block_k
 
 

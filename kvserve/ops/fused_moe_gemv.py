@@ -15,13 +15,13 @@ Weights as ExpertWeights holds them: dense [E, N, K], or int8 / float8_e4m3fn [E
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from kvserve.ops import device as device_info
 from kvserve.ops import pdl
 from kvserve.ops.expert_weights import ExpertWeights
 
@@ -205,13 +205,6 @@ def _combine_kernel(partials_ptr, weights_ptr, out_ptr, N, num_splits, stride_ps
     tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _group_size(w: ExpertWeights, block_k: int) -> int:
     """The GROUP_SIZE the kernels take: the weights' scale groups, or for one group a row (and
     dense weights) at least a tile, so that every tile's group is 0."""
@@ -246,7 +239,7 @@ def down_splits(num_pairs: int, hidden: int, intermediate: int, tile: GemvTile, 
     k tiles."""
     programs = num_pairs * triton.cdiv(hidden, tile.block_n)
     tiles = triton.cdiv(intermediate, tile.block_k)
-    return max(1, min(tiles, triton.cdiv(4 * _num_sms(device), programs)))
+    return max(1, min(tiles, triton.cdiv(4 * device_info.num_sms(device), programs)))
 
 
 def _launch_summed(activation: torch.Tensor, w: ExpertWeights, out: torch.Tensor, chosen: torch.Tensor,

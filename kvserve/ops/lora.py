@@ -10,7 +10,6 @@ tokens of slot -1 (the base model) are left as they are. h is fp32."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -19,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.ops import device as device_info
 from kvserve.ops.fused_moe import align_by_expert
 
 SHRINK_BLOCK_N = 16
@@ -125,13 +125,6 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, num_
     return h
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: as on an H100/H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _k_splits(in_features: int, block_k: int, num_programs: int, device: torch.device, num_splits: int | None,
               max_splits: int = MAX_SPLITS, min_blocks: int = MIN_K_BLOCKS_A_SPLIT) -> tuple[int, int]:
     """(splits, k a split) for a shrink of `num_programs` programs a split: `num_splits` if
@@ -139,7 +132,7 @@ def _k_splits(in_features: int, block_k: int, num_programs: int, device: torch.d
     least, `max_splits` at most; shape-static (the same on every graph replay)."""
     k_blocks = triton.cdiv(in_features, block_k)
     if num_splits is None:
-        wanted = triton.cdiv(2 * _num_sms(device), num_programs)
+        wanted = triton.cdiv(2 * device_info.num_sms(device, off_gpu=132), num_programs)
         num_splits = max(1, min(wanted, k_blocks // min_blocks, max_splits))
     k_per_split = triton.cdiv(k_blocks, num_splits) * block_k
     return triton.cdiv(in_features, k_per_split), k_per_split  # no split empty

@@ -24,19 +24,13 @@ H100 run of the int4 latency benchmark hung.)
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from kvserve import envs
-
-
-@functools.cache
-def hopper_or_newer(device_index: int) -> bool:
-    """Whether CUDA device `device_index` is sm_90 or newer (PDL needs it)."""
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+from kvserve.ops import device as device_info
 
 
 def enabled(device: torch.device) -> bool:
@@ -44,7 +38,7 @@ def enabled(device: torch.device) -> bool:
     not turned off by KVSERVE_PDL=0."""
     if device.type != "cuda" or envs.TRITON_INTERPRET:
         return False
-    return envs.KVSERVE_PDL and hopper_or_newer(device.index or 0)
+    return envs.KVSERVE_PDL and device_info.hopper_or_newer(device.index or 0)
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:

@@ -72,7 +72,7 @@ def test_warm_up_compiles_every_variant_the_gpu_scenarios_launch(monkeypatch, dt
     keys: set = set()
     for name in ("_paged_attention_kernel", "_merge_splits_kernel"):
         monkeypatch.setattr(paged_attention, name, RecordedKernel(getattr(paged_attention, name), keys))
-    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(paged_attention.device_info, "num_sms", lambda device, off_gpu=1: 132)
     # Batches that rotate first run these kernels, which are not the attention's variants.
     monkeypatch.setattr(triton_backend, "rotary_queries_and_keys_", lambda *args: None)
     monkeypatch.setattr(triton_backend, "write_kv_cache", lambda *args: None)

@@ -17,7 +17,7 @@ CUDA = torch.device("cuda")  # only read for its multiprocessor count, patched b
 
 @pytest.fixture(autouse=True)
 def h100(monkeypatch) -> None:
-    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(paged_attention.device_info, "num_sms", lambda device, off_gpu=1: 132)
 
 
 def steps_taken(max_batch: int, max_width: int, max_verify_batch: int, dtype: torch.dtype) -> set:

@@ -11,7 +11,6 @@ the context and writes unnormalised partials that a second kernel merges.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -20,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kvserve import envs
+from kvserve.ops import device as device_info
 from kvserve.ops import pdl
 from kvserve.ops.attention.batch import PagedBatch
 from kvserve.ops.elementwise import rope_factor, rotate_pair
@@ -422,13 +422,6 @@ MIN_KEYS_PER_SPLIT = 256
 MAX_SPLIT_QUERY_LEN = 17
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 # The tiles of narrow decode batches (one or two waves of programs at most): they read their
 # metadata before the PDL wait.
 NARROW_DECODE_TILES = (DECODE_TILE, SHORT_DECODE_TILE)
@@ -521,7 +514,7 @@ def choose_num_kv_splits(metadata: PagedBatch, num_kv_heads: int, device: torch.
     if metadata.max_query_len > MAX_SPLIT_QUERY_LEN:
         return 1
     programs = metadata.num_seqs * num_kv_heads
-    num_sms = _num_sms(device)
+    num_sms = device_info.num_sms(device)
     if programs >= num_sms:
         return 1
     wanted = math.ceil(KV_SPLIT_WAVES * num_sms / programs)

@@ -118,7 +118,7 @@ def test_narrow_long_decodes_split_at_256_keys_a_split(monkeypatch, seq_lens, sp
     batch of 160 programs fills the GPU unsplit."""
     from kvserve.ops.attention import paged_attention
 
-    monkeypatch.setattr(paged_attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(paged_attention.device_info, "num_sms", lambda device, off_gpu=1: 132)
     metadata = _metadata(seq_lens)
     assert choose_num_kv_splits(metadata, 8, CPU) == splits
     assert choose_decode_plan(metadata, 8, torch.bfloat16, CPU) == (plan or DecodePlan(splits))

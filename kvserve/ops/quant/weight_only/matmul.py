@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from kvserve.ops import device as device_info
 from kvserve.ops import pdl
 from kvserve.ops.quant.pending_norm import PendingNorm
 from kvserve.ops.quant.weight_only.configs import MMA_MAX_ROWS, LaunchConfig, default_config
@@ -21,11 +22,6 @@ from kvserve.ops.quant.weight_only.words import (
     int4_dot_kernel,
     int4_gemv_kernel,
 )
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +76,7 @@ def split_k(config: LaunchConfig, num_tiles: int, programs: int, device: torch.d
     with config.even_splits spread the tiles over those splits as evenly as they go."""
     split = config.split_k or 1
     if config.split_k is None and device.type == "cuda":
-        split = max(1, min(num_tiles, triton.cdiv(config.waves * _num_sms(device.index or 0), programs)))
+        split = max(1, min(num_tiles, triton.cdiv(config.waves * device_info.num_sms(device), programs)))
     tiles_per_split = triton.cdiv(num_tiles, split)
     return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
 
