@@ -104,6 +104,22 @@ def test_two_stages_keep_two_steps_in_flight():
         assert seq.output_token_ids == expected_output(seq.prompt_token_ids, 5)
 
 
+def test_two_prompts_short_of_blocks_do_not_take_turns_preempting_themselves():
+    """Two 9-token prompts (arriving while a 6-token one runs) with 6 blocks of 2 cannot
+    both hold their KV, and each step leaves the other in flight, where it cannot be
+    preempted. The one admitted first waits for the other's step to come back and preempts
+    it; preempting itself instead hands the blocks over each time it runs short, and
+    neither ever finishes."""
+    pipeline = FakePipeline(2, num_blocks=6, block_size=2, max_num_seqs=2, budget=1, chunked=True,
+                            prefix_caching=False)
+    seqs = [make_seq(i, [i + 1] * length) for i, length in enumerate([6, 9, 9])]
+    for seq, arrival_step in zip(seqs, [0, 2, 2]):
+        pipeline.submit(seq, max_tokens=1, at_step=arrival_step)
+    pipeline.run()
+    for seq in seqs:
+        assert seq.output_token_ids == expected_output(seq.prompt_token_ids, 1)
+
+
 @settings(max_examples=80, deadline=None)
 @given(w=workloads(), depth=st.integers(2, 4), policy=st.sampled_from(["fcfs", "priority"]))
 def test_random_workloads_through_a_pipeline(w, depth, policy):

@@ -145,13 +145,22 @@ class Scheduler:
 
     # -- the step decision -----------------------------------------------------------------
 
-    def _pick_victim(self, in_flight: Set[str]) -> Sequence:
-        """A running sequence to preempt; never one a step in flight still runs (its blocks
-        are being written, and its output would land on a sequence reset for recompute)."""
-        candidates = [seq for seq in self.running if seq.seq_id not in in_flight]
+    def _last_in_order(self, seqs: list[Sequence]) -> Sequence:
+        """The sequence the policy preempts first: the lowest priority, else the latest admitted."""
         if self.config.policy == "priority":
-            return max(candidates, key=self._queue_key)
-        return candidates[-1]  # the latest admitted
+            return max(seqs, key=self._queue_key)
+        return seqs[-1]
+
+    def _pick_victim(self, seq: Sequence, in_flight: Set[str]) -> Sequence | None:
+        """A running sequence to preempt so that `seq` gets blocks; never one a step in flight
+        still runs (its blocks are being written, and its output would land on a sequence
+        reset for recompute). None when that would be `seq` itself while one it outranks is
+        in flight: `seq` then waits for that step's output and preempts that one, where two
+        sequences would otherwise take turns preempting themselves and neither finish."""
+        victim = self._last_in_order([s for s in self.running if s.seq_id not in in_flight])
+        if victim is seq and self._last_in_order(self.running) is not seq:
+            return None
+        return victim
 
     def _preempt(
         self,
@@ -187,6 +196,8 @@ class Scheduler:
         # A running prompt's canonical piece that did not fit the budget left: no new prompt
         # takes that budget (or blocks the piece needs) ahead of it.
         deferred = False
+        # A running sequence short of blocks whose victim is still in flight.
+        waits_for_blocks = False
 
         # Running sequences first: decodes and prefills already under way.
         for seq in list(self.running):
@@ -216,7 +227,10 @@ class Scheduler:
                 )
                 if seq_copies is not None:
                     break
-                victim = self._pick_victim(in_flight)
+                victim = self._pick_victim(seq, in_flight)
+                if victim is None:
+                    waits_for_blocks = True
+                    break
                 budget += self._preempt(victim, scheduled, copies, preempted)
                 if victim is seq:
                     break
@@ -234,11 +248,13 @@ class Scheduler:
             budget -= num_new
 
         # Then admit waiting sequences while blocks, budget and the sequence limit allow.
-        # After a preemption memory is short: admitting now would only thrash.
+        # After a preemption, or while a sequence waits for blocks, memory is short: admitting
+        # now would only thrash.
         num_seq_slots = sum(num_seq_slots_held(seq) for seq in self.running)
         running_loras = {seq.lora_int_id for seq in self.running} - {0} if self.config.max_loras else set()
         index = 0
-        while index < len(self.waiting) and not preempted and not deferred and budget > 0:
+        while (index < len(self.waiting) and not preempted and not waits_for_blocks and not deferred
+               and budget > 0):
             seq = self.waiting[index]
             # A prompt counts as all the samples it forks into, so the forks never take
             # the running count past max_num_seqs.
