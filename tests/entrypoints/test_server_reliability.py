@@ -80,16 +80,17 @@ def test_n_above_max_n_is_refused_at_once_and_below_it_runs(limited_server):
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
 
 
-def test_a_context_the_kv_cache_cannot_hold_stops_the_server_at_start(tmp_path):
-    # The model's 8192-token context does not fit 64 MiB of fp32 KV (1456 tokens): rather than
-    # refuse every request that leaves max_tokens unset, the server does not start.
+def test_a_context_the_kv_cache_cannot_hold_stops_the_server_at_start(tmp_path, tiny_model):
+    # The model's 4096-token context does not fit 64 KiB of fp32 KV (one layer, one KV head
+    # of 16: 128 bytes a token, 512 tokens): rather than refuse every request that leaves
+    # max_tokens unset, the server does not start.
     with pytest.raises(RuntimeError) as info:
-        launch_server(tmp_path, "--kv-cache-memory", "64MiB", "--max-model-len", "8192")
+        launch_server(tmp_path, "--model", tiny_model, "--kv-cache-memory", "64KiB", "--max-model-len", "4096")
     assert "server exited with 1" in str(info.value)
-    assert ("max_model_len (8192 tokens) does not fit the KV cache: one sequence of that length needs "
-            "512 blocks of 16 tokens, and the cache holds 91 blocks (1456 tokens). Raise "
+    assert ("max_model_len (4096 tokens) does not fit the KV cache: one sequence of that length needs "
+            "256 blocks of 16 tokens, and the cache holds 32 blocks (512 tokens). Raise "
             "--kv-cache-memory (or use --kv-cache-dtype fp8), or lower --max-model-len to at most "
-            "1456.") in str(info.value)
+            "512.") in str(info.value)
 
 
 # -- work stops when nobody waits ------------------------------------------------------------
