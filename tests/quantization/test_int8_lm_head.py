@@ -4,7 +4,6 @@ against the fp32 head of the same GGUF weights."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kvserve.model_executor.loader import load_model
@@ -24,11 +23,22 @@ def test_int8_lm_head_tracks_the_fp32_head(smollm2_path, smollm2_loaded):
         scale = reference[:rows].abs().amax(dim=-1, keepdim=True)
         assert ((logits - reference[:rows]).abs() / scale).max() < 0.03, rows
         assert torch.equal(logits.argmax(-1), reference[:rows].argmax(-1)), rows
-    # The float embedding is untouched (token lookups); opted out, or a bf16 model by
-    # default, no copy; asked for, a bf16 model gets one too.
+    # The float embedding is untouched (token lookups).
     assert torch.equal(loaded.model.model.embed_tokens.weight, embed)
-    plain = load_model(smollm2_path, dtype=torch.float32, quantization="int8", quantization_config={"lm_head": False})
-    assert plain.model.quantized_lm_head is None
-    assert load_model(smollm2_path, dtype=torch.bfloat16, quantization="int8").model.quantized_lm_head is None
-    bf16 = load_model(smollm2_path, dtype=torch.bfloat16, quantization="int8", quantization_config={"lm_head": True})
-    assert isinstance(bf16.model.quantized_lm_head, Int8Linear)
+
+
+def test_int8_lm_head_by_default_for_fp32_only_and_as_asked(save_hf_model):
+    """Opted out, or a bf16 model by default, no copy; asked for, a bf16 model gets one too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = save_hf_model(LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=True)))
+
+    def head(dtype: torch.dtype, **config):
+        return load_model(path, dtype=dtype, quantization="int8", quantization_config=config).model.quantized_lm_head
+
+    assert isinstance(head(torch.float32), Int8Linear)
+    assert head(torch.float32, lm_head=False) is None
+    assert head(torch.bfloat16) is None
+    assert isinstance(head(torch.bfloat16, lm_head=True), Int8Linear)
