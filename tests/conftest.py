@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 from collections.abc import Callable
 
@@ -45,11 +46,36 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2_path):
-    """transformers' own load of the same GGUF file, dequantized to fp32."""
+def smollm2_hf(smollm2_path, tmp_path_factory, worker_id):
+    """transformers' own load of the same GGUF file, dequantized to fp32. transformers parses
+    the GGUF's metadata twice to build it (~10 s on 2 cores): under pytest-xdist the first
+    worker to need it saves its weights in the run's shared temporary directory, and the
+    others build the model from that copy (the same fp32 values) instead of converting again.
+    (transformers refuses save_pretrained on a model it loaded from GGUF.)"""
+    import fcntl
+
+    from safetensors.torch import load_model, save_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from kvserve.benchmarks.hf_reference import load_hf_model
 
-    return load_hf_model(smollm2_path)
+    if worker_id == "master":
+        return load_hf_model(smollm2_path)
+    shared = tmp_path_factory.getbasetemp().parent / "smollm2-hf"
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held while the first worker converts and saves
+        if not (shared / "model.safetensors").is_file():
+            model = load_hf_model(smollm2_path)
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            shared.mkdir()
+            (shared / "config.json").write_text(json.dumps(config))
+            save_model(model, str(shared / "model.safetensors"))
+            return model
+    config = AutoConfig.from_pretrained(shared)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    load_model(model, str(shared / "model.safetensors"))
+    return model.eval()
 
 
 @pytest.fixture(scope="session")
