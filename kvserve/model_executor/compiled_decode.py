@@ -40,6 +40,7 @@ from kvserve.attention.torch_ref import (
     TorchReferenceBackend,
     decode_context,
 )
+from kvserve.ops import cpu as cpu_kernels
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS, QuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ class CompiledDecode:
         # start-up; the guards on the inputs' shapes (which pick the batch band's graph) stay.
         # The size asserts re-check, in Python, ~490 input and output layouts a call that
         # those guards and the ops' registered shapes already fix.
+        # The kernels' availability is a constant to the graphs (see ops.cpu.available).
+        cpu_kernels.available = torch.compiler.assume_constant_result(cpu_kernels.available)
         self._forward = torch.compile(
             _decode_forward, dynamic=False, fullgraph=True, isolate_recompiles=True, options={
                 "size_asserts": False, "alignment_asserts": False,

@@ -139,7 +139,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Uninitialized (the checkpoint fills it): nn.Embedding's own normal_ init of a meta
+        # tensor goes through torch._refs, which imports Dynamo (~1.2 s of every start).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, attn_backend, index) for index in range(config.num_hidden_layers)
         )
