@@ -126,6 +126,26 @@ def test_importing_kvserve_sets_no_environment_variable():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+# Imports the server and builds a model the way the loader does, then reports whether Dynamo
+# (~1.2 s of imports) came with them.
+_DYNAMO_AT_START = """
+import sys
+import kvserve.entrypoints.openai.server
+from kvserve.config import ModelConfig
+from kvserve.model_executor.loader import _empty_model
+_empty_model(ModelConfig("LlamaForCausalLM", 64, 32, 48, 1, 2, 1, 16), "cpu")
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_starting_a_server_does_not_import_dynamo():
+    """Dynamo loads only when a decode step is compiled: not with the server's modules, nor
+    with building a model (nn.Embedding's init of a meta tensor would import it)."""
+    result = subprocess.run([sys.executable, "-c", _DYNAMO_AT_START], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "False"
+
+
 def test_the_command_sets_gomp_spincount_before_torch_loads():
     """libgomp reads GOMP_SPINCOUNT when torch loads it: the `kvserve` command sets its default
     before its first import of torch, and leaves an explicit setting alone."""
