@@ -4,6 +4,7 @@ Triton's interpreter on small widths; on a GPU at real widths and under CUDA-gra
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -97,18 +98,29 @@ def gemv_summed(x, chosen, weights, w13, w2):
     return experts_gemv(x, chosen, weights, w13, w2, tile, tile, summed_down=True)
 
 
+@functools.lru_cache(maxsize=1)
+def random_experts(experts: int, hidden: int, intermediate: int, fmt: str
+                   ) -> tuple[tuple[ExpertWeights, torch.Tensor], tuple[ExpertWeights, torch.Tensor]]:
+    """Random experts w13 [E, 2I, H] and w2 [E, H, I] in `fmt`, each with the dequantized
+    weights the reference multiplies. The same for every case of a shape and format: making
+    and quantizing 128 experts at real widths takes the host seconds, which a GPU test's
+    cases (errors() groups them) would otherwise pay each time."""
+    generator = torch.Generator().manual_seed(experts * 1000 + hidden)
+    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator) / hidden**0.5
+    w2 = torch.randn(experts, hidden, intermediate, generator=generator) / intermediate**0.5
+    return quantized_experts(w13, fmt), quantized_experts(w2, fmt)
+
+
 def errors(device: str, cases: list[tuple], hidden: int, intermediate: int, run=fused_experts) -> list[str]:
     """Cases (tokens, experts, top_k, activation dtype, weight format); `run`: fused_experts
-    (the path it picks), grouped or gemv."""
+    (the path it picks), grouped or gemv. Cases of one expert count and format run one
+    after another, on the same random experts."""
     generator = torch.Generator().manual_seed(0)
     wrong = []
-    for tokens, experts, top_k, dtype, fmt in cases:
+    for tokens, experts, top_k, dtype, fmt in sorted(cases, key=lambda case: (case[1], case[4])):
         chosen, weights = routing(tokens, experts, top_k, generator)
         x = torch.randn(tokens, hidden, generator=generator)
-        w13, dense13 = quantized_experts(
-            torch.randn(experts, 2 * intermediate, hidden, generator=generator) / hidden**0.5, fmt)
-        w2, dense2 = quantized_experts(
-            torch.randn(experts, hidden, intermediate, generator=generator) / intermediate**0.5, fmt)
+        (w13, dense13), (w2, dense2) = random_experts(experts, hidden, intermediate, fmt)
         # Dense weights are rounded to the activation dtype as the kernel reads them.
         if fmt == "dense":
             dense13, dense2 = dense13.to(dtype), dense2.to(dtype)
