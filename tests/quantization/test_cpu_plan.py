@@ -147,7 +147,8 @@ def test_q8_0_gguf_becomes_int8_groups_holding_its_grid_exactly(q8_0_path):
     plan, loaded = _load_with_plan(q8_0_path, 0.01)
     assert (plan.quantization, plan.quantization_config) == ("int8", {"group_size": 32, "lm_head": False})
     assert plan.dense_dtype == torch.float32 and plan.linear_kernel_max_rows == 16
-    reference = dict(load_model(q8_0_path, dtype=torch.float32).model.named_modules())
+    fp32 = load_model(q8_0_path, dtype=torch.float32)
+    reference = dict(fp32.model.named_modules())
     quantized = [(name, m) for name, m in loaded.model.named_modules()
                  if isinstance(m, QuantizedLinear) and name != "quantized_lm_head"]
     assert len(quantized) == 30 * 4
@@ -158,9 +159,8 @@ def test_q8_0_gguf_becomes_int8_groups_holding_its_grid_exactly(q8_0_path):
     x = torch.randn(17, module.in_features)
     assert torch.equal(module(x[:16]), module.kernel_matmul(x[:16]))
     assert torch.equal(module(x), module.dense_weight.linear(x))
-    mixed = load_model(q8_0_path, dtype=torch.float32)
-    mixed.gguf_tensor_types["blk.0.attn_q.weight"] = "Q4_1"
-    assert resolve_auto_quantization(mixed, CPU).quantization is None
+    fp32.gguf_tensor_types["blk.0.attn_q.weight"] = "Q4_1"  # a file of mixed types: no plan
+    assert resolve_auto_quantization(fp32, CPU).quantization is None
 
 
 def test_bf16_probe_measures_this_cpu():
