@@ -16,7 +16,6 @@ from kvserve.distributed.parallel_state import GroupCoordinator
 from kvserve.model_executor.loader import load_model
 from kvserve.model_executor.sharded_loader import load_rank_share
 from kvserve.quantization import QuantizedLinear
-from kvserve.quantization.int4 import Int4Linear
 from tests.quantization.test_checkpoints import FIXTURES, TOOL_FIXTURES, layer_weights
 
 # The fixtures: hidden 64, intermediate 64, 4 heads of 16 over 2 KV heads, groups of 32.

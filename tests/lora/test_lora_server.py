@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.lora import LoRARequest
 from kvserve.model_executor.loader import load_model
 from tests.entrypoints.server_process import launch_server
 from tests.lora.tiny_model import save_adapters, save_tiny_llama

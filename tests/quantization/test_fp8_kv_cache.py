@@ -14,7 +14,6 @@ This asserts 2 of 5, and 95% teacher-forced top-1 agreement.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvserve import LLM, SamplingParams
 from tests.quantization.prompts import CONTINUATIONS
