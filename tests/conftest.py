@@ -1,4 +1,5 @@
-"""Shared fixtures: the real embedded SmolLM2 model and its transformers reference."""
+"""Shared fixtures: the real embedded SmolLM2 model, its transformers reference, and a tiny
+random Llama."""
 
 from __future__ import annotations
 
@@ -107,6 +108,24 @@ def save_tokenizer(directory: str, vocab_size: int) -> None:
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t2").save_pretrained(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A random one-layer Llama with a word-level tokenizer, for tests of what kvserve does
+    around a model (the server's health, gauges, shutdown and processes; load options) rather
+    than of SmolLM2's tokens: its steps take milliseconds where SmolLM2's take a quarter of a
+    second on one thread."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = os.path.join(tmp_path_factory.mktemp("tiny"), "tiny")
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=4096))
+    randomize(model, 0)
+    model.save_pretrained(directory)
+    save_tokenizer(directory, 64)
+    return directory
 
 
 @pytest.fixture

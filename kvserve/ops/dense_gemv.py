@@ -12,7 +12,6 @@ fp32 sum a row, no split of K: the same result every run.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -24,7 +24,6 @@ H100 run of the int4 latency benchmark hung.)
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -27,16 +27,12 @@ def test_int8_lm_head_tracks_the_fp32_head(smollm2_path, smollm2_loaded):
     assert torch.equal(loaded.model.model.embed_tokens.weight, embed)
 
 
-def test_int8_lm_head_by_default_for_fp32_only_and_as_asked(save_hf_model):
+def test_int8_lm_head_by_default_for_fp32_only_and_as_asked(tiny_model):
     """Opted out, or a bf16 model by default, no copy; asked for, a bf16 model gets one too."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = save_hf_model(LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, tie_word_embeddings=True)))
 
     def head(dtype: torch.dtype, **config):
-        return load_model(path, dtype=dtype, quantization="int8", quantization_config=config).model.quantized_lm_head
+        loaded = load_model(tiny_model, dtype=dtype, quantization="int8", quantization_config=config)
+        return loaded.model.quantized_lm_head
 
     assert isinstance(head(torch.float32), Int8Linear)
     assert head(torch.float32, lm_head=False) is None
