@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import envs
-from kvserve.ops.quant.pending_norm import PendingNorm
+from kvserve.ops.pending_norm import PendingNorm
 from kvserve.quantization.batch_invariance import current_runs
 from kvserve.quantization.cpu_dense import DenseWeight
 

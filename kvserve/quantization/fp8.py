@@ -37,7 +37,7 @@ from kvserve.quantization.base import KernelWeight, QuantizationMethod, Quantize
 from kvserve.quantization.int8 import add_int8_lm_head
 
 if TYPE_CHECKING:
-    from kvserve.ops.quant.pending_norm import PendingNorm
+    from kvserve.ops.pending_norm import PendingNorm
     from kvserve.ops.quant.weight_only.configs import LaunchConfig
 
 FP8_DTYPE = torch.float8_e4m3fn

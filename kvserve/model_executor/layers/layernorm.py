@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kvserve.ops.quant.fp8_rows import Fp8Rows
-from kvserve.ops.quant.pending_norm import PendingNorm
+from kvserve.ops.pending_norm import PendingNorm
 from kvserve.quantization.base import QuantizedLinear, takes_fp8_rows
 
 

@@ -8,7 +8,7 @@ from torch import nn
 from kvserve.model_executor.layers.activation import SiluAndMul
 from kvserve.model_executor.layers.linear import Linear
 from kvserve.ops.quant.fp8_rows import Fp8Rows
-from kvserve.ops.quant.pending_norm import PendingNorm
+from kvserve.ops.pending_norm import PendingNorm
 from kvserve.quantization.base import takes_fp8_rows
 
 

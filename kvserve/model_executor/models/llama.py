@@ -20,7 +20,7 @@ from kvserve.model_executor.layers.linear import Linear, linear
 from kvserve.model_executor.layers.mlp import GatedMLP
 from kvserve.model_executor.layers.moe import SparseMoE
 from kvserve.model_executor.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary
-from kvserve.ops.quant.pending_norm import PendingNorm
+from kvserve.ops.pending_norm import PendingNorm
 
 
 class LlamaAttention(nn.Module):

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kvserve.model_executor.layers.layernorm import RMSNorm
-from kvserve.ops.quant.pending_norm import PendingNorm
+from kvserve.ops.pending_norm import PendingNorm
 from kvserve.ops.quant.weight_only import LaunchConfig, mma
 from kvserve.ops.quant.weight_only.matmul import (
     AddNorm,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvserve.ops.quant.weight_only.tiles import norm_row_scale
+from kvserve.ops.pending_norm_tiles import norm_row_scale
 
 
 @triton.jit

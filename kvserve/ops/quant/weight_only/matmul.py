@@ -12,7 +12,7 @@ import triton
 
 from kvserve.ops import device as device_info
 from kvserve.ops import pdl
-from kvserve.ops.quant.pending_norm import PendingNorm
+from kvserve.ops.pending_norm import PendingNorm
 from kvserve.ops.quant.weight_only.configs import MMA_MAX_ROWS, LaunchConfig, default_config
 from kvserve.ops.quant.weight_only.generic import weight_only_gemv_kernel, weight_only_matmul_kernel
 from kvserve.ops.quant.weight_only.mma import fp8_mma_kernel, int4_mma_kernel

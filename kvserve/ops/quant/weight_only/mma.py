@@ -7,9 +7,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvserve.ops.pending_norm_tiles import norm_row_scale
 from kvserve.ops.quant.weight_only.tiles import (
     arrives_last,
-    norm_row_scale,
     rearm,
     split_tiles,
     store_output,
@@ -188,9 +188,9 @@ def _mma_store(ys, t, w_row, M, N, partial_ptr, out_ptr, count_ptr, stride_om, s
 @triton.jit
 def _mma_add_norm(accs, offss, masks, t, w_row, N, M, out_ptr, residual_ptr, norm_weight_ptr, sum_squares_ptr,
                   X_TILES: tl.constexpr):
-    """tiles._add_norm_store for _mma_blocks' blocks of final values: h = residual + y in the
-    run dtype (the residual stream updated in place, out's strides), out = h * the norm's
-    weight, and each x row's sum of h^2 over this program's weight rows at
+    """pending_norm_tiles.add_norm_store for _mma_blocks' blocks of final values: h =
+    residual + y in the run dtype (the residual stream updated in place, out's strides), out =
+    h * the norm's weight, and each x row's sum of h^2 over this program's weight rows at
     sum_squares[row, program]. A row's squares are spread over the threads holding it: each
     thread sums its own, then the x rows' totals are picked out as _mma_row_scales does."""
     dtype = out_ptr.dtype.element_ty

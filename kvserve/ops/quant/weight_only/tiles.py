@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvserve.ops.pending_norm_tiles import add_norm_store
+
 # Split-K partials the word kernels' last split loads at once (summed_splits): all of an int4
 # one-row call's (at most 8 splits). W2 int4 on an H200, GPU step 2.28 -> 2.26 ms (two
 # rounds); llama3-8b's linears alone at one row (24 at once): q/o 6.7 -> 6.2 us, k/v 4.7 ->
@@ -181,50 +183,18 @@ def store_block(acc, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count
 
 
 @triton.jit
-def _add_norm_store(y, rows, cols, row_mask, col_mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr,
-                    sum_squares_ptr):
-    """A linear's [rows, cols] block y, with the residual add and the RMSNorm after it fused
-    (PendingNorm): h = residual + y in the run dtype (the residual stream, updated in place,
-    same strides as out), out = h * the norm's weight, and the block's sum of h^2 for each row
-    at sum_squares[row, column block]. The next linear multiplies its output rows by
-    rsqrt(mean(h^2) + eps) (norm_row_scale)."""
-    dtype = out_ptr.dtype.element_ty
-    offs = rows[:, None] * stride_om + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
-    # Rounded as `residual + linear(x)` would be: y to the run dtype, then the sum.
-    residual = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h = (y.to(dtype).to(tl.float32) + residual).to(dtype)
-    tl.store(residual_ptr + offs, h, mask=mask)
-    h = h.to(tl.float32)
-    tl.store(sum_squares_ptr + rows * tl.num_programs(0) + tl.program_id(0), tl.sum(h * h, axis=1), mask=row_mask)
-    weight = tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (weight[None, :] * h).to(dtype), mask=mask)
-
-
-@triton.jit
 def store_block_add_norm(y, rows, cols, row_mask, col_mask, partial_ptr, out_ptr, count_ptr, stride_om, stride_ps,
                          residual_ptr, norm_weight_ptr, sum_squares_ptr, SPLIT: tl.constexpr):
     """store_block for a [rows, cols] block whose linear is followed by a residual add and an
-    RMSNorm: _add_norm_store on the block's final values (with split K, by its last split)."""
+    RMSNorm: add_norm_store on the block's final values (with split K, by its last split)."""
     if SPLIT:
         offs = rows[:, None] * stride_om + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
         if arrives_last((y,), partial_ptr, count_ptr, (offs,), (mask,), stride_ps):
             total = summed_splits(partial_ptr, offs, mask, stride_ps, WORD_SPLITS_IN_FLIGHT)
-            _add_norm_store(total, rows, cols, row_mask, col_mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr,
-                            sum_squares_ptr)
+            add_norm_store(total, rows, cols, row_mask, col_mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr,
+                           sum_squares_ptr)
             rearm(count_ptr)
     else:
-        _add_norm_store(y, rows, cols, row_mask, col_mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr,
-                        sum_squares_ptr)
-
-
-@triton.jit
-def norm_row_scale(sum_squares_ptr, rows, row_mask, num_partials, num_cols, eps, PARTIALS: tl.constexpr):
-    """rsqrt(mean(h^2) + eps) for each row of x whose RMSNorm the previous linear left
-    pending (_add_norm_store): its num_partials (<= PARTIALS, a power of two) block sums
-    added up, in a fixed order."""
-    parts = tl.arange(0, PARTIALS)
-    sums = tl.load(sum_squares_ptr + rows[:, None] * num_partials + parts[None, :],
-                   mask=row_mask[:, None] & (parts < num_partials)[None, :], other=0.0)
-    return tl.math.rsqrt(tl.sum(sums, axis=1) / num_cols + eps)
+        add_norm_store(y, rows, cols, row_mask, col_mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr,
+                       sum_squares_ptr)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvserve.ops.pending_norm_tiles import norm_row_scale
 from kvserve.ops.quant.weight_only.tiles import (
     dot_tile_pointers,
     group_scale_offset,
     load_x_pair,
     load_x_words,
     nibble,
-    norm_row_scale,
     program_block,
     store_block,
     store_block_add_norm,

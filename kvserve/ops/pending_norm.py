@@ -1,4 +1,5 @@
-"""An RMSNorm left pending between two linears' kernels (quant.weight_only's fused norms)."""
+"""An RMSNorm left pending between two linears' kernels (the quantized linears' fused norms);
+the kernels' shared Triton pieces are in pending_norm_tiles."""
 
 from __future__ import annotations
 
