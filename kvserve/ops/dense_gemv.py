@@ -8,6 +8,15 @@ but it starts only once the kernel before it has finished. Here each program loa
 first weight tile (which nothing in the step writes) before it waits for x, so the DRAM
 latency of the first loads overlaps the previous kernel's tail; then one tile ahead. One
 fp32 sum a row, no split of K: the same result every run.
+
+The RMSNorms between two such linears run inside them (PendingNorm, RMSNorm.add_after), as
+the int4/fp8 kernels' do: the linear before the norm adds its output to the residual stream
+and leaves the norm's sums of squares (gemv_add_norm), the linear after it scales its output
+by the norm's factor (gemv of a PendingNorm). A dense decode layer then runs no add+RMSNorm
+kernel between its GEMVs (the last one keeps the final norm's, before the LM head). Each
+program of the linear after reads all of the sums (one per program of the linear before:
+1024 for a 4096-wide hidden state at 4 rows a program, 4 KB of L2), issued after its wait
+and added up after its loop.
 """
 
 from __future__ import annotations
@@ -19,13 +28,23 @@ import triton.language as tl
 from kvserve import envs
 from kvserve.ops import device as device_info
 from kvserve.ops import pdl
+from kvserve.ops.pending_norm import PendingNorm
+from kvserve.ops.pending_norm_tiles import add_norm_store, load_norm_sums, row_scale_of
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
-                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, pending_ptr, residual_ptr, norm_weight_ptr, sum_squares_ptr,
+                       N, K, stride_w, pending_partials, norm_eps,
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                       ROW_SCALE: tl.constexpr, PARTIALS: tl.constexpr, ADD_NORM: tl.constexpr):
     """out[n] = sum_k W[n, k] x[k] (+ bias[n]) for one BLOCK_N block of rows, in fp32, stored
-    in out's dtype."""
+    in out's dtype.
+
+    Fused RMSNorms (PendingNorm): ROW_SCALE takes x = h * the norm's weight whose norm the
+    previous linear left pending (pending_partials block sums of h^2 at pending_ptr) and
+    scales y by rsqrt(mean(h^2) + eps) before the bias; ADD_NORM adds y to the residual
+    stream in place and leaves the next norm pending in turn (add_norm_store: out = h * the
+    norm's weight, this block's sum of h^2 at sum_squares_ptr[program])."""
     if PDL:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -35,7 +54,11 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
     # Weights are read once a step: evict_first keeps x and the activations in L2.
     w = tl.load(w_ptrs, mask=row_mask[:, None] & (offs < K)[None, :], other=0.0, eviction_policy="evict_first")
     if PDL:
-        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+        tl.extra.cuda.gdc_wait()  # x (and a pending norm's sums, the residual) are earlier kernels' output
+    x_row = tl.zeros((1,), dtype=tl.int32)  # the one row of x, as the norm helpers index rows
+    if ROW_SCALE:
+        # Loaded here, summed after the loop: the loads overlap the loop instead of stalling it.
+        norm_sums = load_norm_sums(pending_ptr, x_row, x_row == 0, pending_partials, PARTIALS)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
@@ -44,19 +67,30 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
         acc += w.to(tl.float32) * x[None, :]
         w = w_next
     y = tl.sum(acc, axis=1)
+    if ROW_SCALE:
+        y *= tl.sum(row_scale_of(norm_sums, K, norm_eps))  # one row: its factor as a scalar
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+    if ADD_NORM:  # the output's rows are the norm's columns
+        add_norm_store(y[None, :], x_row, rows, x_row == 0, row_mask, out_ptr, 0, residual_ptr, norm_weight_ptr,
+                       sum_squares_ptr)
+    else:
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `gemv` takes x @ weight^T: one row of bf16/fp16 on a Hopper or newer GPU,
-    weight contiguous in x's dtype. Whether PDL is on or not (KVSERVE_PDL=0), so that turning
-    it off changes no result. KVSERVE_DENSE_GEMV=0 leaves every linear to cuBLAS (for
-    side-by-side timing)."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.numel() == weight.shape[1] and weight.is_contiguous() and envs.KVSERVE_DENSE_GEMV
-            and not envs.TRITON_INTERPRET and device_info.hopper_or_newer(x.device.index or 0))
+    """Whether `gemv` takes x @ weight^T: one row of x on CUDA where `takes_row`."""
+    return x.is_cuda and x.numel() == weight.shape[1] and takes_row(x.dtype, weight)
+
+
+def takes_row(dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """Whether `gemv` takes one row of x in `dtype` on weight's device: bf16/fp16 on a Hopper
+    or newer GPU, weight contiguous in x's dtype. Whether PDL is on or not (KVSERVE_PDL=0), so
+    that turning it off changes no result. KVSERVE_DENSE_GEMV=0 leaves every linear to cuBLAS
+    (for side-by-side timing)."""
+    return (weight.is_cuda and dtype in (torch.bfloat16, torch.float16) and weight.dtype == dtype
+            and weight.is_contiguous() and envs.KVSERVE_DENSE_GEMV and not envs.TRITON_INTERPRET
+            and device_info.hopper_or_newer(weight.device.index or 0))
 
 
 def tile(n: int, k: int, device: torch.device) -> tuple[int, int]:
@@ -68,17 +102,47 @@ def tile(n: int, k: int, device: torch.device) -> tuple[int, int]:
     return block_n, block_k
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def gemv(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
          block: tuple[int, int] | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias) for x [..., K] holding one row; weight [N, K]; the result in
-    x's dtype and shape [..., N]. `block`: (BLOCK_N, BLOCK_K) instead of `tile`'s."""
+    x's dtype and shape [..., N]. x a PendingNorm: its RMSNorm finished in the kernel (the
+    output scaled). `block`: (BLOCK_N, BLOCK_K) instead of `tile`'s."""
+    pending = x if isinstance(x, PendingNorm) else None
+    x = x.rows if pending is not None else x
     n, k = weight.shape
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, block, pending=pending)
+    return out
+
+
+def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                  block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gemv` (no bias) followed by the residual add and RMSNorm after it, in the kernel's
+    epilogue: residual [1, N] (contiguous, x's dtype) updated in place to h = residual +
+    x W^T; returns (h * norm_weight [1, N], the programs' sums of h^2 [1, programs] fp32),
+    a PendingNorm's rows and sums."""
+    n, k = weight.shape
+    block_n, block_k = block or tile(n, k, x.device)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    sums = torch.empty(1, triton.cdiv(n, block_n), dtype=torch.float32, device=x.device)
+    _launch(x, weight, None, out, (block_n, block_k), add_norm=(residual, norm_weight, sums))
+    return out, sums
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            block: tuple[int, int] | None, pending: PendingNorm | None = None,
+            add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """One launch of the kernel for x's row into out; `pending`: x's norm to finish;
+    `add_norm`: (residual, the norm's weight, sums) to leave the next one pending."""
+    n, k = weight.shape
     x = x.reshape(k)  # a copy only where the row's elements are not adjacent
     block_n, block_k = block or tile(n, k, x.device)
+    residual, norm_weight, sums = add_norm if add_norm is not None else (weight, weight, out)
+    partials = pending.sums.shape[-1] if pending is not None else 1
     _dense_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        x, weight, bias if bias is not None else weight, out, pending.sums if pending is not None else out,
+        residual, norm_weight, sums, n, k, weight.stride(0), partials, pending.eps if pending is not None else 0.0,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, ROW_SCALE=pending is not None,
+        PARTIALS=triton.next_power_of_2(partials), ADD_NORM=add_norm is not None, num_warps=4,
         **pdl.chained_options(x.device),
     )
-    return out

@@ -1,7 +1,10 @@
 """The one-row dense GEMV (kvserve/ops/dense_gemv.py) against the fp32 product of the same
 operands: under the interpreter in CI (shapes whose rows and k are not multiples of the
 tiles, with and without a bias), compiled for sm_90 (the weight tile loads before the wait,
-x after it), and on the GPU inside a CUDA graph behind a kernel that writes its x."""
+x after it), and on the GPU inside a CUDA graph behind a kernel that writes its x. The same
+for two GEMVs with the RMSNorm between them fused into them (PendingNorm): the first adds
+its output to the residual stream and leaves the norm's sums, the second scales its output.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import re
 
 import pytest
 import torch
+
+from kvserve.ops.triton_offline import compile_kernel
 
 from tests.triton_interpreter import run_interpreted
 
@@ -50,19 +55,116 @@ def test_compiled_gemv_loads_weights_before_the_wait_and_x_after() -> None:
     """A programmatic dependent (kvserve.ops.pdl) as the GPU runs it: it lets the next kernel
     launch, then its first weight tile loads, then it waits; x (the previous kernel's
     output) and the bias load only after the wait."""
-    from kvserve.ops.dense_gemv import _dense_gemv_kernel
-    from kvserve.ops.triton_offline import compile_kernel
-
-    ptx = compile_kernel(_dense_gemv_kernel, dict(HAS_BIAS=True, BLOCK_N=8, BLOCK_K=256, PDL=True),
-                         types={"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"},
-                         divisible=("K", "stride_w")).asm["ptx"]
-    body = ptx[ptx.index(".entry"):]
+    body = _compiled_body(HAS_BIAS=True, BLOCK_N=8, BLOCK_K=256, ROW_SCALE=False, PARTIALS=1, ADD_NORM=False)
     launch, wait = body.index("griddepcontrol.launch_dependents"), body.index("griddepcontrol.wait")
     assert launch < wait
     # The weight tile: 8 rows x 256 bf16 over 128 threads, 16 bytes a load, with evict_first.
     before = re.findall(r"ld\.global[^\n]*", body[:wait])
     assert before and all("evict_first" in load for load in before), before
     assert re.search(r"ld\.global", body[wait:])
+
+
+def _compiled_body(**constexprs: object) -> str:
+    """The PTX of the kernel's entry, compiled for sm_90 with PDL on."""
+    from kvserve.ops.dense_gemv import _dense_gemv_kernel
+
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "pending_ptr": "*fp32",
+             "residual_ptr": "*bf16", "norm_weight_ptr": "*bf16", "sum_squares_ptr": "*fp32", "norm_eps": "fp32"}
+    ptx = compile_kernel(_dense_gemv_kernel, {**constexprs, "PDL": True}, types=types,
+                         divisible=("K", "stride_w")).asm["ptx"]
+    return ptx[ptx.index(".entry"):]
+
+
+# -- The RMSNorm between two GEMVs, fused into them ------------------------------------------
+
+EPS = 1e-5
+# Worst relative error per row against the fp32 chain: the run dtype's rounding of y1, h and
+# the norm's output, a few ulps.
+TOLERANCE = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
+# (k K, hidden H, n N, the producer's and the consumer's (BLOCK_N, BLOCK_K), consumer bias,
+# dtype): x [1, K] -> W1 [H, K] -> residual add + RMSNorm(H) -> W2 [N, H]. Row blocks and k
+# tiles not dividing H, N and K; 5 and 33 partial sums (not powers of two) and one.
+CHAIN_CASES = [(200, 37, 53, (8, 64), (4, 64), False, torch.bfloat16),
+               (200, 37, 53, (8, 64), (4, 64), True, torch.float16),
+               (96, 130, 45, (4, 128), (8, 64), True, torch.bfloat16),
+               (130, 64, 19, (8, 256), (4, 32), False, torch.float16),
+               (64, 8, 30, (8, 64), (8, 64), False, torch.bfloat16)]
+
+
+def chain_errors(case: tuple, device: str) -> dict[str, float]:
+    """The fused chain (gemv_add_norm, then gemv of the PendingNorm) against the fp32 torch
+    chain of the unfused layers: y1 = x W1^T to the run dtype, h = residual + y1 in it,
+    Hugging Face's RMSNorm (h.float() * rsqrt(mean(h^2) + eps), cast, times the weight),
+    then W2 (+ b2). Relative errors of the residual updated in place, the finished norm, the
+    consumer's output, and of the sums' total."""
+    from kvserve.ops.dense_gemv import gemv, gemv_add_norm
+    from kvserve.ops.pending_norm import PendingNorm
+
+    k, hidden, n, producer_block, consumer_block, has_bias, dtype = case
+    generator = torch.Generator().manual_seed(k * hidden + n)
+
+    def random(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(device)
+
+    x, w1, w2 = random(1, k), random(hidden, k, scale=0.1), random(n, hidden)
+    residual = random(1, hidden, scale=4)  # mean(h^2) far from 1: a missing factor shows
+    norm_weight = (1 + torch.randn(hidden, generator=generator) * 0.1).to(dtype).to(device)
+    bias = random(n) if has_bias else None
+
+    y1 = (x.float() @ w1.float().T).to(dtype)
+    h = (residual.float() + y1.float()).to(dtype)
+    normed = (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + EPS)).to(dtype) * norm_weight
+    expected = normed.float() @ w2.float().T + (bias.float() if has_bias else 0.0)
+
+    # The plain GEMV sums in the fused one's order: h from its y1 is the fused h bit for bit.
+    h_same_order = residual + gemv(x, w1, block=producer_block)
+    rows, sums = gemv_add_norm(x, w1, residual, norm_weight, block=producer_block)
+    pending = PendingNorm(rows, sums, EPS)
+    y2 = gemv(pending, w2, bias, block=consumer_block)
+    assert y2.shape == (1, n) and y2.dtype == dtype and sums.shape == (1, -(-hidden // producer_block[0]))
+
+    def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+    return {"residual": relative(residual, h), "residual_bits": float(not torch.equal(residual, h_same_order)),
+            "norm": relative(pending.finish(), normed),
+            "consumer": relative(y2, expected),
+            "sums": abs(sums.double().sum().item() / h.double().pow(2).sum().item() - 1)}
+
+
+def run_chain_cases() -> None:
+    print(json.dumps([chain_errors(case, "cpu") for case in CHAIN_CASES]))
+
+
+@pytest.fixture(scope="module")
+def interpreted_chains() -> list[dict[str, float]]:
+    return json.loads(run_interpreted("tests.ops.test_dense_gemv", "run_chain_cases"))
+
+
+@pytest.mark.parametrize("index", range(len(CHAIN_CASES)), ids=[str(case) for case in CHAIN_CASES])
+def test_interpreted_fused_norm_chain_matches_the_unfused_one(index, interpreted_chains) -> None:
+    errors, dtype = interpreted_chains[index], CHAIN_CASES[index][-1]
+    assert errors["residual_bits"] == 0 and errors["sums"] <= 1e-5, errors
+    for output in ("residual", "norm", "consumer"):
+        assert errors[output] <= TOLERANCE[dtype], (output, errors)
+
+
+@pytest.mark.parametrize(("row_scale", "add_norm"), [(True, False), (False, True), (True, True)])
+def test_compiled_fused_norm_gemvs_load_only_weights_before_the_wait(row_scale, add_norm) -> None:
+    """The fused norm's operands are the previous kernels' outputs: the pending norm's sums
+    and rows (the consumer), the residual stream (the producer) load after the wait; before
+    it only the first weight tile (evict_first), as in the plain GEMV."""
+    body = _compiled_body(HAS_BIAS=False, BLOCK_N=4, BLOCK_K=512, ROW_SCALE=row_scale,
+                          PARTIALS=1024 if row_scale else 1, ADD_NORM=add_norm)
+    launch, wait = body.index("griddepcontrol.launch_dependents"), body.index("griddepcontrol.wait")
+    assert launch < wait
+    before = re.findall(r"ld\.global[^\n]*", body[:wait])
+    assert before and all("evict_first" in load for load in before), before
+    after = re.findall(r"ld\.global[^\n]*", body[wait:])
+    # The sums (8 fp32 a thread), x, the next weight tiles; with add_norm the residual and
+    # the norm's weight (one bf16 each a thread).
+    assert sum(".b32 " in load and "evict_first" not in load for load in after) >= (8 if row_scale else 0), after
+    assert sum(".b16 " in load for load in after) == (2 if add_norm else 0), after
 
 
 @pytest.mark.gpu
