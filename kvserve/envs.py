@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     KVSERVE_CACHE_DIR: Path
     KVSERVE_PDL: bool
     KVSERVE_DENSE_GEMV: bool
+    KVSERVE_FUSED_NORMS: bool
     KVSERVE_QUANTIZED_GPU_KERNELS: bool
     KVSERVE_LORA_SGMV_MIN_TOKENS: int
     KVSERVE_API_KEY: str | None
@@ -45,6 +46,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "0": a decode step's one-row bf16/fp16 linears go to cuBLAS instead of kvserve's
     # dependent-launch GEMV (ops/dense_gemv.py), for side-by-side timing.
     "KVSERVE_DENSE_GEMV": lambda: os.environ.get("KVSERVE_DENSE_GEMV", "1") != "0",
+    # "0": every RMSNorm between two linears runs its own add+RMSNorm kernel, where decode
+    # rows would run it inside the linears around it (PendingNorm, RMSNorm.add_after: the
+    # dense bf16/fp16 GEMV at one row on Hopper, the int4/fp8 kernels), for side-by-side
+    # timing. Read as a step runs: a CUDA graph keeps what its capture read.
+    "KVSERVE_FUSED_NORMS": lambda: os.environ.get("KVSERVE_FUSED_NORMS", "1") != "0",
     # "0": quantized linears built while it is set run every CUDA call on the dequantize path
     # instead of kvserve's kernels (the reference those are tested against).
     "KVSERVE_QUANTIZED_GPU_KERNELS": lambda: os.environ.get("KVSERVE_QUANTIZED_GPU_KERNELS", "1") != "0",

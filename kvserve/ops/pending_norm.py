@@ -1,5 +1,5 @@
-"""An RMSNorm left pending between two linears' kernels (the quantized linears' fused norms);
-the kernels' shared Triton pieces are in pending_norm_tiles."""
+"""An RMSNorm left pending between two linears' kernels (the quantized linears' and the dense
+one-row GEMV's fused norms); the kernels' shared Triton pieces are in pending_norm_tiles."""
 
 from __future__ import annotations
 

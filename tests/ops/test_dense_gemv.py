@@ -97,10 +97,11 @@ def chain_errors(case: tuple, device: str) -> dict[str, float]:
     Hugging Face's RMSNorm (h.float() * rsqrt(mean(h^2) + eps), cast, times the weight),
     then W2 (+ b2). Relative errors of the residual updated in place, the finished norm, the
     consumer's output, and of the sums' total."""
-    from kvserve.ops.dense_gemv import gemv, gemv_add_norm
+    from kvserve.ops.dense_gemv import gemv, gemv_add_norm, tile
     from kvserve.ops.pending_norm import PendingNorm
 
     k, hidden, n, producer_block, consumer_block, has_bias, dtype = case
+    producer_block = producer_block or tile(hidden, k, torch.device(device))
     generator = torch.Generator().manual_seed(k * hidden + n)
 
     def random(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -143,7 +144,10 @@ def interpreted_chains() -> list[dict[str, float]]:
 
 @pytest.mark.parametrize("index", range(len(CHAIN_CASES)), ids=[str(case) for case in CHAIN_CASES])
 def test_interpreted_fused_norm_chain_matches_the_unfused_one(index, interpreted_chains) -> None:
-    errors, dtype = interpreted_chains[index], CHAIN_CASES[index][-1]
+    check_chain(interpreted_chains[index], CHAIN_CASES[index][-1])
+
+
+def check_chain(errors: dict[str, float], dtype: torch.dtype) -> None:
     assert errors["residual_bits"] == 0 and errors["sums"] <= 1e-5, errors
     for output in ("residual", "norm", "consumer"):
         assert errors[output] <= TOLERANCE[dtype], (output, errors)
@@ -210,3 +214,84 @@ def test_gpu_linear_takes_the_gemv_in_a_cuda_graph_after_the_kernel_writing_its_
         x = torch.nn.functional.rms_norm((before + h).float(), (hidden,), norm_weight.float(), 1e-6)
         expected = x.to(dtype).float() @ layer.weight.float().T
         torch.testing.assert_close(out.float(), expected, atol=3e-2 * expected.abs().max().item(), rtol=0)
+
+
+# llama3-8b's pairs at one row (o_proj -> gate/up, down -> q/k/v) and Qwen3-30B-A3B's shapes
+# (o_proj 2048 x 4096 -> q/k/v 5120 x 2048, with a bias as Qwen2's q/k/v have), at the
+# launch's own tiles.
+GPU_CHAIN_CASES = [(4096, 4096, 28672, None, None, False), (14336, 4096, 6144, None, None, False),
+                   (4096, 2048, 5120, None, None, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("case", GPU_CHAIN_CASES, ids=str)
+def test_gpu_fused_norm_chain_matches_the_unfused_one(case, dtype) -> None:
+    check_chain(chain_errors((*case, dtype), "cuda"), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_gpu_dense_pair_fuses_its_norm_in_a_cuda_graph(dtype, monkeypatch) -> None:
+    """As a decode step runs o_proj -> post-attention norm -> gate/up: a chained kernel (an
+    RMSNorm) writes o_proj's input, add_after leaves the norm pending (the real decision on
+    this GPU), gate/up finishes it; replayed in a CUDA graph with new inputs each time,
+    against the fp32 chain and the unfused layers (KVSERVE_FUSED_NORMS=0). A GEMV that read
+    its input, the residual or the sums before the kernel before it finished would be off
+    on some replays."""
+    from kvserve.model_executor.layers.layernorm import RMSNorm
+    from kvserve.model_executor.layers.linear import Linear
+    from kvserve.ops.elementwise import add_rms_norm
+    from kvserve.ops.pending_norm import PendingNorm
+
+    torch.manual_seed(0)
+    hidden, intermediate = 4096, 2 * 14336
+    o_proj = Linear(hidden, hidden, bias=False, device="cuda", dtype=dtype)
+    gate_up = Linear(hidden, intermediate, bias=False, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        o_proj.weight.mul_(4)  # h's mean square far from 1
+    norm = RMSNorm(hidden, EPS).to("cuda", dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden, device="cuda"))
+    attn_weight = torch.rand(hidden, device="cuda", dtype=dtype) + 0.5
+    attn = torch.randn(1, hidden, device="cuda", dtype=dtype)
+    residual = torch.randn(1, hidden, device="cuda", dtype=dtype)
+
+    def step() -> torch.Tensor:
+        x = add_rms_norm(attn, attn_weight, EPS)  # a chained kernel writing o_proj's input
+        pending, _ = norm.add_after(o_proj, x, residual, gate_up)
+        assert isinstance(pending, PendingNorm)
+        return gate_up(pending)
+
+    def reference(attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.nn.functional.rms_norm(attn.float(), (hidden,), attn_weight.float(), EPS).to(dtype)
+        h = residual + (x.float() @ o_proj.weight.float().T).to(dtype)
+        normed = (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + EPS)).to(dtype) * norm.weight
+        return h, normed.float() @ gate_up.weight.float().T
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(20):
+        attn.copy_(torch.randn_like(attn))
+        residual.copy_(torch.randn_like(residual))
+        before = residual.clone()
+        graph.replay()
+        h, expected = reference(attn, before)
+        torch.testing.assert_close(residual.float(), h.float(), atol=2 * torch.finfo(dtype).eps * h.abs().max().item(),
+                                   rtol=0)
+        assert ((out.float() - expected).norm() / expected.norm()).item() <= TOLERANCE[dtype]
+    # The unfused layers on the last inputs.
+    monkeypatch.setenv("KVSERVE_FUSED_NORMS", "0")
+    residual.copy_(before)
+    x = add_rms_norm(attn, attn_weight, EPS)
+    normed, _ = norm.add_after(o_proj, x, residual, gate_up)
+    assert not isinstance(normed, PendingNorm)
+    unfused = gate_up(normed).float()
+    assert ((out.float() - unfused).norm() / unfused.norm()).item() <= TOLERANCE[dtype]

@@ -4,12 +4,33 @@ of it (PendingNorm), or with the next linear's fp8 quantization (Fp8Rows)."""
 
 from __future__ import annotations
 
+from typing import Protocol, TypeGuard
+
 import torch
 from torch import nn
 
-from kvserve.ops.quant.fp8_rows import Fp8Rows
+from kvserve import envs
 from kvserve.ops.pending_norm import PendingNorm
-from kvserve.quantization.base import QuantizedLinear, takes_fp8_rows
+from kvserve.ops.quant.fp8_rows import Fp8Rows
+from kvserve.quantization.base import takes_fp8_rows
+
+
+class PendingNormLinear(Protocol):
+    """A linear whose kernels can take part in a fused RMSNorm (PendingNorm): as the producer
+    before the norm (add_norm_matmul) and as the consumer after it (folds_pending_norm, its
+    forward then taking the PendingNorm). QuantizedLinear and the dense Linear are ones."""
+
+    def add_norm_matmul(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> PendingNorm | None: ...
+
+    def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool: ...
+
+
+def _is_pending_norm_linear(module: object) -> TypeGuard[PendingNormLinear]:
+    # hasattr, not a runtime-checkable Protocol's isinstance: that takes 4-8 us, twice a
+    # layer in every eager step.
+    return hasattr(module, "add_norm_matmul") and hasattr(module, "folds_pending_norm")
 
 
 class RMSNorm(nn.Module):
@@ -36,14 +57,12 @@ class RMSNorm(nn.Module):
         self, linear: nn.Module, x: torch.Tensor | Fp8Rows, residual: torch.Tensor, consumer: nn.Module | None
     ) -> tuple[torch.Tensor | PendingNorm | Fp8Rows, torch.Tensor]:
         """(norm(residual + linear(x)), residual + linear(x)), the norm's output going to
-        `consumer` (a linear; None: anything else). Where both are quantized linears whose
-        kernels can (the producer's `add_norm_matmul`, the consumer's `folds_pending_norm`),
-        the add and the norm's sums run in the linear's epilogue and the result is a
-        PendingNorm that the consumer finishes; where the consumer multiplies fp8 by fp8
-        (its `takes_fp8_rows`), the norm's kernel quantizes its output (Fp8Rows). residual is
+        `consumer` (a linear; None: anything else). Where `fuses_into` the two linears, the
+        add and the norm's sums run in the linear's epilogue and the result is a PendingNorm
+        that the consumer finishes; where the consumer multiplies fp8 by fp8 (its
+        `takes_fp8_rows`), the norm's kernel quantizes its output (Fp8Rows). residual is
         updated in place either way on CUDA."""
-        if (isinstance(x, torch.Tensor) and isinstance(linear, QuantizedLinear)
-                and isinstance(consumer, QuantizedLinear) and consumer.folds_pending_norm(x.shape[0], x.dtype)):
+        if isinstance(x, torch.Tensor) and self.fuses_into(linear, consumer, x):
             fused = linear.add_norm_matmul(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused, residual
@@ -54,6 +73,15 @@ class RMSNorm(nn.Module):
 
             return add_rms_norm(y, self.weight, self.eps, residual, fp8=True), residual
         return self(y, residual)
+
+    def fuses_into(self, linear: nn.Module, consumer: nn.Module | None, x: torch.Tensor) -> bool:
+        """Whether add_after runs this norm inside `linear` (before it, taking x) and
+        `consumer` (after it): both PendingNormLinears and the consumer's kernel finishing the
+        norm for x's rows (the producer may still decline: add_norm_matmul).
+        KVSERVE_FUSED_NORMS=0 keeps every norm's own kernel (read last: the consumers decline
+        off CUDA, and a compiled CPU decode graph then never reads the environment)."""
+        return (_is_pending_norm_linear(linear) and _is_pending_norm_linear(consumer)
+                and consumer.folds_pending_norm(x.shape[0], x.dtype) and envs.KVSERVE_FUSED_NORMS)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype

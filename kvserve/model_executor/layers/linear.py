@@ -11,6 +11,7 @@ from torch import nn
 
 from kvserve.ops import cpu as cpu_kernels
 from kvserve.ops import dense_gemv
+from kvserve.ops.pending_norm import PendingNorm
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
 
 # Rows up to this take the kernel: the quantized layers' threshold, which the compiled decode
@@ -34,10 +35,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """nn.Linear computed by `linear` (and a GPU decode step's one row by ops/dense_gemv.py):
     the model code's layers, which quantization methods swap for their own (quantize_model)
-    and loaders fill like any nn.Linear."""
+    and loaders fill like any nn.Linear. Where the GEMV takes the row, the RMSNorms on either
+    side of the layer run inside it (RMSNorm.add_after; the same two methods as
+    QuantizedLinear's)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if isinstance(x, PendingNorm):
+            if dense_gemv.applies(x.rows, self.weight):
+                return dense_gemv.gemv(x, self.weight, self.bias)
+            x = x.finish()  # only where folds_pending_norm promised what the GEMV then declined
         if dense_gemv.applies(x, self.weight):
             return dense_gemv.gemv(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
 
+    def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether forward finishes a PendingNorm of `rows` rows in `dtype` inside the GEMV
+        (its output scaled): one row that the GEMV takes."""
+        return rows == 1 and dense_gemv.takes_row(dtype, self.weight)
+
+    def add_norm_matmul(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> PendingNorm | None:
+        """RMSNorm.add_after's fused form: y = x @ W^T added to residual in place by the GEMV,
+        the norm after it left pending; None (nothing done) where the GEMV does not take x,
+        with a bias, or where residual is not x's one [1, N] contiguous row or the norm's
+        weight not [N] in x's dtype."""
+        n = self.weight.shape[0]
+        if (self.bias is not None or not dense_gemv.applies(x, self.weight) or residual.shape != (1, n)
+                or not residual.is_contiguous() or residual.dtype != x.dtype
+                or norm_weight.shape != (n,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous()):
+            return None
+        return PendingNorm(*dense_gemv.gemv_add_norm(x, self.weight, residual, norm_weight), eps)

@@ -1,0 +1,173 @@
+"""Where a decoder layer's RMSNorms run inside the dense linears around them (PendingNorm,
+RMSNorm.add_after): the decision for each pair of layers, and a tiny bf16 Llama's decode
+step with and without the fusion.
+
+The dense GEMV that fuses them runs on Hopper only (dense_gemv.applies / takes_row); off the
+GPU no step would ever take it, so here those two decisions are told to take CPU rows and
+the kernels run under Triton's interpreter. Everything else decides as it would on a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from kvserve.model_executor.layers.layernorm import RMSNorm
+from kvserve.model_executor.layers.linear import Linear
+from kvserve.ops import dense_gemv
+from kvserve.ops.pending_norm import PendingNorm
+from tests.triton_interpreter import run_interpreted
+
+DTYPE = torch.bfloat16
+
+
+def take_cpu_rows(patch) -> None:
+    """dense_gemv's decisions as on an H200, for CPU tensors (`patch(target, name, value)`:
+    monkeypatch.setattr, or setattr in a subprocess): bf16/fp16 one-row x, weight
+    contiguous in its dtype."""
+    def takes_row(dtype: torch.dtype, weight: torch.Tensor) -> bool:
+        return dtype in (torch.bfloat16, torch.float16) and weight.dtype == dtype and weight.is_contiguous()
+
+    patch(dense_gemv, "takes_row", takes_row)
+    patch(dense_gemv, "applies", lambda x, weight: x.numel() == weight.shape[1] and takes_row(x.dtype, weight))
+
+
+def _pair(hidden: int = 48, producer_bias: bool = False) -> tuple[Linear, RMSNorm, Linear]:
+    torch.manual_seed(0)
+    producer = Linear(32, hidden, bias=producer_bias).to(DTYPE)
+    norm = RMSNorm(hidden).to(DTYPE)
+    consumer = Linear(hidden, 24, bias=True).to(DTYPE)
+    return producer, norm, consumer
+
+
+class _Wrapped(nn.Module):
+    """A module around a linear that offers neither method (as a LoRA or tensor-parallel
+    wrapper): it must never be handed a PendingNorm."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def test_dense_pair_fuses_where_the_gemv_takes_the_row(monkeypatch) -> None:
+    producer, norm, consumer = _pair()
+    row = torch.randn(1, 32, dtype=DTYPE)
+    # Off the GPU (the real decision): never.
+    assert not consumer.folds_pending_norm(1, DTYPE)
+    assert not norm.fuses_into(producer, consumer, row)
+    take_cpu_rows(monkeypatch.setattr)
+    assert consumer.folds_pending_norm(1, DTYPE)
+    assert norm.fuses_into(producer, consumer, row)
+    # Not for two rows, fp32 rows, a consumer that is not a linear taking part, or with the switch off.
+    assert not norm.fuses_into(producer, consumer, torch.randn(2, 32, dtype=DTYPE))
+    assert not norm.fuses_into(producer.float(), consumer.float(), torch.randn(1, 32))
+    for other in (None, _Wrapped(consumer), nn.Linear(48, 24).to(DTYPE)):
+        assert not norm.fuses_into(producer, other, row)
+    assert not norm.fuses_into(_Wrapped(producer), consumer, row)
+    monkeypatch.setenv("KVSERVE_FUSED_NORMS", "0")
+    assert not norm.fuses_into(producer, consumer, row)
+
+
+def test_quantized_linears_still_take_part() -> None:
+    """The protocol RMSNorm.add_after asks for: QuantizedLinear offers both methods."""
+    from kvserve.model_executor.layers.layernorm import _is_pending_norm_linear
+    from kvserve.quantization.int4 import Int4Linear, quantize_int4
+
+    quantized = Int4Linear(*quantize_int4(torch.randn(16, 64), 32), 32, None)
+    assert _is_pending_norm_linear(quantized) and _is_pending_norm_linear(Linear(4, 4))
+    assert not _is_pending_norm_linear(_Wrapped(quantized))
+
+
+def test_producer_declines_with_a_bias_or_an_unsuitable_residual(monkeypatch) -> None:
+    """add_norm_matmul writes nothing and returns None where the GEMV's epilogue cannot
+    take the add: a bias, a residual that is not one contiguous [1, N] row of x's dtype, a
+    norm weight in another dtype; add_after then runs the unfused layers."""
+    plain_applies = dense_gemv.applies
+    take_cpu_rows(monkeypatch.setattr)
+    producer, norm, consumer = _pair(producer_bias=True)
+    x, residual = torch.randn(1, 32, dtype=DTYPE), torch.randn(1, 48, dtype=DTYPE)
+    before = residual.clone()
+    assert producer.add_norm_matmul(x, residual, norm.weight, norm.eps) is None
+    plain, _, _ = _pair()
+    assert plain.add_norm_matmul(x, torch.randn(2, 48, dtype=DTYPE), norm.weight, norm.eps) is None
+    assert plain.add_norm_matmul(x, torch.randn(1, 96, dtype=DTYPE)[:, ::2], norm.weight, norm.eps) is None
+    assert plain.add_norm_matmul(x, residual.float(), norm.weight, norm.eps) is None
+    assert plain.add_norm_matmul(x, residual, norm.weight.float(), norm.eps) is None
+    assert torch.equal(residual, before)
+    # The pair still fuses by the consumer's decision; the producer declines, and the layers
+    # run unfused (on CPU's torch path: no GEMV takes a CPU row).
+    assert norm.fuses_into(producer, consumer, x)
+    monkeypatch.setattr(dense_gemv, "applies", plain_applies)
+    out, stream = norm.add_after(producer, x, residual, consumer)
+    expected_stream = before + producer(x)
+    assert isinstance(out, torch.Tensor) and torch.equal(stream, expected_stream)
+    torch.testing.assert_close(out, norm(expected_stream))
+
+
+def test_a_dense_linear_that_declines_finishes_a_pending_norm() -> None:
+    """A PendingNorm reaching a dense Linear whose GEMV does not take it (here: on CPU)
+    is finished first."""
+    torch.manual_seed(1)
+    h = torch.randn(1, 48)
+    pending = PendingNorm(h * 1.5, (h * h).sum(-1, keepdim=True), 1e-5)
+    layer = Linear(48, 8)
+    torch.testing.assert_close(layer(pending), layer(pending.finish()))
+
+
+def decode_step() -> None:
+    """Subprocess entry (interpreter): a tiny bf16 Llama (2 layers) prefills 5 tokens and
+    decodes one, fused and unfused; prints the fused norms counted in each decode and the
+    decode logits' relative difference."""
+    import os
+
+    from kvserve.config import ModelConfig
+    from kvserve.model_executor.models.llama import LlamaForCausalLM
+    from tests.model_executor.conftest import PagedRunner
+
+    take_cpu_rows(setattr)
+    fused_calls = []
+    add_norm_matmul = Linear.add_norm_matmul
+
+    def counted(self, *args):
+        pending = add_norm_matmul(self, *args)
+        fused_calls.append(pending is not None)
+        return pending
+
+    Linear.add_norm_matmul = counted
+    config = ModelConfig("LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=80,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         dtype=DTYPE)
+    results = {}
+    for switch in ("1", "0"):
+        os.environ["KVSERVE_FUSED_NORMS"] = switch
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    parameter.copy_(1 + 0.1 * torch.randn_like(parameter))
+            # A residual stream of mean square far from 1: a norm factor left out shows.
+            model.model.embed_tokens.weight.mul_(6)
+        model = model.to(DTYPE)
+        runner = PagedRunner(model, config)
+        runner.step([(0, [3, 14, 15, 92, 65])])
+        fused_calls.clear()
+        results[switch] = (runner.step([(0, [35])])[0].float(), sum(fused_calls))
+    (fused, fused_count), (unfused, unfused_count) = results["1"], results["0"]
+    print(json.dumps({"fused": fused_count, "unfused": unfused_count,
+                      "difference": ((fused - unfused).norm() / unfused.norm()).item()}))
+
+
+def test_interpreted_tiny_llama_decode_runs_its_norms_in_the_linears() -> None:
+    """A decode row's layers fuse each norm between two linears (the post-attention norm,
+    and the next layer's input norm: 2 layers x 2 - the final norm before the LM head = 3)
+    and reach the unfused step's logits within bf16 rounding; KVSERVE_FUSED_NORMS=0 fuses
+    none."""
+    result = json.loads(run_interpreted("tests.model_executor.test_fused_norms", "decode_step"))
+    assert (result["fused"], result["unfused"]) == (3, 0)
+    assert result["difference"] <= 1e-2, result
