@@ -43,9 +43,10 @@ for E, H, K in ((128, 2048, 8), (8, 4096, 2)):
                 logits = torch.empty(1, E, dtype=dt, device="cuda")
                 def call():
                     r._gate_and_route_kernel[(1, triton.cdiv(E, rows))](
-                        x, w, w, logits, counters, ids, wts, logits, E, H, x.stride(0), w.stride(0),
+                        x, w, w, logits, counters, ids, wts, logits, wts, E, H, x.stride(0), w.stride(0), 1, 0.0,
                         TOP_K=K, RENORMALIZE=True, HAS_SHARED=False, ROWS=rows, BLOCK_H=block_h, BLOCK_E=block_e,
-                        BLOCK_K=triton.next_power_of_2(K), num_warps=warps, PDL=False)
+                        BLOCK_K=triton.next_power_of_2(K), num_warps=warps, PDL=False, ROW_SCALE=False,
+                        PARTIALS=1)
                 try:
                     us = time_us(call)
                 except Exception as e:

@@ -24,6 +24,8 @@ import triton.language as tl
 from kvserve.ops import device as device_info
 from kvserve.ops import pdl
 from kvserve.ops.expert_weights import ExpertWeights
+from kvserve.ops.pending_norm import PendingNorm
+from kvserve.ops.pending_norm_tiles import load_norm_sums, row_scale_of
 
 
 class GemvTile(NamedTuple):
@@ -93,22 +95,28 @@ def _row_dot(acc, w_ptrs, x_ptrs, scale_ptrs, offset_ptrs, w_mask, x_mask, scale
 
 @triton.jit
 def _pair_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, offset_ptr, out_ptr, chosen_ptr,
-    N, K, k_per_split, second_rows,
+    x_ptr, w_ptr, scale_ptr, offset_ptr, out_ptr, chosen_ptr, pending_ptr,
+    N, K, k_per_split, second_rows, pending_partials, norm_eps,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_om,
     ROWS_PER_X: tl.constexpr, SWIGLU: tl.constexpr, QUANT: tl.constexpr, FOUR_BIT: tl.constexpr,
     HAS_OFFSET: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ROW_SCALE: tl.constexpr, PARTIALS: tl.constexpr,
 ):
     """For pair p (x row p // ROWS_PER_X, expert chosen[p]) and one BLOCK_N block of the
     output columns, over split s's k range: SWIGLU: out[p, n] = silu(W[n] x) * (W[n +
     second_rows] x) in out's dtype (one split); else fp32 partials out[s, p, n] = W[n] x.
-    Chained (kvserve.ops.pdl): which expert to read is the previous kernel's output."""
+    Chained (kvserve.ops.pdl): which expert to read is the previous kernel's output.
+    ROW_SCALE: x is a PendingNorm's rows; both products are scaled by its row's norm factor
+    (norm_row_scale) before the SwiGLU."""
     pdl.chained(PDL)
     pair = tl.program_id(0)
     split = tl.program_id(2)
     expert = tl.load(chosen_ptr + pair)
     row = pair // ROWS_PER_X
+    if ROW_SCALE:
+        # Loaded here, summed after the loop: the loads overlap the loop instead of stalling it.
+        this_row = row + tl.zeros([1], dtype=tl.int32)
+        norm_sums = load_norm_sums(pending_ptr, this_row, this_row >= 0, pending_partials, PARTIALS)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     STORED_K: tl.constexpr = BLOCK_K // 2 if FOUR_BIT else BLOCK_K
@@ -139,8 +147,13 @@ def _pair_gemv_kernel(
                             o_rows + second_rows * stride_sn + groups[None, :], w_mask, k_mask, scale_mask,
                             QUANT, FOUR_BIT, HAS_OFFSET, GROUPS, BLOCK_N, STORED_K)
     y = tl.sum(acc, axis=1)
+    if ROW_SCALE:
+        row_scale = tl.sum(row_scale_of(norm_sums, K, norm_eps))
+        y *= row_scale
     if SWIGLU:
         up = tl.sum(acc2, axis=1)
+        if ROW_SCALE:
+            up *= row_scale
         y = y / (1.0 + tl.exp(-y)) * up
         tl.store(out_ptr + pair * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
     else:
@@ -215,21 +228,26 @@ def _group_size(w: ExpertWeights, block_k: int) -> int:
 
 
 def _launch(x: torch.Tensor, w: ExpertWeights, out: torch.Tensor, chosen: torch.Tensor, n: int,
-            rows_per_x: int, swiglu: bool, num_splits: int, k_per_split: int, tile: GemvTile) -> None:
+            rows_per_x: int, swiglu: bool, num_splits: int, k_per_split: int, tile: GemvTile,
+            pending: PendingNorm | None = None) -> None:
+    """`pending`: x is its rows, the norm finished in the kernel."""
     quantized = w.scale is not None
     scales = w.scale if quantized else w.weight
     block_k = tile.block_k
     group_size = _group_size(w, block_k)
     num_pairs = chosen.numel()
     grid = (num_pairs, triton.cdiv(n, tile.block_n), num_splits)
+    partials = pending.sums.shape[-1] if pending is not None else 1
     _pair_gemv_kernel[grid](
         x, w.weight, scales, w.offset if w.offset is not None else scales, out, chosen,
-        n, w.in_features, k_per_split, n if swiglu else 0,
+        pending.sums if pending is not None else out, n, w.in_features, k_per_split, n if swiglu else 0,
+        partials, pending.eps if pending is not None else 0.0,
         x.stride(0), w.weight.stride(0), w.weight.stride(1), scales.stride(0), scales.stride(1),
         out.stride(0) if not swiglu else 0, out.stride(-2),
         ROWS_PER_X=rows_per_x, SWIGLU=swiglu, QUANT=quantized, FOUR_BIT=w.four_bit,
         HAS_OFFSET=w.offset is not None, GROUP_SIZE=group_size, BLOCK_N=tile.block_n, BLOCK_K=block_k,
-        num_warps=tile.num_warps, **pdl.chained_options(x.device),
+        ROW_SCALE=pending is not None, PARTIALS=triton.next_power_of_2(partials), num_warps=tile.num_warps,
+        **pdl.chained_options(x.device),
     )
 
 
@@ -268,14 +286,17 @@ def summed_by_default(top_k: int, splits: int) -> bool:
     return splits == 1 and top_k <= 2
 
 
-def experts_gemv(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w13: ExpertWeights,
+def experts_gemv(x: torch.Tensor | PendingNorm, chosen: torch.Tensor, weights: torch.Tensor, w13: ExpertWeights,
                  w2: ExpertWeights, gate_up_tile: GemvTile | None = None,
                  down_tile: GemvTile | None = None, num_splits: int | None = None,
                  summed_down: bool | None = None) -> torch.Tensor:
     """fused_experts' result for a few tokens by the pair GEMVs: x [T, H]; chosen [T, top_k];
     weights [T, top_k]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. `num_splits`
     of the down GEMV's k (default: down_splits'); `summed_down`: the down GEMV sums each
-    token's choices itself (_summed_gemv_kernel; default: when it needs no split)."""
+    token's choices itself (_summed_gemv_kernel; default: when it needs no split). x a
+    PendingNorm: its rows, the norm finished by the gate/up GEMV (its products scaled)."""
+    pending = x if isinstance(x, PendingNorm) else None
+    x = x.rows if pending is not None else x
     tokens, top_k = chosen.shape
     intermediate = w13.weight.shape[1] // 2
     hidden = w13.in_features
@@ -284,7 +305,7 @@ def experts_gemv(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w
     flat_chosen = chosen.reshape(-1)
     num_pairs = flat_chosen.numel()
     activation = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)
-    _launch(x, w13, activation, flat_chosen, intermediate, top_k, True, 1, hidden, gate_up_tile)
+    _launch(x, w13, activation, flat_chosen, intermediate, top_k, True, 1, hidden, gate_up_tile, pending)
     splits = num_splits or down_splits(num_pairs, hidden, intermediate, down_tile, x.device)
     if summed_down if summed_down is not None else summed_by_default(top_k, splits):
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 
 from kvserve.ops import pdl
+from kvserve.ops.pending_norm import PendingNorm
+from kvserve.ops.pending_norm_tiles import norm_row_scale
 
 
 @triton.jit
@@ -83,16 +85,20 @@ def _gate_rows(acc, x_row, w_rows, row_mask, start, hidden, BLOCK_H: tl.constexp
 
 @triton.jit
 def _gate_and_route_kernel(x_ptr, w_ptr, shared_w_ptr, logits_ptr, count_ptr, ids_ptr, weights_ptr,
-                           shared_gate_ptr, num_experts, hidden, stride_x, stride_w,
+                           shared_gate_ptr, pending_ptr, num_experts, hidden, stride_x, stride_w,
+                           pending_partials, norm_eps,
                            TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr,
                            ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr, ROW_SCALE: tl.constexpr,
+                           PARTIALS: tl.constexpr):
     """Program (t, p): the router logits of experts p x ROWS.. for token t, x[t] . w[e] summed
     in fp32 and rounded to x's dtype (the router linear's output), left in logits[t]; the
     last of token t's programs to arrive (an acq_rel counter, re-armed to 0) picks from the
     row (_pick). HAS_SHARED: program (t, 0) also leaves sigmoid(x[t] . shared_w) in
     shared_gate[t], the logit rounded to x's dtype first. With PDL the first weight tile
-    (which nothing in the step writes) loads before the wait for the previous kernel."""
+    (which nothing in the step writes) loads before the wait for the previous kernel.
+    ROW_SCALE: x is a PendingNorm's rows; the sums finish its norm (norm_row_scale), scaling
+    the logits before they are rounded."""
     if PDL:  # the next kernel may launch (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
@@ -105,17 +111,22 @@ def _gate_and_route_kernel(x_ptr, w_ptr, shared_w_ptr, logits_ptr, count_ptr, id
     first_mask = first < hidden
     w = tl.load(w_rows[:, None] + first[None, :], mask=row_mask[:, None] & first_mask[None, :], other=0.0)
     if PDL:
-        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+        tl.extra.cuda.gdc_wait()  # x (and a pending norm's sums) are the previous kernels' output
+    row_scale = 1.0
+    if ROW_SCALE:
+        token_row = token + tl.zeros([1], dtype=tl.int32)
+        row_scale = tl.sum(norm_row_scale(pending_ptr, token_row, token_row >= 0, pending_partials, hidden, norm_eps,
+                                          PARTIALS))
     x = tl.load(x_row + first, mask=first_mask, other=0.0).to(tl.float32)
     acc = _gate_rows(w.to(tl.float32) * x[None, :], x_row, w_rows, row_mask, BLOCK_H, hidden, BLOCK_H)
     dtype = x_ptr.dtype.element_ty
-    tl.store(logits_ptr + token * num_experts + rows, tl.sum(acc, 1).to(dtype), mask=row_mask)
+    tl.store(logits_ptr + token * num_experts + rows, (tl.sum(acc, 1) * row_scale).to(dtype), mask=row_mask)
     if HAS_SHARED:
         if part == 0:
             one = tl.arange(0, ROWS) < 1  # one weight row, in a tile of the gate's shape
             shared = _gate_rows(tl.zeros([ROWS, BLOCK_H], dtype=tl.float32), x_row,
                                 shared_w_ptr + tl.zeros([ROWS], dtype=tl.int64), one, 0, hidden, BLOCK_H)
-            g = tl.sum(tl.sum(shared, 1), 0).to(dtype).to(tl.float32)
+            g = (tl.sum(tl.sum(shared, 1), 0) * row_scale).to(dtype).to(tl.float32)
             tl.store(shared_gate_ptr + token, (1.0 / (1.0 + tl.exp(-g))).to(dtype))
     tl.debug_barrier()  # every thread's logits are written before one thread releases them
     if tl.atomic_add(count_ptr + token, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
@@ -161,16 +172,19 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, shared_logits: to
 FUSED_GATE_MAX_TOKENS = 8
 
 
-def route_hidden(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool,
+def route_hidden(x: torch.Tensor | PendingNorm, gate_weight: torch.Tensor, top_k: int, renormalize: bool,
                  shared_gate_weight: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """route(x @ gate_weight^T, ..., x @ shared_gate_weight^T) in one launch: x [T, H];
     gate_weight [E, H] and shared_gate_weight [1, H] in x's dtype. The logits are summed in
     fp32 and rounded to x's dtype, as the router's linear leaves them. Each token's logits
     are computed by several programs, the last of which picks (a split-K counter per token,
-    shared with the weight-only matmuls': launches on one stream at a time)."""
+    shared with the weight-only matmuls': launches on one stream at a time). x a
+    PendingNorm: its rows, the norm finished in the kernel (the logits scaled)."""
     from kvserve.ops.quant.weight_only.matmul import split_counters
 
+    pending = x if isinstance(x, PendingNorm) else None
+    x = x.rows if pending is not None else x
     tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
     if not 1 <= top_k <= num_experts:
@@ -197,11 +211,14 @@ def route_hidden(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renorma
     rows = max(1, min(16, block_e // 64))
     block_h = max(256, 2048 // rows)
     num_warps = 4 if num_experts <= 8 else 1
+    partials = pending.sums.shape[-1] if pending is not None else 1
     _gate_and_route_kernel[(tokens, triton.cdiv(num_experts, rows))](
         x, gate_weight, shared_gate_weight if shared_gate_weight is not None else gate_weight, logits, counters,
-        ids, weights, shared_gate if shared_gate is not None else logits, num_experts, hidden, x.stride(0),
-        gate_weight.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, HAS_SHARED=shared_gate_weight is not None,
+        ids, weights, shared_gate if shared_gate is not None else logits,
+        pending.sums if pending is not None else weights, num_experts, hidden, x.stride(0), gate_weight.stride(0),
+        partials, pending.eps if pending is not None else 0.0,
+        TOP_K=top_k, RENORMALIZE=renormalize, HAS_SHARED=shared_gate_weight is not None,
         ROWS=rows, BLOCK_H=block_h, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps,
-        **pdl.chained_options(x.device),
+        ROW_SCALE=pending is not None, PARTIALS=triton.next_power_of_2(partials), **pdl.chained_options(x.device),
     )
     return ids, weights, shared_gate

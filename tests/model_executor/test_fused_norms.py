@@ -74,13 +74,15 @@ def test_dense_pair_fuses_where_the_gemv_takes_the_row(monkeypatch) -> None:
 
 
 def test_quantized_linears_still_take_part() -> None:
-    """The protocol RMSNorm.add_after asks for: QuantizedLinear offers both methods."""
-    from kvserve.model_executor.layers.layernorm import _is_pending_norm_linear
+    """The protocols RMSNorm.add_after asks for: QuantizedLinear and Linear offer both
+    methods, a wrapper around one neither."""
+    from kvserve.model_executor.layers.layernorm import _is_consumer, _is_producer
     from kvserve.quantization.int4 import Int4Linear, quantize_int4
 
     quantized = Int4Linear(*quantize_int4(torch.randn(16, 64), 32), 32, None)
-    assert _is_pending_norm_linear(quantized) and _is_pending_norm_linear(Linear(4, 4))
-    assert not _is_pending_norm_linear(_Wrapped(quantized))
+    for layer in (quantized, Linear(4, 4)):
+        assert _is_producer(layer) and _is_consumer(layer)
+        assert not _is_producer(_Wrapped(layer)) and not _is_consumer(_Wrapped(layer))
 
 
 def test_producer_declines_with_a_bias_or_an_unsuitable_residual(monkeypatch) -> None:
@@ -119,17 +121,28 @@ def test_a_dense_linear_that_declines_finishes_a_pending_norm() -> None:
     torch.testing.assert_close(layer(pending), layer(pending.finish()))
 
 
-def decode_step() -> None:
-    """Subprocess entry (interpreter): a tiny bf16 Llama (2 layers) prefills 5 tokens and
-    decodes one, fused and unfused; prints the fused norms counted in each decode and the
-    decode logits' relative difference."""
+# Tiny bf16 models of two layers: a dense Llama, and a Qwen3-MoE (8 experts, top 2).
+CONFIGS = {
+    "llama": dict(architecture="LlamaForCausalLM", intermediate_size=80),
+    "qwen3-moe": dict(architecture="Qwen3MoeForCausalLM", intermediate_size=80, qk_norm=True, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32),
+}
+
+
+def decode_step(name: str) -> None:
+    """Subprocess entry (interpreter): CONFIGS[name] prefills 5 tokens and decodes one, fused
+    and unfused; prints the norms each decode left pending and the decode logits' relative
+    difference. A mixture of experts takes CPU rows too (its packed stacks stand in for CUDA
+    ones)."""
     import os
 
     from kvserve.config import ModelConfig
+    from kvserve.model_executor.layers.moe import SparseMoE
     from kvserve.model_executor.models.llama import LlamaForCausalLM
     from tests.model_executor.conftest import PagedRunner
 
     take_cpu_rows(setattr)
+    SparseMoE.folds_pending_norm = lambda self, rows, dtype: self.packed and self._fused_kernels_take(rows, dtype)
     fused_calls = []
     add_norm_matmul = Linear.add_norm_matmul
 
@@ -139,21 +152,25 @@ def decode_step() -> None:
         return pending
 
     Linear.add_norm_matmul = counted
-    config = ModelConfig("LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=80,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         dtype=DTYPE)
+    config = ModelConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, dtype=DTYPE, **CONFIGS[name])
     results = {}
     for switch in ("1", "0"):
         os.environ["KVSERVE_FUSED_NORMS"] = switch
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
         with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if name.endswith("norm.weight"):
+            for parameter_name, parameter in model.named_parameters():
+                if parameter_name.endswith("norm.weight"):
                     parameter.copy_(1 + 0.1 * torch.randn_like(parameter))
+                elif parameter_name.endswith("gate.weight"):  # routers of Router's empty()
+                    parameter.normal_(0, 64**-0.5)
             # A residual stream of mean square far from 1: a norm factor left out shows.
             model.model.embed_tokens.weight.mul_(6)
         model = model.to(DTYPE)
+        for module in model.modules():
+            if isinstance(module, SparseMoE):
+                assert module.pack_experts()
         runner = PagedRunner(model, config)
         runner.step([(0, [3, 14, 15, 92, 65])])
         fused_calls.clear()
@@ -163,11 +180,13 @@ def decode_step() -> None:
                       "difference": ((fused - unfused).norm() / unfused.norm()).item()}))
 
 
-def test_interpreted_tiny_llama_decode_runs_its_norms_in_the_linears() -> None:
-    """A decode row's layers fuse each norm between two linears (the post-attention norm,
-    and the next layer's input norm: 2 layers x 2 - the final norm before the LM head = 3)
-    and reach the unfused step's logits within bf16 rounding; KVSERVE_FUSED_NORMS=0 fuses
-    none."""
-    result = json.loads(run_interpreted("tests.model_executor.test_fused_norms", "decode_step"))
-    assert (result["fused"], result["unfused"]) == (3, 0)
+@pytest.mark.parametrize(("name", "fused_norms"), [("llama", 3), ("qwen3-moe", 2)])
+def test_interpreted_tiny_model_decode_runs_its_norms_in_the_layers(name, fused_norms) -> None:
+    """A decode row's layers fuse each norm between two layers that can: in the Llama the
+    post-attention norm and the next layer's input norm (2 layers x 2 - the final norm
+    before the LM head = 3), in the Qwen3-MoE the post-attention norm into the mixture (2;
+    the mixture leaves the next norm to its own kernel). The logits are the unfused step's
+    within bf16 rounding; KVSERVE_FUSED_NORMS=0 fuses none."""
+    result = json.loads(run_interpreted("tests.model_executor.test_fused_norms", "decode_step", name))
+    assert (result["fused"], result["unfused"]) == (fused_norms, 0)
     assert result["difference"] <= 1e-2, result

@@ -289,11 +289,7 @@ def test_routing_kernels_compile_for_sm90(experts, top_k, shared) -> None:
                            types={"logits_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32",
                                   "shared_logits_ptr": "*bf16", "shared_gate_ptr": "*bf16"}, divisible=())
     rows = max(1, min(16, block_e // 64))
-    gate = compile_kernel(moe_routing._gate_and_route_kernel,
-                          {**common, "ROWS": rows, "BLOCK_H": max(256, 2048 // rows), "PDL": True}, num_warps=4,
-                          types={"x_ptr": "*bf16", "w_ptr": "*bf16", "shared_w_ptr": "*bf16", "logits_ptr": "*bf16",
-                                 "count_ptr": "*i32", "ids_ptr": "*i32", "weights_ptr": "*fp32",
-                                 "shared_gate_ptr": "*bf16"}, divisible=("hidden", "stride_x", "stride_w"))
+    gate = _compiled_gate_kernel(common, rows, row_scale=False)
     for compiled in (route, gate):
         registers, stack = resource_usage(compiled)
         assert stack == 0, f"{registers} registers and {stack} bytes of stack (spilled)"
@@ -307,3 +303,37 @@ def test_routing_kernels_compile_for_sm90(experts, top_k, shared) -> None:
     launch, wait = body.index("griddepcontrol.launch_dependents"), body.index("griddepcontrol.wait")
     assert launch < wait
     assert "ld.global" in body[:wait] and "atom" not in body[:wait]
+
+
+def _compiled_gate_kernel(common: dict, rows: int, row_scale: bool):
+    from kvserve.ops import moe_routing
+    from kvserve.ops.triton_offline import compile_kernel
+
+    constexprs = {**common, "ROWS": rows, "BLOCK_H": max(256, 2048 // rows), "PDL": True, "ROW_SCALE": row_scale,
+                  "PARTIALS": 512 if row_scale else 1}
+    return compile_kernel(moe_routing._gate_and_route_kernel, constexprs, num_warps=4,
+                          types={"x_ptr": "*bf16", "w_ptr": "*bf16", "shared_w_ptr": "*bf16", "logits_ptr": "*bf16",
+                                 "count_ptr": "*i32", "ids_ptr": "*i32", "weights_ptr": "*fp32",
+                                 "shared_gate_ptr": "*bf16", "pending_ptr": "*fp32", "norm_eps": "fp32"},
+                          divisible=("hidden", "stride_x", "stride_w"))
+
+
+def test_routing_kernel_reads_a_pending_norm_after_the_wait() -> None:
+    """Finishing the RMSNorm that o_proj left pending (PendingNorm) adds loads of its sums
+    (the previous kernel's output) after the wait only: before it the same weight tile
+    loads as without, and nothing spills (Qwen3-30B-A3B's router)."""
+    import re
+
+    from kvserve.ops.triton_offline import resource_usage
+
+    common = dict(TOP_K=8, RENORMALIZE=True, HAS_SHARED=False, BLOCK_E=128, BLOCK_K=8)
+    loads = {}
+    for row_scale in (False, True):
+        compiled = _compiled_gate_kernel(common, rows=2, row_scale=row_scale)
+        assert resource_usage(compiled)[1] == 0
+        body = compiled.asm["ptx"][compiled.asm["ptx"].index(".entry"):]
+        wait = body.index("griddepcontrol.wait")
+        # The loads' instructions (their registers differ between the two).
+        loads[row_scale] = (re.findall(r"ld\.global[.\w]*", body[:wait]), len(re.findall(r"ld\.global", body[wait:])))
+    assert loads[True][0] == loads[False][0] and loads[True][0]
+    assert loads[True][1] > loads[False][1]

@@ -15,22 +15,32 @@ from kvserve.ops.quant.fp8_rows import Fp8Rows
 from kvserve.quantization.base import takes_fp8_rows
 
 
-class PendingNormLinear(Protocol):
-    """A linear whose kernels can take part in a fused RMSNorm (PendingNorm): as the producer
-    before the norm (add_norm_matmul) and as the consumer after it (folds_pending_norm, its
-    forward then taking the PendingNorm). QuantizedLinear and the dense Linear are ones."""
+class PendingNormProducer(Protocol):
+    """A linear whose kernel can leave the RMSNorm after it pending (PendingNorm): its
+    epilogue adds its output to the residual stream and keeps the norm's sums.
+    QuantizedLinear and the dense Linear are ones."""
 
     def add_norm_matmul(
         self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
     ) -> PendingNorm | None: ...
 
+
+class PendingNormConsumer(Protocol):
+    """A layer whose kernels can finish an RMSNorm left pending before it: its forward takes
+    the PendingNorm where folds_pending_norm says so. QuantizedLinear, the dense Linear and
+    SparseMoE are ones."""
+
     def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool: ...
 
 
-def _is_pending_norm_linear(module: object) -> TypeGuard[PendingNormLinear]:
-    # hasattr, not a runtime-checkable Protocol's isinstance: that takes 4-8 us, twice a
-    # layer in every eager step.
-    return hasattr(module, "add_norm_matmul") and hasattr(module, "folds_pending_norm")
+# hasattr, not a runtime-checkable Protocol's isinstance: that takes 4-8 us, twice a layer in
+# every eager step.
+def _is_producer(module: object) -> TypeGuard[PendingNormProducer]:
+    return hasattr(module, "add_norm_matmul")
+
+
+def _is_consumer(module: object) -> TypeGuard[PendingNormConsumer]:
+    return hasattr(module, "folds_pending_norm")
 
 
 class RMSNorm(nn.Module):
@@ -54,10 +64,11 @@ class RMSNorm(nn.Module):
         return self._norm(x)
 
     def add_after(
-        self, linear: nn.Module, x: torch.Tensor | Fp8Rows, residual: torch.Tensor, consumer: nn.Module | None
+        self, linear: nn.Module, x: torch.Tensor | Fp8Rows | PendingNorm, residual: torch.Tensor,
+        consumer: nn.Module | None
     ) -> tuple[torch.Tensor | PendingNorm | Fp8Rows, torch.Tensor]:
         """(norm(residual + linear(x)), residual + linear(x)), the norm's output going to
-        `consumer` (a linear; None: anything else). Where `fuses_into` the two linears, the
+        `consumer` (a linear or a mixture of experts; None: anything else). Where `fuses_into` the two linears, the
         add and the norm's sums run in the linear's epilogue and the result is a PendingNorm
         that the consumer finishes; where the consumer multiplies fp8 by fp8 (its
         `takes_fp8_rows`), the norm's kernel quantizes its output (Fp8Rows). residual is
@@ -75,12 +86,12 @@ class RMSNorm(nn.Module):
         return self(y, residual)
 
     def fuses_into(self, linear: nn.Module, consumer: nn.Module | None, x: torch.Tensor) -> bool:
-        """Whether add_after runs this norm inside `linear` (before it, taking x) and
-        `consumer` (after it): both PendingNormLinears and the consumer's kernel finishing the
-        norm for x's rows (the producer may still decline: add_norm_matmul).
+        """Whether add_after runs this norm inside `linear` (before it, taking x: a
+        PendingNormProducer) and `consumer` (after it: a PendingNormConsumer whose kernels
+        finish the norm for x's rows; the producer may still decline in add_norm_matmul).
         KVSERVE_FUSED_NORMS=0 keeps every norm's own kernel (read last: the consumers decline
         off CUDA, and a compiled CPU decode graph then never reads the environment)."""
-        return (_is_pending_norm_linear(linear) and _is_pending_norm_linear(consumer)
+        return (_is_producer(linear) and _is_consumer(consumer)
                 and consumer.folds_pending_norm(x.shape[0], x.dtype) and envs.KVSERVE_FUSED_NORMS)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from kvserve.distributed.parallel_state import GroupCoordinator
 from kvserve.model_executor.layers.linear import Linear, linear
 from kvserve.model_executor.layers.mlp import GatedMLP
 from kvserve.ops.expert_weights import ExpertWeights
+from kvserve.ops.pending_norm import PendingNorm
 from kvserve.quantization.base import QuantizedLinear
 
 
@@ -123,7 +124,11 @@ class SparseMoE(nn.Module):
     covers the rest of the model. Experts that stay unpacked (quantized on CPU, or expert
     parallel) run one after another, eagerly, with the routing read on the host; expert
     parallel layers sum every rank's part with an all-reduce or exchange the tokens with
-    all_to_all (use_all_to_all picks)."""
+    all_to_all (use_all_to_all picks).
+
+    At decode batches on CUDA the layer can finish the RMSNorm before it (PendingNorm,
+    folds_pending_norm): the routing kernel and the gate/up GEMV scale their products by each
+    row's norm factor, so no add+RMSNorm kernel runs between o_proj and the routing."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, shared_intermediate_size: int = 0) -> None:
@@ -205,7 +210,28 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return chosen, weights, None if shared_logits is None else torch.sigmoid(shared_logits)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def folds_pending_norm(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether forward finishes a PendingNorm of `rows` rows in `dtype` inside its kernels
+        (RMSNorm.add_after leaves the norm before the layer pending only then): packed
+        experts on CUDA, one rank, no shared expert, routed by route_hidden (the logits
+        scaled) and run by the pair GEMVs (gate/up's products scaled before the SwiGLU)."""
+        return self.w13 is not None and self.w13.weight.is_cuda and self._fused_kernels_take(rows, dtype)
+
+    def _fused_kernels_take(self, rows: int, dtype: torch.dtype) -> bool:
+        """folds_pending_norm's conditions on the packed layer, but its device."""
+        from kvserve.ops.fused_moe_gemv import uses_gemv
+        from kvserve.ops.moe_routing import FUSED_GATE_MAX_TOKENS
+
+        return (self.tp_group is None and not hasattr(self, "shared_expert") and dtype in (torch.bfloat16, torch.float16)
+                and self.gate.weight.dtype == dtype and self.gate.weight.stride(1) == 1
+                and 1 <= rows <= FUSED_GATE_MAX_TOKENS
+                and uses_gemv(rows * self.top_k, len(self.experts), self.top_k, self.w13.scale is not None))
+
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if isinstance(x, PendingNorm):
+            if self.folds_pending_norm(x.rows.shape[0], x.rows.dtype):
+                return self._finish_and_run(x)
+            x = x.finish()  # from a producer that did not ask folds_pending_norm
         chosen, weights, shared_gate = self.route(x)
         if self.expert_parallel and use_all_to_all(self.tp_group.world_size, self.top_k,
                                                    hasattr(self, "shared_expert"), x.shape[0]):
@@ -221,6 +247,15 @@ class SparseMoE(nn.Module):
         if hasattr(self, "shared_expert"):
             out += shared_gate * self.shared_expert.output(x)
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
+
+    def _finish_and_run(self, x: PendingNorm) -> torch.Tensor:
+        """forward's path for a PendingNorm that folds_pending_norm takes: the routing
+        kernel and the gate/up GEMV each scale their products by the norm's factor."""
+        from kvserve.ops.fused_moe_gemv import experts_gemv
+        from kvserve.ops.moe_routing import route_hidden
+
+        chosen, weights, _ = route_hidden(x, self.gate.weight, self.top_k, self.renormalize)
+        return experts_gemv(x, chosen, weights, self.w13, self.w2)
 
     def _run_unpacked(self, expert: int, rows: torch.Tensor) -> torch.Tensor | None:
         module = self.experts[expert]

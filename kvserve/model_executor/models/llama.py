@@ -125,9 +125,10 @@ class LlamaDecoderLayer(nn.Module):
         attn_out = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
         mlp = getattr(self, self.mlp_name)
         if isinstance(mlp, SparseMoE):
-            # The whole mixture stands where down_proj does; its input is a plain tensor.
+            # The whole mixture stands where gate/up (it may finish the norm before it) and
+            # down_proj do.
             hidden_states, residual = self.post_attention_layernorm.add_after(
-                self.self_attn.o_proj, attn_out, residual, None
+                self.self_attn.o_proj, attn_out, residual, mlp
             )
             return next_norm.add_after(mlp, hidden_states, residual, next_linear)
         hidden_states, residual = self.post_attention_layernorm.add_after(
