@@ -7,7 +7,10 @@ dequantizing tl.dot tiles run far below the memory bandwidth; a GEMV on the CUDA
 each chosen expert's bytes once at close to it. Three launches a layer: gate/up with SwiGLU
 in its epilogue (the [pairs, 2I] intermediate is never written), down into fp32 split-K
 partials, and one combine that sums each token's pairs, scaled by their routing weights,
-over the splits in a fixed order (deterministic: no atomics).
+over the splits in a fixed order (deterministic: no atomics). The RMSNorms around the layer
+can run inside it (PendingNorm): gate/up scales its products by the norm before it, the
+combine (or the summed down GEMV) adds the output to the residual stream and leaves the
+norm after it pending (experts_gemv_add_norm).
 
 Weights as ExpertWeights holds them: dense [E, N, K], or int8 / float8_e4m3fn [E, N, K] or
 4-bit nibble pairs [E, N, K / 2] with scales (and offsets) [E, N, K / group_size].
@@ -25,7 +28,7 @@ from kvserve.ops import device as device_info
 from kvserve.ops import pdl
 from kvserve.ops.expert_weights import ExpertWeights
 from kvserve.ops.pending_norm import PendingNorm
-from kvserve.ops.pending_norm_tiles import load_norm_sums, row_scale_of
+from kvserve.ops.pending_norm_tiles import add_norm_store, load_norm_sums, row_scale_of
 
 
 class GemvTile(NamedTuple):
@@ -162,18 +165,20 @@ def _pair_gemv_kernel(
 
 @triton.jit
 def _summed_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, offset_ptr, out_ptr, chosen_ptr, weights_ptr,
-    N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    x_ptr, w_ptr, scale_ptr, offset_ptr, out_ptr, chosen_ptr, weights_ptr, residual_ptr, norm_weight_ptr,
+    sum_squares_ptr, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     TOP_K: tl.constexpr, QUANT: tl.constexpr, FOUR_BIT: tl.constexpr, HAS_OFFSET: tl.constexpr,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    ADD_NORM: tl.constexpr,
 ):
-    """For token t and one BLOCK_N block of the output columns: out[t, n] = sum over t's
-    choices c of weights[t, c] x W[chosen[t, c]][n] . x[t top_k + c], in choice order, in
-    out's dtype (the down GEMV with the combine in its epilogue: no partials, no third
-    launch)."""
+    """For token t (grid axis 1) and one BLOCK_N block of the output columns (axis 0):
+    out[t, n] = sum over t's choices c of weights[t, c] x W[chosen[t, c]][n] . x[t top_k +
+    c], in choice order, in out's dtype (the down GEMV with the combine in its epilogue: no
+    partials, no third launch). ADD_NORM: the residual add and the RMSNorm after the layer
+    left pending (add_norm_store)."""
     pdl.chained(PDL)
-    token = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    token = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     STORED_K: tl.constexpr = BLOCK_K // 2 if FOUR_BIT else BLOCK_K
     STEP: tl.constexpr = 2 if FOUR_BIT else 1
@@ -196,17 +201,34 @@ def _summed_gemv_kernel(
                            k_mask, col_mask[:, None] & (groups * GROUP_SIZE < K)[None, :],
                            QUANT, FOUR_BIT, HAS_OFFSET, GROUPS, BLOCK_N, STORED_K)
         total += tl.load(weights_ptr + pair) * tl.sum(acc, axis=1)
-    tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+    _store_token_row(total, token, cols, col_mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr, sum_squares_ptr,
+                     ADD_NORM)
 
 
 @triton.jit
-def _combine_kernel(partials_ptr, weights_ptr, out_ptr, N, num_splits, stride_ps, stride_pm, stride_om,
-                    TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _store_token_row(total, token, cols, col_mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr,
+                     sum_squares_ptr, ADD_NORM: tl.constexpr):
+    """A token's block of the layer's output into out, or (ADD_NORM) added to the residual
+    stream with the RMSNorm after it left pending (add_norm_store: out = h * the norm's
+    weight, the block's sum of h^2 at sum_squares[token, column block])."""
+    if ADD_NORM:
+        token_row = token + tl.zeros([1], dtype=tl.int32)
+        add_norm_store(total[None, :], token_row, cols, token_row >= 0, col_mask, out_ptr, stride_om, residual_ptr,
+                       norm_weight_ptr, sum_squares_ptr)
+    else:
+        tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _combine_kernel(partials_ptr, weights_ptr, out_ptr, residual_ptr, norm_weight_ptr, sum_squares_ptr, N,
+                    num_splits, stride_ps, stride_pm, stride_om,
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ADD_NORM: tl.constexpr):
     """out[t, n] = sum over t's choices c of weights[t, c] x sum over splits of partials[s, t
-    top_k + c, n], in this fixed order."""
+    top_k + c, n], in this fixed order; token t on grid axis 1, column blocks on axis 0.
+    ADD_NORM: _store_token_row's."""
     pdl.chained(PDL)
-    token = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    token = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for choice in tl.static_range(TOP_K):
@@ -215,7 +237,8 @@ def _combine_kernel(partials_ptr, weights_ptr, out_ptr, N, num_splits, stride_ps
         for split in range(num_splits):
             summed += tl.load(partials_ptr + split * stride_ps + pair * stride_pm + cols, mask=mask, other=0.0)
         total += tl.load(weights_ptr + pair) * summed
-    tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_token_row(total, token, cols, mask, out_ptr, stride_om, residual_ptr, norm_weight_ptr, sum_squares_ptr,
+                     ADD_NORM)
 
 
 def _group_size(w: ExpertWeights, block_k: int) -> int:
@@ -260,20 +283,29 @@ def down_splits(num_pairs: int, hidden: int, intermediate: int, tile: GemvTile, 
     return max(1, min(tiles, triton.cdiv(4 * device_info.num_sms(device), programs)))
 
 
+class AddNorm(NamedTuple):
+    """The residual add and RMSNorm after the layer, in its last kernel's epilogue: residual
+    [T, H] (contiguous, updated in place to residual + the layer's output), the norm's weight
+    [H], and sums [T, column blocks] fp32 for the blocks' sums of h^2 (PendingNorm.sums)."""
+    residual: torch.Tensor
+    weight: torch.Tensor
+    sums: torch.Tensor
+
+
 def _launch_summed(activation: torch.Tensor, w: ExpertWeights, out: torch.Tensor, chosen: torch.Tensor,
-                   weights: torch.Tensor, tile: GemvTile) -> None:
+                   weights: torch.Tensor, tile: GemvTile, add_norm: AddNorm | None) -> None:
     tokens, top_k = weights.shape
     n = w.weight.shape[1]
     quantized = w.scale is not None
     scales = w.scale if quantized else w.weight
     group_size = _group_size(w, tile.block_k)
-    _summed_gemv_kernel[(tokens, triton.cdiv(n, tile.block_n))](
+    _summed_gemv_kernel[(triton.cdiv(n, tile.block_n), tokens)](
         activation, w.weight, scales, w.offset if w.offset is not None else scales, out, chosen,
-        weights.reshape(-1).float().contiguous(), n, w.in_features, activation.stride(0), w.weight.stride(0),
-        w.weight.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
-        TOP_K=top_k, QUANT=quantized, FOUR_BIT=w.four_bit, HAS_OFFSET=w.offset is not None,
-        GROUP_SIZE=group_size, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-        **pdl.chained_options(out.device),
+        weights.reshape(-1).float().contiguous(), *(add_norm or (out, out, out)), n, w.in_features,
+        activation.stride(0), w.weight.stride(0), w.weight.stride(1), scales.stride(0), scales.stride(1),
+        out.stride(0), TOP_K=top_k, QUANT=quantized, FOUR_BIT=w.four_bit, HAS_OFFSET=w.offset is not None,
+        GROUP_SIZE=group_size, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ADD_NORM=add_norm is not None,
+        num_warps=tile.num_warps, **pdl.chained_options(out.device),
     )
 
 
@@ -295,6 +327,31 @@ def experts_gemv(x: torch.Tensor | PendingNorm, chosen: torch.Tensor, weights: t
     of the down GEMV's k (default: down_splits'); `summed_down`: the down GEMV sums each
     token's choices itself (_summed_gemv_kernel; default: when it needs no split). x a
     PendingNorm: its rows, the norm finished by the gate/up GEMV (its products scaled)."""
+    out, _ = _experts_gemv(x, chosen, weights, w13, w2, gate_up_tile, down_tile, num_splits, summed_down)
+    return out
+
+
+def experts_gemv_add_norm(x: torch.Tensor | PendingNorm, chosen: torch.Tensor, weights: torch.Tensor,
+                          w13: ExpertWeights, w2: ExpertWeights, residual: torch.Tensor, norm_weight: torch.Tensor,
+                          gate_up_tile: GemvTile | None = None, down_tile: GemvTile | None = None,
+                          num_splits: int | None = None, summed_down: bool | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts_gemv followed by the residual add and RMSNorm after the layer, in its last
+    kernel's epilogue (the combine, or the summed down GEMV): residual [T, H] (contiguous, in
+    x's dtype) updated in place to h = residual + the layer's output; returns (h x
+    norm_weight, the column blocks' sums of h^2 [T, blocks] fp32), a PendingNorm's rows and
+    sums."""
+    return _experts_gemv(x, chosen, weights, w13, w2, gate_up_tile, down_tile, num_splits, summed_down,
+                         (residual, norm_weight))
+
+
+def _experts_gemv(x: torch.Tensor | PendingNorm, chosen: torch.Tensor, weights: torch.Tensor, w13: ExpertWeights,
+                  w2: ExpertWeights, gate_up_tile: GemvTile | None, down_tile: GemvTile | None,
+                  num_splits: int | None, summed_down: bool | None,
+                  add_norm_of: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(experts_gemv's output, None), or with add_norm_of (residual, norm weight)
+    experts_gemv_add_norm's (rows, sums)."""
     pending = x if isinstance(x, PendingNorm) else None
     x = x.rows if pending is not None else x
     tokens, top_k = chosen.shape
@@ -307,18 +364,23 @@ def experts_gemv(x: torch.Tensor | PendingNorm, chosen: torch.Tensor, weights: t
     activation = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)
     _launch(x, w13, activation, flat_chosen, intermediate, top_k, True, 1, hidden, gate_up_tile, pending)
     splits = num_splits or down_splits(num_pairs, hidden, intermediate, down_tile, x.device)
-    if summed_down if summed_down is not None else summed_by_default(top_k, splits):
-        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-        _launch_summed(activation, w2, out, flat_chosen, weights, down_tile)
-        return out
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    summed = summed_down if summed_down is not None else summed_by_default(top_k, splits)
+    block = down_tile.block_n if summed else 512  # the last kernel's column block
+    add_norm = None
+    if add_norm_of is not None:
+        sums = torch.empty(tokens, triton.cdiv(hidden, block), dtype=torch.float32, device=x.device)
+        add_norm = AddNorm(*add_norm_of, sums)
+    if summed:
+        _launch_summed(activation, w2, out, flat_chosen, weights, down_tile, add_norm)
+        return out, None if add_norm is None else add_norm.sums
     k_per_split = triton.cdiv(triton.cdiv(intermediate, down_tile.block_k), splits) * down_tile.block_k
     splits = triton.cdiv(intermediate, k_per_split)
     partials = torch.empty(splits, num_pairs, hidden, dtype=torch.float32, device=x.device)
     _launch(activation, w2, partials, flat_chosen, hidden, 1, False, splits, k_per_split, down_tile)
-    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    block = 512
-    _combine_kernel[(tokens, triton.cdiv(hidden, block))](
-        partials, weights.reshape(-1).float().contiguous(), out, hidden, splits, partials.stride(0),
-        partials.stride(1), out.stride(0), TOP_K=top_k, BLOCK=block, **pdl.chained_options(x.device),
+    _combine_kernel[(triton.cdiv(hidden, block), tokens)](
+        partials, weights.reshape(-1).float().contiguous(), out, *(add_norm or (out, out, out)), hidden, splits,
+        partials.stride(0), partials.stride(1), out.stride(0), TOP_K=top_k, BLOCK=block,
+        ADD_NORM=add_norm is not None, **pdl.chained_options(x.device),
     )
-    return out
+    return out, None if add_norm is None else add_norm.sums

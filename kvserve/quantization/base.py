@@ -182,10 +182,13 @@ class QuantizedLinear(nn.Module, ABC):
         return weight_only_matmul(x.rows, *weight[:4], four_bit=weight.four_bit, pending=x)
 
     def add_norm_matmul(
-        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+        self, x: torch.Tensor | PendingNorm, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
     ) -> PendingNorm | None:
         """RMSNorm.add_after's fused form: y = x @ W^T added to residual in place, the norm
-        after it left pending, or None (nothing done) where the method's kernels cannot."""
+        after it left pending, or None (nothing done) where the method's kernels cannot (a
+        pending x included: the models hand a linear before a norm a finished input)."""
+        if isinstance(x, PendingNorm):
+            return None
         weight = self._fusing_weight(x)
         if weight is None or self.bias is not None:
             return None

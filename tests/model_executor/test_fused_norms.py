@@ -144,14 +144,16 @@ def decode_step(name: str) -> None:
     take_cpu_rows(setattr)
     SparseMoE.folds_pending_norm = lambda self, rows, dtype: self.packed and self._fused_kernels_take(rows, dtype)
     fused_calls = []
-    add_norm_matmul = Linear.add_norm_matmul
 
-    def counted(self, *args):
-        pending = add_norm_matmul(self, *args)
-        fused_calls.append(pending is not None)
-        return pending
+    def counted(add_norm_matmul):
+        def add_norm_matmul_counted(self, *args):
+            pending = add_norm_matmul(self, *args)
+            fused_calls.append(pending is not None)
+            return pending
+        return add_norm_matmul_counted
 
-    Linear.add_norm_matmul = counted
+    Linear.add_norm_matmul = counted(Linear.add_norm_matmul)
+    SparseMoE.add_norm_matmul = counted(SparseMoE.add_norm_matmul)
     config = ModelConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, dtype=DTYPE, **CONFIGS[name])
     results = {}
@@ -180,13 +182,12 @@ def decode_step(name: str) -> None:
                       "difference": ((fused - unfused).norm() / unfused.norm()).item()}))
 
 
-@pytest.mark.parametrize(("name", "fused_norms"), [("llama", 3), ("qwen3-moe", 2)])
-def test_interpreted_tiny_model_decode_runs_its_norms_in_the_layers(name, fused_norms) -> None:
-    """A decode row's layers fuse each norm between two layers that can: in the Llama the
-    post-attention norm and the next layer's input norm (2 layers x 2 - the final norm
-    before the LM head = 3), in the Qwen3-MoE the post-attention norm into the mixture (2;
-    the mixture leaves the next norm to its own kernel). The logits are the unfused step's
-    within bf16 rounding; KVSERVE_FUSED_NORMS=0 fuses none."""
+@pytest.mark.parametrize("name", CONFIGS)
+def test_interpreted_tiny_model_decode_runs_its_norms_in_the_layers(name) -> None:
+    """A decode row's layers fuse each norm between two layers: the post-attention norm
+    (o_proj -> gate/up or the mixture) and the next layer's input norm (down_proj or the
+    mixture -> q/k/v), 2 layers x 2 - the final norm before the LM head = 3. The logits are
+    the unfused step's within bf16 rounding; KVSERVE_FUSED_NORMS=0 fuses none."""
     result = json.loads(run_interpreted("tests.model_executor.test_fused_norms", "decode_step", name))
-    assert (result["fused"], result["unfused"]) == (fused_norms, 0)
+    assert (result["fused"], result["unfused"]) == (3, 0)
     assert result["difference"] <= 1e-2, result

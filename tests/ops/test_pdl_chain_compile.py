@@ -15,6 +15,8 @@ from kvserve.ops.attention import kv_cache_write, paged_attention
 from kvserve.ops.triton_offline import compile_kernel
 
 BF16 = "*bf16"
+# A fused RMSNorm's operands in a producer's epilogue (PendingNorm).
+NORM_OPERANDS = {"residual_ptr": BF16, "norm_weight_ptr": BF16, "sum_squares_ptr": "*fp32"}
 # (name, kernel, argument types, constexprs) for llama3-8b's decode shapes and
 # Qwen3-30B-A3B's experts.
 CHAINED_KERNELS = [
@@ -60,12 +62,16 @@ CHAINED_KERNELS = [
       "chosen_ptr": "*i32", "pending_ptr": "*fp32", "norm_eps": "fp32"},
      dict(ROWS_PER_X=1, SWIGLU=False, QUANT=True, FOUR_BIT=True, HAS_OFFSET=True, GROUP_SIZE=128,
           BLOCK_N=8, BLOCK_K=512, ROW_SCALE=False, PARTIALS=1)),
-    ("expert_summed_down_gemv", fused_moe_gemv._summed_gemv_kernel,
-     {"x_ptr": BF16, "w_ptr": BF16, "scale_ptr": BF16, "offset_ptr": BF16, "out_ptr": BF16, "chosen_ptr": "*i32",
-      "weights_ptr": "*fp32"},
-     dict(TOP_K=2, QUANT=False, FOUR_BIT=False, HAS_OFFSET=False, GROUP_SIZE=14336, BLOCK_N=8, BLOCK_K=512)),
-    ("expert_combine", fused_moe_gemv._combine_kernel,
-     {"partials_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": BF16}, dict(TOP_K=8, BLOCK=512)),
+    *((f"expert_summed_down_gemv{'_add_norm' * add_norm}", fused_moe_gemv._summed_gemv_kernel,
+       {"x_ptr": BF16, "w_ptr": BF16, "scale_ptr": BF16, "offset_ptr": BF16, "out_ptr": BF16, "chosen_ptr": "*i32",
+        "weights_ptr": "*fp32", **NORM_OPERANDS},
+       dict(TOP_K=2, QUANT=False, FOUR_BIT=False, HAS_OFFSET=False, GROUP_SIZE=14336, BLOCK_N=8, BLOCK_K=512,
+            ADD_NORM=add_norm)) for add_norm in (False, True)),
+    # With add_norm the residual add and the next RMSNorm left pending (PendingNorm) in the
+    # epilogue: the residual stream is the earlier kernels' output too.
+    *((f"expert_combine{'_add_norm' * add_norm}", fused_moe_gemv._combine_kernel,
+       {"partials_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": BF16, **NORM_OPERANDS},
+       dict(TOP_K=8, BLOCK=512, ADD_NORM=add_norm)) for add_norm in (False, True)),
 ]
 
 

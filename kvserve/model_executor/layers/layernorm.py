@@ -16,12 +16,13 @@ from kvserve.quantization.base import takes_fp8_rows
 
 
 class PendingNormProducer(Protocol):
-    """A linear whose kernel can leave the RMSNorm after it pending (PendingNorm): its
-    epilogue adds its output to the residual stream and keeps the norm's sums.
-    QuantizedLinear and the dense Linear are ones."""
+    """A layer whose last kernel can leave the RMSNorm after it pending (PendingNorm): its
+    epilogue adds the layer's output to the residual stream and keeps the norm's sums.
+    QuantizedLinear, the dense Linear and SparseMoE are ones (a mixture's x may itself be a
+    PendingNorm)."""
 
     def add_norm_matmul(
-        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+        self, x: torch.Tensor | PendingNorm, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
     ) -> PendingNorm | None: ...
 
 
@@ -73,7 +74,7 @@ class RMSNorm(nn.Module):
         that the consumer finishes; where the consumer multiplies fp8 by fp8 (its
         `takes_fp8_rows`), the norm's kernel quantizes its output (Fp8Rows). residual is
         updated in place either way on CUDA."""
-        if isinstance(x, torch.Tensor) and self.fuses_into(linear, consumer, x):
+        if not isinstance(x, Fp8Rows) and self.fuses_into(linear, consumer, x):
             fused = linear.add_norm_matmul(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused, residual
@@ -85,14 +86,15 @@ class RMSNorm(nn.Module):
             return add_rms_norm(y, self.weight, self.eps, residual, fp8=True), residual
         return self(y, residual)
 
-    def fuses_into(self, linear: nn.Module, consumer: nn.Module | None, x: torch.Tensor) -> bool:
+    def fuses_into(self, linear: nn.Module, consumer: nn.Module | None, x: torch.Tensor | PendingNorm) -> bool:
         """Whether add_after runs this norm inside `linear` (before it, taking x: a
         PendingNormProducer) and `consumer` (after it: a PendingNormConsumer whose kernels
         finish the norm for x's rows; the producer may still decline in add_norm_matmul).
         KVSERVE_FUSED_NORMS=0 keeps every norm's own kernel (read last: the consumers decline
         off CUDA, and a compiled CPU decode graph then never reads the environment)."""
+        rows = x.rows if isinstance(x, PendingNorm) else x
         return (_is_producer(linear) and _is_consumer(consumer)
-                and consumer.folds_pending_norm(x.shape[0], x.dtype) and envs.KVSERVE_FUSED_NORMS)
+                and consumer.folds_pending_norm(rows.shape[0], rows.dtype) and envs.KVSERVE_FUSED_NORMS)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype

@@ -54,15 +54,16 @@ class Linear(nn.Linear):
         return rows == 1 and dense_gemv.takes_row(dtype, self.weight)
 
     def add_norm_matmul(
-        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+        self, x: torch.Tensor | PendingNorm, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
     ) -> PendingNorm | None:
         """RMSNorm.add_after's fused form: y = x @ W^T added to residual in place by the GEMV,
-        the norm after it left pending; None (nothing done) where the GEMV does not take x,
+        the norm after it left pending; None (nothing done) where the GEMV does not take x
+        (a pending one included: the models hand a linear before a norm a finished input),
         with a bias, or where residual is not x's one [1, N] contiguous row or the norm's
         weight not [N] in x's dtype."""
         n = self.weight.shape[0]
-        if (self.bias is not None or not dense_gemv.applies(x, self.weight) or residual.shape != (1, n)
-                or not residual.is_contiguous() or residual.dtype != x.dtype
+        if (isinstance(x, PendingNorm) or self.bias is not None or not dense_gemv.applies(x, self.weight)
+                or residual.shape != (1, n) or not residual.is_contiguous() or residual.dtype != x.dtype
                 or norm_weight.shape != (n,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous()):
             return None
         return PendingNorm(*dense_gemv.gemv_add_norm(x, self.weight, residual, norm_weight), eps)

@@ -126,9 +126,11 @@ class SparseMoE(nn.Module):
     parallel layers sum every rank's part with an all-reduce or exchange the tokens with
     all_to_all (use_all_to_all picks).
 
-    At decode batches on CUDA the layer can finish the RMSNorm before it (PendingNorm,
-    folds_pending_norm): the routing kernel and the gate/up GEMV scale their products by each
-    row's norm factor, so no add+RMSNorm kernel runs between o_proj and the routing."""
+    At decode batches on CUDA the layer takes part in the RMSNorms around it (PendingNorm):
+    it finishes the one before it (folds_pending_norm: the routing kernel and the gate/up GEMV
+    scale their products by each row's norm factor) and leaves the one after it pending
+    (add_norm_matmul: the combine adds to the residual stream and keeps the norm's sums), so
+    a decode layer runs no add+RMSNorm kernel of its own."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, shared_intermediate_size: int = 0) -> None:
@@ -247,6 +249,25 @@ class SparseMoE(nn.Module):
         if hasattr(self, "shared_expert"):
             out += shared_gate * self.shared_expert.output(x)
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
+
+    def add_norm_matmul(
+        self, x: torch.Tensor | PendingNorm, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> PendingNorm | None:
+        """RMSNorm.add_after's fused form: the layer's output added to residual in place by its
+        last kernel (the combine, or the summed down GEMV), the norm after it left pending;
+        None (nothing done) where the layer would not run x on the kernels folds_pending_norm
+        names, or residual is not x's rows contiguous in their dtype, or the norm's weight not
+        [H] in it. x may be a PendingNorm (the routing and gate/up finish it)."""
+        from kvserve.ops.fused_moe_gemv import experts_gemv_add_norm
+        from kvserve.ops.moe_routing import route_hidden
+
+        rows = x.rows if isinstance(x, PendingNorm) else x
+        if (rows.dim() != 2 or not self.folds_pending_norm(rows.shape[0], rows.dtype)
+                or residual.shape != rows.shape or residual.dtype != rows.dtype or not residual.is_contiguous()
+                or norm_weight.shape != rows.shape[1:] or norm_weight.dtype != rows.dtype or rows.stride(1) != 1):
+            return None
+        chosen, weights, _ = route_hidden(x, self.gate.weight, self.top_k, self.renormalize)
+        return PendingNorm(*experts_gemv_add_norm(x, chosen, weights, self.w13, self.w2, residual, norm_weight), eps)
 
     def _finish_and_run(self, x: PendingNorm) -> torch.Tensor:
         """forward's path for a PendingNorm that folds_pending_norm takes: the routing
