@@ -112,13 +112,13 @@ def _gate_and_route_kernel(x_ptr, w_ptr, shared_w_ptr, logits_ptr, count_ptr, id
     w = tl.load(w_rows[:, None] + first[None, :], mask=row_mask[:, None] & first_mask[None, :], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()  # x (and a pending norm's sums) are the previous kernels' output
+    x = tl.load(x_row + first, mask=first_mask, other=0.0).to(tl.float32)
+    acc = _gate_rows(w.to(tl.float32) * x[None, :], x_row, w_rows, row_mask, BLOCK_H, hidden, BLOCK_H)
     row_scale = 1.0
-    if ROW_SCALE:
+    if ROW_SCALE:  # read after the logits' sums: read before them, it spilled at one warp a program
         token_row = token + tl.zeros([1], dtype=tl.int32)
         row_scale = tl.sum(norm_row_scale(pending_ptr, token_row, token_row >= 0, pending_partials, hidden, norm_eps,
                                           PARTIALS))
-    x = tl.load(x_row + first, mask=first_mask, other=0.0).to(tl.float32)
-    acc = _gate_rows(w.to(tl.float32) * x[None, :], x_row, w_rows, row_mask, BLOCK_H, hidden, BLOCK_H)
     dtype = x_ptr.dtype.element_ty
     tl.store(logits_ptr + token * num_experts + rows, (tl.sum(acc, 1) * row_scale).to(dtype), mask=row_mask)
     if HAS_SHARED:
