@@ -64,14 +64,18 @@ def test_compiled_gemv_loads_weights_before_the_wait_and_x_after() -> None:
     assert re.search(r"ld\.global", body[wait:])
 
 
-def _compiled_body(**constexprs: object) -> str:
-    """The PTX of the kernel's entry, compiled for sm_90 with PDL on."""
+def _compiled(**constexprs: object):
+    """The kernel compiled for sm_90 with PDL on."""
     from kvserve.ops.dense_gemv import _dense_gemv_kernel
 
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "pending_ptr": "*fp32",
              "residual_ptr": "*bf16", "norm_weight_ptr": "*bf16", "sum_squares_ptr": "*fp32", "norm_eps": "fp32"}
-    ptx = compile_kernel(_dense_gemv_kernel, {**constexprs, "PDL": True}, types=types,
-                         divisible=("K", "stride_w")).asm["ptx"]
+    return compile_kernel(_dense_gemv_kernel, {**constexprs, "PDL": True}, types=types, divisible=("K", "stride_w"))
+
+
+def _compiled_body(**constexprs: object) -> str:
+    """The PTX of the kernel's entry."""
+    ptx = _compiled(**constexprs).asm["ptx"]
     return ptx[ptx.index(".entry"):]
 
 
@@ -169,6 +173,17 @@ def test_compiled_fused_norm_gemvs_load_only_weights_before_the_wait(row_scale, 
     # the norm's weight (one bf16 each a thread).
     assert sum(".b32 " in load and "evict_first" not in load for load in after) >= (8 if row_scale else 0), after
     assert sum(".b16 " in load for load in after) == (2 if add_norm else 0), after
+
+
+@pytest.mark.parametrize(("block_n", "block_k"), [(8, 256), (4, 512), (8, 512)])
+def test_compiled_fused_norm_gemv_does_not_spill(block_n, block_k) -> None:
+    """Both fused norms at once, with 2048 sums (an 8192-wide producer at 4 rows a program)
+    held through the loop: still in registers at tile's sizes."""
+    from kvserve.ops.triton_offline import resource_usage
+
+    compiled = _compiled(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, ROW_SCALE=True, PARTIALS=2048,
+                         ADD_NORM=True)
+    assert resource_usage(compiled)[1] == 0
 
 
 @pytest.mark.gpu
