@@ -69,11 +69,11 @@ class RMSNorm(nn.Module):
         consumer: nn.Module | None
     ) -> tuple[torch.Tensor | PendingNorm | Fp8Rows, torch.Tensor]:
         """(norm(residual + linear(x)), residual + linear(x)), the norm's output going to
-        `consumer` (a linear or a mixture of experts; None: anything else). Where `fuses_into` the two linears, the
-        add and the norm's sums run in the linear's epilogue and the result is a PendingNorm
-        that the consumer finishes; where the consumer multiplies fp8 by fp8 (its
-        `takes_fp8_rows`), the norm's kernel quantizes its output (Fp8Rows). residual is
-        updated in place either way on CUDA."""
+        `consumer` (a linear or a mixture of experts; None: anything else). Where the norm
+        `fuses_into` the two, the add and the norm's sums run in the producer's epilogue and
+        the result is a PendingNorm that the consumer finishes; where the consumer
+        multiplies fp8 by fp8 (its `takes_fp8_rows`), the norm's kernel quantizes its output
+        (Fp8Rows). residual is updated in place either way on CUDA."""
         if not isinstance(x, Fp8Rows) and self.fuses_into(linear, consumer, x):
             fused = linear.add_norm_matmul(x, residual, self.weight, self.eps)
             if fused is not None:
