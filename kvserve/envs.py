@@ -48,8 +48,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "KVSERVE_DENSE_GEMV": lambda: os.environ.get("KVSERVE_DENSE_GEMV", "1") != "0",
     # "0": every RMSNorm between two linears runs its own add+RMSNorm kernel, where decode
     # rows would run it inside the layers around it (PendingNorm, RMSNorm.add_after: the
-    # dense bf16/fp16 GEMV at one row on Hopper, the int4/fp8 kernels, a mixture of experts'
-    # routing and combine), for side-by-side timing. Read as a step runs: a CUDA graph keeps
+    # int4/fp8 kernels, a mixture of experts' routing and combine with the dense bf16/fp16
+    # GEMV beside it at one row on Hopper), for side-by-side timing. Read as a step runs: a CUDA graph keeps
     # what its capture read.
     "KVSERVE_FUSED_NORMS": lambda: os.environ.get("KVSERVE_FUSED_NORMS", "1") != "0",
     # "0": quantized linears built while it is set run every CUDA call on the dequantize path

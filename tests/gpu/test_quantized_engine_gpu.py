@@ -105,21 +105,16 @@ def test_fp8_w8a8_kernel_scores_like_scaled_mm(save_hf_model, monkeypatch, step_
     assert kernel_error <= 1.5 * scaled_mm_error + 1e-3
 
 
-@pytest.mark.parametrize("quantization", ["int4", "fp8", None])
+@pytest.mark.parametrize("quantization", ["int4", "fp8"])
 def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch, quantization):
     """Decode at one row fuses each RMSNorm into the linears around it (PendingNorm): o_proj
     and down leave the norm pending, gate/up (16384 rows, a wide linear: int4 on mma.sync, fp8
-    on the byte kernel) and qkv (int4: the word kernel; fp8: mma.sync) finish it; unquantized,
-    the bf16 one-row GEMV (Hopper) does both. Each decode run is scored against the unfused
-    engine's teacher-forced logprobs of the tokens it chose; the fused run is as close as the
-    unfused decode is."""
-    from kvserve.model_executor.layers.linear import Linear
+    on the byte kernel) and qkv (int4: the word kernel; fp8: mma.sync) finish it. Each decode
+    run is scored against the unfused engine's teacher-forced logprobs of the tokens it chose;
+    the fused run is as close as the unfused decode is."""
     from kvserve.quantization.int4 import Int4Linear
 
-    if quantization is None and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the dense GEMV that fuses the norms runs on Hopper")
-    linear_class = {"int4": Int4Linear, "fp8": Fp8Linear, None: Linear}[quantization]
-    quantization_config = {"lm_head": False} if quantization else None
+    linear_class = Int4Linear if quantization == "int4" else Fp8Linear
     model_dir, prompts = _random_llama(save_hf_model, 1, (9, 33), hidden_size=512, intermediate_size=8192,
                                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
     add_norm_matmul = linear_class.add_norm_matmul
@@ -133,7 +128,7 @@ def test_fused_norms_decode_like_the_unfused_chain(save_hf_model, monkeypatch, q
     def llm(fused: bool) -> LLM:
         monkeypatch.setattr(linear_class, "add_norm_matmul", counted if fused else lambda self, *args: None)
         return LLM(model=model_dir, dtype="bfloat16", device="cuda", quantization=quantization,
-                   quantization_config=quantization_config, gpu_memory_utilization=0.3)
+                   quantization_config={"lm_head": False}, gpu_memory_utilization=0.3)
 
     def decode(engine: LLM) -> list[tuple[list[int], list[float]]]:
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)

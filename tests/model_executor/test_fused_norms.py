@@ -1,6 +1,6 @@
 """Where a decoder layer's RMSNorms run inside the dense linears around them (PendingNorm,
-RMSNorm.add_after): the decision for each pair of layers, and a tiny bf16 Llama's decode
-step with and without the fusion.
+RMSNorm.add_after): the decision for each pair of layers, and tiny bf16 models' decode
+steps with and without the fusion.
 
 The dense GEMV that fuses them runs on Hopper only (dense_gemv.applies / takes_row); off the
 GPU no step would ever take it, so here those two decisions are told to take CPU rows and
@@ -16,6 +16,7 @@ from torch import nn
 
 from kvserve.model_executor.layers.layernorm import RMSNorm
 from kvserve.model_executor.layers.linear import Linear
+from kvserve.model_executor.layers.moe import SparseMoE
 from kvserve.ops import dense_gemv
 from kvserve.ops.pending_norm import PendingNorm
 from tests.triton_interpreter import run_interpreted
@@ -54,23 +55,45 @@ class _Wrapped(nn.Module):
         return self.linear(x)
 
 
-def test_dense_pair_fuses_where_the_gemv_takes_the_row(monkeypatch) -> None:
+def _moe(hidden: int = 48) -> SparseMoE:
+    """A packed bf16 mixture (8 experts, top 2) of hidden size `hidden`."""
+    torch.manual_seed(0)
+    layer = SparseMoE(hidden, 32, 8, 2, True)
+    with torch.no_grad():
+        layer.gate.weight.normal_(0, hidden**-0.5)  # a Router starts empty()
+    layer = layer.to(DTYPE)
+    assert layer.pack_experts()
+    return layer
+
+
+def take_cpu_moe(patch) -> None:
+    """SparseMoE.folds_pending_norm as on a GPU, for packed CPU stacks (`patch` as
+    take_cpu_rows')."""
+    patch(SparseMoE, "folds_pending_norm", lambda self, rows, dtype: self.packed and self._fused_kernels_take(rows, dtype))
+
+
+def test_dense_linear_fuses_its_norm_with_a_mixture_not_with_another_linear(monkeypatch) -> None:
     producer, norm, consumer = _pair()
-    row = torch.randn(1, 32, dtype=DTYPE)
+    moe = _moe()
+    row, hidden_row = torch.randn(1, 32, dtype=DTYPE), torch.randn(1, 48, dtype=DTYPE)
     # Off the GPU (the real decision): never.
     assert not consumer.folds_pending_norm(1, DTYPE)
-    assert not norm.fuses_into(producer, consumer, row)
+    assert not norm.fuses_into(producer, moe, row) and not norm.fuses_into(moe, consumer, hidden_row)
     take_cpu_rows(monkeypatch.setattr)
-    assert consumer.folds_pending_norm(1, DTYPE)
-    assert norm.fuses_into(producer, consumer, row)
-    # Not for two rows, fp32 rows, a consumer that is not a linear taking part, or with the switch off.
-    assert not norm.fuses_into(producer, consumer, torch.randn(2, 32, dtype=DTYPE))
-    assert not norm.fuses_into(producer.float(), consumer.float(), torch.randn(1, 32))
-    for other in (None, _Wrapped(consumer), nn.Linear(48, 24).to(DTYPE)):
-        assert not norm.fuses_into(producer, other, row)
-    assert not norm.fuses_into(_Wrapped(producer), consumer, row)
-    monkeypatch.setenv("KVSERVE_FUSED_NORMS", "0")
+    take_cpu_moe(monkeypatch.setattr)
+    assert consumer.folds_pending_norm(1, DTYPE) and moe.folds_pending_norm(1, DTYPE)
+    assert norm.fuses_into(producer, moe, row)  # o_proj -> the mixture
+    assert norm.fuses_into(moe, consumer, hidden_row)  # the mixture -> the next layer's q/k/v
+    # Two dense GEMVs keep the norm's own kernel, though each would take part.
     assert not norm.fuses_into(producer, consumer, row)
+    # Not for two rows, fp32 rows, a consumer that is not a layer taking part, or with the switch off.
+    assert not norm.fuses_into(moe, consumer, torch.randn(2, 48, dtype=DTYPE))
+    assert not norm.fuses_into(producer.float(), moe, torch.randn(1, 32))
+    for other in (None, _Wrapped(moe), nn.Linear(48, 24).to(DTYPE)):
+        assert not norm.fuses_into(producer, other, row)
+    assert not norm.fuses_into(_Wrapped(producer), moe, row)
+    monkeypatch.setenv("KVSERVE_FUSED_NORMS", "0")
+    assert not norm.fuses_into(producer, moe, row)
 
 
 def test_quantized_linears_still_take_part() -> None:
@@ -91,7 +114,9 @@ def test_producer_declines_with_a_bias_or_an_unsuitable_residual(monkeypatch) ->
     norm weight in another dtype; add_after then runs the unfused layers."""
     plain_applies = dense_gemv.applies
     take_cpu_rows(monkeypatch.setattr)
-    producer, norm, consumer = _pair(producer_bias=True)
+    take_cpu_moe(monkeypatch.setattr)
+    producer, norm, _ = _pair(producer_bias=True)
+    consumer = _moe()
     x, residual = torch.randn(1, 32, dtype=DTYPE), torch.randn(1, 48, dtype=DTYPE)
     before = residual.clone()
     assert producer.add_norm_matmul(x, residual, norm.weight, norm.eps) is None
@@ -137,12 +162,11 @@ def decode_step(name: str) -> None:
     import os
 
     from kvserve.config import ModelConfig
-    from kvserve.model_executor.layers.moe import SparseMoE
     from kvserve.model_executor.models.llama import LlamaForCausalLM
     from tests.model_executor.conftest import PagedRunner
 
     take_cpu_rows(setattr)
-    SparseMoE.folds_pending_norm = lambda self, rows, dtype: self.packed and self._fused_kernels_take(rows, dtype)
+    take_cpu_moe(setattr)
     fused_calls = []
 
     def counted(add_norm_matmul):
@@ -167,8 +191,9 @@ def decode_step(name: str) -> None:
                     parameter.copy_(1 + 0.1 * torch.randn_like(parameter))
                 elif parameter_name.endswith("gate.weight"):  # routers of Router's empty()
                     parameter.normal_(0, 64**-0.5)
-            # A residual stream of mean square far from 1: a norm factor left out shows.
-            model.model.embed_tokens.weight.mul_(6)
+            # The embedding is built empty (a checkpoint fills it). A residual stream of
+            # mean square far from 1: a norm factor left out shows.
+            model.model.embed_tokens.weight.normal_(0, 6)
         model = model.to(DTYPE)
         for module in model.modules():
             if isinstance(module, SparseMoE):
@@ -182,12 +207,13 @@ def decode_step(name: str) -> None:
                       "difference": ((fused - unfused).norm() / unfused.norm()).item()}))
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_interpreted_tiny_model_decode_runs_its_norms_in_the_layers(name) -> None:
-    """A decode row's layers fuse each norm between two layers: the post-attention norm
-    (o_proj -> gate/up or the mixture) and the next layer's input norm (down_proj or the
-    mixture -> q/k/v), 2 layers x 2 - the final norm before the LM head = 3. The logits are
-    the unfused step's within bf16 rounding; KVSERVE_FUSED_NORMS=0 fuses none."""
+@pytest.mark.parametrize(("name", "fused"), [("llama", 0), ("qwen3-moe", 3)])
+def test_interpreted_tiny_model_decode_runs_its_norms_in_the_layers(name, fused) -> None:
+    """A Qwen3-MoE decode row fuses each norm between a linear and the mixture: the
+    post-attention norm (o_proj -> the mixture) and the next layer's input norm (the mixture
+    -> q/k/v), 2 layers x 2 - the final norm before the LM head = 3; a dense Llama's, each
+    between two dense GEMVs, keep their kernels. The logits are the unfused step's within
+    bf16 rounding; KVSERVE_FUSED_NORMS=0 fuses none."""
     result = json.loads(run_interpreted("tests.model_executor.test_fused_norms", "decode_step", name))
-    assert (result["fused"], result["unfused"]) == (3, 0)
+    assert (result["fused"], result["unfused"]) == (fused, 0)
     assert result["difference"] <= 1e-2, result

@@ -249,13 +249,14 @@ def test_gpu_fused_norm_chain_matches_the_unfused_one(case, dtype) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-def test_gpu_dense_pair_fuses_its_norm_in_a_cuda_graph(dtype, monkeypatch) -> None:
-    """As a decode step runs o_proj -> post-attention norm -> gate/up: a chained kernel (an
-    RMSNorm) writes o_proj's input, add_after leaves the norm pending (the real decision on
-    this GPU), gate/up finishes it; replayed in a CUDA graph with new inputs each time,
-    against the fp32 chain and the unfused layers (KVSERVE_FUSED_NORMS=0). A GEMV that read
-    its input, the residual or the sums before the kernel before it finished would be off
-    on some replays."""
+def test_gpu_dense_pair_fuses_its_norm_in_a_cuda_graph(dtype) -> None:
+    """Two dense linears with the norm between them left pending by the first's GEMV
+    (Linear.add_norm_matmul) and finished by the second's, as a chain of dependent launches:
+    a chained kernel (an RMSNorm) writes the first one's input; replayed in a CUDA graph
+    with new inputs each time, against the fp32 chain and the unfused layers. A GEMV that
+    read its input, the residual or the sums before the kernel before it finished would be
+    off on some replays. (RMSNorm.add_after keeps the norm's own kernel between two dense
+    GEMVs, measured faster; a mixture of experts stands on one side in the models.)"""
     from kvserve.model_executor.layers.layernorm import RMSNorm
     from kvserve.model_executor.layers.linear import Linear
     from kvserve.ops.elementwise import add_rms_norm
@@ -276,7 +277,7 @@ def test_gpu_dense_pair_fuses_its_norm_in_a_cuda_graph(dtype, monkeypatch) -> No
 
     def step() -> torch.Tensor:
         x = add_rms_norm(attn, attn_weight, EPS)  # a chained kernel writing o_proj's input
-        pending, _ = norm.add_after(o_proj, x, residual, gate_up)
+        pending = o_proj.add_norm_matmul(x, residual, norm.weight, norm.eps)
         assert isinstance(pending, PendingNorm)
         return gate_up(pending)
 
@@ -303,10 +304,7 @@ def test_gpu_dense_pair_fuses_its_norm_in_a_cuda_graph(dtype, monkeypatch) -> No
                                    rtol=0)
         assert ((out.float() - expected).norm() / expected.norm()).item() <= TOLERANCE[dtype]
     # The unfused layers on the last inputs.
-    monkeypatch.setenv("KVSERVE_FUSED_NORMS", "0")
     residual.copy_(before)
-    x = add_rms_norm(attn, attn_weight, EPS)
-    normed, _ = norm.add_after(o_proj, x, residual, gate_up)
-    assert not isinstance(normed, PendingNorm)
+    normed, _ = norm(o_proj(add_rms_norm(attn, attn_weight, EPS)), residual)
     unfused = gate_up(normed).float()
     assert ((out.float() - unfused).norm() / unfused.norm()).item() <= TOLERANCE[dtype]

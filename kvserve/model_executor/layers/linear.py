@@ -35,9 +35,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """nn.Linear computed by `linear` (and a GPU decode step's one row by ops/dense_gemv.py):
     the model code's layers, which quantization methods swap for their own (quantize_model)
-    and loaders fill like any nn.Linear. Where the GEMV takes the row, the RMSNorms on either
-    side of the layer run inside it (RMSNorm.add_after; the same two methods as
-    QuantizedLinear's)."""
+    and loaders fill like any nn.Linear. Where the GEMV takes the row, an RMSNorm between the
+    layer and a mixture of experts runs inside the two (RMSNorm.add_after; the same two
+    methods as QuantizedLinear's)."""
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):
