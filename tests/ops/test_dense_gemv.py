@@ -16,6 +16,7 @@ import torch
 
 from kvserve.ops.triton_offline import compile_kernel
 
+from tests.cuda_graphs import captured
 from tests.triton_interpreter import run_interpreted
 
 # (rows N, k K, BLOCK_N, BLOCK_K, bias, dtype): partial row blocks, k tails, one k tile.
@@ -214,13 +215,7 @@ def test_gpu_linear_takes_the_gemv_in_a_cuda_graph_after_the_kernel_writing_its_
     def step() -> torch.Tensor:
         return layer(add_rms_norm(h, norm_weight, 1e-6, residual))
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = captured(step)
     for _ in range(20):
         h.copy_(torch.randn_like(h))
         residual.copy_(torch.randn_like(residual))
@@ -287,13 +282,7 @@ def test_gpu_dense_pair_fuses_its_norm_in_a_cuda_graph(dtype) -> None:
         normed = (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + EPS)).to(dtype) * norm.weight
         return h, normed.float() @ gate_up.weight.float().T
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = captured(step)
     for _ in range(20):
         attn.copy_(torch.randn_like(attn))
         residual.copy_(torch.randn_like(residual))

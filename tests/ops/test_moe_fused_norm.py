@@ -16,6 +16,7 @@ import torch
 
 from kvserve.ops.pending_norm import PendingNorm
 from tests.ops.test_fused_moe import quantized_experts, reference, routing, to_device
+from tests.cuda_graphs import captured
 from tests.triton_interpreter import run_interpreted
 
 EPS = 1e-6
@@ -211,16 +212,10 @@ def test_gpu_qwen3_moe_layer_runs_its_norms_in_a_cuda_graph(monkeypatch) -> None
         normed, _ = norms[1].add_after(moe, normed, residual, qkv)
         return qkv(normed)
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        pending, _ = norms[0].add_after(o_proj, attn, residual.clone(), moe)
-        assert isinstance(pending, PendingNorm)
-        assert isinstance(norms[1].add_after(moe, pending, residual.clone(), qkv)[0], PendingNorm)
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    pending, _ = norms[0].add_after(o_proj, attn, residual.clone(), moe)
+    assert isinstance(pending, PendingNorm)
+    assert isinstance(norms[1].add_after(moe, pending, residual.clone(), qkv)[0], PendingNorm)
+    graph, out = captured(step)
     for _ in range(10):
         attn.copy_(torch.randn_like(attn))
         residual.copy_(torch.randn_like(residual))
