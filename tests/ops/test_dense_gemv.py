@@ -19,9 +19,13 @@ from kvserve.ops.triton_offline import compile_kernel
 from tests.cuda_graphs import captured
 from tests.triton_interpreter import run_interpreted
 
-# (rows N, k K, BLOCK_N, BLOCK_K, bias, dtype): partial row blocks, k tails, one k tile.
-CASES = [(37, 200, 8, 64, False, torch.bfloat16), (40, 64, 8, 64, True, torch.float16),
-         (12, 130, 4, 128, True, torch.bfloat16), (5, 48, 8, 64, False, torch.float16)]
+# (rows N, k K, (BLOCK_N, BLOCK_K[, splits of K]), bias, dtype): partial row blocks, k
+# tails, one k tile; K split in 2 and 3 runs of tiles (a short last one), one tile a split
+# (7 of them, 8 asked for), and a split asked of one tile (none made).
+CASES = [(37, 200, (8, 64), False, torch.bfloat16), (40, 64, (8, 64), True, torch.float16),
+         (12, 130, (4, 128), True, torch.bfloat16), (5, 48, (8, 64), False, torch.float16),
+         (37, 200, (8, 64, 2), True, torch.bfloat16), (12, 130, (4, 32, 3), False, torch.float16),
+         (37, 200, (8, 32, 8), False, torch.bfloat16), (40, 64, (8, 64, 2), True, torch.float16)]
 
 
 def errors(device: str) -> list[str]:
@@ -31,16 +35,21 @@ def errors(device: str) -> list[str]:
 
     wrong = []
     torch.manual_seed(0)
-    for n, k, block_n, block_k, has_bias, dtype in CASES:
+    for n, k, block, has_bias, dtype in CASES:
         x = torch.randn(1, k, device=device).to(dtype)
         w = torch.randn(n, k, device=device).to(dtype)
         bias = torch.randn(n, device=device).to(dtype) if has_bias else None
         expected = x.float() @ w.float().T + (bias.float() if has_bias else 0.0)
-        got = gemv(x, w, bias, block=(block_n, block_k)).float()
+        first = gemv(x, w, bias, block=block)
+        got = first.float()
         error = (got - expected).abs().max().item()
         tolerance = 2 * torch.finfo(dtype).eps * expected.abs().max().item()
         if got.shape != (1, n) or error > tolerance:
-            wrong.append(f"{(n, k, block_n, block_k, has_bias, dtype)}: error {error:.3g} > {tolerance:.3g}")
+            wrong.append(f"{(n, k, block, has_bias, dtype)}: error {error:.3g} > {tolerance:.3g}")
+        # The split sums' counters are re-armed: a second call finds them at 0, and adds
+        # the splits in the same order.
+        if not torch.equal(gemv(x, w, bias, block=block), first):
+            wrong.append(f"{(n, k, block, has_bias, dtype)}: a second call differs")
     return wrong
 
 
@@ -52,11 +61,13 @@ def test_interpreted_gemv_equals_the_fp32_product() -> None:
     assert json.loads(run_interpreted("tests.ops.test_dense_gemv", "run_cases")) == []
 
 
-def test_compiled_gemv_loads_weights_before_the_wait_and_x_after() -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_compiled_gemv_loads_weights_before_the_wait_and_x_after(split) -> None:
     """A programmatic dependent (kvserve.ops.pdl) as the GPU runs it: it lets the next kernel
     launch, then its first weight tile loads, then it waits; x (the previous kernel's
-    output) and the bias load only after the wait."""
-    body = _compiled_body(HAS_BIAS=True, BLOCK_N=8, BLOCK_K=256, ROW_SCALE=False, PARTIALS=1, ADD_NORM=False)
+    output) and the bias load only after the wait. Split, the same from its split's k."""
+    body = _compiled_body(HAS_BIAS=True, BLOCK_N=8, BLOCK_K=256, ROW_SCALE=False, PARTIALS=1, ADD_NORM=False,
+                          SPLIT=split)
     launch, wait = body.index("griddepcontrol.launch_dependents"), body.index("griddepcontrol.wait")
     assert launch < wait
     # The weight tile: 8 rows x 256 bf16 over 128 threads, 16 bytes a load, with evict_first.
@@ -70,8 +81,9 @@ def _compiled(**constexprs: object):
     from kvserve.ops.dense_gemv import _dense_gemv_kernel
 
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "pending_ptr": "*fp32",
-             "residual_ptr": "*bf16", "norm_weight_ptr": "*bf16", "sum_squares_ptr": "*fp32", "norm_eps": "fp32"}
-    return compile_kernel(_dense_gemv_kernel, {**constexprs, "PDL": True}, types=types, divisible=("K", "stride_w"))
+             "residual_ptr": "*bf16", "norm_weight_ptr": "*bf16", "sum_squares_ptr": "*fp32", "partial_ptr": "*fp32",
+             "count_ptr": "*i32", "norm_eps": "fp32"}
+    return compile_kernel(_dense_gemv_kernel, {"SPLIT": False, **constexprs, "PDL": True}, types=types, divisible=("K", "stride_w"))
 
 
 def _compiled_body(**constexprs: object) -> str:
@@ -89,7 +101,10 @@ TOLERANCE = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 # (k K, hidden H, n N, the producer's and the consumer's (BLOCK_N, BLOCK_K), consumer bias,
 # dtype): x [1, K] -> W1 [H, K] -> residual add + RMSNorm(H) -> W2 [N, H]. Row blocks and k
 # tiles not dividing H, N and K; 5 and 33 partial sums (not powers of two) and one.
+# Split K in each of the two GEMVs (3 splits, 2 of them the last short; 5 asked, 4 made).
 CHAIN_CASES = [(200, 37, 53, (8, 64), (4, 64), False, torch.bfloat16),
+               (200, 37, 53, (8, 64, 3), (4, 16, 2), True, torch.bfloat16),
+               (130, 64, 19, (8, 32, 5), (4, 32, 2), False, torch.float16),
                (200, 37, 53, (8, 64), (4, 64), True, torch.float16),
                (96, 130, 45, (4, 128), (8, 64), True, torch.bfloat16),
                (130, 64, 19, (8, 256), (4, 32), False, torch.float16),
@@ -176,14 +191,15 @@ def test_compiled_fused_norm_gemvs_load_only_weights_before_the_wait(row_scale, 
     assert sum(".b16 " in load for load in after) == (2 if add_norm else 0), after
 
 
-@pytest.mark.parametrize(("block_n", "block_k"), [(8, 256), (4, 512), (8, 512)])
-def test_compiled_fused_norm_gemv_does_not_spill(block_n, block_k) -> None:
+@pytest.mark.parametrize(("block_n", "block_k", "split"), [(8, 256, False), (4, 512, False), (8, 512, False),
+                                                       (4, 512, True), (8, 256, True)])
+def test_compiled_fused_norm_gemv_does_not_spill(block_n, block_k, split) -> None:
     """Both fused norms at once, with 2048 sums (an 8192-wide producer at 4 rows a program)
-    held through the loop: still in registers at tile's sizes."""
+    held through the loop: still in registers at tile's sizes, K split or not."""
     from kvserve.ops.triton_offline import resource_usage
 
     compiled = _compiled(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, ROW_SCALE=True, PARTIALS=2048,
-                         ADD_NORM=True)
+                         ADD_NORM=True, SPLIT=split)
     assert resource_usage(compiled)[1] == 0
 
 
