@@ -83,7 +83,8 @@ def _compiled(**constexprs: object):
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "pending_ptr": "*fp32",
              "residual_ptr": "*bf16", "norm_weight_ptr": "*bf16", "sum_squares_ptr": "*fp32", "partial_ptr": "*fp32",
              "count_ptr": "*i32", "norm_eps": "fp32"}
-    return compile_kernel(_dense_gemv_kernel, {"SPLIT": False, **constexprs, "PDL": True}, types=types, divisible=("K", "stride_w"))
+    return compile_kernel(_dense_gemv_kernel, {"SPLIT": False, **constexprs, "PDL": True}, types=types,
+                          divisible=("K", "stride_w"))
 
 
 def _compiled_body(**constexprs: object) -> str:
