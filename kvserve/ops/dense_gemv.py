@@ -138,12 +138,19 @@ class DenseTile(NamedTuple):
 
 
 def tile(n: int, k: int, device: torch.device) -> DenseTile:
-    """256-wide k tiles along k up to 2048, 512 past it; 8 rows a program where that still
-    leaves 4 programs a multiprocessor, 4 otherwise (H200 sweep in decode-kernels-h200.txt:
-    5120 x 2048 best at 8 x 256, 2048 x 4096 at 4 x 512); K not split."""
-    block_k = 256 if k <= 2048 else 512
+    """From H200 sweeps whose calls cycle through more weight than the L2 holds
+    (benchmarks/gpu_dense_gemv_sweep.py, results/dense-gemv/): over a short k (Qwen3-30B-A3B's
+    q/k/v, 5120 x 2048) 4 x 512 tiles, each program four tiles long (7.6 -> 6.3 us against 8 x
+    256); a narrow n over a long k (its o_proj, 2048 x 4096, which leaves the next norm
+    pending) K split in 4 under 8 x 256 tiles, 1024 programs four tiles long (8.1 -> 7.4 us);
+    otherwise 512-wide tiles of 8 rows where that still leaves 4 programs a multiprocessor, 4
+    otherwise (Llama-3-8B's projections: no other shape measured clearly faster)."""
+    if k <= 2048:
+        return DenseTile(4, 512)
+    if n <= 2048:
+        return DenseTile(8, 256, 4)
     block_n = 8 if n // 8 >= 4 * device_info.num_sms(device) else 4
-    return DenseTile(block_n, block_k)
+    return DenseTile(block_n, 512)
 
 
 def gemv(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
