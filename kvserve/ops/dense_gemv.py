@@ -1,13 +1,14 @@
 """A decode step's one-row bf16/fp16 linears on Hopper: y = x W^T (+ b) for x [1, K], as a
 programmatic dependent of the kernel before it (kvserve.ops.pdl).
 
-cuBLAS's GEMV reads a small projection about as fast as this kernel does alone (H200,
-Qwen3-30B-A3B's q/k/v 5120 x 2048: 6.4 us against 6.3; its o_proj 2048 x 4096: 7.1 with
-cuBLAS's split-K reduce against 6.3; benchmarks/results/fused-moe/decode-kernels-h200.txt),
-but it starts only once the kernel before it has finished. Here each program loads its
-first weight tile (which nothing in the step writes) before it waits for x, so the DRAM
-latency of the first loads overlaps the previous kernel's tail; then one tile ahead. One
-fp32 sum a row, no split of K: the same result every run.
+cuBLAS's GEMV reads a small projection no faster than this kernel does alone (H200, weights
+cycling past the L2, Qwen3-30B-A3B's q/k/v 5120 x 2048: 8.3 us against 6.3; its o_proj 2048
+x 4096: 8.9 against 6.9; benchmarks/results/dense-gemv/), and it starts only once the
+kernel before it has finished. Here each program loads its first weight tile (which nothing
+in the step writes) before it waits for x, so the DRAM latency of the first loads overlaps
+the previous kernel's tail; then one tile ahead. A narrow output over a long K splits K
+(DenseTile.splits): the splits' fp32 sums are added in split order by the last of them to
+arrive, so every launch shape gives the same result every run.
 
 The RMSNorm between such a linear and a mixture of experts runs inside the two
 (PendingNorm, RMSNorm.add_after), as the int4/fp8 kernels' do: the layer before the norm
