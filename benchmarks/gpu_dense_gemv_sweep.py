@@ -27,7 +27,8 @@ TILES = [(8, 256, 1), (4, 512, 1), (8, 512, 1), (2, 512, 1), (4, 1024, 1), (2, 1
 
 
 def time_us(calls) -> float:
-    """Median over 7 replays of a graph of CALLS calls (calls(i) makes the i-th), per call."""
+    """Median over 7 replays of a graph of CALLS calls (calls(i) makes the i-th), per call;
+    the first COPIES calls made once before, to compile and allocate."""
     for i in range(COPIES):
         calls(i)
     torch.cuda.synchronize()

@@ -11,39 +11,21 @@ experts a call reads are not left in the L2 by the call before.
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 
 import torch
 
+sys.path.insert(0, "benchmarks")
+from gpu_dense_gemv_sweep import CALLS, time_us  # a sibling script
 from kvserve.ops.expert_weights import ExpertWeights
 from kvserve.ops.fused_moe_gemv import GemvTile, default_tile, down_splits, experts_gemv_add_norm
 from kvserve.ops.pending_norm import PendingNorm
 
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}
-CALLS = 24
 GATE_UP_TILES = [(8, 256, 4), (4, 512, 4), (8, 512, 4), (4, 256, 4), (16, 256, 4), (4, 1024, 4), (2, 512, 4),
                  (8, 128, 4), (8, 256, 8), (4, 512, 2), (2, 1024, 4)]
 DOWN_TILES = [(8, 256, 4), (4, 256, 4), (8, 128, 4), (16, 256, 4), (4, 512, 4), (8, 512, 4), (16, 128, 4),
               (8, 256, 2), (32, 256, 4)]
-
-
-def time_us(calls) -> float:
-    """Median over 7 replays of a graph of CALLS calls (calls(i) makes the i-th), per call."""
-    calls(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            calls(i)
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(times)
 
 
 def main() -> None:
