@@ -212,17 +212,19 @@ def test_gpu_gemv_equals_the_fp32_product() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_gpu_linear_takes_the_gemv_in_a_cuda_graph_after_the_kernel_writing_its_input() -> None:
+@pytest.mark.parametrize(("hidden", "out_features"), [(2048, 5120), (4096, 2048)])
+def test_gpu_linear_takes_the_gemv_in_a_cuda_graph_after_the_kernel_writing_its_input(hidden, out_features) -> None:
     """As a decode step runs it: the add+RMSNorm kernel writes x, then the Linear's GEMV
     reads it, replayed in a CUDA graph with new inputs each time. A GEMV that read x before
-    the norm finished would be off on some replays."""
+    the norm finished would be off on some replays; 2048 x 4096 splits K (tile), whose
+    counters must be back at 0 for each replay."""
     from kvserve.model_executor.layers.linear import Linear
     from kvserve.ops import dense_gemv
     from kvserve.ops.elementwise import add_rms_norm
 
     torch.manual_seed(0)
     dtype = torch.bfloat16
-    hidden, out_features = 2048, 5120
+    assert (dense_gemv.tile(out_features, hidden, torch.device("cuda")).splits > 1) == (hidden > 2048)
     layer = Linear(hidden, out_features, bias=False, device="cuda", dtype=dtype)
     norm_weight = torch.rand(hidden, device="cuda", dtype=dtype) + 0.5
     h = torch.randn(1, hidden, device="cuda", dtype=dtype)
