@@ -195,9 +195,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     k_per_split = triton.cdiv(k_tiles, min(max(splits, 1), k_tiles)) * block_k
     splits = triton.cdiv(k, k_per_split)  # every split at least one tile
     row_blocks = triton.cdiv(n, block_n)
-    counters = split_counters(x.device)
-    assert splits == 1 or row_blocks <= counters.numel()
-    partial = torch.empty(splits, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    counters, partial = out, out  # unused unless K is split
+    if splits > 1:
+        counters = split_counters(x.device)
+        assert row_blocks <= counters.numel()
+        partial = torch.empty(splits, n, dtype=torch.float32, device=x.device)
     residual, norm_weight, sums = add_norm if add_norm is not None else (weight, weight, out)
     partials = pending.sums.shape[-1] if pending is not None else 1
     _dense_gemv_kernel[(row_blocks, 1, splits)](
