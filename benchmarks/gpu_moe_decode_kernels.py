@@ -21,7 +21,7 @@ from gpu_moe_gemv_sweep import time_us
 from kvserve.ops.expert_weights import ExpertWeights
 from kvserve.ops import fused_moe_gemv as g
 from kvserve.ops import moe_routing as r
-from kvserve.ops.quant.weight_only.matmul import split_counters
+from kvserve.ops.split_k import split_counters
 
 torch.manual_seed(0)
 dt = torch.bfloat16

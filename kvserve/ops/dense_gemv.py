@@ -33,7 +33,7 @@ from kvserve.ops import device as device_info
 from kvserve.ops import pdl
 from kvserve.ops.pending_norm import PendingNorm
 from kvserve.ops.pending_norm_tiles import add_norm_store, load_norm_sums, row_scale_of
-from kvserve.ops.quant.weight_only.tiles import arrives_last, rearm, summed_splits
+from kvserve.ops.split_k import arrives_last, rearm, split_counters, summed_splits
 
 # The split-K sum's loads in flight at once (masked past the last split).
 SPLITS_IN_FLIGHT: tl.constexpr = tl.constexpr(4)
@@ -186,8 +186,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
             add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """One launch of the kernel for x's row into out; `pending`: x's norm to finish;
     `add_norm`: (residual, the norm's weight, sums) to leave the next one pending."""
-    from kvserve.ops.quant.weight_only.matmul import split_counters
-
     n, k = weight.shape
     x = x.reshape(k)  # a copy only where the row's elements are not adjacent
     block_n, block_k, splits = shape

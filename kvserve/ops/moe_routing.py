@@ -23,6 +23,7 @@ import triton.language as tl
 from kvserve.ops import pdl
 from kvserve.ops.pending_norm import PendingNorm
 from kvserve.ops.pending_norm_tiles import norm_row_scale
+from kvserve.ops.split_k import split_counters
 
 
 @triton.jit
@@ -179,10 +180,8 @@ def route_hidden(x: torch.Tensor | PendingNorm, gate_weight: torch.Tensor, top_k
     gate_weight [E, H] and shared_gate_weight [1, H] in x's dtype. The logits are summed in
     fp32 and rounded to x's dtype, as the router's linear leaves them. Each token's logits
     are computed by several programs, the last of which picks (a split-K counter per token,
-    shared with the weight-only matmuls': launches on one stream at a time). x a
+    shared with the other split-K kernels': launches on one stream at a time). x a
     PendingNorm: its rows, the norm finished in the kernel (the logits scaled)."""
-    from kvserve.ops.quant.weight_only.matmul import split_counters
-
     pending = x if isinstance(x, PendingNorm) else None
     x = x.rows if pending is not None else x
     tokens, hidden = x.shape

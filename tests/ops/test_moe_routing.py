@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvserve.ops.moe_routing import route, route_hidden
-from kvserve.ops.quant.weight_only.matmul import split_counters
+from kvserve.ops.split_k import split_counters
 from tests.triton_interpreter import run_interpreted
 
 

@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 from kvserve.ops.quant.weight_only.configs import LaunchConfig
-from kvserve.ops.quant.weight_only.matmul import split_counters, split_k
+from kvserve.ops.quant.weight_only.matmul import split_k
 from kvserve.ops.quant.weight_only.tiles import split_tiles, store_output
+from kvserve.ops.split_k import split_counters
 
 
 @triton.jit

@@ -22,6 +22,7 @@ from kvserve.ops.quant.weight_only.words import (
     int4_dot_kernel,
     int4_gemv_kernel,
 )
+from kvserve.ops.split_k import MAX_SPLIT_COUNTERS, split_counters
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,16 +32,6 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 # The register limit the 4-bit one-row word kernel is compiled with (see _words_matmul).
 WORD_KERNEL_MAX_REGISTERS = 255
-
-
-# One counter per output tile for the in-kernel split-K sum; each launch leaves them at 0.
-# Shared by every launch on the device: launches must not overlap (one stream at a time).
-_MAX_SPLIT_COUNTERS = 16384
-
-
-@functools.lru_cache(maxsize=None)
-def split_counters(device: torch.device) -> torch.Tensor:
-    return torch.zeros(_MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
 
 
 class AddNorm(NamedTuple):
@@ -123,7 +114,7 @@ def _words_matmul(
     # An mma program takes all rows (up to MMA_MAX_ROWS).
     grid_n, grid_m = triton.cdiv(n, config.block_n), 1 if config.words == "mma" else triton.cdiv(m, block_m)
     split, tiles_per_split = split_k(config, num_tiles, grid_n * grid_m, rows.device)
-    if grid_n * grid_m > _MAX_SPLIT_COUNTERS:
+    if grid_n * grid_m > MAX_SPLIT_COUNTERS:
         split, tiles_per_split = 1, num_tiles
     partial = torch.empty((split, m, n), dtype=torch.float32, device=rows.device) if split > 1 else out
     words = qweight.view(torch.int32)

@@ -8,13 +8,8 @@ import triton
 import triton.language as tl
 
 from kvserve.ops.pending_norm_tiles import norm_row_scale
-from kvserve.ops.quant.weight_only.tiles import (
-    arrives_last,
-    rearm,
-    split_tiles,
-    store_output,
-    summed_splits,
-)
+from kvserve.ops.quant.weight_only.tiles import split_tiles, store_output
+from kvserve.ops.split_k import arrives_last, rearm, summed_splits
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Triton helpers the weight-only kernels share: unpacking nibbles, loading x in pairs,
-group scales, the split of K among programs and the output stores (the in-kernel split-K
-sum)."""
+group scales, the split of K among programs and the output stores (with split K, the sum
+of kvserve.ops.split_k)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from kvserve.ops.pending_norm_tiles import add_norm_store
+from kvserve.ops.split_k import arrives_last, rearm, store_summed_splits, summed_splits
 
 # Split-K partials the word kernels' last split loads at once (summed_splits): all of an int4
 # one-row call's (at most 8 splits). W2 int4 on an H200, GPU step 2.28 -> 2.26 ms (two
@@ -71,54 +72,6 @@ def group_scale_offset(scale_ptrs, offset_ptrs, group, mask, HAS_OFFSET: tl.cons
 
 
 @triton.jit
-def _split_counter(count_ptr):
-    """The arrival counter of this program's output tile."""
-    return count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-
-
-@triton.jit
-def arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
-    """Leave this split's fp32 partials (a tuple of blocks, one counter for them all) and
-    say whether it is the last of its output tile's splits to arrive (an acq_rel counter)."""
-    for i in tl.static_range(len(accs)):
-        tl.store(partial_ptr + tl.program_id(2) * stride_ps + offss[i], accs[i], mask=masks[i])
-    tl.debug_barrier()  # every thread's partial is written before thread 0 releases them
-    return tl.atomic_add(_split_counter(count_ptr), 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1
-
-
-@triton.jit
-def summed_splits(partial_ptr, offs, mask, stride_ps, IN_FLIGHT: tl.constexpr = 1):
-    """The splits' partials of one block, summed in split order (deterministic). This sum is
-    the tail a split-K call ends on; the loads go out IN_FLIGHT at a time (masked past the
-    last split): the word kernels WORD_SPLITS_IN_FLIGHT, the mma.sync kernels 1 (the
-    compiler unrolls that loop by 4; the same sm_90 code as a plain loop)."""
-    total = tl.zeros(offs.shape, dtype=tl.float32)
-    for first in range(0, tl.num_programs(2), IN_FLIGHT):
-        for i in tl.static_range(IN_FLIGHT):
-            split = first + i
-            total += tl.load(partial_ptr + split * stride_ps + offs, mask=mask & (split < tl.num_programs(2)),
-                             other=0.0, cache_modifier=".cg")
-    return total
-
-
-@triton.jit
-def rearm(count_ptr):
-    """Reset the output tile's counter for the next launch (its last split calls this)."""
-    tl.atomic_xchg(_split_counter(count_ptr), 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, stride_ps, IN_FLIGHT: tl.constexpr):
-    """Split-K without a second kernel: every split leaves its partials, and the last of an
-    output tile's splits to arrive sums them all, writes the output and re-arms the counter."""
-    if arrives_last(accs, partial_ptr, count_ptr, offss, masks, stride_ps):
-        for i in tl.static_range(len(accs)):
-            total = summed_splits(partial_ptr, offss[i], masks[i], stride_ps, IN_FLIGHT)
-            tl.store(out_ptr + offss[i], total.to(out_ptr.dtype.element_ty), mask=masks[i])
-        rearm(count_ptr)
-
-
-@triton.jit
 def split_tiles(num_tiles, tiles_per_split, EVEN_SPLITS: tl.constexpr):
     """This program's K tiles first..last (grid axis 2: the splits of K): runs of
     tiles_per_split with the remainder in the last split, or (EVEN_SPLITS) runs as even as
@@ -162,7 +115,7 @@ def store_output(accs, offss, masks, partial_ptr, out_ptr, count_ptr, stride_ps,
     """The program's blocks (tuples of values, offsets and masks) into out, or with split K
     their partials, summed by the last split to finish (summed_splits' IN_FLIGHT)."""
     if SPLIT:
-        _store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, stride_ps, IN_FLIGHT)
+        store_summed_splits(accs, partial_ptr, out_ptr, count_ptr, offss, masks, stride_ps, IN_FLIGHT)
     else:
         for i in tl.static_range(len(accs)):
             tl.store(out_ptr + offss[i], accs[i].to(out_ptr.dtype.element_ty), mask=masks[i])
