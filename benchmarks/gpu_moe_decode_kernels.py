@@ -75,7 +75,7 @@ for name, (E, K, H, I) in {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096,
         part = torch.empty(splits, K, H, device="cuda", dtype=torch.float32)
         us2 = time_us(lambda: g._launch(act, w2, part, flat, H, 1, False, splits, kps, tile))
         out = torch.empty(1, H, device="cuda", dtype=dt)
-        us2s = time_us(lambda: g._launch_summed(act, w2, out, flat, weights, tile))
+        us2s = time_us(lambda: g._launch_summed(act, w2, out, flat, weights, tile, None))
         full = time_us(lambda: g.experts_gemv(x, chosen, weights, w13, w2, tile, tile, summed_down=True))
         err = (g.experts_gemv(x, chosen, weights, w13, w2, tile, tile, summed_down=True).float() - ref).abs().max().item()
         print(f"  tile {tuple(tile)}: gate/up {us13:6.2f} us ({gb13/us13:5.0f} GB/s); down {splits} splits {us2:6.2f} us;"
@@ -92,7 +92,7 @@ for N, Kd in ((5120, 2048), (2048, 4096), (6144, 4096), (4096, 4096), (28672, 40
     ew = ExpertWeights(w[None])
     out = torch.empty(1, N, device="cuda", dtype=dt)
     for tile in [g.GemvTile(*t) for t in ((8, 256, 4), (8, 512, 4), (16, 256, 4), (4, 512, 4), (4, 1024, 4), (16, 512, 8))]:
-        us = time_us(lambda: g._launch_summed(x, ew, out, one, unit, tile))
+        us = time_us(lambda: g._launch_summed(x, ew, out, one, unit, tile, None))
         err = (out.float() - F.linear(x.float(), w.float())).abs().max().item()
         line += f"; {tuple(tile)} {us:6.2f} ({gb/us:5.0f}, err {err:.0e})"
     print(line)
