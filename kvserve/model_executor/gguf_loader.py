@@ -1,5 +1,7 @@
 """Config and weights from a llama.cpp GGUF file: dequantized to the run dtype, or with
-the linear layers' blocks kept packed (quantization='gguf')."""
+the linear layers' blocks kept packed (quantization='gguf'). Mixtures of experts (Mixtral as
+llama.cpp's "llama" with experts, "qwen2moe", "qwen3moe") store each layer's experts stacked
+in one tensor a projection ([E, N, K]); they load dequantized, one expert at a time."""
 
 from __future__ import annotations
 
@@ -26,7 +28,15 @@ _GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# llama.cpp's "llama" with experts is Mixtral.
+_MIXTURE_OF_LLAMA = "MixtralForCausalLM"
+# Whether a token's top-k routing weights are scaled to sum to one, where the file does not
+# say ({arch}.expert_weights_norm): what llama.cpp's graph for the architecture does, as the
+# models' own configs (Mixtral and Qwen3-MoE renormalise, Qwen2-MoE does not).
+_RENORMALIZES_BY_DEFAULT = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -44,7 +54,19 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # A mixture's router and Qwen2-MoE's shared expert with its gate (`mlp` is Mixtral's
+    # `block_sparse_moe`: _moe_name).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# A layer's experts stacked [E, N, K] -> each expert's linear (Mixtral's names: _EXPERT_NAMES).
+_STACKED_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# Older Mixtral files store each expert apart: blk.N.ffn_gate.E.weight.
+_EXPERT_TENSOR_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
+_EXPERT_NAMES = {_MIXTURE_OF_LLAMA: {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}}
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's own llama3 RoPE frequency divisors, not a weight.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -97,12 +119,6 @@ def gguf_model_config(reader: GGUFReader, path: str, dtype: torch.dtype) -> Mode
             f"{path}: unsupported GGUF architecture {arch!r}; "
             f"supported: {', '.join(sorted(_GGUF_ARCHITECTURES))}"
         )
-    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
-    if experts:
-        raise ModelLoadError(
-            f"{path}: a mixture-of-experts GGUF file ({experts} experts a layer) is not supported; "
-            "Mixtral loads from its Hugging Face safetensors directory"
-        )
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: no token_embd.weight tensor")
@@ -113,6 +129,13 @@ def gguf_model_config(reader: GGUFReader, path: str, dtype: torch.dtype) -> Mode
             raise ModelLoadError(f"{path}: missing GGUF metadata key {arch}.{key}")
         return value
 
+    num_layers = int(required("block_count"))
+    mixture = _mixture_fields(reader, path, arch, tensors, num_layers)
+    if arch.endswith("moe") and not mixture:
+        raise ModelLoadError(f"{path}: a {arch} file without {arch}.expert_count")
+    intermediate_size = _field(reader, f"{arch}.feed_forward_length")
+    if intermediate_size is None and not mixture:
+        required("feed_forward_length")
     hidden_size = int(required("embedding_length"))
     num_heads = int(required("attention.head_count"))
     rope_scaling: dict[str, Any] | None = None
@@ -124,12 +147,13 @@ def gguf_model_config(reader: GGUFReader, path: str, dtype: torch.dtype) -> Mode
         rope_scaling = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture=_GGUF_ARCHITECTURES[arch],
+        architecture=_MIXTURE_OF_LLAMA if arch == "llama" and mixture else _GGUF_ARCHITECTURES[arch],
         # ne[1] of the embedding (GGUF lists dims innermost first).
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden_size,
-        intermediate_size=int(required("feed_forward_length")),
-        num_hidden_layers=int(required("block_count")),
+        # A mixture's dense layers' width (none: the experts').
+        intermediate_size=int(intermediate_size if intermediate_size is not None else mixture["moe_intermediate_size"]),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads)),
@@ -143,16 +167,68 @@ def gguf_model_config(reader: GGUFReader, path: str, dtype: torch.dtype) -> Mode
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         dtype=dtype,
+        **mixture,
     )
 
 
-def _hf_name(gguf_name: str) -> str:
+def _mixture_fields(reader: GGUFReader, path: str, arch: str, tensors: dict[str, Any],
+                    num_layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields of the file ({} for a dense model): the counts
+    from its metadata, the widths from its expert tensors (stacked [E, N, K] or, in older
+    Mixtral files, one tensor an expert), its dense layers those without a router."""
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        return {}
+    used = _field(reader, f"{arch}.expert_used_count")
+    if used is None:
+        raise ModelLoadError(f"{path}: missing GGUF metadata key {arch}.expert_used_count")
+    gating = _field(reader, f"{arch}.expert_gating_func")
+    if gating is not None and int(gating) != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (a softmax only)")
+    sparse = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    if not sparse:
+        raise ModelLoadError(f"{path}: {experts} experts a layer, but no layer has a router (ffn_gate_inp)")
+    first = sparse[0]
+    gate = tensors.get(f"blk.{first}.ffn_gate_exps.weight", tensors.get(f"blk.{first}.ffn_gate.0.weight"))
+    if gate is None:
+        raise ModelLoadError(f"{path}: no expert tensors in layer {first} (blk.{first}.ffn_gate_exps)")
+    shared = tensors.get(f"blk.{first}.ffn_gate_shexp.weight")
+    renormalize = _field(reader, f"{arch}.expert_weights_norm")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(used),
+        "moe_intermediate_size": int(gate.shape[1]),  # GGUF lists dims innermost first: [K, N, (E)]
+        "norm_topk_prob": bool(renormalize) if renormalize is not None else _RENORMALIZES_BY_DEFAULT.get(arch, True),
+        "shared_expert_intermediate_size": int(shared.shape[1]) if shared is not None else 0,
+        "dense_mlp_layers": tuple(i for i in range(num_layers) if i not in sparse),
+    }
+
+
+def _hf_name(gguf_name: str, architecture: str) -> str:
     match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
     if match and match.group(2) in _LAYER_TENSORS:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+        return f"model.layers.{layer}.{_moe_name(_LAYER_TENSORS[part], architecture)}.{kind}"
+    match = _EXPERT_TENSOR_RE.fullmatch(gguf_name)
+    if match:
+        layer, part, expert = match.groups()
+        return _expert_name(int(layer), int(expert), _STACKED_EXPERT_TENSORS[f"{part}_exps"], architecture)
     base, _, kind = gguf_name.rpartition(".")
     return f"{_GLOBAL_TENSORS[base]}.{kind}" if base in _GLOBAL_TENSORS else gguf_name
+
+
+def _moe_name(name: str, architecture: str) -> str:
+    """A layer-relative Hugging Face name with Mixtral's `block_sparse_moe` for a mixture's
+    `mlp`."""
+    if architecture == _MIXTURE_OF_LLAMA and name.split(".")[0] == "mlp":
+        return "block_sparse_moe" + name[len("mlp"):]
+    return name
+
+
+def _expert_name(layer: int, expert: int, projection: str, architecture: str) -> str:
+    """The Hugging Face weight name of one expert's gate_proj, up_proj or down_proj."""
+    projection = _EXPERT_NAMES.get(architecture, {}).get(projection, projection)
+    return f"model.layers.{layer}.{_moe_name('mlp', architecture)}.experts.{expert}.{projection}.weight"
 
 
 def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -184,7 +260,7 @@ def install_packed_linears(
     """Replace each linear layer (LM head excepted) whose GGUF tensors are all quantized by
     a layer built from their blocks; return the GGUF names consumed. Layers stored as
     F32/F16/BF16 stay float. An unsupported block type fails before anything is built."""
-    by_hf_name = {_hf_name(t.name): t for t in reader.tensors}
+    by_hf_name = {_hf_name(t.name, config.architecture): t for t in reader.tensors}
     plans: list[tuple[str, nn.Linear, list[Any]]] = []
     for module_name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or module_name.rsplit(".", 1)[-1] == "lm_head":
@@ -233,7 +309,16 @@ def iter_gguf_weights(
         heads = _rope_rows(tensor.name, config, arch)
         if heads is not None:
             weight = _unpermute_rope_rows(weight, heads)
-        yield _hf_name(tensor.name), weight
+        stacked = _LAYER_TENSOR_RE.fullmatch(tensor.name)
+        if stacked and stacked.group(2) in _STACKED_EXPERT_TENSORS:  # [E, N, K]: one expert at a time
+            layer, projection = int(stacked.group(1)), _STACKED_EXPERT_TENSORS[stacked.group(2)]
+            for expert, rows in enumerate(weight):
+                yield _expert_name(layer, expert, projection, config.architecture), rows
+            continue
+        name = _hf_name(tensor.name, config.architecture)
+        if name.endswith("shared_expert_gate.weight"):
+            weight = weight.reshape(1, -1)  # llama.cpp keeps this [1, H] gate as a vector
+        yield name, weight
 
 
 def gguf_architecture(reader: GGUFReader) -> str:

@@ -38,19 +38,28 @@ def test_unknown_architecture(tmp_path) -> None:
         load_model(str(tmp_path))
 
 
-def test_mixture_of_experts_gguf(tmp_path) -> None:
-    """llama.cpp writes Mixtral as architecture "llama" with an expert count."""
+@pytest.mark.parametrize(("fields", "error"), [
+    ({}, r"mixtral.gguf: missing GGUF metadata key llama.expert_used_count"),
+    ({"llama.expert_used_count": 2, "llama.expert_gating_func": 2},
+     r"mixtral.gguf: expert gating function 2 is not supported \(a softmax only\)"),
+])
+def test_mixture_of_experts_gguf_without_what_its_routing_needs(tmp_path, fields, error) -> None:
+    """llama.cpp writes Mixtral as architecture "llama" with an expert count; one without the
+    experts a token uses, or routed by other than a softmax, is refused by name."""
     import numpy as np
     from gguf import GGUFWriter
 
     path = str(tmp_path / "mixtral.gguf")
     writer = GGUFWriter(path, "llama")
+    writer.add_block_count(1)
     writer.add_expert_count(8)
+    for key, value in fields.items():
+        writer.add_uint32(key, value)
     writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
     for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
         write()
     writer.close()
-    with pytest.raises(ModelLoadError, match=r"mixtral.gguf: a mixture-of-experts GGUF file \(8 experts"):
+    with pytest.raises(ModelLoadError, match=error):
         load_model(path)
 
 
