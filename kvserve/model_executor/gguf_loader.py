@@ -1,7 +1,8 @@
 """Config and weights from a llama.cpp GGUF file: dequantized to the run dtype, or with
 the linear layers' blocks kept packed (quantization='gguf'). Mixtures of experts (Mixtral as
 llama.cpp's "llama" with experts, "qwen2moe", "qwen3moe") store each layer's experts stacked
-in one tensor a projection ([E, N, K]); they load dequantized, one expert at a time."""
+in one tensor a projection ([E, N, K]): dequantized one expert at a time, or with
+quantization='gguf' each expert's rows of blocks kept packed."""
 
 from __future__ import annotations
 
@@ -259,16 +260,17 @@ def install_packed_linears(
 ) -> set[str]:
     """Replace each linear layer (LM head excepted) whose GGUF tensors are all quantized by
     a layer built from their blocks; return the GGUF names consumed. Layers stored as
-    F32/F16/BF16 stay float. An unsupported block type fails before anything is built."""
-    by_hf_name = {_hf_name(t.name, config.architecture): t for t in reader.tensors}
-    plans: list[tuple[str, nn.Linear, list[Any]]] = []
+    F32/F16/BF16 stay float. An unsupported block type fails before anything is built. A
+    mixture's experts take their rows of the stacked expert tensors (consumed whole)."""
+    sources = _packing_sources(reader, config.architecture)
+    plans: list[tuple[str, nn.Linear, list[tuple[Any, int | None]]]] = []
     for module_name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or module_name.rsplit(".", 1)[-1] == "lm_head":
             continue
-        shards = [by_hf_name.get(f"{hf}.weight") for hf in model.hf_shard_names(module_name)]
-        if any(t is None for t in shards) or any(t.tensor_type in FLOAT_TYPES for t in shards):
+        shards = [sources.get(f"{hf}.weight") for hf in model.hf_shard_names(module_name)]
+        if any(s is None for s in shards) or any(t.tensor_type in FLOAT_TYPES for t, _ in shards):
             continue  # missing tensors are reported by load_weights; float ones load as float
-        for t in shards:
+        for t, _ in shards:
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise ModelLoadError(
                     f"{path}: tensor {t.name} ({module_name}) has GGUF type {t.tensor_type.name}; "
@@ -280,9 +282,9 @@ def install_packed_linears(
     for module_name, module, shards in tqdm(plans, desc="Repacking GGUF blocks", leave=False,
                                             disable=len(plans) < 64):
         parts = []
-        for t in shards:
+        for t, expert in shards:
             shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists dims innermost first
-            grid = unpack_blocks(t.data, t.tensor_type, shape, t.name)
+            grid = unpack_blocks(t.data if expert is None else t.data[expert], t.tensor_type, shape, t.name)
             heads = _rope_rows(t.name, config, arch)
             if heads is not None:
                 grid = grid.map_rows(lambda rows, h=heads: _unpermute_rope_rows(rows, h))
@@ -291,6 +293,21 @@ def install_packed_linears(
         parent_name, _, attr = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, grid_linear(parts, module.bias))
     return consumed
+
+
+def _packing_sources(reader: GGUFReader, architecture: str) -> dict[str, tuple[Any, int | None]]:
+    """Hugging Face weight name -> (its GGUF tensor, the expert's index in a stacked expert
+    tensor, or None for a tensor of its own)."""
+    sources: dict[str, tuple[Any, int | None]] = {}
+    for t in reader.tensors:
+        stacked = _LAYER_TENSOR_RE.fullmatch(t.name)
+        if stacked and stacked.group(2) in _STACKED_EXPERT_TENSORS:
+            layer, projection = int(stacked.group(1)), _STACKED_EXPERT_TENSORS[stacked.group(2)]
+            for expert in range(int(t.shape[2])):
+                sources[_expert_name(layer, expert, projection, architecture)] = (t, expert)
+        else:
+            sources[_hf_name(t.name, architecture)] = (t, None)
+    return sources
 
 
 def iter_gguf_weights(

@@ -41,6 +41,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -65,8 +66,9 @@ AUTO_DEQUANTIZE_MAX_FRACTION = 0.5
 # and those a symmetric int8 group-32 grid does.
 _INT4_EXACT_GGUF_TYPES = {"Q4_0", "Q4_1"}
 _INT8_EXACT_GGUF_TYPES = {"Q8_0"}
-_LINEAR_TENSOR_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-                           "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+# A GGUF's linear weights: attention, the MLP, and a mixture's experts (stacked, one tensor
+# each in older Mixtral files, or Qwen2-MoE's shared one).
+_LINEAR_TENSOR = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down)(_exps|_shexp|\.\d+)?)\.weight")
 # bf16 dense weights are used where a bf16 GEMM (activation casts included) is at least this
 # much faster than fp32 on the model's MLP shape; measured 3-5x with AMX, ~0.01x without.
 BF16_MIN_SPEEDUP = 2.0
@@ -187,7 +189,7 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
     """The plan for a model loaded in the run dtype (no quantization yet)."""
     if device.type != "cpu":
         return AutoPlan(reasons=[f"device {device.type}: weights stay in the run dtype"])
-    types = {kind for name, kind in loaded.gguf_tensor_types.items() if name.endswith(_LINEAR_TENSOR_SUFFIXES)}
+    types = {kind for name, kind in loaded.gguf_tensor_types.items() if _LINEAR_TENSOR.fullmatch(name)}
     if not types:
         return AutoPlan(reasons=["not a GGUF model: weights stay fp32 (bit-exact with transformers)"])
     if types <= _INT4_EXACT_GGUF_TYPES:

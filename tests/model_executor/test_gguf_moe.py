@@ -131,9 +131,9 @@ def greedy_and_logits(model, prompt: list[int], steps: int) -> tuple[list[int], 
         return generated, model(torch.tensor([prompt + generated])).logits[0].float()
 
 
-def ours(path: str, paged_runner, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """kvserve's greedy continuation and logits from the GGUF file: prefill, then decodes."""
-    loaded = load_model(path, skip_tokenizer_init=True)
+def ours(loaded, paged_runner, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """kvserve's greedy continuation of prompt and the logits of prompt + it: a prefill,
+    then decodes."""
     runner = paged_runner(loaded.model, loaded.config)
     logits = [runner.step([(0, prompt)])[0]]
     tokens: list[int] = []
@@ -161,7 +161,7 @@ def test_mixture_gguf_matches_the_transformers_model_it_came_from(model, layout,
         reread = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
                                                       config=hf_model.config).eval()
         torch.testing.assert_close(greedy_and_logits(reread, PROMPT, 12)[1], expected, atol=0, rtol=0)
-    tokens, logits = ours(path, paged_runner, PROMPT, 12)
+    tokens, logits = ours(load_model(path, skip_tokenizer_init=True), paged_runner, PROMPT, 12)
     assert tokens == expected_tokens
     torch.testing.assert_close(logits, expected[:-1], atol=1e-4, rtol=0)
 
@@ -178,7 +178,7 @@ def test_q8_0_experts_dequantize_as_transformers_reads_them(tmp_path, paged_runn
     expected_tokens, expected = greedy_and_logits(reread, PROMPT, 12)
     # The blocks moved the weights: the file is not the float model.
     assert not torch.allclose(expected, greedy_and_logits(hf_model, PROMPT, 12)[1], atol=1e-4)
-    tokens, logits = ours(path, paged_runner, PROMPT, 12)
+    tokens, logits = ours(load_model(path, skip_tokenizer_init=True), paged_runner, PROMPT, 12)
     assert tokens == expected_tokens
     torch.testing.assert_close(logits, expected[:-1], atol=1e-4, rtol=0)
 
@@ -211,3 +211,29 @@ def test_the_engine_serves_a_mixture_gguf_as_each_quantization_loads_it(tmp_path
                   max_model_len=256)
         output = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=8))
         assert output[0].outputs[0].token_ids == expected, quantization
+
+
+@pytest.mark.parametrize("expert_type", ["Q8_0", "Q4_0"])
+def test_packed_experts_are_their_rows_of_the_files_blocks(expert_type, tmp_path, paged_runner) -> None:
+    """quantization='gguf': each expert a layer built from its rows of the stacked blocks (the
+    stacked tensor never dequantized whole), equal to gguf-py's dequantization of those rows,
+    and the model's greedy tokens those of transformers' reader of the file."""
+    from kvserve.quantization.base import QuantizedLinear
+
+    make, arch = MODELS["qwen3-moe"]
+    hf_model = make().eval()
+    randomize(hf_model, 3)
+    path = write_gguf(hf_model, str(tmp_path), arch, expert_type=expert_type)
+    loaded = load_model(path, quantization="gguf", skip_tokenizer_init=True)
+    stacked = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_down_exps.weight")
+    expected = torch.from_numpy(np.array(gguf.quants.dequantize(stacked.data, stacked.tensor_type)))
+    for expert in range(4):
+        layer = loaded.model.model.layers[1].mlp.experts[expert].down_proj
+        assert isinstance(layer, QuantizedLinear)
+        torch.testing.assert_close(layer.dequantize(torch.float32), expected[expert], atol=1e-6, rtol=0)
+    reread = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
+                                                  config=hf_model.config).eval()
+    expected_tokens, expected = greedy_and_logits(reread, PROMPT, 12)
+    tokens, logits = ours(loaded, paged_runner, PROMPT, 12)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected[:-1], atol=1e-3, rtol=0)

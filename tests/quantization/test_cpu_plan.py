@@ -4,6 +4,7 @@ checked against the fp32 dequantized weights and logits as the reference."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -161,6 +162,10 @@ def test_q8_0_gguf_becomes_int8_groups_holding_its_grid_exactly(q8_0_path):
     assert torch.equal(module(x), module.dense_weight.linear(x))
     fp32.gguf_tensor_types["blk.0.attn_q.weight"] = "Q4_1"  # a file of mixed types: no plan
     assert resolve_auto_quantization(fp32, CPU).quantization is None
+    # A mixture's experts count among the linears, in each of llama.cpp's layouts.
+    for expert_tensor in ("blk.0.ffn_down_exps.weight", "blk.0.ffn_up.3.weight", "blk.1.ffn_gate_shexp.weight"):
+        types = dict(fp32.gguf_tensor_types, **{"blk.0.attn_q.weight": "Q8_0", expert_tensor: "Q6_K"})
+        assert resolve_auto_quantization(dataclasses.replace(fp32, gguf_tensor_types=types), CPU).quantization is None
 
 
 def test_bf16_probe_measures_this_cpu():
