@@ -123,6 +123,18 @@ def _add(writer, name: str, weight: np.ndarray, expert_type: str) -> None:
         writer.add_tensor(name, gguf.quants.quantize(weight, quant), raw_dtype=quant)
 
 
+def qwen3_moe_file(directory: str, expert_type: str, seed: int):
+    """A random tiny Qwen3-MoE, its GGUF file with experts as `expert_type` blocks, and
+    transformers' model read back from that file (the blocks' values)."""
+    make, arch = MODELS["qwen3-moe"]
+    hf_model = make().eval()
+    randomize(hf_model, seed)
+    path = write_gguf(hf_model, directory, arch, expert_type=expert_type)
+    reread = AutoModelForCausalLM.from_pretrained(directory, gguf_file=os.path.basename(path),
+                                                  config=hf_model.config).eval()
+    return hf_model, path, reread
+
+
 def greedy_and_logits(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy continuation of prompt and the logits of prompt + it."""
     with torch.no_grad():
@@ -169,12 +181,7 @@ def test_mixture_gguf_matches_the_transformers_model_it_came_from(model, layout,
 def test_q8_0_experts_dequantize_as_transformers_reads_them(tmp_path, paged_runner) -> None:
     """Experts stored as Q8_0 blocks: kvserve's logits against transformers' GGUF reader on
     the same file (both from the blocks' values)."""
-    make, arch = MODELS["qwen3-moe"]
-    hf_model = make().eval()
-    randomize(hf_model, 1)
-    path = write_gguf(hf_model, str(tmp_path), arch, expert_type="Q8_0")
-    reread = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
-                                                  config=hf_model.config).eval()
+    hf_model, path, reread = qwen3_moe_file(str(tmp_path), "Q8_0", seed=1)
     expected_tokens, expected = greedy_and_logits(reread, PROMPT, 12)
     # The blocks moved the weights: the file is not the float model.
     assert not torch.allclose(expected, greedy_and_logits(hf_model, PROMPT, 12)[1], atol=1e-4)
@@ -194,17 +201,12 @@ def test_mixture_config_from_the_file(tmp_path) -> None:
 
 
 def test_the_engine_serves_a_mixture_gguf_as_each_quantization_loads_it(tmp_path) -> None:
-    """LLM(model=file) as a user runs it, the Q8_0 experts dequantized (quantization None),
-    beside the file's packed attention blocks (gguf) or the CPU plan (auto): the greedy
-    tokens of transformers' reader of the file."""
+    """LLM(model=file) as a user runs it, its Q8_0 experts dequantized (quantization None),
+    run from their blocks (gguf) or as the CPU plan takes them (auto): the greedy tokens of
+    transformers' reader of the file."""
     from kvserve import LLM, SamplingParams
 
-    make, arch = MODELS["qwen3-moe"]
-    hf_model = make().eval()
-    randomize(hf_model, 2)
-    path = write_gguf(hf_model, str(tmp_path), arch, expert_type="Q8_0")
-    reread = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
-                                                  config=hf_model.config).eval()
+    _, path, reread = qwen3_moe_file(str(tmp_path), "Q8_0", seed=2)
     expected, _ = greedy_and_logits(reread, PROMPT, 8)
     for quantization in (None, "gguf", "auto"):
         llm = LLM(model=path, quantization=quantization, skip_tokenizer_init=True, kv_cache_memory="64MiB",
@@ -220,10 +222,7 @@ def test_packed_experts_are_their_rows_of_the_files_blocks(expert_type, tmp_path
     and the model's greedy tokens those of transformers' reader of the file."""
     from kvserve.quantization.base import QuantizedLinear
 
-    make, arch = MODELS["qwen3-moe"]
-    hf_model = make().eval()
-    randomize(hf_model, 3)
-    path = write_gguf(hf_model, str(tmp_path), arch, expert_type=expert_type)
+    _, path, reread = qwen3_moe_file(str(tmp_path), expert_type, seed=3)
     loaded = load_model(path, quantization="gguf", skip_tokenizer_init=True)
     stacked = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_down_exps.weight")
     expected = torch.from_numpy(np.array(gguf.quants.dequantize(stacked.data, stacked.tensor_type)))
@@ -231,8 +230,6 @@ def test_packed_experts_are_their_rows_of_the_files_blocks(expert_type, tmp_path
         layer = loaded.model.model.layers[1].mlp.experts[expert].down_proj
         assert isinstance(layer, QuantizedLinear)
         torch.testing.assert_close(layer.dequantize(torch.float32), expected[expert], atol=1e-6, rtol=0)
-    reread = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
-                                                  config=hf_model.config).eval()
     expected_tokens, expected = greedy_and_logits(reread, PROMPT, 12)
     tokens, logits = ours(loaded, paged_runner, PROMPT, 12)
     assert tokens == expected_tokens
