@@ -313,29 +313,36 @@ def _packing_sources(reader: GGUFReader, architecture: str) -> dict[str, tuple[A
 def iter_gguf_weights(
     reader: GGUFReader, path: str, config: ModelConfig, arch: str, skip: set[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, fp32 CPU tensor) for every weight in the file not in skip."""
+    """Yield (Hugging Face name, fp32 CPU tensor) for every weight in the file not in skip; a
+    stacked expert tensor one expert at a time (only that expert's fp32 copy at once)."""
     for tensor in tqdm(reader.tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor",
                        disable=len(reader.tensors) < 64, leave=False):
         if tensor.name == _ROPE_FREQS or tensor.name in skip:
             continue
-        try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-        except Exception as e:
-            raise ModelLoadError(f"{path}: cannot dequantize tensor {tensor.name}: {e}") from e
-        weight = torch.from_numpy(np.array(array, dtype=np.float32))
+        stacked = _LAYER_TENSOR_RE.fullmatch(tensor.name)
+        if stacked and stacked.group(2) in _STACKED_EXPERT_TENSORS:  # [E, N, K]
+            layer, projection = int(stacked.group(1)), _STACKED_EXPERT_TENSORS[stacked.group(2)]
+            for expert, rows in enumerate(tensor.data):
+                name = _expert_name(layer, expert, projection, config.architecture)
+                yield name, _dequantized(rows, tensor, path)
+            continue
+        weight = _dequantized(tensor.data, tensor, path)
         heads = _rope_rows(tensor.name, config, arch)
         if heads is not None:
             weight = _unpermute_rope_rows(weight, heads)
-        stacked = _LAYER_TENSOR_RE.fullmatch(tensor.name)
-        if stacked and stacked.group(2) in _STACKED_EXPERT_TENSORS:  # [E, N, K]: one expert at a time
-            layer, projection = int(stacked.group(1)), _STACKED_EXPERT_TENSORS[stacked.group(2)]
-            for expert, rows in enumerate(weight):
-                yield _expert_name(layer, expert, projection, config.architecture), rows
-            continue
         name = _hf_name(tensor.name, config.architecture)
         if name.endswith("shared_expert_gate.weight"):
             weight = weight.reshape(1, -1)  # llama.cpp keeps this [1, H] gate as a vector
         yield name, weight
+
+
+def _dequantized(data: np.ndarray, tensor: Any, path: str) -> torch.Tensor:
+    """`data` (all or part of `tensor`'s rows, as stored) as an fp32 CPU tensor."""
+    try:
+        array = dequantize(data, tensor.tensor_type)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot dequantize tensor {tensor.name}: {e}") from e
+    return torch.from_numpy(np.array(array, dtype=np.float32))
 
 
 def gguf_architecture(reader: GGUFReader) -> str:
