@@ -10,11 +10,11 @@ mixture-of-experts layer runs it.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.benchmarks.graph_timing import replay_us
 from kvserve.ops import dense_gemv
 from kvserve.ops.pending_norm import PendingNorm
 
@@ -36,15 +36,7 @@ def time_us(calls) -> float:
     with torch.cuda.graph(graph):
         for i in range(CALLS):
             calls(i)
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(times)
+    return replay_us(graph, CALLS, rounds=7)
 
 
 def main() -> None:

@@ -10,10 +10,10 @@ expert bytes a call must read (each chosen expert once).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from kvserve.benchmarks.graph_timing import replay_us
 from kvserve.ops.expert_weights import ExpertWeights, weight_format
 from kvserve.ops.fused_moe import fused_experts
 from kvserve.ops.fused_moe_configs import config_for
@@ -40,15 +40,7 @@ def time_us(call, repeats: int = 20, rounds: int = 7) -> float:
     with torch.cuda.graph(graph):
         for _ in range(repeats):
             call()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / repeats)
-    return statistics.median(times)
+    return replay_us(graph, repeats, rounds)
 
 
 def main() -> None:

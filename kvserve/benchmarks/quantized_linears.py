@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -24,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.benchmarks.graph_timing import replay_us
 from kvserve.benchmarks.roofline import copy_bandwidth
 from kvserve.ops.quant.fp8_w8a8 import decode_config
 from kvserve.ops.quant.weight_only import LaunchConfig, weight_only_matmul
@@ -179,16 +179,7 @@ def time_calls(calls: list[Callable[[], object]], repeats: int = 20) -> float:
         for _ in range(repeats):
             for call in calls:
                 call()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (repeats * len(calls)))
-    return statistics.median(times)
+    return replay_us(graph, repeats * len(calls))
 
 
 def _stored_format(fmt: str) -> str:
