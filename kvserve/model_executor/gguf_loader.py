@@ -337,8 +337,14 @@ def iter_gguf_weights(
 
 
 def _dequantized(data: np.ndarray, tensor: Any, path: str) -> torch.Tensor:
-    """`data` (all or part of `tensor`'s rows, as stored) as an fp32 CPU tensor."""
+    """`data` (all or part of `tensor`'s rows, as stored) as an fp32 CPU tensor. The block
+    types we pack unpack with torch, whole tensors at once: the same values as gguf-py's
+    numpy dequantizer (exact grids), which works row group by row group and took ~40% of
+    loading the embedded model."""
     try:
+        if tensor.tensor_type in SUPPORTED_TYPES and data.ndim == 2:
+            shape = (data.shape[0], int(tensor.shape[0]))  # GGUF lists the row length first
+            return unpack_blocks(data, tensor.tensor_type, shape, tensor.name).dequantize()
         array = dequantize(data, tensor.tensor_type)
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot dequantize tensor {tensor.name}: {e}") from e
