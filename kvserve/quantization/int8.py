@@ -83,11 +83,11 @@ OWN_KERNEL_MAX_GROUP = 255 * 16
 class GroupInt8Linear(QuantizedLinear):
     """int8 q with an fp32 scale (and optional offset) per group of `group_size` input
     elements: w = q * scale + offset. Holds grids that per-channel int8 cannot express
-    exactly (GGUF Q8_0/Q5_K/Q6_K, 8-bit GPTQ). On CPU, decode rows of symmetric groups of a
-    multiple of 16 columns run kvserve's int8 kernel with group scales; whole-row groups with
-    offsets torch's int8 kernel (one scale an output channel); other grids dequantize per
-    call: on 2 CPU cores no loop-free grouped torch form (a batched bmm over groups, or the
-    per-channel kernel on group-masked activations) beat that or fp32."""
+    exactly (GGUF Q8_0/Q5_K/Q6_K, 8-bit GPTQ). On CPU, decode rows of groups of a multiple of
+    16 columns (or whole rows), with or without offsets, run kvserve's int8 kernel; where it is
+    not built, whole-row groups run torch's int8 kernel (one scale an output channel); other
+    grids dequantize per call: on 2 CPU cores no loop-free grouped torch form (a batched bmm
+    over groups, or the per-channel kernel on group-masked activations) beat that or fp32."""
 
     def __init__(
         self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group_size: int,
@@ -104,11 +104,10 @@ class GroupInt8Linear(QuantizedLinear):
         self.has_kernel = group_size == self.in_features and self.in_features % 16 == 0
         if self.has_kernel:
             self.register_buffer("kernel_scale", self.scale[:, 0].to(torch.bfloat16), persistent=False)
-        # kvserve's own kernel (fp32 activations) takes symmetric groups of a multiple of 16
-        # columns (GGUF's Q8_0 and Q6_K); for CPU weights only (CUDA ones run Triton).
+        # kvserve's own kernel (fp32 activations) takes groups of a multiple of 16 columns (GGUF's
+        # Q8_0, Q6_K and Q5_K); for CPU weights only (CUDA ones run Triton).
         kernel_groups = group_size == self.in_features or (group_size % 16 == 0 and group_size <= OWN_KERNEL_MAX_GROUP)
-        self.own_kernel = (int8_matmul_op() if offset is None and kernel_groups and q.device.type == "cpu"
-                           else None)
+        self.own_kernel = int8_matmul_op() if kernel_groups and q.device.type == "cpu" else None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.qweight.shape
@@ -125,7 +124,8 @@ class GroupInt8Linear(QuantizedLinear):
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         rows = x.reshape(-1, self.in_features)
         if self.own_kernel is not None and x.dtype == torch.float32:
-            return self.own_kernel(rows, self.qweight, self.scale).reshape(*x.shape[:-1], self.out_features)
+            y = self.own_kernel(rows, self.qweight, self.scale, self.offset)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if not self.has_kernel:
             return None
         y = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.qweight, self.kernel_scale).to(x.dtype)

@@ -80,24 +80,28 @@ def test_four_bit_shards_stack_into_the_int4_kernel_layout(qtype):
 
 
 def test_mixed_shards_become_group_int8_at_the_narrowest_group():
-    """A Q4_K_M-style qkv: q and k in Q4_K, v in Q6_K (16-wide groups) -> one int8 layer."""
+    """A Q4_K_M-style qkv: q and k in Q4_K, v in Q6_K (16-wide groups) -> one int8 layer with
+    offsets, whose decode rows run kvserve's int8 kernel where it is built."""
     types = (T.Q4_K, T.Q4_K, T.Q6_K)
     shards = [random_blocks(t, rows, 512, seed) for seed, (t, rows) in enumerate(zip(types, (64, 32, 32)))]
     layer = grid_linear([unpack_blocks(raw, t, (raw.shape[0], 512), "w") for raw, t in zip(shards, types)], None)
-    assert isinstance(layer, GroupInt8Linear) and layer.group_size == 16
+    assert isinstance(layer, GroupInt8Linear) and layer.group_size == 16 and layer.offset is not None
+    assert (layer.own_kernel is not None) == (int8_matmul_op() is not None)
     assert layer.weight_bytes() < 0.4 * 4 * 128 * 512
     _check_layer(layer, torch.cat([reference(raw, t) for raw, t in zip(shards, types)]))
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q5_K])
 def test_int8_types_have_int8_storage(qtype):
-    """Symmetric 32- and 16-wide groups: decode rows run kvserve's int8 kernel with group
-    scales where it is built, which rounds each row of x to int16 (scale: its largest |x| /
-    32767), so they are held to that rounding's bound; more rows compute in fp32."""
+    """Symmetric 32- and 16-wide groups, and Q5_K's 32-wide ones with offsets: decode rows run
+    kvserve's int8 kernel with group scales where it is built, which rounds each row of x to
+    int16 (scale: its largest |x| / 32767), so they are held to that rounding's bound; more rows
+    compute in fp32."""
     raw = random_blocks(qtype, 48, 256, seed=5)
     layer = grid_linear([unpack_blocks(raw, qtype, (48, 256), "w")], torch.ones(48))
     assert isinstance(layer, GroupInt8Linear) and layer.qweight.dtype == torch.int8
-    assert layer.offset is None and (layer.own_kernel is not None) == (int8_matmul_op() is not None)
+    assert (layer.offset is None) == (qtype != T.Q5_K)
+    assert (layer.own_kernel is not None) == (int8_matmul_op() is not None)
     weight = reference(raw, qtype).double()
     for rows in (3, CPU_KERNEL_MAX_ROWS + 1):
         x = torch.randn(rows, 256)

@@ -1,8 +1,9 @@
 """kvserve's own CPU kernels (C++ in csrc/), built on first use for the CPU at hand, for the
 few rows of a decode step:
 
-* `int8_matmul`: y = x @ (q * scale)^T with fp32 activations, one scale an output channel
-  or one a group of columns (a multiple of 16: GGUF's Q8_0 grid). torch's `_weight_int8pack_mm`
+* `int8_matmul`: y = x @ (q * scale + offset)^T with fp32 activations, one scale an output
+  channel or one a group of columns (a multiple of 16: GGUF's Q8_0 and Q6_K grids), and
+  optionally an offset per group (Q5_K, and Q4_K stacked with Q6_K in one layer). torch's `_weight_int8pack_mm`
   wants bf16 activations (a cast in and one out per call) and streams the weight at well
   under the memory bandwidth (about a quarter of it at one row on a 2-core EPYC); this one
   quantizes each activation row to int16 and runs int16 multiply-adds, which keep up with
@@ -126,7 +127,7 @@ def available() -> bool:
     return _built()
 
 
-def int8_matmul_op() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+def int8_matmul_op() -> Callable[..., torch.Tensor] | None:
     """torch.ops.kvserve_cpu.int8_matmul, built if needed; None where it cannot be built."""
     return torch.ops.kvserve_cpu.int8_matmul if _built() else None
 
@@ -151,7 +152,8 @@ def lora_add_op() -> Callable[..., None] | None:
     return torch.ops.kvserve_cpu.lora_add_ if _built() else None
 
 
-def _matmul_shape(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _matmul_shape(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                  offset: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0])
 
 

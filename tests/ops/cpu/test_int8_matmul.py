@@ -58,6 +58,31 @@ def test_int8_matmul_with_group_scales_equals_the_dequantized_matmul(int8_matmul
     torch.testing.assert_close(y.double(), x_rounded @ weight.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("n,k,group", [(37, 64, 32), (64, 576, 16), (130, 1536, 128), (9, 200, 200)])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_int8_matmul_with_group_offsets_equals_the_dequantized_matmul(int8_matmul, n, k, group, rows):
+    """w = q * scale + offset per group (GGUF Q5_K, Q4_K held as int8): the offsets meet the
+    unrounded group sums of x, so the reference rounds x only in the q * scale part; one
+    whole-row group (k = group = 200) too."""
+    torch.manual_seed(n * k + rows + group + 1)
+    q = torch.randint(0, 32, (n, k), dtype=torch.int8)
+    scale = torch.rand(n, k // group) * 0.01 + 1e-4
+    offset = -torch.rand(n, k // group) * 0.2
+    x = torch.randn(rows, k)
+    x[-1] = 0.0  # a zero row: its int16 scale is the 1.0 fallback, its sums 0
+    scaled = (q.double().reshape(n, -1, group) * scale.double()[..., None]).reshape(n, k)
+    offsets = offset.double().repeat_interleave(group, dim=1)
+    x_scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 32767
+    x_rounded = torch.round(x * (1 / x_scale)).double() * x_scale.double()
+    y = int8_matmul(x, q, scale, offset)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    torch.testing.assert_close(y.double(), x_rounded @ scaled.T + x.double() @ offsets.T, rtol=1e-5, atol=1e-4)
+    assert torch.equal(y[-1], torch.zeros(n))
+    # Each row's result is the same at every row count (batch-invariant decode).
+    for i in range(rows):
+        assert torch.equal(int8_matmul(x[i:i + 1], q, scale, offset), y[i:i + 1]), i
+
+
 def test_int8_matmul_rejects_groups_it_cannot_take(int8_matmul):
     q = torch.zeros(4, 48, dtype=torch.int8)
     with pytest.raises(RuntimeError, match="multiple of 16"):
@@ -73,8 +98,10 @@ def test_int8_matmul_inside_a_compiled_graph(int8_matmul):
     torch.manual_seed(0)
     q, scale = quantize_int8(torch.randn(96, 64))
 
+    offset = torch.randn(96, 1)
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(int8_matmul(x * 2, q, scale))
+        return torch.relu(int8_matmul(x * 2, q, scale)) + int8_matmul(x, q, scale, offset)
 
     compiled = torch.compile(forward, fullgraph=True)
     x = torch.randn(2, 64)
@@ -87,6 +114,8 @@ def test_bad_inputs_name_what_is_wrong(int8_matmul):
         int8_matmul(torch.randn(1, 15), q, scale)
     with pytest.raises(RuntimeError, match="x must be 2-D fp32"):
         int8_matmul(torch.randn(1, 16, dtype=torch.float64), q, scale)
+    with pytest.raises(RuntimeError, match="offset must be fp32 shaped as scale"):
+        int8_matmul(torch.randn(1, 16), q, scale, torch.zeros(8, 2))
 
 
 def test_int8_matmul_does_not_overflow_its_int32_sums(int8_matmul):

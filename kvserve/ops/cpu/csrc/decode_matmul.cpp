@@ -1,6 +1,6 @@
 // y = x @ (q * scale[:, None])^T for a few fp32 rows x [M, K], int8 q [N, K], fp32 scale [N]
 // (one per output channel) or [N, G] (one per group of K / G columns, a multiple of 16: GGUF's
-// Q8_0 grid, 32 wide, held exactly).
+// Q8_0 and Q6_K grids, 32 and 16 wide, held exactly), plus an optional offset per group.
 //
 // Decode reads each weight once per step, and converting int8 weights to fp32 for FMAs costs
 // more instructions than the memory system leaves time for (measured: ~5 GMAC/s a core on an
@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 // The int4 kernel on 128-column blocks (int4_dot_blocks) needs AVX-512 BW, DQ and VL.
@@ -262,116 +263,6 @@ void group_dot_rows(const int16_t* xq, int64_t x_stride, const int8_t* q, int64_
 #endif
 }
 
-at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_matmul: x must be 2-D fp32");
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
-              "int8_matmul: q must be contiguous int8 [N, K]");
-  TORCH_CHECK(q.size(1) == x.size(1), "int8_matmul: x has ", x.size(1), " columns, q ", q.size(1));
-  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
-  const int64_t groups = n > 0 ? scale.numel() / n : 1;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n * groups && groups >= 1,
-              "int8_matmul: scale must be fp32 [N] or [N, G]");
-  const int64_t group = k / std::max<int64_t>(groups, 1);
-  TORCH_CHECK(groups == 1 || (k % groups == 0 && group % kLanes == 0 && group <= kFlushColumns),
-              "int8_matmul: ", groups, " scale groups a row need groups of a multiple of ", kLanes,
-              " columns (at most ", kFlushColumns, ") that divide the ", k, " input columns");
-  const at::Tensor xc = x.contiguous();
-  const at::Tensor sc = scale.contiguous();
-  at::Tensor y = at::empty({m, n}, xc.options());
-  const QuantizedRows rows = quantize_rows(xc.data_ptr<float>(), m, k);
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = sc.data_ptr<float>();
-  if (groups > 1) {
-    over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t x_rows, int64_t row, int64_t count,
-                                                  float* partial) {
-      const int16_t* xq = rows.values.data() + i * rows.padded;
-      const int8_t* tile = qp + row * k;
-      const float* tile_scale = sp + row * groups;
-      // X * R int32 and X * R fp32 sums must stay in the 16 vector registers: one row of x takes
-      // the tile whole, two rows take it in halves.
-      constexpr int64_t kHalf = kRowsPerTile / 2;
-      if (count == kRowsPerTile && x_rows == 1) {
-        group_dot_rows<1, kRowsPerTile>(xq, rows.padded, tile, k, tile_scale, groups, group, partial,
-                                        prefetch_target(qp, i, row, n, k));
-      } else if (count == kRowsPerTile) {
-        float half[kXRowsPerPass * kHalf];
-        for (int64_t h = 0; h < kRowsPerTile; h += kHalf) {
-          const int8_t* prefetch = h == 0 ? prefetch_target(qp, i, row, n, k) : nullptr;
-          group_dot_rows<kXRowsPerPass, kHalf>(xq, rows.padded, tile + h * k, k, tile_scale + h * groups, groups,
-                                               group, half, prefetch);
-          for (int64_t j = 0; j < x_rows; ++j)
-            for (int64_t r = 0; r < kHalf; ++r) partial[j * kRowsPerTile + h + r] = half[j * kHalf + r];
-        }
-      } else {
-        for (int64_t j = 0; j < x_rows; ++j)
-          for (int64_t r = 0; r < count; ++r)
-            group_dot_rows<1, 1>(xq + j * rows.padded, rows.padded, tile + r * k, k, tile_scale + r * groups,
-                                 groups, group, partial + j * kRowsPerTile + r, nullptr);
-      }
-      for (int64_t j = 0; j < x_rows; ++j)
-        for (int64_t r = 0; r < count; ++r) partial[j * kRowsPerTile + r] *= rows.scales[i + j];
-    });
-    return y;
-  }
-  over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t x_rows, int64_t row, int64_t count, float* partial) {
-    const int16_t* xq = rows.values.data() + i * rows.padded;
-    const int8_t* tile = qp + row * k;
-    const int8_t* prefetch = prefetch_target(qp, i, row, n, k);
-    if (count == kRowsPerTile && x_rows == kXRowsPerPass) {
-      dot_rows<kXRowsPerPass, kRowsPerTile>(xq, rows.padded, tile, k, partial, prefetch);
-    } else if (count == kRowsPerTile) {  // the last, partial pass over x
-      for (int64_t j = 0; j < x_rows; ++j)
-        dot_rows<1, kRowsPerTile>(xq + j * rows.padded, rows.padded, tile, k, partial + j * kRowsPerTile, prefetch);
-    } else {
-      for (int64_t j = 0; j < x_rows; ++j)
-        for (int64_t r = 0; r < count; ++r)
-          dot_rows<1, 1>(xq + j * rows.padded, rows.padded, tile + r * k, k, partial + j * kRowsPerTile + r, nullptr);
-    }
-    for (int64_t j = 0; j < x_rows; ++j)
-      for (int64_t r = 0; r < count; ++r) partial[j * kRowsPerTile + r] *= rows.scales[i + j] * sp[row + r];
-  });
-  return y;
-}
-
-// y = x @ W^T for a few fp32 rows x [M, K] and 4-bit weights W[n, k] = q[n, k] * scale[n, g] +
-// minimum[n, g] (g = k / group, group a multiple of 32), q stored as nibble pairs (byte j of a
-// row: k = 2j in the low nibble, 2j + 1 in the high one; the GPU kernel's layout). As the int8
-// kernel, x goes to int16 per row; its columns are deinterleaved per 32 (the 16 even ones,
-// then the 16 odd ones), so a 16-byte load of q widens into two int16 vectors, low and high
-// nibbles, that meet their x lanes with one vpmaddwd each. A group's int32 sums take its
-// scale in fp32; the minimums meet per-group sums of x.
-constexpr int64_t kInt4Chunk = 32;  // columns a 16-byte load holds
-
-// Rows of x as int16, each 32-column chunk deinterleaved (even columns, then odd), with
-// per-row scales, and each row's per-group sums of x (fp32, unrounded).
-struct Int4Rows {
-  std::vector<int16_t> values;
-  std::vector<float> scales;
-  std::vector<float> group_sums;  // [M, K / group]
-};
-
-#if defined(__AVX2__)
-// One chunk (kInt4Chunk columns) of a row of x times `inverse`, rounded to the nearest int16
-// (ties to even, as std::nearbyint): its even columns to `even`, its odd ones to `odd`.
-inline void store_int16_chunk(const float* x, __m256 inverse, int16_t* even, int16_t* odd) {
-  __m256 v[4];
-  for (int64_t q = 0; q < 4; ++q) v[q] = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * q), inverse);
-  for (int64_t parity = 0; parity < 2; ++parity) {
-    __m256i words[2];
-    for (int64_t h = 0; h < 2; ++h) {
-      // Per 128-bit lane a0 a2 b0 b2 | a4 a6 b4 b6 (odd: a1 a3 ...), then the 64-bit pairs in order.
-      const __m256 mixed = parity ? _mm256_shuffle_ps(v[2 * h], v[2 * h + 1], _MM_SHUFFLE(3, 1, 3, 1))
-                                  : _mm256_shuffle_ps(v[2 * h], v[2 * h + 1], _MM_SHUFFLE(2, 0, 2, 0));
-      const __m256d ordered = _mm256_permute4x64_pd(_mm256_castps_pd(mixed), _MM_SHUFFLE(3, 1, 2, 0));
-      words[h] = _mm256_cvtps_epi32(_mm256_castpd_ps(ordered));
-    }
-    // packs interleaves its inputs' 128-bit lanes: put them back in column order.
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(words[0], words[1]), _MM_SHUFFLE(3, 1, 2, 0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(parity ? odd : even), packed);
-  }
-}
-#endif
-
 // Scales and minimums are fp32, or fp16 where that holds them exactly (GGUF Q4_1's d and m):
 // a g32 layer's are a third of its bytes in fp32, a fifth in fp16.
 inline float as_float(float value) { return value; }
@@ -426,6 +317,151 @@ inline float minimum_offset(const Scale* minimum, const float* sums, int64_t gro
   for (; g < groups; ++g) offset = std::fma(as_float(minimum[g]), sums[g], offset);
   return offset;
 }
+
+// A row of x's per-group sums, in column order; eight groups' chains of adds side by side, so
+// that they overlap (one chain at a time waited on every add: 4.7 us of k = 1536).
+inline void row_group_sums(const float* row, int64_t group, int64_t groups, float* out) {
+  constexpr int64_t kChains = 8;
+  int64_t g = 0;
+  for (; g + kChains <= groups; g += kChains) {
+    float sums[kChains] = {};
+    for (int64_t c = 0; c < group; ++c)
+      for (int64_t u = 0; u < kChains; ++u) sums[u] += row[(g + u) * group + c];
+    std::copy(sums, sums + kChains, out + g);
+  }
+  for (; g < groups; ++g) {
+    float sum = 0.f;
+    for (int64_t c = g * group; c < (g + 1) * group; ++c) sum += row[c];
+    out[g] = sum;
+  }
+}
+
+// With `offset` [N, G] (GGUF Q4_K/Q5_K grids held as int8): w = q * scale + offset per group, and
+// each group's offset meets that group's sum of x (fp32, unrounded), as the int4 kernel's minimums.
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& offset) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_matmul: x must be 2-D fp32");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
+              "int8_matmul: q must be contiguous int8 [N, K]");
+  TORCH_CHECK(q.size(1) == x.size(1), "int8_matmul: x has ", x.size(1), " columns, q ", q.size(1));
+  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
+  const int64_t groups = n > 0 ? scale.numel() / n : 1;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n * groups && groups >= 1,
+              "int8_matmul: scale must be fp32 [N] or [N, G]");
+  const int64_t group = k / std::max<int64_t>(groups, 1);
+  TORCH_CHECK(groups == 1 || (k % groups == 0 && group % kLanes == 0 && group <= kFlushColumns),
+              "int8_matmul: ", groups, " scale groups a row need groups of a multiple of ", kLanes,
+              " columns (at most ", kFlushColumns, ") that divide the ", k, " input columns");
+  TORCH_CHECK(!offset || (offset->scalar_type() == at::kFloat && offset->numel() == n * groups),
+              "int8_matmul: offset must be fp32 shaped as scale");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor sc = scale.contiguous();
+  const at::Tensor oc = offset ? offset->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({m, n}, xc.options());
+  const QuantizedRows rows = quantize_rows(xc.data_ptr<float>(), m, k);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  const float* op = offset ? oc.data_ptr<float>() : nullptr;
+  std::vector<float> sums(op ? m * groups : 0);
+  for (int64_t i = 0; op && i < m; ++i) row_group_sums(xc.data_ptr<float>() + i * k, group, groups, sums.data() + i * groups);
+  // partial[j, r] (x row i + j, weight row `row` + r) += that weight row's offsets against x's group sums.
+  const auto add_offsets = [&](int64_t i, int64_t x_rows, int64_t row, int64_t count, float* partial) {
+    for (int64_t j = 0; op && j < x_rows; ++j)
+      for (int64_t r = 0; r < count; ++r)
+        partial[j * kRowsPerTile + r] += minimum_offset(op + (row + r) * groups, sums.data() + (i + j) * groups, groups);
+  };
+  if (groups > 1) {
+    over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t x_rows, int64_t row, int64_t count,
+                                                  float* partial) {
+      const int16_t* xq = rows.values.data() + i * rows.padded;
+      const int8_t* tile = qp + row * k;
+      const float* tile_scale = sp + row * groups;
+      // X * R int32 and X * R fp32 sums must stay in the 16 vector registers: one row of x takes
+      // the tile whole, two rows take it in halves.
+      constexpr int64_t kHalf = kRowsPerTile / 2;
+      if (count == kRowsPerTile && x_rows == 1) {
+        group_dot_rows<1, kRowsPerTile>(xq, rows.padded, tile, k, tile_scale, groups, group, partial,
+                                        prefetch_target(qp, i, row, n, k));
+      } else if (count == kRowsPerTile) {
+        float half[kXRowsPerPass * kHalf];
+        for (int64_t h = 0; h < kRowsPerTile; h += kHalf) {
+          const int8_t* prefetch = h == 0 ? prefetch_target(qp, i, row, n, k) : nullptr;
+          group_dot_rows<kXRowsPerPass, kHalf>(xq, rows.padded, tile + h * k, k, tile_scale + h * groups, groups,
+                                               group, half, prefetch);
+          for (int64_t j = 0; j < x_rows; ++j)
+            for (int64_t r = 0; r < kHalf; ++r) partial[j * kRowsPerTile + h + r] = half[j * kHalf + r];
+        }
+      } else {
+        for (int64_t j = 0; j < x_rows; ++j)
+          for (int64_t r = 0; r < count; ++r)
+            group_dot_rows<1, 1>(xq + j * rows.padded, rows.padded, tile + r * k, k, tile_scale + r * groups,
+                                 groups, group, partial + j * kRowsPerTile + r, nullptr);
+      }
+      for (int64_t j = 0; j < x_rows; ++j)
+        for (int64_t r = 0; r < count; ++r) partial[j * kRowsPerTile + r] *= rows.scales[i + j];
+      add_offsets(i, x_rows, row, count, partial);
+    });
+    return y;
+  }
+  over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t x_rows, int64_t row, int64_t count, float* partial) {
+    const int16_t* xq = rows.values.data() + i * rows.padded;
+    const int8_t* tile = qp + row * k;
+    const int8_t* prefetch = prefetch_target(qp, i, row, n, k);
+    if (count == kRowsPerTile && x_rows == kXRowsPerPass) {
+      dot_rows<kXRowsPerPass, kRowsPerTile>(xq, rows.padded, tile, k, partial, prefetch);
+    } else if (count == kRowsPerTile) {  // the last, partial pass over x
+      for (int64_t j = 0; j < x_rows; ++j)
+        dot_rows<1, kRowsPerTile>(xq + j * rows.padded, rows.padded, tile, k, partial + j * kRowsPerTile, prefetch);
+    } else {
+      for (int64_t j = 0; j < x_rows; ++j)
+        for (int64_t r = 0; r < count; ++r)
+          dot_rows<1, 1>(xq + j * rows.padded, rows.padded, tile + r * k, k, partial + j * kRowsPerTile + r, nullptr);
+    }
+    for (int64_t j = 0; j < x_rows; ++j)
+      for (int64_t r = 0; r < count; ++r) partial[j * kRowsPerTile + r] *= rows.scales[i + j] * sp[row + r];
+    add_offsets(i, x_rows, row, count, partial);
+  });
+  return y;
+}
+
+// y = x @ W^T for a few fp32 rows x [M, K] and 4-bit weights W[n, k] = q[n, k] * scale[n, g] +
+// minimum[n, g] (g = k / group, group a multiple of 32), q stored as nibble pairs (byte j of a
+// row: k = 2j in the low nibble, 2j + 1 in the high one; the GPU kernel's layout). As the int8
+// kernel, x goes to int16 per row; its columns are deinterleaved per 32 (the 16 even ones,
+// then the 16 odd ones), so a 16-byte load of q widens into two int16 vectors, low and high
+// nibbles, that meet their x lanes with one vpmaddwd each. A group's int32 sums take its
+// scale in fp32; the minimums meet per-group sums of x.
+constexpr int64_t kInt4Chunk = 32;  // columns a 16-byte load holds
+
+// Rows of x as int16, each 32-column chunk deinterleaved (even columns, then odd), with
+// per-row scales, and each row's per-group sums of x (fp32, unrounded).
+struct Int4Rows {
+  std::vector<int16_t> values;
+  std::vector<float> scales;
+  std::vector<float> group_sums;  // [M, K / group]
+};
+
+#if defined(__AVX2__)
+// One chunk (kInt4Chunk columns) of a row of x times `inverse`, rounded to the nearest int16
+// (ties to even, as std::nearbyint): its even columns to `even`, its odd ones to `odd`.
+inline void store_int16_chunk(const float* x, __m256 inverse, int16_t* even, int16_t* odd) {
+  __m256 v[4];
+  for (int64_t q = 0; q < 4; ++q) v[q] = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * q), inverse);
+  for (int64_t parity = 0; parity < 2; ++parity) {
+    __m256i words[2];
+    for (int64_t h = 0; h < 2; ++h) {
+      // Per 128-bit lane a0 a2 b0 b2 | a4 a6 b4 b6 (odd: a1 a3 ...), then the 64-bit pairs in order.
+      const __m256 mixed = parity ? _mm256_shuffle_ps(v[2 * h], v[2 * h + 1], _MM_SHUFFLE(3, 1, 3, 1))
+                                  : _mm256_shuffle_ps(v[2 * h], v[2 * h + 1], _MM_SHUFFLE(2, 0, 2, 0));
+      const __m256d ordered = _mm256_permute4x64_pd(_mm256_castps_pd(mixed), _MM_SHUFFLE(3, 1, 2, 0));
+      words[h] = _mm256_cvtps_epi32(_mm256_castpd_ps(ordered));
+    }
+    // packs interleaves its inputs' 128-bit lanes: put them back in column order.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(words[0], words[1]), _MM_SHUFFLE(3, 1, 2, 0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(parity ? odd : even), packed);
+  }
+}
+#endif
 
 #if KVSERVE_INT4_BLOCKS
 // Rows of x against packed weights (int4_dot_blocks) take the columns of whole blocks of
@@ -495,21 +531,7 @@ const Int4Rows& int4_rows(const float* x, int64_t m, int64_t k, int64_t group, b
       dst[chunk + kInt4Chunk / 2 + lane] = static_cast<int16_t>(std::nearbyint(row[c + 1] * inverse));
     }
 #endif
-    // Each group's sum in column order; eight groups' chains of adds side by side, so that
-    // they overlap (one chain at a time waited on every add: 4.7 us of k = 1536).
-    constexpr int64_t kChains = 8;
-    int64_t g = 0;
-    for (; g + kChains <= groups; g += kChains) {
-      float sums[kChains] = {};
-      for (int64_t c = 0; c < group; ++c)
-        for (int64_t u = 0; u < kChains; ++u) sums[u] += row[(g + u) * group + c];
-      std::copy(sums, sums + kChains, out.group_sums.data() + i * groups + g);
-    }
-    for (; g < groups; ++g) {
-      float sum = 0.f;
-      for (int64_t c = g * group; c < (g + 1) * group; ++c) sum += row[c];
-      out.group_sums[i * groups + g] = sum;
-    }
+    row_group_sums(row, group, groups, out.group_sums.data() + i * groups);
     out.scales[i] = scale;
   }
   return out;
@@ -945,7 +967,7 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& w) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
-  m.def("int8_matmul(Tensor x, Tensor q, Tensor scale) -> Tensor");
+  m.def("int8_matmul(Tensor x, Tensor q, Tensor scale, Tensor? offset=None) -> Tensor");
   m.def("float_matmul(Tensor x, Tensor w) -> Tensor");
   m.def("int4_matmul(Tensor x, Tensor q, Tensor scale, Tensor minimum, int group) -> Tensor");
 }
