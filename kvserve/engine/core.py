@@ -31,7 +31,7 @@ from kvserve.engine.overlap import can_sample_ahead
 from kvserve.engine.request import Request
 from kvserve.engine.step_timeline import StepTimeline
 from kvserve.model_executor.default_model import default_model_path
-from kvserve.model_executor.loader import LoadedModel, load_model
+from kvserve.model_executor.loader import LoadedModel, load_model, pack_gguf_linears
 from kvserve.model_executor.kv_sizing import kv_cache_bytes_per_block
 from kvserve.model_executor.model_runner import ModelRunner
 from kvserve.model_executor.models.vision_language import encoder_slicing
@@ -39,6 +39,7 @@ from kvserve.quantization.batch_invariance import make_batch_invariant
 from kvserve.quantization.cpu_plan import (
     AUTO,
     NONE,
+    PACKED_GGUF,
     apply_plan,
     gguf_too_large_to_dequantize,
     resolve_auto_quantization,
@@ -90,6 +91,8 @@ def load_engine_model(args: EngineArgs) -> LoadedModel:
         plan = resolve_auto_quantization(loaded, device)
         for reason in plan.reasons:
             logger.info("quantization=auto: %s", reason)
+        if plan.quantization == PACKED_GGUF:
+            pack_gguf_linears(loaded)
         apply_plan(loaded, plan)
     if args.resolved_batch_invariant(device):
         layers = make_batch_invariant(loaded.model)

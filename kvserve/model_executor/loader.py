@@ -46,6 +46,7 @@ class LoadedModel:
     # GGUF block type names of the file's tensors (e.g. {"Q4_1", "Q8_0", "F32"}), by tensor
     # name; empty for other formats. Lets `quantization=auto` see the source grid.
     gguf_tensor_types: dict[str, str] = field(default_factory=dict)
+    gguf_path: str | None = None  # the GGUF file loaded, whose blocks pack_gguf_linears reads
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -358,7 +359,19 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed
         model, consumed = _empty_model(config, device), set()
     _load_into(model, iter_gguf_weights(reader, path, config, arch, skip=consumed), path)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    return LoadedModel(model, config, None, gguf_tensor_types=types)
+    return LoadedModel(model, config, None, gguf_tensor_types=types, gguf_path=path)
+
+
+def pack_gguf_linears(loaded: LoadedModel) -> None:
+    """Replace the float linears of a model loaded from a GGUF file by layers built from the
+    file's own blocks (quantization=gguf's layers: the same weights, exactly), as
+    `quantization=auto` does on CPU for files whose blocks no re-quantization reproduces."""
+    from kvserve.model_executor.gguf_loader import gguf_architecture, install_packed_linears, open_gguf
+
+    if loaded.gguf_path is None:
+        raise ValueError("pack_gguf_linears needs a model loaded from a GGUF file")
+    reader = open_gguf(loaded.gguf_path)
+    install_packed_linears(loaded.model, reader, loaded.gguf_path, loaded.config, gguf_architecture(reader))
 
 
 def _load_dummy(

@@ -15,6 +15,12 @@ CPUs without AMX). Measured on the 2-core development machine
   gives back the file's blocks exactly), ~3.6x fewer bytes than fp32; kvserve's int8 kernel
   runs decode batches of up to CPU_KERNEL_MAX_ROWS rows (a Q8_0 SmolLM2 decodes ~3x faster
   than on its fp32 weights at 1 and 16 rows: BENCHMARKS.md, "CPU decode steps").
+* Any other mix of the block types quantization=gguf keeps packed (llama.cpp's K-quant mixes:
+  Q4_K_M is Q4_K with Q6_K for some layers' v and down projections, and Q5_0/Q8_0 where rows
+  are no multiple of 256) runs from the file's own blocks (PACKED_GGUF): 4-bit types as int4
+  group 32, wider ones as int8 groups with offsets, exactly; no re-quantization reproduces
+  K-quant sub-block scales. A layer stacking several types (q and k in Q4_K, v in Q6_K) is
+  one int8 layer at the narrowest group.
 * A dequantized fp32 copy of those weights is kept for prefill-sized inputs, where
   dequantizing per call would cost more than the GEMM.
 * The LM head (SmolLM2's tied embedding: 113 MB in fp32) gets an int8 per-channel copy for
@@ -50,7 +56,7 @@ import torch
 
 from kvserve import envs
 from kvserve.ops.cpu import cpu_flags
-from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
+from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS, QuantizedLinear
 
 if TYPE_CHECKING:  # the CLI imports this module while building its parser: keep it light
     from kvserve.model_executor.loader import LoadedModel
@@ -59,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 NONE = "none"  # explicit "no quantization", e.g. to override serve's auto default
+PACKED_GGUF = "gguf"  # the plan's method for a GGUF run from its own blocks (pack_gguf_linears)
 # The most of the memory available at start that auto's fp32 dequantized weights may take;
 # the rest is for its int4/int8 copies, the KV cache, activations and torch itself.
 AUTO_DEQUANTIZE_MAX_FRACTION = 0.5
@@ -97,10 +104,16 @@ class AutoPlan:
 
     @property
     def linear_kernel_max_rows(self) -> int:
-        """Rows up to which the quantized linears' kernel runs; more take the dense copies."""
+        """Rows up to which the quantized linears' kernel runs; more take the dense copies (a
+        file's own blocks: the int4 layers' limit, int8 ones take CPU_KERNEL_MAX_ROWS)."""
         if self.dense_dtype == torch.bfloat16:
             return BF16_FROM_ROWS
-        return INT4_FP32_FROM_ROWS if self.quantization == "int4" else CPU_KERNEL_MAX_ROWS
+        return INT4_FP32_FROM_ROWS if self.quantization in ("int4", PACKED_GGUF) else CPU_KERNEL_MAX_ROWS
+
+    def kernel_max_rows(self, four_bit: bool) -> int:
+        """linear_kernel_max_rows for an int4 (`four_bit`) or int8 layer: their kernels cross
+        over with fp32 at different row counts."""
+        return self.linear_kernel_max_rows if four_bit or self.dense_dtype == torch.bfloat16 else CPU_KERNEL_MAX_ROWS
 
     @property
     def head_kernel_max_rows(self) -> int:
@@ -192,12 +205,16 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
     types = {kind for name, kind in loaded.gguf_tensor_types.items() if _LINEAR_TENSOR.fullmatch(name)}
     if not types:
         return AutoPlan(reasons=["not a GGUF model: weights stay fp32 (bit-exact with transformers)"])
+    from kvserve.quantization.gguf import SUPPORTED_TYPES
+
     if types <= _INT4_EXACT_GGUF_TYPES:
         method, grid = "int4", "int4 group 32 reproduces the file's grid exactly and reads 4x fewer bytes"
     elif types <= _INT8_EXACT_GGUF_TYPES:
         method, grid = "int8", "int8 group 32 reproduces the file's grid exactly and reads 3.6x fewer bytes"
+    elif types <= {t.name for t in SUPPORTED_TYPES}:
+        method, grid = PACKED_GGUF, "the file's own blocks as int4 / int8 group layers, exactly"
     else:
-        return AutoPlan(reasons=[f"GGUF linear types {sorted(types)} are not all Q4_0/Q4_1 or all Q8_0: "
+        return AutoPlan(reasons=[f"GGUF linear types {sorted(types)} include ones kvserve does not keep packed: "
                                  "weights stay fp32"])
     config = loaded.config
     speedup = measured_bf16_speedup(config.hidden_size, config.intermediate_size)
@@ -205,7 +222,8 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
     # lm_head false: the plan makes the int8 head copy itself (apply_plan), with its own dense
     # dtype and row limit.
     plan = AutoPlan(
-        quantization=method, quantization_config={"group_size": 32, "lm_head": False}, keep_dense_weights=True,
+        quantization=method, keep_dense_weights=True,
+        quantization_config=None if method == PACKED_GGUF else {"group_size": 32, "lm_head": False},
         dense_dtype=torch.bfloat16 if fast_bf16 else torch.float32, quantize_lm_head=True,
     )
     linear_rows, head_rows = plan.linear_kernel_max_rows, plan.head_kernel_max_rows
@@ -217,9 +235,10 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
         f"packed fp32 linears kept for inputs of more than {linear_rows} rows ({probe}: fp32 "
         "GEMMs are the fast path)"
     )
+    kernels = (f"{method} kernel for <= {linear_rows} rows" if method != PACKED_GGUF else
+               f"int4 kernel for <= {linear_rows} rows, int8 for <= {plan.kernel_max_rows(four_bit=False)}")
     plan.reasons = [
-        f"CPU + GGUF {'/'.join(sorted(types))} linears: {grid} per decode step ({method} kernel for "
-        f"<= {linear_rows} rows)",
+        f"CPU + GGUF {'/'.join(sorted(types))} linears: {grid} per decode step ({kernels})",
         dense_reason,
         f"int8 copy of the LM head for up to {head_rows} rows "
         "(4.7x less CPU time than its fp32 GEMV at one row)",
@@ -229,20 +248,31 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
 
 @torch.no_grad()
 def apply_plan(loaded: LoadedModel, plan: AutoPlan) -> None:
-    """Quantize the loaded float model as planned, keeping its float linears for prefill."""
+    """Quantize the loaded float model as planned, keeping its float linears for prefill. A
+    PACKED_GGUF plan finds its linears packed already (pack_gguf_linears, which reads the
+    file: the loader's job); their dense copies are their own exact dequantization."""
     from kvserve.quantization import get_quantization_method, quantize_model
-    from kvserve.quantization.base import QuantizedLinear
+    from kvserve.quantization.int4 import Int4Linear
     from kvserve.quantization.int8 import quantize_lm_head
 
     model = loaded.model
     if plan.quantization is not None:
         float_weights = {name: m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        report = quantize_model(model, get_quantization_method(plan.quantization, plan.quantization_config))
-        logger.info("quantization=auto: %s, linear weights %.1f MB -> %.1f MB (%d layers)", report.method,
-                    report.bytes_before / 1e6, report.bytes_after / 1e6, report.num_layers)
+        if plan.quantization == PACKED_GGUF:
+            packed = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+            if not packed:
+                raise ValueError("a plan to run a GGUF's own blocks needs its linears packed first (pack_gguf_linears)")
+            logger.info("quantization=auto: the GGUF's blocks, linear weights %.1f MB (fp32: %.1f MB, %d layers)",
+                        sum(m.weight_bytes() for m in packed) / 1e6,
+                        sum(4 * m.in_features * m.out_features for m in packed) / 1e6, len(packed))
+        else:
+            report = quantize_model(model, get_quantization_method(plan.quantization, plan.quantization_config))
+            logger.info("quantization=auto: %s, linear weights %.1f MB -> %.1f MB (%d layers)", report.method,
+                        report.bytes_before / 1e6, report.bytes_after / 1e6, report.num_layers)
         if plan.keep_dense_weights:
             for name, module in model.named_modules():
                 if isinstance(module, QuantizedLinear):
-                    module.keep_dense_weight(float_weights[name], plan.dense_dtype, plan.linear_kernel_max_rows)
+                    rows = plan.kernel_max_rows(four_bit=isinstance(module, Int4Linear))
+                    module.keep_dense_weight(float_weights.get(name), plan.dense_dtype, rows)
     if plan.quantize_lm_head and quantize_lm_head(model, plan.dense_dtype, plan.head_kernel_max_rows) is None:
         logger.info("quantization=auto: the LM head's shape has no int8 kernel; it stays in the run dtype")

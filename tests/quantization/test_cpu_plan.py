@@ -160,12 +160,15 @@ def test_q8_0_gguf_becomes_int8_groups_holding_its_grid_exactly(q8_0_path):
     x = torch.randn(17, module.in_features)
     assert torch.equal(module(x[:16]), module.kernel_matmul(x[:16]))
     assert torch.equal(module(x), module.dense_weight.linear(x))
-    fp32.gguf_tensor_types["blk.0.attn_q.weight"] = "Q4_1"  # a file of mixed types: no plan
+    fp32.gguf_tensor_types["blk.0.attn_q.weight"] = "Q4_1"  # a file of mixed types: its own blocks
+    assert resolve_auto_quantization(fp32, CPU).quantization == cpu_plan.PACKED_GGUF
+    fp32.gguf_tensor_types["blk.0.attn_q.weight"] = "IQ4_XS"  # a type kvserve does not pack: fp32
     assert resolve_auto_quantization(fp32, CPU).quantization is None
     # A mixture's experts count among the linears, in each of llama.cpp's layouts.
     for expert_tensor in ("blk.0.ffn_down_exps.weight", "blk.0.ffn_up.3.weight", "blk.1.ffn_gate_shexp.weight"):
         types = dict(fp32.gguf_tensor_types, **{"blk.0.attn_q.weight": "Q8_0", expert_tensor: "Q6_K"})
-        assert resolve_auto_quantization(dataclasses.replace(fp32, gguf_tensor_types=types), CPU).quantization is None
+        plan = resolve_auto_quantization(dataclasses.replace(fp32, gguf_tensor_types=types), CPU)
+        assert plan.quantization == cpu_plan.PACKED_GGUF, expert_tensor
 
 
 def test_bf16_probe_measures_this_cpu():
@@ -244,3 +247,54 @@ def test_auto_runs_a_gguf_too_large_to_dequantize_from_its_packed_blocks(smollm2
 def test_available_memory_is_read_from_the_system():
     available = cpu_plan.available_memory_bytes()
     assert available is not None and 0 < available < 2**50
+
+
+# A Q4_K_M-style mix: Q4_K with a Q6_K v (so the fused q/k/v layer stacks two types) and Q5_K
+# down projections (offsets), rows a multiple of 256 as K-quants need.
+_K_QUANT_MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+                "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q5_K"}
+
+
+def test_a_k_quant_gguf_runs_from_its_own_blocks(tmp_path, monkeypatch):
+    """No re-quantization reproduces K-quant sub-block scales, so auto packs the file's own
+    blocks (int4 where a layer is all Q4_K, int8 groups with offsets otherwise), keeps their
+    exact dequantization as the dense copy, and its decode rows run the kernels: against the
+    fp32 dequantized model (gguf-py's values: test_gguf_packed), weights exactly and logits
+    to the kernels' int16 rounding of x."""
+    from gguf import GGMLQuantizationType as T
+
+    from kvserve.engine.core import load_engine_model
+    from kvserve.ops.cpu import int8_matmul_op
+    from kvserve.quantization.int4 import Int4Linear
+    from kvserve.quantization.int8 import GroupInt8Linear
+    from tests.quantization.test_gguf_packed import write_tiny_llama
+
+    path = str(tmp_path / "k-quants.gguf")
+    write_tiny_llama(path, {part: T[name] for part, name in _K_QUANT_MIX.items()})
+    monkeypatch.setattr(cpu_plan, "measured_bf16_speedup", lambda *shape: 0.01)
+    loaded = load_engine_model(EngineArgs(model=path, quantization="auto", skip_tokenizer_init=True))
+    reference = load_model(path, dtype=torch.float32, skip_tokenizer_init=True)
+    plan = resolve_auto_quantization(reference, CPU)
+    assert plan.quantization == cpu_plan.PACKED_GGUF and plan.quantization_config is None
+    assert "Q4_K/Q5_K/Q6_K" in plan.reasons[0]
+    modules = dict(reference.model.named_modules())
+    layer = loaded.model.model.layers[1]
+    qkv, o, gate_up, down = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                             layer.mlp.down_proj)
+    assert isinstance(o, Int4Linear) and isinstance(gate_up, Int4Linear) and o.cpu_kernel_max_rows == 8
+    for module, group in ((qkv, 16), (down, 32)):
+        assert isinstance(module, GroupInt8Linear) and module.group_size == group and module.offset is not None
+        assert (module.own_kernel is not None) == (int8_matmul_op() is not None)
+        assert module.cpu_kernel_max_rows == 16
+    for name, module in loaded.model.named_modules():
+        if isinstance(module, QuantizedLinear) and name != "quantized_lm_head":
+            assert torch.equal(module.dequantize(), modules[name].weight), name
+            assert torch.equal(module.dense_weight.plain(), modules[name].weight), name
+    token_ids = torch.tensor([3, 17, 5, 29])  # 4 rows: the kernels
+    logits, expected = (_prefill_logits(m, token_ids) for m in (loaded.model, reference.model))
+    scale = expected.abs().amax(dim=-1, keepdim=True)
+    # Measured 1.0e-3: each layer's x rounded to int16 (2^-16 of its row's largest value).
+    assert ((logits - expected).abs() / scale).max() < 4e-3
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    x = torch.randn(17, down.in_features)  # past every limit: the dense copy, exactly
+    assert torch.equal(down(x), down.dense_weight.linear(x))

@@ -24,19 +24,20 @@ from kvserve.quantization.int4 import Int4Linear
 from kvserve.quantization.int8 import GroupInt8Linear
 
 # Byte offsets of each type's fp16 fields (ggml's block structs).
-_FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
-_BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q8_0: (32, 34), T.Q4_K: (256, 144),
-          T.Q5_K: (256, 176), T.Q6_K: (256, 210)}
+_FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2),
+                T.Q5_K: (0, 2), T.Q6_K: (208,)}
+_BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q5_0: (32, 22), T.Q5_1: (32, 24), T.Q8_0: (32, 34),
+          T.Q4_K: (256, 144), T.Q5_K: (256, 176), T.Q6_K: (256, 210)}
 
 
-def random_blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
+def random_blocks(qtype: T, n: int, k: int, seed: int, fp16_range: float = 0.05) -> np.ndarray:
     """Random raw blocks of an [n, k] tensor: every bit pattern of the quants and of the
-    packed sub-block scales occurs; the fp16 fields hold finite values."""
+    packed sub-block scales occurs; the fp16 fields hold finite values up to `fp16_range`."""
     rng = np.random.default_rng(seed)
     block_size, block_bytes = _BLOCK[qtype]
     raw = rng.integers(0, 256, (n, k // block_size, block_bytes), dtype=np.uint8)
     for offset in _FP16_FIELDS[qtype]:
-        values = rng.uniform(-0.05, 0.05, (n, k // block_size)).astype(np.float16)
+        values = rng.uniform(-fp16_range, fp16_range, (n, k // block_size)).astype(np.float16)
         raw[..., offset:offset + 2] = values.view(np.uint8).reshape(n, k // block_size, 2)
     return raw.reshape(n, -1)
 
@@ -45,14 +46,14 @@ def reference(raw: np.ndarray, qtype: T) -> torch.Tensor:
     return torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q8_0, T.Q5_K, T.Q6_K])
 def test_unpacked_blocks_equal_gguf_dequantize(qtype):
     raw = random_blocks(qtype, 7, 512, seed=int(qtype))
     grid = unpack_blocks(raw, qtype, (7, 512), "blk.0.ffn_up.weight")
     assert torch.equal(grid.dequantize(), reference(raw, qtype))
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0])
 def test_blocks_written_by_gguf_quantize(qtype):
     """Blocks from gguf's own quantizer (the writer of real files), not hand-made ones."""
     weight = np.random.default_rng(1).normal(0, 0.05, (64, 96)).astype(np.float32)
@@ -91,7 +92,7 @@ def test_mixed_shards_become_group_int8_at_the_narrowest_group():
     _check_layer(layer, torch.cat([reference(raw, t) for raw, t in zip(shards, types)]))
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q5_K])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q5_0, T.Q5_K, T.Q5_1])
 def test_int8_types_have_int8_storage(qtype):
     """Symmetric 32- and 16-wide groups, and Q5_K's 32-wide ones with offsets: decode rows run
     kvserve's int8 kernel with group scales where it is built, which rounds each row of x to
@@ -100,7 +101,7 @@ def test_int8_types_have_int8_storage(qtype):
     raw = random_blocks(qtype, 48, 256, seed=5)
     layer = grid_linear([unpack_blocks(raw, qtype, (48, 256), "w")], torch.ones(48))
     assert isinstance(layer, GroupInt8Linear) and layer.qweight.dtype == torch.int8
-    assert (layer.offset is None) == (qtype != T.Q5_K)
+    assert (layer.offset is None) == (qtype not in (T.Q5_K, T.Q5_1))
     assert (layer.own_kernel is not None) == (int8_matmul_op() is not None)
     weight = reference(raw, qtype).double()
     for rows in (3, CPU_KERNEL_MAX_ROWS + 1):
@@ -112,33 +113,49 @@ def test_int8_types_have_int8_storage(qtype):
         assert (error <= fp32_bound).all()
 
 
-def test_unsupported_block_type_names_the_tensor_and_the_supported_types(tmp_path):
-    """A tiny llama GGUF whose linears are Q5_0 (gguf can write it; we keep it unpacked only)."""
-    hidden, ffn, vocab = 64, 128, 32
-    path = str(tmp_path / "tiny.gguf")
+_LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def write_tiny_llama(path: str, types: dict[str, T], hidden: int = 256, ffn: int = 512, vocab: int = 32,
+                     layers: int = 2) -> None:
+    """A random llama GGUF whose linears (by llama.cpp part name, e.g. "attn_v") have the given
+    block types: K-quants as random blocks, other types by gguf's own quantizer."""
     writer = GGUFWriter(path, "llama")
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
-    writer.add_block_count(1)
-    writer.add_head_count(2)
+    writer.add_block_count(layers)
+    writer.add_head_count(hidden // 64)
+    writer.add_head_count_kv(hidden // 128)
     writer.add_layer_norm_rms_eps(1e-5)
     rng = np.random.default_rng(0)
     writer.add_tensor("token_embd.weight", rng.normal(size=(vocab, hidden)).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    for part in ("attn_norm", "ffn_norm"):
-        writer.add_tensor(f"blk.0.{part}.weight", np.ones(hidden, np.float32))
-    for part, shape in (("attn_q", (hidden, hidden)), ("attn_k", (hidden, hidden)),
-                        ("attn_v", (hidden, hidden)), ("attn_output", (hidden, hidden)),
-                        ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):
-        blocks = quantize(rng.normal(size=shape).astype(np.float32), T.Q5_0)
-        writer.add_tensor(f"blk.0.{part}.weight", blocks, raw_dtype=T.Q5_0)
+    shapes = {"attn_k": (hidden // 2, hidden), "attn_v": (hidden // 2, hidden), "ffn_gate": (ffn, hidden),
+              "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+    for layer in range(layers):
+        for part in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{part}.weight", np.ones(hidden, np.float32))
+        for part in _LINEAR_PARTS:
+            (n, k), qtype = shapes.get(part, (hidden, hidden)), types[part]
+            if qtype in _BLOCK and _BLOCK[qtype][0] == 256:
+                # Weights of about a dense layer's size (scale * sub-block scale * q ~ 0.1).
+                blocks = random_blocks(qtype, n, k, seed=layer * 10 + _LINEAR_PARTS.index(part), fp16_range=1e-4)
+            else:
+                blocks = quantize(rng.normal(0, 0.05, size=(n, k)).astype(np.float32), qtype)
+            writer.add_tensor(f"blk.{layer}.{part}.weight", blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_unsupported_block_type_names_the_tensor_and_the_supported_types(tmp_path):
+    """A tiny llama GGUF whose linears are MXFP4 (gguf can write it; we keep it unpacked only)."""
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_llama(path, dict.fromkeys(_LINEAR_PARTS, T.MXFP4))
     with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.attn_q\.weight \(model\.layers\.0\.self_attn\."
-                       r"qkv_proj\) has GGUF type Q5_0; quantization='gguf' supports "
-                       r"Q4_0, Q4_1, Q4_K, Q8_0, Q5_K, Q6_K"):
+                       r"qkv_proj\) has GGUF type MXFP4; quantization='gguf' supports "
+                       r"Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K"):
         load_model(path, quantization="gguf")
 
 
