@@ -240,7 +240,8 @@ class EngineArgs:
             "Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 blocks, repacked for the CPU kernels), auto (on "
             "CPU, a Q4_0/Q4_1 GGUF runs as int4 group 32, a Q8_0 one as int8 group 32 and other "
             "mixes of those types (Q4_K_M, ...) from their own blocks, all keeping the file's grid "
-            "exactly, with an int8 LM head for decode; otherwise none; the choice is logged), or none. int8, int4 and fp8 also add an int8 copy of the LM head for decode "
+            "exactly, with an int8 LM head for decode; otherwise none; the choice is logged), or none. "
+            "int8, int4 and fp8 also add an int8 copy of the LM head for decode "
             "(on GPU, and on CPU for an fp32 head; see --quantization-config). Default: "
             "none (auto for serve; GPTQ/AWQ/compressed-tensors checkpoints are detected from "
             "config.json).",

@@ -363,12 +363,14 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const float* sp = sc.data_ptr<float>();
   const float* op = offset ? oc.data_ptr<float>() : nullptr;
   std::vector<float> sums(op ? m * groups : 0);
-  for (int64_t i = 0; op && i < m; ++i) row_group_sums(xc.data_ptr<float>() + i * k, group, groups, sums.data() + i * groups);
+  for (int64_t i = 0; op && i < m; ++i)
+    row_group_sums(xc.data_ptr<float>() + i * k, group, groups, sums.data() + i * groups);
   // partial[j, r] (x row i + j, weight row `row` + r) += that weight row's offsets against x's group sums.
   const auto add_offsets = [&](int64_t i, int64_t x_rows, int64_t row, int64_t count, float* partial) {
     for (int64_t j = 0; op && j < x_rows; ++j)
       for (int64_t r = 0; r < count; ++r)
-        partial[j * kRowsPerTile + r] += minimum_offset(op + (row + r) * groups, sums.data() + (i + j) * groups, groups);
+        partial[j * kRowsPerTile + r] +=
+            minimum_offset(op + (row + r) * groups, sums.data() + (i + j) * groups, groups);
   };
   if (groups > 1) {
     over_row_tiles(m, n, y.data_ptr<float>(), [&](int64_t i, int64_t x_rows, int64_t row, int64_t count,
