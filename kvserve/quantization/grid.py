@@ -9,7 +9,7 @@ import torch
 
 from kvserve.quantization.base import QuantizedLinear
 from kvserve.quantization.int4 import Int4Linear
-from kvserve.quantization.int8 import GroupInt8Linear
+from kvserve.quantization.int8 import GroupInt8Linear, dequantize_groups
 
 
 class GroupGrid:
@@ -30,11 +30,7 @@ class GroupGrid:
         return GroupGrid(fn(self.q), fn(self.scale), offset, self.group_size, self.four_bit)
 
     def dequantize(self) -> torch.Tensor:
-        n, k = self.q.shape
-        groups = self.q.reshape(n, -1, self.group_size).float() * self.scale[..., None]
-        if self.offset is not None:
-            groups = groups + self.offset[..., None]
-        return groups.reshape(n, k)
+        return dequantize_groups(self.q, self.scale, self.offset, self.group_size)
 
     def as_int8(self, group_size: int) -> GroupGrid:
         """The same weights as int8 q with `group_size`-wide groups (a divisor of ours);
