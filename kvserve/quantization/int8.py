@@ -80,7 +80,8 @@ class Int8Linear(QuantizedLinear):
 OWN_KERNEL_MAX_GROUP = 255 * 16
 
 
-def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group_size: int) -> torch.Tensor:
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                      group_size: int) -> torch.Tensor:
     """fp32 q [N, K] * scale [N, K / group_size] (+ offset) per group. In place on the one fp32
     copy: the same products and sums as with a temporary per step, 3-6x less time on a
     128k-vocabulary embedding."""
