@@ -13,6 +13,7 @@ expert parallelism all_to_all sends the tokens to their experts' ranks and back.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -28,6 +29,8 @@ from kvserve.model_executor.layers.moe import SparseMoE
 from kvserve.quantization.base import QuantizedLinear
 
 VOCAB_PADDING = 64
+
+logger = logging.getLogger(__name__)
 
 
 def _divisors(n: int) -> str:
@@ -192,9 +195,14 @@ def quantize_shard(loaded: LoadedModel, quantization: str | None, quantization_c
     """A rank's share quantized as a whole model would be: `auto` by the CPU plan, a named
     load-time method by quantize_model (groups run along each shard's own columns)."""
     from kvserve.quantization import get_quantization_method, quantize_model
-    from kvserve.quantization.cpu_plan import AUTO, apply_plan, resolve_auto_quantization
+    from kvserve.quantization.cpu_plan import AUTO, PACKED_GGUF, apply_plan, resolve_auto_quantization
 
     if quantization == AUTO:
-        apply_plan(loaded, resolve_auto_quantization(loaded, device))
+        plan = resolve_auto_quantization(loaded, device)
+        if plan.quantization == PACKED_GGUF:
+            # The file's blocks make whole layers, not a rank's slices of them.
+            logger.info("quantization=auto: a rank's share of a GGUF with K-quant blocks stays in the run dtype")
+            return
+        apply_plan(loaded, plan)
     elif quantization is not None:
         quantize_model(loaded.model, get_quantization_method(quantization, quantization_config))

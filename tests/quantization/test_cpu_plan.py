@@ -298,3 +298,21 @@ def test_a_k_quant_gguf_runs_from_its_own_blocks(tmp_path, monkeypatch):
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
     x = torch.randn(17, down.in_features)  # past every limit: the dense copy, exactly
     assert torch.equal(down(x), down.dense_weight.linear(x))
+
+
+def test_a_tensor_parallel_rank_keeps_its_k_quant_share_in_fp32(tmp_path):
+    """A rank holds slices of the linears, which the file's blocks do not make: its share of a
+    K-quant GGUF stays fp32 under auto (as every such file did before), where applying the plan
+    without packed layers would fail."""
+    from gguf import GGMLQuantizationType as T
+
+    from kvserve.model_executor.tensor_parallel import quantize_shard
+    from tests.quantization.test_gguf_packed import write_tiny_llama
+
+    path = str(tmp_path / "k-quants.gguf")
+    write_tiny_llama(path, {part: T[name] for part, name in _K_QUANT_MIX.items()})
+    loaded = load_model(path, dtype=torch.float32, skip_tokenizer_init=True)
+    weights = {name: p.clone() for name, p in loaded.model.named_parameters()}
+    quantize_shard(loaded, "auto", None, CPU)
+    assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+    assert all(torch.equal(p, weights[name]) for name, p in loaded.model.named_parameters())
