@@ -39,7 +39,6 @@ from kvserve.quantization.batch_invariance import make_batch_invariant
 from kvserve.quantization.cpu_plan import (
     AUTO,
     NONE,
-    PACKED_GGUF,
     apply_plan,
     gguf_too_large_to_dequantize,
     resolve_auto_quantization,
@@ -91,9 +90,7 @@ def load_engine_model(args: EngineArgs) -> LoadedModel:
         plan = resolve_auto_quantization(loaded, device)
         for reason in plan.reasons:
             logger.info("quantization=auto: %s", reason)
-        if plan.quantization == PACKED_GGUF:
-            pack_gguf_linears(loaded)
-        apply_plan(loaded, plan)
+        apply_plan(loaded, plan, pack_linears=pack_gguf_linears)
     if args.resolved_batch_invariant(device):
         layers = make_batch_invariant(loaded.model)
         logger.info("batch-invariant: decode rows of %d quantized layers run their kernels at every batch size, "
