@@ -256,10 +256,12 @@ def _rope_rows(gguf_name: str, config: ModelConfig, arch: str) -> int | None:
 
 
 def install_packed_linears(
-    model: LlamaForCausalLM, reader: GGUFReader, path: str, config: ModelConfig, arch: str
+    model: LlamaForCausalLM, reader: GGUFReader, path: str, config: ModelConfig, arch: str,
+    device: torch.device | str,
 ) -> set[str]:
     """Replace each linear layer (LM head excepted) whose GGUF tensors are all quantized by
-    a layer built from their blocks; return the GGUF names consumed. Layers stored as
+    a layer built from their blocks, in the layout that runs on `device` (grid_linear); return
+    the GGUF names consumed. Layers stored as
     F32/F16/BF16 stay float. An unsupported block type fails before anything is built. A
     mixture's experts take their rows of the stacked expert tensors (consumed whole)."""
     sources = _packing_sources(reader, config.architecture)
@@ -291,7 +293,7 @@ def install_packed_linears(
             parts.append(grid)
             consumed.add(t.name)
         parent_name, _, attr = module_name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, grid_linear(parts, module.bias))
+        setattr(model.get_submodule(parent_name), attr, grid_linear(parts, module.bias, device))
     return consumed
 
 

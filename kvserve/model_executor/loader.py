@@ -353,7 +353,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: str | torch.device, packed
         # device, so no float copy of the quantized weights is ever allocated.
         with torch.device("meta"):
             model = get_model_class(config.architecture)(config).to(dtype)
-        consumed = install_packed_linears(model, reader, path, config, arch)
+        consumed = install_packed_linears(model, reader, path, config, arch, device)
         model = materialize(model, device)
     else:
         model, consumed = _empty_model(config, device), set()
@@ -371,7 +371,8 @@ def pack_gguf_linears(loaded: LoadedModel) -> None:
     if loaded.gguf_path is None:
         raise ValueError("pack_gguf_linears needs a model loaded from a GGUF file")
     reader = open_gguf(loaded.gguf_path)
-    install_packed_linears(loaded.model, reader, loaded.gguf_path, loaded.config, gguf_architecture(reader))
+    device = next(loaded.model.parameters()).device
+    install_packed_linears(loaded.model, reader, loaded.gguf_path, loaded.config, gguf_architecture(reader), device)
 
 
 def _load_dummy(

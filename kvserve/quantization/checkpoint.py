@@ -44,7 +44,7 @@ class CheckpointGrid:
         their sum); 8-bit q moves to int8 by -128, folded into the offset."""
         scale = self.scale.float()
         if self.bits == 4:
-            return GroupGrid(self.q.to(torch.uint8), scale, -self.zero.float() * scale, self.group_size, four_bit=True)
+            return GroupGrid(self.q.to(torch.uint8), scale, -self.zero.float() * scale, self.group_size, bits=4)
         return GroupGrid((self.q - 128).to(torch.int8), scale, (128 - self.zero.float()) * scale, self.group_size)
 
 

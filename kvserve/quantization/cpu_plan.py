@@ -18,9 +18,10 @@ CPUs without AMX). Measured on the 2-core development machine
 * Any other mix of the block types quantization=gguf keeps packed (llama.cpp's K-quant mixes:
   Q4_K_M is Q4_K with Q6_K for some layers' v and down projections, and Q5_0/Q8_0 where rows
   are no multiple of 256) runs from the file's own blocks (PACKED_GGUF): 4-bit types as int4
-  group 32, wider ones as int8 groups with offsets, exactly; no re-quantization reproduces
-  K-quant sub-block scales. A layer stacking several types (q and k in Q4_K, v in Q6_K) is
-  one int8 layer at the narrowest group.
+  group 32, 5-bit ones (Q5_0/Q5_1/Q5_K) as int5 group 32 on the int4 kernel, Q6_K and Q8_0 as
+  int8 groups, exactly; no re-quantization reproduces K-quant sub-block scales. A layer
+  stacking 4- and 5-bit types is int5; one stacking a Q6_K v with Q4_K q and k is one int8
+  layer at the narrowest group.
 * A dequantized fp32 copy of those weights is kept for prefill-sized inputs, where
   dequantizing per call would cost more than the GEMM.
 * The LM head (SmolLM2's tied embedding: 113 MB in fp32) gets an int8 per-channel copy for
@@ -111,10 +112,12 @@ class AutoPlan:
             return BF16_FROM_ROWS
         return INT4_FP32_FROM_ROWS if self.quantization in ("int4", PACKED_GGUF) else CPU_KERNEL_MAX_ROWS
 
-    def kernel_max_rows(self, four_bit: bool) -> int:
-        """linear_kernel_max_rows for an int4 (`four_bit`) or int8 layer: their kernels cross
-        over with fp32 at different row counts."""
-        return self.linear_kernel_max_rows if four_bit or self.dense_dtype == torch.bfloat16 else CPU_KERNEL_MAX_ROWS
+    def kernel_max_rows(self, int4_kernel: bool) -> int:
+        """linear_kernel_max_rows for a layer on the int4 kernel (int4, int5) or the int8 one:
+        they cross over with fp32 at different row counts."""
+        if int4_kernel or self.dense_dtype == torch.bfloat16:
+            return self.linear_kernel_max_rows
+        return CPU_KERNEL_MAX_ROWS
 
     @property
     def head_kernel_max_rows(self) -> int:
@@ -237,7 +240,8 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
         "GEMMs are the fast path)"
     )
     kernels = (f"{method} kernel for <= {linear_rows} rows" if method != PACKED_GGUF else
-               f"int4 kernel for <= {linear_rows} rows, int8 for <= {plan.kernel_max_rows(four_bit=False)}")
+               f"int4 kernel (4- and 5-bit) for <= {linear_rows} rows, int8 for <= "
+               f"{plan.kernel_max_rows(int4_kernel=False)}")
     plan.reasons = [
         f"CPU + GGUF {'/'.join(sorted(types))} linears: {grid} per decode step ({kernels})",
         dense_reason,
@@ -256,6 +260,7 @@ def apply_plan(loaded: LoadedModel, plan: AutoPlan,
     from kvserve.quantization import get_quantization_method, quantize_model
     from kvserve.quantization.base import QuantizationReport
     from kvserve.quantization.int4 import Int4Linear
+    from kvserve.quantization.int5 import Int5Linear
     from kvserve.quantization.int8 import quantize_lm_head
 
     model = loaded.model
@@ -280,7 +285,7 @@ def apply_plan(loaded: LoadedModel, plan: AutoPlan,
         if plan.keep_dense_weights:
             for name, module in model.named_modules():
                 if isinstance(module, QuantizedLinear):
-                    rows = plan.kernel_max_rows(four_bit=isinstance(module, Int4Linear))
+                    rows = plan.kernel_max_rows(int4_kernel=isinstance(module, (Int4Linear, Int5Linear)))
                     module.keep_dense_weight(float_weights.get(name), plan.dense_dtype, rows)
     if plan.quantize_lm_head and quantize_lm_head(model, plan.dense_dtype, plan.head_kernel_max_rows) is None:
         logger.info("quantization=auto: the LM head's shape has no int8 kernel; it stays in the run dtype")

@@ -7,11 +7,12 @@ unpacks exactly (all products below fit fp32's 24-bit significand) into:
   torch's CPU int4 kernel (w = (q - 8) * s + z with z = offset + 8 * s):
   Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m), Q4_K (super-blocks of 256 with 6-bit
   sub-block scales and mins: w = d * sc * q - dmin * m).
-* wider types -> `GroupInt8Linear` (int8 q with fp32 group scales and offsets):
-  Q8_0 (groups of 32, w = d * q), Q5_0 (w = d * (q - 16), q < 32), Q5_1 (w = d * q + m),
-  Q5_K (groups of 32, w = d * sc * q - dmin * m, q < 32), Q6_K (groups of 16,
-  w = d * sc * (q - 32)). llama.cpp's K-quant mixes fall back to Q5_0/Q5_1/Q8_0 for rows
-  that are no multiple of 256 (SmolLM2's 576).
+* 5-bit types -> `Int5Linear` (the int4 nibbles plus a plane of high bits, read by
+  kvserve's CPU kernel; int8 where that kernel does not run): Q5_0 (w = d * q - 16 * d),
+  Q5_1 (w = d * q + m), Q5_K (groups of 32, w = d * sc * q - dmin * m). llama.cpp's K-quant
+  mixes fall back to Q5_0/Q5_1/Q8_0 for rows that are no multiple of 256 (SmolLM2's 576).
+* 8-bit and wider grids -> `GroupInt8Linear` (int8 q with fp32 group scales and offsets):
+  Q8_0 (groups of 32, w = d * q), Q6_K (groups of 16, w = d * sc * (q - 32)).
 
 `grid.grid_linear` picks the layer; fused layers whose shards differ in type (Q4_K q/k
 with a Q6_K v) share one int8 layer. The fp32 dequantized model (quantization=None)
@@ -29,8 +30,9 @@ from kvserve.quantization.base import QuantizationMethod, QuantizedLinear
 from kvserve.quantization.grid import GroupGrid
 
 FOUR_BIT_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
-INT8_TYPES = (T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)
-SUPPORTED_TYPES = FOUR_BIT_TYPES + INT8_TYPES
+FIVE_BIT_TYPES = (T.Q5_0, T.Q5_1, T.Q5_K)
+INT8_TYPES = (T.Q8_0, T.Q6_K)
+SUPPORTED_TYPES = FOUR_BIT_TYPES + FIVE_BIT_TYPES + INT8_TYPES
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 _QK_K = 256
 _BLOCK_BYTES = {T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q5_1: 24, T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
@@ -81,15 +83,14 @@ def unpack_blocks(raw: np.ndarray, qtype: T, shape: tuple[int, int], name: str) 
         d = _f16(blocks[..., 0:2])
         offset = -8 * d if qtype == T.Q4_0 else _f16(blocks[..., 2:4])
         q = _nibbles(blocks[..., 2 if qtype == T.Q4_0 else 4:])
-        return GroupGrid(q.reshape(n, k), d, offset, 32, four_bit=True)
+        return GroupGrid(q.reshape(n, k), d, offset, 32, bits=4)
     if qtype in (T.Q5_0, T.Q5_1):  # d, [m], 32 high bits (bit i: element i's), 16 bytes of nibbles
         d = _f16(blocks[..., 0:2])
         start = 2 if qtype == T.Q5_0 else 4
         high = blocks[..., start:start + 4].reshape(n, -1, 4, 1) >> torch.arange(8, dtype=torch.uint8)
-        q = (_nibbles(blocks[..., start + 4:]).reshape(n, -1, 32) | ((high.reshape(n, -1, 32) & 1) << 4)).to(torch.int8)
-        if qtype == T.Q5_0:
-            return GroupGrid((q - 16).reshape(n, k), d, None, 32)
-        return GroupGrid(q.reshape(n, k), d, _f16(blocks[..., 2:4]), 32)
+        q = _nibbles(blocks[..., start + 4:]).reshape(n, -1, 32) | ((high.reshape(n, -1, 32) & 1) << 4)
+        offset = -16 * d if qtype == T.Q5_0 else _f16(blocks[..., 2:4])
+        return GroupGrid(q.reshape(n, k), d, offset, 32, bits=5)
     if qtype == T.Q6_K:
         ql, qh = blocks[..., :128], blocks[..., 128:192]
         sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
@@ -107,10 +108,10 @@ def unpack_blocks(raw: np.ndarray, qtype: T, shape: tuple[int, int], name: str) 
     q = _nibbles(blocks[..., 48:] if qtype == T.Q5_K else blocks[..., 16:])  # [.., 8, 32]
     if qtype == T.Q5_K:
         bits = blocks[..., 16:48].reshape(n, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)
-        q = (q | ((bits & 1) << 4)).to(torch.int8)
+        q = q | ((bits & 1) << 4)
     scale = (d[..., None] * sc).reshape(n, -1)
     offset = -(dmin[..., None] * mn).reshape(n, -1)
-    return GroupGrid(q.reshape(n, k), scale, offset, 32, four_bit=qtype == T.Q4_K)
+    return GroupGrid(q.reshape(n, k), scale, offset, 32, bits=4 if qtype == T.Q4_K else 5)
 
 
 class GGUFMethod(QuantizationMethod):

@@ -257,15 +257,16 @@ _K_QUANT_MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_outp
 
 def test_a_k_quant_gguf_runs_from_its_own_blocks(tmp_path, monkeypatch):
     """No re-quantization reproduces K-quant sub-block scales, so auto packs the file's own
-    blocks (int4 where a layer is all Q4_K, int8 groups with offsets otherwise), keeps their
-    exact dequantization as the dense copy, and its decode rows run the kernels: against the
+    blocks (int4 where a layer is all Q4_K, int5 for Q5_K, int8 groups with offsets otherwise),
+    keeps their exact dequantization as the dense copy, and its decode rows run the kernels: against the
     fp32 dequantized model (gguf-py's values: test_gguf_packed), weights exactly and logits
     to the kernels' int16 rounding of x."""
     from gguf import GGMLQuantizationType as T
 
     from kvserve.engine.core import load_engine_model
-    from kvserve.ops.cpu import int8_matmul_op
+    from kvserve.ops.cpu import int4_matmul_op, int8_matmul_op
     from kvserve.quantization.int4 import Int4Linear
+    from kvserve.quantization.int5 import Int5Linear
     from kvserve.quantization.int8 import GroupInt8Linear
     from tests.quantization.test_gguf_packed import write_tiny_llama
 
@@ -282,10 +283,11 @@ def test_a_k_quant_gguf_runs_from_its_own_blocks(tmp_path, monkeypatch):
     qkv, o, gate_up, down = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                              layer.mlp.down_proj)
     assert isinstance(o, Int4Linear) and isinstance(gate_up, Int4Linear) and o.cpu_kernel_max_rows == 8
-    for module, group in ((qkv, 16), (down, 32)):
-        assert isinstance(module, GroupInt8Linear) and module.group_size == group and module.offset is not None
-        assert (module.own_kernel is not None) == (int8_matmul_op() is not None)
-        assert module.cpu_kernel_max_rows == 16
+    assert isinstance(qkv, GroupInt8Linear) and qkv.group_size == 16 and qkv.offset is not None
+    assert (qkv.own_kernel is not None) == (int8_matmul_op() is not None)
+    assert qkv.cpu_kernel_max_rows == 16
+    if int4_matmul_op() is not None:  # Q5_K on the int4 kernel, to its row limit
+        assert isinstance(down, Int5Linear) and down.group_size == 32 and down.cpu_kernel_max_rows == 8
     for name, module in loaded.model.named_modules():
         if isinstance(module, QuantizedLinear) and name != "quantized_lm_head":
             assert torch.equal(module.dequantize(), modules[name].weight), name

@@ -15,12 +15,13 @@ from tests.quantization.prompts import PROMPTS
 from kvserve import LLM, SamplingParams
 from kvserve.model_executor.errors import ModelLoadError
 from kvserve.model_executor.loader import load_model
-from kvserve.ops.cpu import int8_matmul_op
+from kvserve.ops.cpu import int4_matmul_op, int8_matmul_op
 from kvserve.quantization import QuantizedLinear
 from kvserve.quantization.base import CPU_KERNEL_MAX_ROWS
 from kvserve.quantization.gguf import unpack_blocks
 from kvserve.quantization.grid import grid_linear
 from kvserve.quantization.int4 import Int4Linear
+from kvserve.quantization.int5 import Int5Linear
 from kvserve.quantization.int8 import GroupInt8Linear
 
 # Byte offsets of each type's fp16 fields (ggml's block structs).
@@ -92,25 +93,65 @@ def test_mixed_shards_become_group_int8_at_the_narrowest_group():
     _check_layer(layer, torch.cat([reference(raw, t) for raw, t in zip(shards, types)]))
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q5_0, T.Q5_K, T.Q5_1])
-def test_int8_types_have_int8_storage(qtype):
-    """Symmetric 32- and 16-wide groups, and Q5_K's 32-wide ones with offsets: decode rows run
-    kvserve's int8 kernel with group scales where it is built, which rounds each row of x to
-    int16 (scale: its largest |x| / 32767), so they are held to that rounding's bound; more rows
-    compute in fp32."""
-    raw = random_blocks(qtype, 48, 256, seed=5)
-    layer = grid_linear([unpack_blocks(raw, qtype, (48, 256), "w")], torch.ones(48))
-    assert isinstance(layer, GroupInt8Linear) and layer.qweight.dtype == torch.int8
-    assert (layer.offset is None) == (qtype not in (T.Q5_K, T.Q5_1))
-    assert (layer.own_kernel is not None) == (int8_matmul_op() is not None)
-    weight = reference(raw, qtype).double()
+def _check_kernel_rows(layer: QuantizedLinear, weight: torch.Tensor) -> None:
+    """Decode rows run a kernel that rounds each row of x to int16 (scale: its largest |x| /
+    32767), so they are held to that rounding's bound; more rows compute in fp32. The layer's
+    bias is ones."""
+    weight = weight.double()
     for rows in (3, CPU_KERNEL_MAX_ROWS + 1):
-        x = torch.randn(rows, 256)
+        x = torch.randn(rows, layer.in_features)
         error = (layer(x).double() - x.double() @ weight.T - 1).abs()
         fp32_bound = 1e-5 * x.abs().double() @ weight.abs().T + 1e-5
         if rows <= CPU_KERNEL_MAX_ROWS:
             fp32_bound += x.abs().amax(dim=1, keepdim=True).double() / 32767 / 2 * weight.abs().sum(dim=1)
         assert (error <= fp32_bound).all()
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K])
+def test_int8_types_have_int8_storage(qtype):
+    """Symmetric 32- and 16-wide groups: decode rows run kvserve's int8 kernel with group
+    scales where it is built."""
+    raw = random_blocks(qtype, 48, 256, seed=5)
+    layer = grid_linear([unpack_blocks(raw, qtype, (48, 256), "w")], torch.ones(48))
+    assert isinstance(layer, GroupInt8Linear) and layer.qweight.dtype == torch.int8 and layer.offset is None
+    assert (layer.own_kernel is not None) == (int8_matmul_op() is not None)
+    _check_kernel_rows(layer, reference(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.Q5_K])
+def test_five_bit_types_keep_five_bits_where_the_cpu_kernel_runs(qtype):
+    """Q5_0/Q5_1/Q5_K: the int4 kernel's nibbles plus a high-bit plane (6-7 bits a weight,
+    against int8's 9-10), with Q5_0/Q5_1's fp16 d and m kept in fp16; where no kernel reads that
+    layout (a CUDA layer, or no C++ toolchain) the same grid as int8 with offsets."""
+    k = 768 if qtype == T.Q5_K else 352  # 32-wide blocks: 2 kernel blocks of 128 and a tail
+    raw = random_blocks(qtype, 48, k, seed=6)
+    grid = unpack_blocks(raw, qtype, (48, k), "w")
+    layer = grid_linear([grid], torch.ones(48))
+    if int4_matmul_op() is None:
+        assert isinstance(layer, GroupInt8Linear)
+    else:
+        assert isinstance(layer, Int5Linear) and layer.own_kernel is not None
+        assert layer.scale.dtype == (torch.float32 if qtype == T.Q5_K else torch.float16)
+        assert layer.weight_bytes() <= 48 * k * (6 if qtype != T.Q5_K else 7) / 8 + 48 * 4
+    torch.testing.assert_close(layer.dequantize(), reference(raw, qtype), rtol=0, atol=0)
+    _check_kernel_rows(layer, reference(raw, qtype))
+    on_gpu = grid_linear([grid], torch.ones(48), device="cuda")
+    assert isinstance(on_gpu, GroupInt8Linear) and on_gpu.offset is not None
+    torch.testing.assert_close(on_gpu.dequantize(), reference(raw, qtype), rtol=0, atol=0)
+
+
+def test_four_and_five_bit_shards_stack_into_one_five_bit_layer():
+    """A qkv with Q4_K q/k and a Q5_K v: one 5-bit layer (the 4-bit values have no high bits)."""
+    if int4_matmul_op() is None:
+        pytest.skip("no C++ toolchain to build the kernel")
+    types = (T.Q4_K, T.Q4_K, T.Q5_K)
+    shards = [random_blocks(t, rows, 512, seed) for seed, (t, rows) in enumerate(zip(types, (64, 32, 32)))]
+    layer = grid_linear([unpack_blocks(raw, t, (raw.shape[0], 512), "w") for raw, t in zip(shards, types)],
+                        torch.ones(128))
+    assert isinstance(layer, Int5Linear) and layer.group_size == 32
+    weight = torch.cat([reference(raw, t) for raw, t in zip(shards, types)])
+    torch.testing.assert_close(layer.dequantize(), weight, rtol=0, atol=0)
+    _check_kernel_rows(layer, weight)
 
 
 _LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -155,7 +196,7 @@ def test_unsupported_block_type_names_the_tensor_and_the_supported_types(tmp_pat
     write_tiny_llama(path, dict.fromkeys(_LINEAR_PARTS, T.MXFP4))
     with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.attn_q\.weight \(model\.layers\.0\.self_attn\."
                        r"qkv_proj\) has GGUF type MXFP4; quantization='gguf' supports "
-                       r"Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K"):
+                       r"Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, Q6_K"):
         load_model(path, quantization="gguf")
 
 

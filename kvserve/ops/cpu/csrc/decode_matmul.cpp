@@ -19,6 +19,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -549,25 +551,80 @@ inline void widen_nibbles(const uint8_t* bytes, __m256i& even, __m256i& odd) {
 }
 #endif
 
+// 5-bit weights (GGUF Q5_0/Q5_1/Q5_K) are the nibble pairs plus a plane of their high bits,
+// 16 bytes a row per 128 columns, in the order the kernels read them: for each whole block of
+// 128 columns four uint32 masks, bit L of mask i the high bit of the block's column 4L + i (the
+// lanes int4_dot_blocks gives nibble i); for each 32-column chunk past the last whole block
+// (x's chunk order) two uint16 masks, bit b the high bit of the chunk's column 2b, then of
+// column 2b + 1; zeros to the row's end. A masked add of 16 puts them on the nibbles.
+constexpr int64_t kHighBlock = 128, kHighBlockBytes = 16;
+
+inline uint32_t high_mask(const uint8_t* block, int64_t i) {
+  uint32_t mask;
+  std::memcpy(&mask, block + 4 * i, sizeof(mask));
+  return mask;
+}
+
+// The 8 bits of `byte` at the even bit positions of a 16-bit value.
+inline uint32_t spread_bits(uint32_t byte) {
+  uint32_t v = byte & 0xFF;
+  v = (v | (v << 4)) & 0x0F0F;
+  v = (v | (v << 2)) & 0x3333;
+  return (v | (v << 1)) & 0x5555;
+}
+
+// The high bits of the 32-column chunk at column c of a row (`row_high`, k columns) in x's
+// chunk order: bit b of `even` is column c + 2b's, of `odd` column c + 2b + 1's. In a whole
+// block, chunk j's column 4L + i (L = 8j + b / 2) has nibble i = 2b mod 4 (even) or 2b + 1 mod
+// 4 (odd); past the last whole block the plane holds the chunk order itself.
+inline void chunk_high_bits(const uint8_t* row_high, int64_t k, int64_t c, uint32_t& even, uint32_t& odd) {
+  const int64_t whole = k / kHighBlock * kHighBlock;
+  if (c >= whole) {
+    const uint32_t masks = high_mask(row_high + whole / kHighBlock * kHighBlockBytes, (c - whole) / kInt4Chunk);
+    even = masks & 0xFFFF;
+    odd = masks >> 16;
+    return;
+  }
+  const uint8_t* block = row_high + c / kHighBlock * kHighBlockBytes;
+  const int64_t j = c % kHighBlock / kInt4Chunk;
+  const auto byte = [&](int64_t i) { return high_mask(block, i) >> (8 * j); };
+  even = spread_bits(byte(0)) | (spread_bits(byte(2)) << 1);
+  odd = spread_bits(byte(1)) | (spread_bits(byte(3)) << 1);
+}
+
+#if defined(__AVX2__)
+// 16 in each int16 lane of `values` whose bit of `bits` is set.
+inline __m256i add_high_bits(__m256i values, uint32_t bits) {
+  const __m256i lane_bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                             static_cast<int16_t>(0x8000));
+  const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), lane_bit),
+                                         lane_bit);
+  return _mm256_add_epi16(values, _mm256_and_si256(set, _mm256_set1_epi16(16)));
+}
+#endif
+
 // The nibbles of `rows` rows of q (`row_bytes` apart) as int16 in x's order, into w [rows, k];
 // `prefetch` (or nullptr): the same rows of a later tile, one cache line per 64 bytes read.
+// With `high` (rows `high_bytes` apart), the 5-bit values.
 void unpack_int4_rows(const uint8_t* q, int64_t row_bytes, int64_t rows, int64_t k, int16_t* w,
-                      const uint8_t* prefetch) {
+                      const uint8_t* prefetch, const uint8_t* high = nullptr, int64_t high_bytes = 0) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < k; c += kInt4Chunk) {
       const uint8_t* bytes = q + r * row_bytes + c / 2;
       int16_t* dst = w + r * k + c;
       if (prefetch != nullptr && (c / 2) % 64 == 0)
         __builtin_prefetch(prefetch + r * row_bytes + c / 2);
+      uint32_t even_high = 0, odd_high = 0;
+      if (high != nullptr) chunk_high_bits(high + r * high_bytes, k, c, even_high, odd_high);
 #if defined(__AVX2__)
       __m256i even, odd;
       widen_nibbles(bytes, even, odd);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), even);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kInt4Chunk / 2), odd);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), add_high_bits(even, even_high));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kInt4Chunk / 2), add_high_bits(odd, odd_high));
 #else
       for (int64_t b = 0; b < kInt4Chunk / 2; ++b) {
-        dst[b] = bytes[b] & 15;
-        dst[kInt4Chunk / 2 + b] = bytes[b] >> 4;
+        dst[b] = static_cast<int16_t>((bytes[b] & 15) + 16 * ((even_high >> b) & 1));
+        dst[kInt4Chunk / 2 + b] = static_cast<int16_t>((bytes[b] >> 4) + 16 * ((odd_high >> b) & 1));
       }
 #endif
     }
@@ -734,11 +791,14 @@ inline __m512 block_scales(const at::Half* scale, __mmask16 live) {
 // block. Columns past the last whole block go 32 at a time, in the chunk order.
 // Each row of x meets the same operations in the same order whatever X is, so a row's result
 // does not depend on how many rows the call has (greedy decoding stays batch-invariant).
+// With `high` (5-bit weights; rows `high_bytes` apart), each nibble vector takes its block's
+// high-bit mask as a masked add of 16.
 template <int64_t X, int64_t R, typename Scale>
 void int4_dot_blocks(const int16_t* xq, int64_t k, const uint8_t* q, int64_t row_bytes, const Scale* scale,
-                     int64_t groups, int64_t group, float* sums, const uint8_t* prefetch) {
+                     int64_t groups, int64_t group, float* sums, const uint8_t* prefetch,
+                     const uint8_t* high = nullptr, int64_t high_bytes = 0) {
   const int64_t block_end = k / kInt4Block * kInt4Block;
-  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F), sixteen = _mm512_set1_epi16(16);
   // Group of lane L within its block (0 where a group spans whole blocks), and the scales a
   // block loads (a masked load: never past a row's last group).
   const int64_t groups_per_block = group < kInt4Block ? kInt4Block / group : 1;
@@ -760,9 +820,13 @@ void int4_dot_blocks(const int16_t* xq, int64_t k, const uint8_t* q, int64_t row
     const int64_t first_group = c / group;
     for (int64_t r = 0; r < R; ++r) {
       const __m512i w = _mm512_loadu_si512(q + r * row_bytes + c / 2);
-      const __m512i nibbles[4] = {_mm512_and_si512(w, low_nibble),
-                                  _mm512_and_si512(_mm512_srli_epi16(w, 4), low_nibble),
-                                  _mm512_and_si512(_mm512_srli_epi16(w, 8), low_nibble), _mm512_srli_epi16(w, 12)};
+      __m512i nibbles[4] = {_mm512_and_si512(w, low_nibble), _mm512_and_si512(_mm512_srli_epi16(w, 4), low_nibble),
+                            _mm512_and_si512(_mm512_srli_epi16(w, 8), low_nibble), _mm512_srli_epi16(w, 12)};
+      if (high != nullptr) {
+        const uint8_t* block = high + r * high_bytes + c / kHighBlock * kHighBlockBytes;
+        for (int64_t i = 0; i < 4; ++i)
+          nibbles[i] = _mm512_mask_add_epi16(nibbles[i], _cvtu32_mask32(high_mask(block, i)), nibbles[i], sixteen);
+      }
       const __m512 scales = _mm512_permutexvar_ps(lane_group, block_scales(scale + r * groups + first_group, live));
       for (int64_t j = 0; j < X; ++j) {
         __m512i dots = multiply_add(_mm512_setzero_si512(), nibbles[0], x[j][0]);
@@ -778,6 +842,12 @@ void int4_dot_blocks(const int16_t* xq, int64_t k, const uint8_t* q, int64_t row
     for (int64_t r = 0; r < R; ++r) {
       __m256i even, odd;
       widen_nibbles(q + r * row_bytes + c / 2, even, odd);
+      if (high != nullptr) {
+        uint32_t even_high, odd_high;
+        chunk_high_bits(high + r * high_bytes, k, c, even_high, odd_high);
+        even = _mm256_mask_add_epi16(even, static_cast<__mmask16>(even_high), even, _mm256_set1_epi16(16));
+        odd = _mm256_mask_add_epi16(odd, static_cast<__mmask16>(odd_high), odd, _mm256_set1_epi16(16));
+      }
       const __m256 group_scale = _mm256_set1_ps(as_float(scale[r * groups + c / group]));
       for (int64_t j = 0; j < X; ++j) {
         const __m256i even_x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * k + c));
@@ -803,29 +873,34 @@ inline void int4_dots(const int16_t* xq, int64_t k, const void* weights, int64_t
 #endif
 }
 
-// The int4 matmul over tiles of rows, with scales and minimums stored as Scale (fp32 or fp16).
+// The int4 matmul over tiles of rows, with scales and minimums stored as Scale (fp32 or fp16);
+// with `hp` (rows `high_bytes` apart) the 5-bit one. Outside the blocked kernel 5-bit tiles
+// are unpacked to int16 once, in the first pass, for any number of rows of x.
 template <typename Scale>
 void int4_tiles(const Int4Rows& rows, int64_t m, int64_t n, int64_t k, int64_t group, bool blocked, const uint8_t* qp,
-                const Scale* sp, const Scale* mp, float* y) {
+                const Scale* sp, const Scale* mp, const uint8_t* hp, int64_t high_bytes, float* y) {
   const int64_t groups = k / group;
   const int64_t row_bytes = k / 2;
   constexpr int64_t kHalf = kRowsPerTile / 2;
   over_row_tiles(m, n, y, [&](int64_t i, int64_t x_rows, int64_t row, int64_t count, float* partial) {
     const int16_t* xq = rows.values.data() + i * k;
     const uint8_t* tile = qp + row * row_bytes;
+    const uint8_t* tile_high = hp == nullptr ? nullptr : hp + row * high_bytes;
 #if KVSERVE_INT4_BLOCKS
     if (blocked) {  // scales as stored; every row of x by the same operations
       if (count == kRowsPerTile && x_rows == kXRowsPerPass) {
         int4_dot_blocks<kXRowsPerPass, kRowsPerTile>(xq, k, tile, row_bytes, sp + row * groups, groups, group,
-                                                     partial, prefetch_target(qp, i, row, n, row_bytes));
+                                                     partial, prefetch_target(qp, i, row, n, row_bytes), tile_high,
+                                                     high_bytes);
       } else if (count == kRowsPerTile) {  // the last, partial pass over x
         int4_dot_blocks<1, kRowsPerTile>(xq, k, tile, row_bytes, sp + row * groups, groups, group, partial,
-                                         prefetch_target(qp, i, row, n, row_bytes));
+                                         prefetch_target(qp, i, row, n, row_bytes), tile_high, high_bytes);
       } else {
         for (int64_t j = 0; j < x_rows; ++j)
           for (int64_t r = 0; r < count; ++r)
             int4_dot_blocks<1, 1>(xq + j * k, k, tile + r * row_bytes, row_bytes, sp + (row + r) * groups, groups,
-                                  group, partial + j * kRowsPerTile + r, nullptr);
+                                  group, partial + j * kRowsPerTile + r, nullptr,
+                                  tile_high == nullptr ? nullptr : tile_high + r * high_bytes, high_bytes);
       }
     } else
 #endif
@@ -835,14 +910,14 @@ void int4_tiles(const Int4Rows& rows, int64_t m, int64_t n, int64_t k, int64_t g
       // One row of x reads the nibbles directly; more unpack each tile once, in the first
       // pass, for all passes, and take the tile in halves (the registers hold 2 x 2 sums).
       thread_local std::vector<int16_t> unpacked;
-      if (count == kRowsPerTile && m == 1) {
+      if (count == kRowsPerTile && m == 1 && hp == nullptr) {
         int4_dots<1, kRowsPerTile, true>(xq, k, tile, row_bytes, tile_scale, groups, group, partial,
                                          prefetch_target(qp, i, row, n, row_bytes));
       } else if (count == kRowsPerTile) {
         if (i == 0) {
           unpacked.resize(kRowsPerTile * k);
-          unpack_int4_rows(tile, row_bytes, kRowsPerTile, k, unpacked.data(),
-                           prefetch_target(qp, i, row, n, row_bytes));
+          unpack_int4_rows(tile, row_bytes, kRowsPerTile, k, unpacked.data(), prefetch_target(qp, i, row, n, row_bytes),
+                           tile_high, high_bytes);
         }
         float half[kXRowsPerPass * kHalf];
         for (int64_t h = 0; h < kRowsPerTile; h += kHalf) {
@@ -858,11 +933,20 @@ void int4_tiles(const Int4Rows& rows, int64_t m, int64_t n, int64_t k, int64_t g
           for (int64_t j = 0; j < x_rows; ++j)
             for (int64_t r = 0; r < kHalf; ++r) partial[j * kRowsPerTile + h + r] = half[j * kHalf + r];
         }
-      } else {
+      } else if (hp == nullptr) {
         for (int64_t j = 0; j < x_rows; ++j)
           for (int64_t r = 0; r < count; ++r)
             int4_dot<1, 1, true>(xq + j * k, k, tile + r * row_bytes, row_bytes, tile_scale + r * groups, groups,
                                  group, partial + j * kRowsPerTile + r, nullptr);
+      } else {  // the last tile's rows, 5-bit
+        if (i == 0) {
+          unpacked.resize(count * k);
+          unpack_int4_rows(tile, row_bytes, count, k, unpacked.data(), nullptr, tile_high, high_bytes);
+        }
+        for (int64_t j = 0; j < x_rows; ++j)
+          for (int64_t r = 0; r < count; ++r)
+            int4_dot<1, 1, false>(xq + j * k, k, unpacked.data() + r * k, 0, tile_scale + r * groups, groups, group,
+                                  partial + j * kRowsPerTile + r, nullptr);
       }
     }
     for (int64_t j = 0; j < x_rows; ++j) {
@@ -875,8 +959,10 @@ void int4_tiles(const Int4Rows& rows, int64_t m, int64_t n, int64_t k, int64_t g
   });
 }
 
+// With `high` (uint8 [N, ceil(K / 128) * 16], the plane described at kHighBlockBytes), q holds
+// the low four bits of 5-bit weights: W[n, k] = (q + 16 * high bit) * scale + minimum.
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minimum,
-                       int64_t group) {
+                       int64_t group, const std::optional<at::Tensor>& high) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_matmul: x must be 2-D fp32");
   const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
   TORCH_CHECK(group > 0 && group % kInt4Chunk == 0 && k % group == 0, "int4_matmul: group size ", group,
@@ -888,6 +974,14 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK((fp16 || scale.scalar_type() == at::kFloat) && minimum.scalar_type() == scale.scalar_type() &&
               scale.numel() == n * groups && minimum.numel() == n * groups,
               "int4_matmul: scale and minimum must be both fp32 or both fp16 [N, K / group]");
+  const int64_t high_bytes = (k + kHighBlock - 1) / kHighBlock * kHighBlockBytes;
+  if (high.has_value()) {
+    TORCH_CHECK(high->scalar_type() == at::kByte && high->is_contiguous() && high->dim() == 2 && high->size(0) == n &&
+                high->size(1) == high_bytes, "int4_matmul: high must be contiguous uint8 [N, ", high_bytes, "]");
+    // A group's int32 lanes add 2 * 31 * 32767 a chunk (unpacked path): 4096 columns stay in range.
+    TORCH_CHECK(group <= 4096, "int4_matmul: 5-bit groups are at most 4096 columns, got ", group);
+  }
+  const uint8_t* hp = high.has_value() ? high->data_ptr<uint8_t>() : nullptr;
   const at::Tensor xc = x.contiguous(), sc = scale.contiguous(), mc = minimum.contiguous();
   at::Tensor y = at::empty({m, n}, xc.options());
   // Whole blocks (int4_dot_blocks) where the groups line up with them, for any number of rows:
@@ -896,10 +990,11 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const Int4Rows& rows = int4_rows(xc.data_ptr<float>(), m, k, group, blocked);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   if (fp16) {
-    int4_tiles(rows, m, n, k, group, blocked, qp, sc.data_ptr<at::Half>(), mc.data_ptr<at::Half>(),
+    int4_tiles(rows, m, n, k, group, blocked, qp, sc.data_ptr<at::Half>(), mc.data_ptr<at::Half>(), hp, high_bytes,
                y.data_ptr<float>());
   } else {
-    int4_tiles(rows, m, n, k, group, blocked, qp, sc.data_ptr<float>(), mc.data_ptr<float>(), y.data_ptr<float>());
+    int4_tiles(rows, m, n, k, group, blocked, qp, sc.data_ptr<float>(), mc.data_ptr<float>(), hp, high_bytes,
+               y.data_ptr<float>());
   }
   return y;
 }
@@ -971,7 +1066,7 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& w) {
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("int8_matmul(Tensor x, Tensor q, Tensor scale, Tensor? offset=None) -> Tensor");
   m.def("float_matmul(Tensor x, Tensor w) -> Tensor");
-  m.def("int4_matmul(Tensor x, Tensor q, Tensor scale, Tensor minimum, int group) -> Tensor");
+  m.def("int4_matmul(Tensor x, Tensor q, Tensor scale, Tensor minimum, int group, Tensor? high=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
