@@ -10,6 +10,7 @@ read together by kvserve's int4 CPU kernel: 6 bits a weight with fp16 scales and
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvserve.ops.cpu import int4_matmul_op
@@ -27,7 +28,7 @@ _BIT_WEIGHTS = 1 << torch.arange(8, dtype=torch.int32)
 
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """[..., 8m] values in {0, 1} -> [..., m] bytes, bit t of byte j the value at 8j + t."""
-    return (bits.reshape(*bits.shape[:-1], bits.shape[-1] // 8, 8) * _BIT_WEIGHTS).sum(-1).to(torch.uint8)
+    return torch.from_numpy(np.packbits(bits.contiguous().numpy(), axis=-1, bitorder="little"))
 
 
 def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,7 @@ def pack_high_bits(q: torch.Tensor) -> torch.Tensor:
     uint8 [N, ceil(K / 128) * 16]."""
     n, k = q.shape
     whole, chunks, row_bytes = _plane_parts(k)
-    bits = (q >> 4).to(torch.int32)
+    bits = q >> 4
     plane = torch.zeros(n, row_bytes, dtype=torch.uint8)
     blocks = bits[:, :whole].reshape(n, whole // HIGH_BLOCK, HIGH_BLOCK // 4, 4).transpose(2, 3)  # [N, block, i, L]
     plane[:, : whole // 8] = _pack_bits(blocks).reshape(n, -1)
