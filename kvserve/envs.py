@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     KVSERVE_PP_LAYER_PARTITION: str | None
     KVSERVE_EP_DISPATCH: str
     KVSERVE_LLAMA_CPP_DIR: Path
+    KVSERVE_CPU_ARCH_FLAGS: list[str]
     OPENAI_API_KEY: str | None
     TRITON_INTERPRET: bool
     TORCH_EXTENSIONS_DIR: str | None
@@ -72,6 +73,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # ~/.cache/kvserve/llama.cpp.
     "KVSERVE_LLAMA_CPP_DIR": lambda: Path(os.environ.get("KVSERVE_LLAMA_CPP_DIR")
                                           or Path.home() / ".cache" / "kvserve" / "llama.cpp"),
+    # The compiler's instruction-set flags for kvserve's CPU kernels (ops/cpu), space-separated;
+    # default "-march=native". Another set ("-march=native -mno-avx512f": the AVX2 code; "-march=
+    # x86-64": the portable one) builds in a directory of its own: how the tests check the code
+    # paths this CPU would not take.
+    "KVSERVE_CPU_ARCH_FLAGS": lambda: (os.environ.get("KVSERVE_CPU_ARCH_FLAGS") or "-march=native").split(),
     # The bearer token `kvserve bench serve` sends to the server it loads (its --api-key
     # default), as OpenAI's clients read it.
     "OPENAI_API_KEY": lambda: os.environ.get("OPENAI_API_KEY"),

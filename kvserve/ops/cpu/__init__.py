@@ -20,8 +20,8 @@ few rows of a decode step:
   token through its own adapter slot's matrices only (kvserve/lora/layers.py).
 
 The build (torch's cpp_extension, ~50 s once, cached under ~/.cache/torch_extensions) uses
--march=native, so the cache key includes the CPU's flags: a cache shared between machines
-never hands one CPU another's instructions. Where there is no compiler, the ops are None
+-march=native (KVSERVE_CPU_ARCH_FLAGS), so the cache key includes the CPU's flags: a cache
+shared between machines never hands one CPU another's instructions. Where there is no compiler, the ops are None
 and callers keep torch's kernels. Processes build one at a time (_exclusive_build), and a
 build interrupted by a kill does not hang the next start.
 """
@@ -64,6 +64,8 @@ def build_directory() -> Path:
     from torch.utils import cpp_extension
 
     identity = f"{cpu_flags()} {torch.__version__} {sys.version_info[:2]} {Path(__file__).parent}"
+    if envs.KVSERVE_CPU_ARCH_FLAGS != ["-march=native"]:
+        identity += f" {envs.KVSERVE_CPU_ARCH_FLAGS}"
     key = hashlib.sha1(identity.encode()).hexdigest()[:12]
     root = envs.TORCH_EXTENSIONS_DIR or cpp_extension.get_default_build_root()
     return Path(root) / f"kvserve_cpu_kernels_{key}"
@@ -104,7 +106,7 @@ def _built() -> bool:
         with _exclusive_build(directory):
             cpp_extension.load(
                 name=directory.name, sources=[str(path) for path in _SOURCES], build_directory=str(directory),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                extra_cflags=["-O3", *envs.KVSERVE_CPU_ARCH_FLAGS, "-fopenmp"], extra_ldflags=["-fopenmp"],
                 is_python_module=False,
             )
     except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja; no flock
