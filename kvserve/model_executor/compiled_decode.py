@@ -189,19 +189,22 @@ class CompiledDecode:
         graphs guard on it); False when none is pending. The new keys and values are not
         written: the cache is left as it was. Dynamo traces each graph at every start (~8 s
         each on 2 cores); inductor's code and AOT autograd's graphs come from their on-disk
-        caches after the first start."""
+        caches after the first start.
+
+        A band compiles at its largest row count, then runs at its smallest: AOT autograd's
+        cache hands back a graph cached by another plan (another run's bands: the same ops for
+        rows 2-4, say, where this plan's band is 2-16) with that plan's narrower guards, and a
+        band compiled at 2 rows then compiled again at its first step of 5, mid-serving (~13 s
+        of a 16-stream benchmark's steps on 2 cores). At the largest row count such a graph
+        does not match; a run at the smallest compiles now whatever the first graph misses."""
         if not self._pending:
             return False
         sizes, bands = self._band_starts, self.bands()
-        num_rows = self._pending[0]
-        index = sizes.index(num_rows)
+        index = sizes.index(self._pending[0])
+        last = [*sizes[1:], MAX_ROWS + 1][index] - 1
         start = time.perf_counter()
-        with torch.inference_mode():
-            context = DecodeContext(slots=torch.zeros(num_rows, MIN_CONTEXT, dtype=torch.long),
-                                    valid=torch.ones(num_rows, MIN_CONTEXT, dtype=torch.bool),
-                                    new_valid=torch.eye(num_rows, dtype=torch.bool))
-            self._run(torch.zeros(num_rows, dtype=torch.long),
-                      torch.full((num_rows,), MIN_CONTEXT, dtype=torch.long), context)
+        for num_rows in dict.fromkeys((last, sizes[index])):
+            self._run_placeholder(num_rows)
         self._pending.pop(0)
         seconds = time.perf_counter() - start
         self._compile_seconds += seconds
@@ -209,6 +212,15 @@ class CompiledDecode:
         if not self._pending:
             logger.info("compiled the CPU decode step: %d graphs in %.1f s", len(sizes), self._compile_seconds)
         return True
+
+    def _run_placeholder(self, num_rows: int) -> None:
+        """A step of `num_rows` rows on zeros, its new keys and values dropped."""
+        with torch.inference_mode():
+            context = DecodeContext(slots=torch.zeros(num_rows, MIN_CONTEXT, dtype=torch.long),
+                                    valid=torch.ones(num_rows, MIN_CONTEXT, dtype=torch.bool),
+                                    new_valid=torch.eye(num_rows, dtype=torch.bool))
+            self._run(torch.zeros(num_rows, dtype=torch.long),
+                      torch.full((num_rows,), MIN_CONTEXT, dtype=torch.long), context)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: DecodeContext
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -307,3 +307,67 @@ def test_batch_invariant_mode_compiles_the_graphs_before_serving(save_hf_model, 
     assert invariant.batch_invariant and invariant.compiled_decode.pending == 0 and compiled_sizes == [1, 2]
     per_batch_size = LLMEngine(EngineArgs(**engine, batch_invariant=False)).core.runner
     assert per_batch_size.compiled_decode.pending == 2 and compiled_sizes == [1, 2]
+
+
+# Compiles the decode graphs of an int8 model whose layers keep their kernel up to 4 rows
+# (bands 1, 2-4, 5-16) or, "invariant", always (bands 1, 2-16), then runs every row count:
+# prints how many graphs those runs compiled.
+_BANDS_THEN_EVERY_ROW_COUNT = """
+import sys
+import torch
+from torch._dynamo.utils import counters
+from kvserve.engine.engine_args import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.model_executor.compiled_decode import MAX_ROWS, CompiledDecode
+from kvserve.quantization.base import QuantizedLinear
+
+runner = LLMEngine(EngineArgs(model=sys.argv[1], quantization="int8", kv_cache_memory="16MiB")).core.runner
+for module in runner.model.modules():
+    if isinstance(module, QuantizedLinear):
+        module.keep_dense_weight(kernel_max_rows=4)
+        module.batch_invariant = sys.argv[2] == "invariant"
+compiled = CompiledDecode(runner.model, runner.kv_caches, None)
+compiled.warm_up()
+before = counters["stats"]["unique_graphs"]
+for rows in range(1, MAX_ROWS + 1):
+    compiled._run_placeholder(rows)
+print("compiled after warm-up:", counters["stats"]["unique_graphs"] - before)
+"""
+
+
+def test_each_band_compiles_at_its_largest_row_count_then_runs_its_smallest(save_hf_model, monkeypatch) -> None:
+    """What keeps a graph another plan cached for a narrower band from being the one a band
+    gets (the slow test below shows the recompile that follows): the first compile of a band
+    is at its largest row count, the second run at its smallest; a one-row band runs once."""
+    from kvserve.quantization import get_quantization_method, quantize_model
+    from kvserve.quantization.base import QuantizedLinear
+
+    loaded = load_model(save_hf_model(ARCHITECTURES["qwen3-qk-norm"]()))
+    quantize_model(loaded.model, get_quantization_method("int8"))
+    for module in loaded.model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.keep_dense_weight(kernel_max_rows=4)
+    runs = []
+    monkeypatch.setattr(CompiledDecode, "_run_placeholder", lambda self, rows: runs.append(rows))
+    compiled = CompiledDecode(loaded.model, [], None)
+    compiled.warm_up()
+    assert runs == [1, 4, 2, 16, 5] and compiled.pending == 0
+
+
+@pytest.mark.slow
+def test_a_graph_cached_for_a_narrower_band_does_not_compile_again_mid_serving(save_hf_model, tmp_path) -> None:
+    """The same ops for rows 2-4 under one plan and 2-16 under another are one graph to AOT
+    autograd's on-disk cache, kept with the first plan's guards (rows <= 4): a band warmed up at
+    its smallest row count took that graph and compiled again at its first step of 5 rows,
+    while serving. Two processes sharing a fresh cache, as two starts of a server."""
+    import os
+    import subprocess
+    import sys
+
+    path = save_hf_model(ARCHITECTURES["qwen3-qk-norm"]())
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    for plan in ("per-row-count", "invariant"):
+        run = subprocess.run([sys.executable, "-c", _BANDS_THEN_EVERY_ROW_COUNT, path, plan], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.strip().splitlines()[-1] == "compiled after warm-up: 0", (plan, run.stdout[-500:])
