@@ -11,16 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.ops.cpu import int4_matmul_op
+from tests.ops.cpu.int4_reference import reference_terms
 from kvserve.quantization.int4 import Int4Linear, dequantize_int4, quantize_int4
-
-
-@pytest.fixture(scope="module")
-def int4_matmul():
-    op = int4_matmul_op()
-    if op is None:
-        pytest.skip("no C++ toolchain to build the kernel")
-    return op
 
 
 def nibble_pairs(q: torch.Tensor) -> torch.Tensor:
@@ -43,10 +35,7 @@ def test_int4_matmul_equals_the_dequantized_matmul(int4_matmul, n, k, group, row
     q[0, :2] = torch.tensor([0, 15], dtype=torch.uint8)  # both ends of the nibble range
     x = torch.randn(rows, k)
     x[0, 0] = 0.0
-    x_scale = x.abs().amax(dim=1, keepdim=True) / 32767
-    x_rounded = torch.round(x * (1 / x_scale)).double() * x_scale.double()
-    scaled = dequantize_int4(q, scale, torch.zeros_like(minimum)).double()
-    offsets = dequantize_int4(torch.zeros_like(q), scale, minimum).double()
+    x_scale, x_rounded, scaled, offsets = reference_terms(x, q, scale, minimum)
     y = int4_matmul(x, nibble_pairs(q), scale, minimum, group)
     assert y.dtype == torch.float32 and y.shape == (rows, n)
     torch.testing.assert_close(y.double(), x_rounded @ scaled.T + x.double() @ offsets.T, rtol=1e-5, atol=1e-4)

@@ -9,17 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.ops.cpu import int4_matmul_op
+from tests.ops.cpu.int4_reference import reference_terms
 from kvserve.quantization.int4 import dequantize_int4
 from kvserve.quantization.int5 import Int5Linear, pack_high_bits, unpack_high_bits
-
-
-@pytest.fixture(scope="module")
-def int4_matmul():
-    op = int4_matmul_op()
-    if op is None:
-        pytest.skip("no C++ toolchain to build the kernel")
-    return op
 
 
 def grid(n: int, k: int, group: int, stored: torch.dtype = torch.float32):
@@ -60,10 +52,7 @@ def test_int5_matmul_equals_the_dequantized_matmul(int4_matmul, n, k, group, row
     q, scale, minimum = grid(n, k, group, stored)
     x = torch.randn(rows, k)
     x[0, 0] = 0.0
-    x_scale = x.abs().amax(dim=1, keepdim=True) / 32767
-    x_rounded = torch.round(x * (1 / x_scale)).double() * x_scale.double()
-    scaled = dequantize_int4(q, scale, torch.zeros_like(minimum)).double()
-    offsets = dequantize_int4(torch.zeros_like(q), scale, minimum).double()
+    x_scale, x_rounded, scaled, offsets = reference_terms(x, q, scale, minimum)
     y = int4_matmul(x, low_nibble_pairs(q), scale, minimum, group, pack_high_bits(q))
     assert y.dtype == torch.float32 and y.shape == (rows, n)
     reference = x_rounded @ scaled.T + x.double() @ offsets.T
