@@ -261,9 +261,9 @@ def install_packed_linears(
 ) -> set[str]:
     """Replace each linear layer (LM head excepted) whose GGUF tensors are all quantized by
     a layer built from their blocks, in the layout that runs on `device` (grid_linear); return
-    the GGUF names consumed. Layers stored as
-    F32/F16/BF16 stay float. An unsupported block type fails before anything is built. A
-    mixture's experts take their rows of the stacked expert tensors (consumed whole)."""
+    the GGUF names consumed. Layers stored as F32/F16/BF16 stay float. An unsupported block
+    type fails before anything is built. A mixture's experts take their rows of the stacked
+    expert tensors (consumed whole)."""
     sources = _packing_sources(reader, config.architecture)
     plans: list[tuple[str, nn.Linear, list[tuple[Any, int | None]]]] = []
     for module_name, module in model.named_modules():

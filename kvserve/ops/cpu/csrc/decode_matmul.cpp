@@ -619,8 +619,12 @@ void unpack_int4_rows(const uint8_t* q, int64_t row_bytes, int64_t rows, int64_t
 #if defined(__AVX2__)
       __m256i even, odd;
       widen_nibbles(bytes, even, odd);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), add_high_bits(even, even_high));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kInt4Chunk / 2), add_high_bits(odd, odd_high));
+      if (high != nullptr) {
+        even = add_high_bits(even, even_high);
+        odd = add_high_bits(odd, odd_high);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), even);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kInt4Chunk / 2), odd);
 #else
       for (int64_t b = 0; b < kInt4Chunk / 2; ++b) {
         dst[b] = static_cast<int16_t>((bytes[b] & 15) + 16 * ((even_high >> b) & 1));
