@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
 from kvserve import LLM, SamplingParams
+from tests.polling import wait_for
 
 ENGINE_KWARGS = dict(kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=64)
 PROMPTS = ["The history of the printing press", "Ingredients for pancakes:", "def quicksort(arr):"]
@@ -58,15 +58,6 @@ def test_outputs_equal_the_in_process_core(process_llm):
     assert all(out.metrics.first_scheduled_time is not None for out in got)
 
 
-def _wait_for(condition, timeout: float = 10.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_abort_frees_the_core(process_llm):
     engine = process_llm.engine
     engine.add_request("long", PROMPTS[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
@@ -77,7 +68,8 @@ def test_abort_frees_the_core(process_llm):
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
     # The core reports its state once it has taken the abort, with no step to carry it.
-    assert _wait_for(lambda: engine.stats().num_running_seqs == 0 and engine.stats().kv_cache_usage == 0)
+    assert wait_for(lambda: engine.stats().num_running_seqs == 0 and engine.stats().kv_cache_usage == 0,
+                    timeout=10)
 
 
 def test_a_failed_load_raises_in_the_front(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve import SamplingParams
+from tests.polling import wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
@@ -354,17 +355,8 @@ def test_prompt_too_long_uses_the_context_length_wording(server, reference_llm):
 
 # -- lifecycle and metrics -----------------------------------------------------------------
 
-def _wait_for(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
-    assert _wait_for(lambda: metric(server, "kvserve:num_requests_running") == 0)
+    assert wait_for(lambda: metric(server, "kvserve:num_requests_running") == 0)
     idle_usage = metric(server, "kvserve:kv_cache_usage_perc")
     aborts_before = metric(server, "kvserve:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": "Write a long story:", "max_tokens": 900, "stream": True,
@@ -388,7 +380,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
             report["fragmentation"]["unused_slots"] / (used * report["block_size"]))
         assert 0 <= metric(server, "kvserve:kv_cache_internal_fragmentation") < 1
     # Closing the connection mid-stream must abort the request and free its blocks.
-    assert _wait_for(lambda: metric(server, "kvserve:kv_cache_usage_perc") == idle_usage, 10)
+    assert wait_for(lambda: metric(server, "kvserve:kv_cache_usage_perc") == idle_usage, 10)
     assert metric(server, "kvserve:num_requests_running") == 0
     assert httpx.get(f"{server.base_url}/debug/kv").json()["fragmentation"]["unused_slots"] == 0
     assert metric(server, "kvserve:request_success_total", finished_reason="abort") == aborts_before + 1

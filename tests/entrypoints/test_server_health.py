@@ -18,7 +18,9 @@ import httpx
 import pytest
 
 from server_process import launch_server
+from tests.polling import wait_for
 
+WAIT_S = 180.0  # streams and scrapes share 2 busy cores with the server
 STALL_TIMEOUT_S = 3.0  # far above the tiny model's longest step on a busy 2-core machine
 
 
@@ -38,15 +40,6 @@ def gauges(server) -> dict[str, float]:
             if line.startswith(f"kvserve:num_{name}{{"):
                 values[name] = float(line.split()[-1])
     return values
-
-
-def wait_for(predicate, timeout: float = 180.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def stream_in_thread(server, body: dict, events: list) -> threading.Thread:
@@ -99,23 +92,23 @@ def test_gauges_count_requests_and_sequences_apart(core_server):
 
     first, second, third = [], [], []
     streams = [stream_in_thread(core_server, {"n": 3, "max_tokens": 600, "temperature": 0.8}, first)]
-    assert wait_for(lambda: len(first) > 2)  # its prompt has forked into 3 running samples
+    assert wait_for(lambda: len(first) > 2, WAIT_S)  # its prompt has forked into 3 running samples
     # 3 + 3 samples exceed --max-num-seqs 4: the second waits, and the third behind it.
     streams.append(stream_in_thread(core_server, {"n": 3, "max_tokens": 200, "temperature": 0.8}, second))
-    assert wait_for(lambda: scrape()["requests_waiting"] == 1)
+    assert wait_for(lambda: scrape()["requests_waiting"] == 1, WAIT_S)
     streams.append(stream_in_thread(core_server, {"max_tokens": 200, "temperature": 0}, third))
-    assert wait_for(lambda: scrape()["requests_waiting"] == 2)
+    assert wait_for(lambda: scrape()["requests_waiting"] == 2, WAIT_S)
     assert scrapes[-1] == {"requests_running": 1, "requests_waiting": 2,
                            "sequences_running": 3, "sequences_waiting": 2}
     assert not second and not third  # nothing of theirs ran
     # Once the first ends, both run: 2 requests, 3 + 1 sequences.
     assert wait_for(lambda: scrape() == {"requests_running": 2, "requests_waiting": 0,
-                                         "sequences_running": 4, "sequences_waiting": 0})
+                                         "sequences_running": 4, "sequences_waiting": 0}, WAIT_S)
     for stream in streams:
         stream.join(300)
     assert finish_reasons(first) == finish_reasons(second) == {0: "length", 1: "length", 2: "length"}
     assert finish_reasons(third) == {0: "length"}
-    assert wait_for(lambda: scrape() == dict.fromkeys(scrapes[-1], 0.0))
+    assert wait_for(lambda: scrape() == dict.fromkeys(scrapes[-1], 0.0), WAIT_S)
     assert max(s["sequences_running"] for s in scrapes) == 4  # never past --max-num-seqs
 
 
@@ -148,5 +141,5 @@ def test_health_is_503_while_the_engine_makes_no_progress(core_server):
     assert wait_for(lambda: httpx.get(url).status_code == 200, 60)
     stream.join(300)
     assert finish_reasons(events) == {0: "length"}
-    assert wait_for(lambda: gauges(core_server)["requests_running"] == 0)
+    assert wait_for(lambda: gauges(core_server)["requests_running"] == 0, WAIT_S)
     assert httpx.get(url).status_code == 200

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
@@ -18,6 +17,7 @@ import pytest
 
 from dashboard_events import EventReader
 from server_process import launch_server
+from tests.polling import wait_for
 
 MODEL = "tiny"
 KEY = "test-secret"
@@ -58,13 +58,6 @@ def _stream_in_thread(server, max_tokens: int, events: list) -> threading.Thread
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
-
-
-def _wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_health_is_503_while_loading(small_server):
@@ -113,9 +106,9 @@ def test_dashboard_needs_the_key_as_a_header_or_its_cookie(small_server):
 def test_full_waiting_queue_answers_429_then_recovers(small_server):
     running, waiting = [], []
     first = _stream_in_thread(small_server, 600, running)
-    _wait_for(lambda: len(running) > 2)  # streaming: it holds the only running slot
+    assert wait_for(lambda: len(running) > 2)  # streaming: it holds the only running slot
     second = _stream_in_thread(small_server, 4, waiting)
-    _wait_for(lambda: _waiting(small_server) == 1)
+    assert wait_for(lambda: _waiting(small_server) == 1)
     with pytest.raises(openai.RateLimitError) as info:
         small_server.client(api_key=KEY).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert info.value.status_code == 429
@@ -147,9 +140,9 @@ def test_stream_interval_buffers_tokens_without_changing_the_text(small_server):
 def test_sigterm_drains_in_flight_request_then_exits_0(small_server):
     events: list = []
     stream = _stream_in_thread(small_server, 600, events)
-    _wait_for(lambda: len(events) > 2)
+    assert wait_for(lambda: len(events) > 2)
     small_server.process.send_signal(signal.SIGTERM)
-    _wait_for(lambda: httpx.get(f"{small_server.base_url}/health").status_code == 503, 10)
+    assert wait_for(lambda: httpx.get(f"{small_server.base_url}/health").status_code == 503, 10)
     refused = httpx.post(f"{small_server.base_url}/v1/completions", json={"prompt": "Hi"},
                          headers={"Authorization": f"Bearer {KEY}"})
     assert refused.status_code == 503
@@ -175,7 +168,7 @@ def test_sigterm_past_the_shutdown_timeout_ends_streams_with_an_error_and_done(t
         threads = [threading.Thread(target=stream, args=(events,)) for events in streams]
         for thread in threads:
             thread.start()
-        _wait_for(lambda: all(len(events) > 1 for events in streams), 120)
+        assert wait_for(lambda: all(len(events) > 1 for events in streams), 120)
         server.process.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(60)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from server_process import launch_server
+from tests.polling import wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 REQUEST_TIMEOUT_S = 4
@@ -37,15 +38,6 @@ def metric(server, name: str, **labels: str) -> float:
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.split()[-1])
     return total
-
-
-def wait_for(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def idle(server) -> bool:
