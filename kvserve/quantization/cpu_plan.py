@@ -1,9 +1,9 @@
 """What `--quantization auto` (the `kvserve serve` default) resolves to, and why.
 
 On CPU a decode step is bound by the weight bytes it reads and by per-op overhead; prefill
-is bound by fp32 GEMM throughput (bf16 GEMMs with more than one row are ~100x slower on
-CPUs without AMX). Measured on the 2-core development machine
-(benchmarks/results/cpu_profile.md):
+is bound by GEMM throughput: fp32, or bf16 where the CPU has bf16 dot products (AVX512-BF16
+~2x fp32, AMX 3-5x; without either a bf16 GEMM of more than one row is ~100x slower).
+Measured on the 2-core development machines (benchmarks/results/cpu_profile.md):
 
 * A GGUF whose linear weights are all Q4_0/Q4_1 (the embedded SmolLM2 is Q4_1) is re-packed
   as int4 with group 32 and float zero points: that reproduces the file's grid exactly
@@ -26,13 +26,13 @@ CPUs without AMX). Measured on the 2-core development machine
   dequantizing per call would cost more than the GEMM.
 * The LM head (SmolLM2's tied embedding: 113 MB in fp32) gets an int8 per-channel copy for
   decode rows: about 2.5x less time per step on it at one row. (The file stores it as Q8_0.)
-* Where the CPU's bf16 GEMMs are much faster than its fp32 ones (AMX: 4-6x at 64-512 rows
-  on a 2-core Xeon), that dense copy is kept in bf16 instead (prefill ~2x
-  faster, half the memory), with a bf16 copy of the LM head, and both take every input of
-  more than BF16_FROM_ROWS rows, decode batches included. Measured on the model's own
-  shapes, since on CPUs without AMX the same bf16 GEMM is ~100x slower than fp32, at the
-  first start on a CPU and kept (measured_bf16_speedup): a ratio near the threshold would
-  otherwise pick bf16 at one start and fp32 at the next.
+* Where the CPU's bf16 GEMMs are faster than its fp32 ones (AMX: 4-6x at 64-512 rows on a
+  2-core Xeon; AVX512-BF16: ~2x on a 2-core EPYC), that dense copy is kept in bf16 instead
+  (prefill 1.5-2x faster, half the memory), with a bf16 copy of the LM head, and both take
+  every input of more than BF16_FROM_ROWS rows, decode batches included. Measured on the
+  model's own shapes, since on CPUs without bf16 dot products the same bf16 GEMM is ~100x
+  slower than fp32, at the first start on a CPU and kept (measured_bf16_speedup): a ratio
+  near the threshold would otherwise pick bf16 at one start and fp32 at the next.
 * The dense copies are packed in oneDNN's layout (quantization/cpu_dense.py).
 * Anything else, and every GPU run, keeps the weights in the run dtype.
 * All of the above starts from the fp32 dequantized model and keeps it (or its bf16 copy):
@@ -79,14 +79,18 @@ _INT8_EXACT_GGUF_TYPES = {"Q8_0"}
 # each in older Mixtral files, or Qwen2-MoE's shared one).
 _LINEAR_TENSOR = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down)(_exps|_shexp|\.\d+)?)\.weight")
 # bf16 dense weights are used where a bf16 GEMM (activation casts included) is at least this
-# much faster than fp32 on the model's MLP shape; measured 3-5x with AMX, ~0.01x without.
-BF16_MIN_SPEEDUP = 2.0
+# much faster than fp32 on the model's MLP shape: 3-5x with AMX, 1.9-2.4x with AVX512-BF16
+# (2-core EPYC, probes of 16-256 rows), ~0.01x without either. On that EPYC the bf16 plan's
+# SmolLM2 prefill took 0.64x the fp32 plan's time and its 8-16-row steps 0.65-0.87x
+# (benchmarks/cpu_dense_plans.py, results/cpu-decode-smollm2/dense-plans-epyc.txt).
+BF16_MIN_SPEEDUP = 1.5
 _PROBE_ROWS = 64
 # With fast bf16 GEMMs, inputs of more rows than this take the packed bf16 copies instead
 # of the int4 (linears) and int8 (LM head) kernels. Over a SmolLM2 step's 120 linears, weights
 # streamed from memory (AMX Xeon, 2 threads): int4 6.4 / 8.5 / 14.2 / 25.4 ms at 1 / 4 / 8 /
 # 16 rows, packed bf16 13.3 / 11.8 / 11.7 / 12.2; the head: int8 1.6 vs bf16 2.1 ms at 4 rows,
-# 3.2 vs 2.3 at 8.
+# 3.2 vs 2.3 at 8. With AVX512-BF16 (2-core EPYC) whole decode steps at 8 rows were fastest
+# with this limit too (cpu_dense_plans.py: 20.6 ms against 24.0 with 8).
 BF16_FROM_ROWS = 4
 # Without fast bf16: decode inputs of up to this many rows take the int4 linears' kernel, more
 # rows the kept fp32 weights. One SmolLM2 step's linears from memory on a 2-core EPYC,
@@ -235,7 +239,7 @@ def resolve_auto_quantization(loaded: LoadedModel, device: torch.device) -> Auto
              f"{speedup:.2f}x the fp32 one on this CPU, at its first start")
     dense_reason = (
         f"packed bf16 copies of the linears and the LM head for inputs of more than "
-        f"{linear_rows} rows ({probe}: AMX-class bf16)" if fast_bf16 else
+        f"{linear_rows} rows ({probe}: bf16 dot products)" if fast_bf16 else
         f"packed fp32 linears kept for inputs of more than {linear_rows} rows ({probe}: fp32 "
         "GEMMs are the fast path)"
     )

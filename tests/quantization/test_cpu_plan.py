@@ -29,10 +29,24 @@ def _load_with_plan(path: str, bf16_speedup: float):
     return plan, loaded
 
 
-# Both CPU kinds, whichever this machine is: fp32 GEMMs fastest (no AMX) and AMX-class bf16.
-@pytest.fixture(scope="module", params=[0.01, 5.0], ids=["fp32-cpu", "amx-cpu"])
+# Both CPU kinds, whichever this machine is: fp32 GEMMs fastest (no bf16 dot products) and
+# bf16 ones ~2x fp32 (AVX512-BF16; AMX measures 3-5x and gets the same plan).
+@pytest.fixture(scope="module", params=[0.01, 1.9], ids=["fp32-cpu", "bf16-cpu"])
 def auto_loaded(request, smollm2_path):
     return _load_with_plan(smollm2_path, request.param)
+
+
+@pytest.mark.parametrize("speedup,dense_dtype", [
+    (0.01, torch.float32),  # no bf16 dot products: bf16 GEMMs emulated
+    (1.2, torch.float32),
+    (1.9, torch.bfloat16),  # AVX512-BF16 (2-core EPYC: 1.9-2.4x)
+    (4.5, torch.bfloat16),  # AMX
+])
+def test_dense_copies_are_bf16_where_the_cpu_has_bf16_dot_products(smollm2_loaded, monkeypatch, speedup, dense_dtype):
+    monkeypatch.setattr(cpu_plan, "measured_bf16_speedup", lambda *shape: speedup)
+    plan = resolve_auto_quantization(smollm2_loaded, CPU)
+    assert plan.dense_dtype == dense_dtype
+    assert ("bf16 dot products" in plan.reasons[1]) == (dense_dtype == torch.bfloat16)
 
 
 def test_plan_for_the_q4_1_gguf_and_elsewhere(auto_loaded):
