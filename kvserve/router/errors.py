@@ -1,4 +1,5 @@
-"""OpenAI-shaped error responses the router itself produces."""
+"""OpenAI-shaped error responses the router itself produces: the server's OpenAIError defined
+again, since the router imports nothing of kvserve but itself (it talks HTTP to its workers)."""
 
 from __future__ import annotations
 
