@@ -3,6 +3,8 @@ its `--quick` smoke mode end to end against a real `kvserve serve` (no llama.cpp
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import math
 import os
@@ -10,7 +12,9 @@ import subprocess
 
 import pytest
 
+from kvserve.benchmarks import cpu_compare
 from kvserve.benchmarks.cpu_compare import LoadPoint, combine_rounds, format_table, summarize
+from kvserve.benchmarks.serve_datasets import random_prompts
 from kvserve.benchmarks.llama_cpp_build import isa_cmake_flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -109,3 +113,33 @@ def test_quick_mode_runs_kvserve_end_to_end(tmp_path):
     assert [r["output_tokens"] for r in records] == [16] * 4
     assert all(r["prompt_tokens"] == 32 for r in records)
 
+
+
+def test_each_load_point_sends_prompts_no_other_point_sent(monkeypatch, tmp_path):
+    """A server that keeps finished requests' KV (llama.cpp's slots, a prefix cache) must not
+    meet a prompt again: each point's prompts, as `kvserve bench serve` draws them from the
+    seed it is given, share no 16-token prefix with the warm-up's or another point's."""
+    parser = argparse.ArgumentParser()
+    cpu_compare.add_cli_args(parser)
+    args = parser.parse_args(["--points", "1-stream,16-streams,poisson", "--output-dir", str(tmp_path)])
+    sent: dict[str, tuple[LoadPoint, int]] = {}
+
+    def record(run, point, seed, json_path, threads):
+        sent[point.name] = (point, seed)
+        open(json_path, "w").close()
+        return {"output_throughput": 1.0, "request_throughput": 1.0, "completed": 1, "failed": 0,
+                "total_output_tokens": 1, "output_tokens_expected": 1, "request_rate": point.request_rate,
+                "duration_s": 1.0, "peak_rss_bytes": None, "ttft_ms": {"p50": 1.0, "p99": 1.0},
+                "itl_ms": {"p50": 1.0, "p99": 1.0}}
+
+    monkeypatch.setattr(cpu_compare, "run_bench", record)
+    cpu_compare._run_points("kvserve", None, cpu_compare.load_points(args), args, 2, "t", None)
+    assert set(sent) == {"warmup", "1-stream", "16-streams", "poisson"}
+    assert sent["poisson"][0].request_rate == args.poisson_fraction  # 0.8 x the 16-stream 1.0 req/s
+    prefixes = {}
+    for name, (point, seed) in sent.items():
+        prompts = random_prompts(point.num_prompts, (point.input_len,) * 2, (point.output_len,) * 2,
+                                 (1000, 32000), seed)
+        prefixes[name] = {tuple(p.prompt[:16]) for p in prompts}
+    for a, b in itertools.combinations(prefixes, 2):
+        assert not prefixes[a] & prefixes[b], (a, b)
