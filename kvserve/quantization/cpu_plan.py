@@ -81,7 +81,7 @@ _LINEAR_TENSOR = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down)(
 # bf16 dense weights are used where a bf16 GEMM (activation casts included) is at least this
 # much faster than fp32 on the model's MLP shape: 3-5x with AMX, 1.9-2.4x with AVX512-BF16
 # (2-core EPYC, probes of 16-256 rows), ~0.01x without either. On that EPYC the bf16 plan's
-# SmolLM2 prefill took 0.64x the fp32 plan's time and its 8-16-row steps 0.65-0.87x
+# SmolLM2 prefill took 0.64x the fp32 plan's time and its 8-16-row steps 0.62-0.85x
 # (benchmarks/cpu_dense_plans.py, results/cpu-decode-smollm2/dense-plans-epyc.txt).
 BF16_MIN_SPEEDUP = 1.5
 _PROBE_ROWS = 64
