@@ -53,7 +53,6 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "| us per call; step = 32 layers x 4 linears, ms")
     for m in (int(r) for r in args.rows.split(",")):
         step: dict[str, float] = {}
-        best_step = 0.0
         for name, (n, k) in SHAPES.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
