@@ -327,8 +327,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Use this llama-server binary instead of building and caching one "
                              "(cache: $KVSERVE_LLAMA_CPP_DIR or ~/.cache/kvserve/llama.cpp).")
     parser.add_argument("--kvserve-args", default="",
-                        help="Extra `kvserve serve` flags, one shell-quoted string "
-                             "(default: none, so its own CPU defaults are what is measured).")
+                        help="Extra `kvserve serve` flags, one shell-quoted string joined by = (it starts "
+                             "with a dash): --kvserve-args=\"--max-num-batched-tokens 256\" (default: none, so "
+                             "its own CPU defaults are what is measured).")
     parser.add_argument("--output-dir", default=DEFAULT_RESULTS_DIR,
                         help="Where the JSON results (summary and per-point records) go.")
     parser.add_argument("--tag", default=None,
