@@ -11,16 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.ops.cpu import int8_matmul_op
 from kvserve.quantization.int8 import quantize_int8
-
-
-@pytest.fixture(scope="module")
-def int8_matmul():
-    op = int8_matmul_op()
-    if op is None:
-        pytest.skip("no C++ toolchain to build the kernel")
-    return op
 
 
 @pytest.mark.parametrize("n,k", [(37, 51), (64, 576), (130, 1536), (1, 8), (9, 8200)])

@@ -9,16 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.ops.cpu import lora_add_op
-
-
-@pytest.fixture(scope="module")
-def lora_add():
-    op = lora_add_op()
-    if op is None:
-        pytest.skip("kvserve's CPU kernels could not be built here")
-    return op
-
 
 def _slots_and_adapters(num_slots: int, max_rank: int, ranks: list[int], in_features: int,
                         slice_sizes: tuple[int, ...], seed: int):
