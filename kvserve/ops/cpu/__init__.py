@@ -22,8 +22,8 @@ few rows of a decode step:
 The build (torch's cpp_extension, ~50 s once, cached under ~/.cache/torch_extensions) uses
 -march=native (KVSERVE_CPU_ARCH_FLAGS), so the cache key includes the CPU's flags: a cache
 shared between machines never hands one CPU another's instructions. Where there is no
-compiler, the ops are None and callers keep torch's kernels. Processes build one at a time (_exclusive_build), and a
-build interrupted by a kill does not hang the next start.
+compiler, the ops are None and callers keep torch's kernels. Processes build one at a time
+(_exclusive_build), and a build interrupted by a kill does not hang the next start.
 """
 
 from __future__ import annotations
